@@ -1,0 +1,68 @@
+# SPDX-License-Identifier: Apache-2.0
+# Resolution of the AUTO/ON/OFF options and the project's warning set.
+
+# Fails configuration when a feature set to ON cannot be built; AUTO turns it off quietly.
+function(_taskswap_require option found what)
+  if(${option} STREQUAL "ON" AND NOT ${found})
+    message(FATAL_ERROR "${option}=ON but ${what}; install it or set ${option}=OFF (or AUTO)")
+  endif()
+endfunction()
+
+macro(taskswap_resolve_cuda)
+  set(TASKSWAP_WITH_CUDA OFF)
+  if(NOT TASKSWAP_CUDA STREQUAL "OFF")
+    include(CheckLanguage)
+    check_language(CUDA)
+    find_package(CUDAToolkit QUIET)
+    if(CMAKE_CUDA_COMPILER AND CUDAToolkit_FOUND)
+      if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+        # H100 and H200; override with -DCMAKE_CUDA_ARCHITECTURES=...
+        set(CMAKE_CUDA_ARCHITECTURES 90)
+      endif()
+      enable_language(CUDA)
+      set(CMAKE_CUDA_STANDARD 20)
+      set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+      set(TASKSWAP_WITH_CUDA ON)
+    endif()
+    _taskswap_require(TASKSWAP_CUDA TASKSWAP_WITH_CUDA "no CUDA compiler and toolkit were found")
+  endif()
+endmacro()
+
+macro(taskswap_resolve_nccl)
+  set(TASKSWAP_WITH_NCCL OFF)
+  if(NOT TASKSWAP_NCCL STREQUAL "OFF" AND TASKSWAP_WITH_CUDA)
+    find_package(NCCL QUIET)
+    if(NCCL_FOUND)
+      set(TASKSWAP_WITH_NCCL ON)
+    endif()
+  endif()
+  if(TASKSWAP_NCCL STREQUAL "ON")
+    _taskswap_require(TASKSWAP_NCCL TASKSWAP_WITH_NCCL
+      "NCCL was not found (it needs TASKSWAP_CUDA; set NCCL_ROOT to its prefix)")
+  endif()
+endmacro()
+
+macro(taskswap_resolve_mpi)
+  set(TASKSWAP_WITH_MPI OFF)
+  if(NOT TASKSWAP_MPI STREQUAL "OFF")
+    find_package(MPI QUIET COMPONENTS CXX)
+    if(MPI_CXX_FOUND)
+      set(TASKSWAP_WITH_MPI ON)
+    endif()
+    _taskswap_require(TASKSWAP_MPI TASKSWAP_WITH_MPI "MPI was not found (apt-get install libopenmpi-dev)")
+  endif()
+endmacro()
+
+# Warnings are errors for C++ and CUDA alike (TASKSWAP_WERROR=OFF only for local experiments).
+function(taskswap_warnings target)
+  set(cxx_flags -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wold-style-cast -Wcast-align
+                -Woverloaded-virtual -Wconversion -Wsign-conversion -Wnull-dereference)
+  set(cuda_flags -Xcompiler=-Wall,-Wextra)
+  if(TASKSWAP_WERROR)
+    list(APPEND cxx_flags -Werror)
+    list(APPEND cuda_flags -Werror=all-warnings -Xcompiler=-Werror)
+  endif()
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:${cxx_flags}>
+    $<$<COMPILE_LANGUAGE:CUDA>:${cuda_flags}>)
+endfunction()

@@ -1,0 +1,78 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The interface each device backend implements. Public types (stream, event, buffers) hold a
+// backend and opaque handles; argument checks happen in the public layer (device.cpp), so a
+// backend receives only valid, same-device arguments.
+
+#include <taskswap/device.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <exception>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <utility>
+
+namespace taskswap::detail {
+
+enum class copy_direction { host_to_device, device_to_host, device_to_device };
+
+class backend {
+ public:
+  backend() = default;
+  virtual ~backend() = default;
+  backend(const backend&) = delete;
+  backend& operator=(const backend&) = delete;
+  backend(backend&&) = delete;
+  backend& operator=(backend&&) = delete;
+
+  [[nodiscard]] virtual backend_kind kind() const noexcept = 0;
+  [[nodiscard]] virtual int index() const noexcept = 0;
+  [[nodiscard]] virtual std::string name() const = 0;
+  [[nodiscard]] virtual memory_info memory() const = 0;
+  [[nodiscard]] virtual std::pair<int, int> stream_priority_range() const = 0;
+  virtual void synchronize() = 0;
+
+  // Device memory: 256-byte aligned. deallocate waits for the device's queued work.
+  [[nodiscard]] virtual std::byte* allocate(std::size_t bytes) = 0;
+  virtual void deallocate(std::byte* p, std::size_t bytes) noexcept = 0;
+  [[nodiscard]] virtual std::byte* allocate_pinned(std::size_t bytes) = 0;
+  virtual void deallocate_pinned(std::byte* p, std::size_t bytes) noexcept = 0;
+
+  [[nodiscard]] virtual void* create_stream(int priority) = 0;
+  virtual void destroy_stream(void* s) noexcept = 0;
+  virtual void synchronize_stream(void* s) = 0;
+  [[nodiscard]] virtual bool query_stream(void* s) = 0;
+
+  virtual void copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction,
+                          void* s) = 0;
+  virtual void fill_async(void* dst, std::byte value, std::size_t bytes, void* s) = 0;
+  virtual void launch_host_func(void* s, std::function<void()> fn) = 0;
+
+  [[nodiscard]] virtual void* create_event(bool timing) = 0;
+  virtual void destroy_event(void* e) noexcept = 0;
+  virtual void record_event(void* e, void* s) = 0;
+  virtual void wait_event(void* s, void* e) = 0;
+  virtual void synchronize_event(void* e) = 0;
+  [[nodiscard]] virtual bool synchronize_event_for(void* e, std::chrono::nanoseconds timeout) = 0;
+  [[nodiscard]] virtual bool query_event(void* e) = 0;
+  [[nodiscard]] virtual double elapsed_ms(void* start, void* end) = 0;
+
+  // Host functions that throw: the exception is kept per stream and rethrown by the stream's
+  // next synchronize (CUDA cannot carry it; both backends behave the same).
+  void keep_host_func_error(void* s, std::exception_ptr error) noexcept;
+  void rethrow_host_func_error(void* s);
+  void forget_host_func_errors(void* s) noexcept;
+
+ private:
+  std::mutex host_func_errors_mutex_;
+  std::map<void*, std::exception_ptr> host_func_errors_;
+};
+
+// Runs a host function as both backends must: exceptions are kept for the stream, never escape.
+void run_host_func(backend& owner, void* s, const std::function<void()>& fn) noexcept;
+
+}  // namespace taskswap::detail

@@ -1,0 +1,298 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "device/cuda/cuda_backend.hpp"
+
+#include "device/cuda/cuda_device_guard.hpp"
+#include "device/cuda/cuda_try.hpp"
+#include "device/message.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <cassert>
+#include <cstdio>
+#include <map>
+#include <mutex>
+#include <thread>
+
+namespace taskswap::detail {
+
+void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line)
+{
+  static_cast<void>(cudaGetLastError());  // clear a non-sticky error so later calls start clean
+  throw cuda_error(message("taskswap: CUDA call ", call, " failed at ", file, ":", line, ": ",
+                           cudaGetErrorName(status), " (", cudaGetErrorString(status), ")"));
+}
+
+void report_cuda_error(cudaError_t status, const char* call, const char* file, int line) noexcept
+{
+  static_cast<void>(cudaGetLastError());
+  std::fprintf(stderr, "taskswap: CUDA call %s failed at %s:%d during teardown: %s (%s)\n", call,
+               file, line, cudaGetErrorName(status), cudaGetErrorString(status));
+  assert(false && "CUDA call failed during teardown");
+}
+
+namespace {
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+cudaEvent_t as_event(void* e) { return static_cast<cudaEvent_t>(e); }
+
+cudaMemcpyKind kind_of(copy_direction direction)
+{
+  switch (direction) {
+    case copy_direction::host_to_device: return cudaMemcpyHostToDevice;
+    case copy_direction::device_to_host: return cudaMemcpyDeviceToHost;
+    case copy_direction::device_to_device: return cudaMemcpyDeviceToDevice;
+  }
+  return cudaMemcpyDefault;
+}
+
+// A host function travelling through cudaLaunchHostFunc; deleted by the trampoline.
+struct host_func_payload {
+  backend* owner;
+  void* stream;
+  std::function<void()> fn;
+};
+
+void CUDART_CB host_func_trampoline(void* user_data)
+{
+  std::unique_ptr<host_func_payload> payload(static_cast<host_func_payload*>(user_data));
+  run_host_func(*payload->owner, payload->stream, payload->fn);
+}
+
+class cuda_backend final : public backend {
+ public:
+  explicit cuda_backend(int index) : index_(index)
+  {
+    cudaDeviceProp properties{};
+    TASKSWAP_CUDA_TRY(cudaGetDeviceProperties(&properties, index));
+    name_ = properties.name;
+  }
+
+  [[nodiscard]] backend_kind kind() const noexcept override { return backend_kind::cuda; }
+  [[nodiscard]] int index() const noexcept override { return index_; }
+  [[nodiscard]] std::string name() const override { return name_; }
+
+  [[nodiscard]] memory_info memory() const override
+  {
+    const cuda_device_guard guard(index_);
+    memory_info info;
+    TASKSWAP_CUDA_TRY(cudaMemGetInfo(&info.free, &info.total));
+    return info;
+  }
+
+  [[nodiscard]] std::pair<int, int> stream_priority_range() const override
+  {
+    int least = 0;
+    int greatest = 0;
+    TASKSWAP_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
+    return {least, greatest};
+  }
+
+  void synchronize() override
+  {
+    const cuda_device_guard guard(index_);
+    TASKSWAP_CUDA_TRY(cudaDeviceSynchronize());
+  }
+
+  [[nodiscard]] std::byte* allocate(std::size_t bytes) override
+  {
+    const cuda_device_guard guard(index_);
+    void* p = nullptr;
+    const cudaError_t status = cudaMalloc(&p, bytes);
+    if (status == cudaErrorMemoryAllocation) {
+      static_cast<void>(cudaGetLastError());
+      const memory_info info = memory();
+      throw out_of_memory(message("cuda:", index_, ": cannot allocate ", bytes_text(bytes),
+                                  " of device memory; ", bytes_text(info.free), " free of ",
+                                  bytes_text(info.total)),
+                          bytes, info.free, info.total);
+    }
+    TASKSWAP_CUDA_TRY(status);
+    return static_cast<std::byte*>(p);
+  }
+
+  void deallocate(std::byte* p, std::size_t /*bytes*/) noexcept override
+  {
+    try {
+      const cuda_device_guard guard(index_);
+      TASKSWAP_ASSERT_CUDA_SUCCESS(cudaFree(p));
+    } catch (const cuda_error& e) {
+      std::fprintf(stderr, "taskswap: %s\n", e.what());
+    }
+  }
+
+  [[nodiscard]] std::byte* allocate_pinned(std::size_t bytes) override
+  {
+    const cuda_device_guard guard(index_);
+    void* p = nullptr;
+    const cudaError_t status = cudaHostAlloc(&p, bytes, cudaHostAllocPortable);
+    if (status == cudaErrorMemoryAllocation) {
+      static_cast<void>(cudaGetLastError());
+      throw out_of_memory(message("cuda:", index_, ": cannot pin ", bytes_text(bytes),
+                                  " of host memory (cudaHostAlloc); lower the request or raise "
+                                  "the locked-memory limit (ulimit -l)"),
+                          bytes, 0, 0);
+    }
+    TASKSWAP_CUDA_TRY(status);
+    return static_cast<std::byte*>(p);
+  }
+
+  void deallocate_pinned(std::byte* p, std::size_t /*bytes*/) noexcept override
+  {
+    TASKSWAP_ASSERT_CUDA_SUCCESS(cudaFreeHost(p));
+  }
+
+  [[nodiscard]] void* create_stream(int priority) override
+  {
+    const cuda_device_guard guard(index_);
+    cudaStream_t s = nullptr;
+    TASKSWAP_CUDA_TRY(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, priority));
+    return s;
+  }
+
+  void destroy_stream(void* s) noexcept override
+  {
+    // Queued work still completes; cudaStreamDestroy returns at once.
+    TASKSWAP_ASSERT_CUDA_SUCCESS(cudaStreamDestroy(as_stream(s)));
+  }
+
+  void synchronize_stream(void* s) override { TASKSWAP_CUDA_TRY(cudaStreamSynchronize(as_stream(s))); }
+
+  [[nodiscard]] bool query_stream(void* s) override
+  {
+    const cudaError_t status = cudaStreamQuery(as_stream(s));
+    if (status == cudaErrorNotReady) { return false; }
+    TASKSWAP_CUDA_TRY(status);
+    return true;
+  }
+
+  void copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction,
+                  void* s) override
+  {
+    TASKSWAP_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, kind_of(direction), as_stream(s)));
+  }
+
+  void fill_async(void* dst, std::byte value, std::size_t bytes, void* s) override
+  {
+    TASKSWAP_CUDA_TRY(cudaMemsetAsync(dst, std::to_integer<int>(value), bytes, as_stream(s)));
+  }
+
+  void launch_host_func(void* s, std::function<void()> fn) override
+  {
+    auto payload = std::make_unique<host_func_payload>(host_func_payload{this, s, std::move(fn)});
+    TASKSWAP_CUDA_TRY(cudaLaunchHostFunc(as_stream(s), host_func_trampoline, payload.get()));
+    static_cast<void>(payload.release());  // the trampoline owns it now
+  }
+
+  [[nodiscard]] void* create_event(bool timing) override
+  {
+    const cuda_device_guard guard(index_);
+    cudaEvent_t e = nullptr;
+    TASKSWAP_CUDA_TRY(cudaEventCreateWithFlags(&e, timing ? cudaEventDefault : cudaEventDisableTiming));
+    return e;
+  }
+
+  void destroy_event(void* e) noexcept override { TASKSWAP_ASSERT_CUDA_SUCCESS(cudaEventDestroy(as_event(e))); }
+
+  void record_event(void* e, void* s) override { TASKSWAP_CUDA_TRY(cudaEventRecord(as_event(e), as_stream(s))); }
+
+  void wait_event(void* s, void* e) override
+  {
+    TASKSWAP_CUDA_TRY(cudaStreamWaitEvent(as_stream(s), as_event(e), 0));
+  }
+
+  void synchronize_event(void* e) override { TASKSWAP_CUDA_TRY(cudaEventSynchronize(as_event(e))); }
+
+  [[nodiscard]] bool synchronize_event_for(void* e, std::chrono::nanoseconds timeout) override
+  {
+    // CUDA has no timed event wait: poll, backing off from 10 us to 1 ms.
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::chrono::microseconds pause{10};
+    for (;;) {
+      if (query_event(e)) { return true; }
+      if (std::chrono::steady_clock::now() >= deadline) { return false; }
+      std::this_thread::sleep_for(pause);
+      pause = std::min(pause * 2, std::chrono::microseconds{1000});
+    }
+  }
+
+  [[nodiscard]] bool query_event(void* e) override
+  {
+    const cudaError_t status = cudaEventQuery(as_event(e));
+    if (status == cudaErrorNotReady) { return false; }
+    TASKSWAP_CUDA_TRY(status);
+    return true;
+  }
+
+  [[nodiscard]] double elapsed_ms(void* start, void* end) override
+  {
+    float ms = 0.0F;
+    TASKSWAP_CUDA_TRY(cudaEventElapsedTime(&ms, as_event(start), as_event(end)));
+    return static_cast<double>(ms);
+  }
+
+ private:
+  int index_;
+  std::string name_;
+};
+
+}  // namespace
+
+int cuda_device_count() noexcept
+{
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    static_cast<void>(cudaGetLastError());  // no driver or no device: not an error here
+    return 0;
+  }
+  return count;
+}
+
+std::shared_ptr<backend> cuda_backend_for(int index)
+{
+  const int count = cuda_device_count();
+  if (index < 0 || index >= count) {
+    throw cuda_error(message("cuda device ", index, " does not exist: this process sees ", count,
+                             " CUDA device(s); pick an index below ", count,
+                             " or use the emulated backend"));
+  }
+  static std::mutex mutex;
+  static std::map<int, std::weak_ptr<backend>> backends;
+  const std::lock_guard lock(mutex);
+  auto& slot = backends[index];
+  auto existing = slot.lock();
+  if (existing) { return existing; }
+  auto created = std::make_shared<cuda_backend>(index);
+  slot = created;
+  return created;
+}
+
+}  // namespace taskswap::detail
+
+namespace taskswap::detail {
+
+namespace {
+std::string cuda_version_text(int version)
+{
+  return message(version / 1000, ".", (version % 1000) / 10);
+}
+}  // namespace
+
+std::string cuda_runtime_version()
+{
+  int version = 0;
+  TASKSWAP_CUDA_TRY(cudaRuntimeGetVersion(&version));
+  return cuda_version_text(version);
+}
+
+std::string cuda_driver_version()
+{
+  int version = 0;
+  if (cudaDriverGetVersion(&version) != cudaSuccess || version == 0) {
+    static_cast<void>(cudaGetLastError());
+    return "none";
+  }
+  return cuda_version_text(version);
+}
+
+}  // namespace taskswap::detail

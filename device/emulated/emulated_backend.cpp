@@ -1,0 +1,366 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "device/emulated/emulated_backend.hpp"
+
+#include "device/message.hpp"
+
+#include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <new>
+#include <thread>
+
+namespace taskswap::detail {
+
+namespace {
+
+constexpr std::align_val_t device_alignment{256};
+constexpr std::align_val_t host_page{4096};
+
+std::atomic<int> next_emulated_index{0};
+
+// The state of an event: each record() starts a generation; waits name the generation that was
+// current when they were issued, so a later re-record does not release an earlier wait.
+struct emulated_event {
+  explicit emulated_event(bool with_timing) : timing(with_timing) {}
+
+  std::uint64_t record()
+  {
+    const std::lock_guard lock(mutex);
+    pending.insert(++recorded);
+    return recorded;
+  }
+
+  std::uint64_t current() const
+  {
+    const std::lock_guard lock(mutex);
+    return recorded;
+  }
+
+  void complete(std::uint64_t generation)
+  {
+    {
+      const std::lock_guard lock(mutex);
+      pending.erase(generation);
+      if (timing && generation >= stamped_generation) {
+        stamped_generation = generation;
+        stamp = std::chrono::steady_clock::now();
+      }
+    }
+    completed.notify_all();
+  }
+
+  bool done(std::uint64_t generation) const { return !pending.contains(generation); }
+
+  void wait(std::uint64_t generation) const
+  {
+    std::unique_lock lock(mutex);
+    completed.wait(lock, [&] { return done(generation); });
+  }
+
+  bool wait_for(std::uint64_t generation, std::chrono::nanoseconds timeout) const
+  {
+    std::unique_lock lock(mutex);
+    return completed.wait_for(lock, timeout, [&] { return done(generation); });
+  }
+
+  const bool timing;
+  mutable std::mutex mutex;
+  mutable std::condition_variable completed;
+  std::uint64_t recorded = 0;
+  std::set<std::uint64_t> pending;
+  std::uint64_t stamped_generation = 0;
+  std::chrono::steady_clock::time_point stamp{};
+};
+
+// Events may be destroyed while records or waits on them are still queued (as in CUDA), so the
+// queued operations share ownership of the state; the handle owns one reference.
+using event_ref = std::shared_ptr<emulated_event>;
+
+event_ref& event_of(void* e) { return *static_cast<event_ref*>(e); }
+
+}  // namespace
+
+// A stream: a worker thread running its operations in the order they were pushed.
+class emulated_queue {
+ public:
+  emulated_queue() : worker_([this] { run(); }) {}
+
+  ~emulated_queue()
+  {
+    {
+      const std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    work_.notify_one();
+    worker_.join();  // the worker drains the queue before it exits
+  }
+
+  emulated_queue(const emulated_queue&) = delete;
+  emulated_queue& operator=(const emulated_queue&) = delete;
+  emulated_queue(emulated_queue&&) = delete;
+  emulated_queue& operator=(emulated_queue&&) = delete;
+
+  void push(std::function<void()> op)
+  {
+    {
+      const std::lock_guard lock(mutex_);
+      ops_.push_back(std::move(op));
+      ++enqueued_;
+    }
+    work_.notify_one();
+  }
+
+  void synchronize()
+  {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t target = enqueued_;
+    idle_.wait(lock, [&] { return completed_ >= target; });
+  }
+
+  bool query()
+  {
+    const std::lock_guard lock(mutex_);
+    return completed_ == enqueued_;
+  }
+
+ private:
+  void run()
+  {
+    std::unique_lock lock(mutex_);
+    for (;;) {
+      work_.wait(lock, [&] { return stopping_ || !ops_.empty(); });
+      if (ops_.empty()) { return; }  // stopping, and nothing left to do
+      auto op = std::move(ops_.front());
+      ops_.pop_front();
+      lock.unlock();
+      op();  // operations never throw: host functions are wrapped by run_host_func
+      op = nullptr;
+      lock.lock();
+      ++completed_;
+      idle_.notify_all();
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable work_;
+  std::condition_variable idle_;
+  std::deque<std::function<void()>> ops_;
+  std::uint64_t enqueued_ = 0;
+  std::uint64_t completed_ = 0;
+  bool stopping_ = false;
+  std::thread worker_;  // last: starts once the members above exist
+};
+
+namespace {
+emulated_queue& queue_of(void* s) { return *static_cast<emulated_queue*>(s); }
+}  // namespace
+
+emulated_backend::emulated_backend(const emulated_options& options)
+    : options_(options), index_(next_emulated_index.fetch_add(1))
+{
+}
+
+emulated_backend::~emulated_backend() = default;
+
+std::string emulated_backend::name() const { return message("emulated:", index_); }
+
+memory_info emulated_backend::memory() const
+{
+  const std::lock_guard lock(memory_mutex_);
+  return {options_.memory_bytes - used_bytes_, options_.memory_bytes};
+}
+
+void emulated_backend::synchronize()
+{
+  const std::lock_guard lock(queues_mutex_);
+  for (auto* queue : queues_) { queue->synchronize(); }
+}
+
+std::byte* emulated_backend::allocate(std::size_t bytes)
+{
+  {
+    const std::lock_guard lock(memory_mutex_);
+    const std::size_t available = options_.memory_bytes - used_bytes_;
+    if (bytes > available) {
+      throw out_of_memory(
+        message("emulated:", index_, ": cannot allocate ", bytes_text(bytes), " of device memory; ",
+                bytes_text(available), " free of ", bytes_text(options_.memory_bytes),
+                "; free buffers first or give the emulated device more memory_bytes"),
+        bytes, available, options_.memory_bytes);
+    }
+    used_bytes_ += bytes;
+  }
+  try {
+    return static_cast<std::byte*>(::operator new(bytes, device_alignment));
+  } catch (const std::bad_alloc&) {
+    const std::lock_guard lock(memory_mutex_);
+    used_bytes_ -= bytes;
+    throw out_of_memory(message("emulated:", index_, ": the host could not provide ",
+                                bytes_text(bytes), " to stand for device memory"),
+                        bytes, 0, options_.memory_bytes);
+  }
+}
+
+void emulated_backend::deallocate(std::byte* p, std::size_t bytes) noexcept
+{
+  // As cudaFree: wait for queued work that may still touch the memory.
+  try {
+    synchronize();
+  } catch (...) {  // synchronize only locks and waits; nothing it does is expected to throw
+  }
+  ::operator delete(p, device_alignment);
+  const std::lock_guard lock(memory_mutex_);
+  used_bytes_ -= bytes;
+}
+
+std::byte* emulated_backend::allocate_pinned(std::size_t bytes)
+{
+  try {
+    return static_cast<std::byte*>(::operator new(bytes, host_page));
+  } catch (const std::bad_alloc&) {
+    throw out_of_memory(message("emulated:", index_, ": the host could not provide ",
+                                bytes_text(bytes), " of pinned memory"),
+                        bytes, 0, 0);
+  }
+}
+
+void emulated_backend::deallocate_pinned(std::byte* p, std::size_t /*bytes*/) noexcept
+{
+  try {
+    synchronize();  // as cudaFreeHost
+  } catch (...) {
+  }
+  ::operator delete(p, host_page);
+}
+
+void* emulated_backend::create_stream(int /*priority*/)
+{
+  auto queue = std::make_unique<emulated_queue>();
+  const std::lock_guard lock(queues_mutex_);
+  queues_.insert(queue.get());
+  return queue.release();
+}
+
+void emulated_backend::destroy_stream(void* s) noexcept
+{
+  auto* queue = &queue_of(s);
+  {
+    const std::lock_guard lock(queues_mutex_);
+    queues_.erase(queue);
+  }
+  delete queue;  // NOLINT: the handle owns the queue; its destructor finishes the queued work
+}
+
+void emulated_backend::synchronize_stream(void* s) { queue_of(s).synchronize(); }
+
+bool emulated_backend::query_stream(void* s) { return queue_of(s).query(); }
+
+void emulated_backend::transfer(link_channel& channel, void* dst, const void* src, std::size_t bytes)
+{
+  if (!options_.link.enabled()) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  using std::chrono::steady_clock;
+  const auto modelled = std::chrono::duration_cast<steady_clock::duration>(std::chrono::duration<double>(
+    options_.link.latency_seconds + static_cast<double>(bytes) / options_.link.bytes_per_second));
+  steady_clock::time_point end;
+  {
+    const std::lock_guard lock(channel.mutex);
+    const auto start = std::max(steady_clock::now(), channel.free_at);
+    end = start + modelled;
+    channel.free_at = end;
+  }
+  std::memcpy(dst, src, bytes);
+  std::this_thread::sleep_until(end);
+}
+
+void emulated_backend::copy_async(void* dst, const void* src, std::size_t bytes,
+                                  copy_direction direction, void* s)
+{
+  link_channel* channel = nullptr;
+  if (direction == copy_direction::host_to_device) { channel = &host_to_device_; }
+  if (direction == copy_direction::device_to_host) { channel = &device_to_host_; }
+  queue_of(s).push([this, channel, dst, src, bytes] {
+    if (channel != nullptr) {
+      transfer(*channel, dst, src, bytes);
+    } else {
+      std::memcpy(dst, src, bytes);  // device memory bandwidth is not modelled
+    }
+  });
+}
+
+void emulated_backend::fill_async(void* dst, std::byte value, std::size_t bytes, void* s)
+{
+  queue_of(s).push([dst, value, bytes] { std::memset(dst, std::to_integer<int>(value), bytes); });
+}
+
+void emulated_backend::launch_host_func(void* s, std::function<void()> fn)
+{
+  queue_of(s).push([this, s, fn = std::move(fn)] { run_host_func(*this, s, fn); });
+}
+
+void* emulated_backend::create_event(bool timing)
+{
+  return new event_ref(std::make_shared<emulated_event>(timing));  // NOLINT: owned by the handle
+}
+
+void emulated_backend::destroy_event(void* e) noexcept
+{
+  delete &event_of(e);  // NOLINT: queued operations keep their own references
+}
+
+void emulated_backend::record_event(void* e, void* s)
+{
+  event_ref state = event_of(e);
+  const std::uint64_t generation = state->record();
+  queue_of(s).push([state = std::move(state), generation] { state->complete(generation); });
+}
+
+void emulated_backend::wait_event(void* s, void* e)
+{
+  event_ref state = event_of(e);
+  const std::uint64_t generation = state->current();
+  if (generation == 0) { return; }  // never recorded: nothing to wait for
+  queue_of(s).push([state = std::move(state), generation] { state->wait(generation); });
+}
+
+void emulated_backend::synchronize_event(void* e)
+{
+  const auto& state = event_of(e);
+  state->wait(state->current());
+}
+
+bool emulated_backend::synchronize_event_for(void* e, std::chrono::nanoseconds timeout)
+{
+  const auto& state = event_of(e);
+  return state->wait_for(state->current(), timeout);
+}
+
+bool emulated_backend::query_event(void* e)
+{
+  const auto& state = event_of(e);
+  const std::lock_guard lock(state->mutex);
+  return state->done(state->recorded);
+}
+
+double emulated_backend::elapsed_ms(void* start, void* end)
+{
+  auto stamp_of = [](const event_ref& state, const char* which) {
+    const std::lock_guard lock(state->mutex);
+    if (state->recorded == 0 || !state->done(state->recorded)) {
+      throw invalid_argument(message("elapsed_ms: the ", which,
+                                     " event has not completed; synchronize it first"));
+    }
+    return state->stamp;
+  };
+  const auto t0 = stamp_of(event_of(start), "start");
+  const auto t1 = stamp_of(event_of(end), "end");
+  return std::chrono::duration<double, std::milli>(t1 - t0).count();
+}
+
+}  // namespace taskswap::detail

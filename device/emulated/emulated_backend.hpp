@@ -1,0 +1,80 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The emulated backend: device memory is host memory under a byte budget; each stream is a worker
+// thread that runs its queue in order; events are generations that streams and the host wait on;
+// an optional link model makes host<->device copies take the time a PCIe link would.
+
+#include "device/backend.hpp"
+
+#include <chrono>
+#include <cstddef>
+#include <mutex>
+#include <set>
+
+namespace taskswap::detail {
+
+class emulated_queue;
+
+class emulated_backend final : public backend {
+ public:
+  explicit emulated_backend(const emulated_options& options);
+  ~emulated_backend() override;
+  emulated_backend(const emulated_backend&) = delete;
+  emulated_backend& operator=(const emulated_backend&) = delete;
+  emulated_backend(emulated_backend&&) = delete;
+  emulated_backend& operator=(emulated_backend&&) = delete;
+
+  [[nodiscard]] backend_kind kind() const noexcept override { return backend_kind::emulated; }
+  [[nodiscard]] int index() const noexcept override { return index_; }
+  [[nodiscard]] std::string name() const override;
+  [[nodiscard]] memory_info memory() const override;
+  [[nodiscard]] std::pair<int, int> stream_priority_range() const override { return {0, 0}; }
+  void synchronize() override;
+
+  [[nodiscard]] std::byte* allocate(std::size_t bytes) override;
+  void deallocate(std::byte* p, std::size_t bytes) noexcept override;
+  [[nodiscard]] std::byte* allocate_pinned(std::size_t bytes) override;
+  void deallocate_pinned(std::byte* p, std::size_t bytes) noexcept override;
+
+  [[nodiscard]] void* create_stream(int priority) override;
+  void destroy_stream(void* s) noexcept override;
+  void synchronize_stream(void* s) override;
+  [[nodiscard]] bool query_stream(void* s) override;
+
+  void copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction,
+                  void* s) override;
+  void fill_async(void* dst, std::byte value, std::size_t bytes, void* s) override;
+  void launch_host_func(void* s, std::function<void()> fn) override;
+
+  [[nodiscard]] void* create_event(bool timing) override;
+  void destroy_event(void* e) noexcept override;
+  void record_event(void* e, void* s) override;
+  void wait_event(void* s, void* e) override;
+  void synchronize_event(void* e) override;
+  [[nodiscard]] bool synchronize_event_for(void* e, std::chrono::nanoseconds timeout) override;
+  [[nodiscard]] bool query_event(void* e) override;
+  [[nodiscard]] double elapsed_ms(void* start, void* end) override;
+
+ private:
+  // One direction of the link: copies in it are serialised in the order they reserve time.
+  struct link_channel {
+    std::mutex mutex;
+    std::chrono::steady_clock::time_point free_at{};
+  };
+  void transfer(link_channel& channel, void* dst, const void* src, std::size_t bytes);
+
+  const emulated_options options_;
+  const int index_;
+
+  mutable std::mutex memory_mutex_;
+  std::size_t used_bytes_ = 0;
+
+  std::mutex queues_mutex_;
+  std::set<emulated_queue*> queues_;
+
+  link_channel host_to_device_;
+  link_channel device_to_host_;
+};
+
+}  // namespace taskswap::detail

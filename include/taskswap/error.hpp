@@ -1,0 +1,79 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// @file
+/// @brief The exceptions taskswap throws. Every one derives from taskswap::error, which derives
+/// from std::runtime_error, and its message says what failed and what to change.
+
+#include <cstddef>
+#include <stdexcept>
+#include <string>
+
+namespace taskswap {
+
+/// @brief Base of every exception taskswap throws.
+class error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// @brief A precondition of a call does not hold (null pointer, range beyond a buffer, objects
+/// of different devices). The call had no effect.
+class invalid_argument : public error {
+ public:
+  using error::error;
+};
+
+/// @brief A configuration (file, options, plan) cannot be used; names the file, line and key or
+/// the numbers that do not fit.
+class config_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief A device or pinned allocation does not fit. Carries the numbers.
+class out_of_memory : public error {
+ public:
+  /// @brief Builds the error.
+  /// @param what the full message
+  /// @param requested bytes asked for
+  /// @param available bytes that were free when asked
+  /// @param budget bytes the device or budget holds in all
+  out_of_memory(const std::string& what, std::size_t requested, std::size_t available,
+                std::size_t budget)
+      : error(what), requested_(requested), available_(available), budget_(budget)
+  {
+  }
+
+  /// @brief Bytes asked for.
+  [[nodiscard]] std::size_t requested() const noexcept { return requested_; }
+  /// @brief Bytes that were free when asked.
+  [[nodiscard]] std::size_t available() const noexcept { return available_; }
+  /// @brief Bytes the device or budget holds in all.
+  [[nodiscard]] std::size_t budget() const noexcept { return budget_; }
+
+ private:
+  std::size_t requested_;
+  std::size_t available_;
+  std::size_t budget_;
+};
+
+/// @brief A CUDA runtime call failed; the message has the call, file:line, error name and text.
+class cuda_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief A communicator call (NCCL, MPI) failed.
+class comm_error : public error {
+ public:
+  using error::error;
+};
+
+/// @brief An operation did not finish within its timeout.
+class timeout_error : public error {
+ public:
+  using error::error;
+};
+
+}  // namespace taskswap

@@ -1,0 +1,9 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// @file
+/// @brief The one header a user includes.
+
+#include <taskswap/build_info.hpp>
+#include <taskswap/device.hpp>
+#include <taskswap/error.hpp>

@@ -1,0 +1,142 @@
+// SPDX-License-Identifier: Apache-2.0
+// Behaviour only the emulated backend has: separate devices, the option checks, the link model.
+// Timing checks here are lower bounds (a modelled copy never finishes early); how close to the
+// model copies come is measured by the device_link_model benchmark, not here.
+
+#include <taskswap/taskswap.hpp>
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <algorithm>
+#include <string>
+
+namespace taskswap::test {
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+double seconds_since(clock_type::time_point start)
+{
+  return std::chrono::duration<double>(clock_type::now() - start).count();
+}
+
+TEST(emulated_backend, EachDeviceIsDistinctWithItsOwnMemory)
+{
+  const device a = emulated_device({.memory_bytes = 8 * MiB});
+  const device b = emulated_device({.memory_bytes = 4 * MiB});
+  EXPECT_FALSE(a == b);
+  EXPECT_NE(a.index(), b.index());
+  EXPECT_EQ(a.kind(), backend_kind::emulated);
+  EXPECT_EQ(a.name(), "emulated:" + std::to_string(a.index()));
+  device_buffer held(a, 6 * MiB);
+  EXPECT_EQ(a.memory().free, 2 * MiB);
+  EXPECT_EQ(b.memory().free, 4 * MiB);
+  const device copy = a;  // NOLINT: a copy refers to the same device
+  EXPECT_TRUE(copy == a);
+  EXPECT_EQ(copy.memory().free, 2 * MiB);
+}
+
+TEST(emulated_backend, OutOfMemoryNamesRequestedFreeAndTotal)
+{
+  const device dev = emulated_device({.memory_bytes = 10 * MiB});
+  device_buffer held(dev, 7 * MiB);
+  try {
+    device_buffer more(dev, 4 * MiB);
+    FAIL() << "4 MiB fit beside 7 MiB in a 10 MiB device";
+  } catch (const out_of_memory& e) {
+    EXPECT_EQ(e.requested(), 4 * MiB);
+    EXPECT_EQ(e.available(), 3 * MiB);
+    EXPECT_EQ(e.budget(), 10 * MiB);
+    const std::string text = e.what();
+    EXPECT_NE(text.find("cannot allocate 4.0 MiB (4194304 bytes)"), std::string::npos) << text;
+    EXPECT_NE(text.find("3.0 MiB (3145728 bytes) free of 10.0 MiB (10485760 bytes)"), std::string::npos) << text;
+  }
+  device_buffer fits(dev, 3 * MiB);  // the refused request took nothing
+  EXPECT_EQ(dev.memory().free, 0U);
+}
+
+TEST(emulated_backend, RefusesNonsenseOptions)
+{
+  EXPECT_THROW(static_cast<void>(emulated_device({.memory_bytes = 0})), invalid_argument);
+  EXPECT_THROW(static_cast<void>(emulated_device({.link = {.bytes_per_second = -1.0}})), invalid_argument);
+  EXPECT_THROW(static_cast<void>(emulated_device({.link = {.bytes_per_second = 1e9, .latency_seconds = -1e-6}})),
+               invalid_argument);
+}
+
+TEST(emulated_backend, ModelledCopiesNeverFinishEarly)
+{
+  constexpr double rate = 1e9;  // 1 GB/s: 32 MiB take 33.5 ms
+  const device dev = emulated_device({.memory_bytes = 64 * MiB, .link = {.bytes_per_second = rate}});
+  stream s(dev);
+  device_buffer d(dev, 32 * MiB);
+  pinned_buffer h(dev, 32 * MiB);
+  std::memset(h.data(), 1, h.size());
+  const auto start = clock_type::now();
+  copy_async(d.span(), h.span(), s);
+  copy_async(h.span(), d.span(), s);
+  s.synchronize();
+  EXPECT_GE(seconds_since(start), 2.0 * 32.0 * MiB / rate);
+}
+
+TEST(emulated_backend, LatencyIsChargedPerCopy)
+{
+  const device dev = emulated_device(
+    {.memory_bytes = MiB, .link = {.bytes_per_second = 1e12, .latency_seconds = 1e-3}});
+  stream s(dev);
+  device_buffer d(dev, 64);
+  pinned_buffer h(dev, 64);
+  const auto start = clock_type::now();
+  for (int i = 0; i < 20; ++i) { copy_async(d.span(0, 1), h.span().subspan(0, 1), s); }
+  s.synchronize();
+  EXPECT_GE(seconds_since(start), 20e-3);
+}
+
+TEST(emulated_backend, CopiesInOneDirectionShareTheLink)
+{
+  constexpr double rate = 1e9;
+  const device dev = emulated_device({.memory_bytes = 64 * MiB, .link = {.bytes_per_second = rate}});
+  stream first(dev);
+  stream second(dev);
+  device_buffer d(dev, 32 * MiB);
+  pinned_buffer h(dev, 32 * MiB);
+  std::memset(h.data(), 2, h.size());
+  const auto start = clock_type::now();
+  copy_async(d.span(0, 16 * MiB), h.span().subspan(0, 16 * MiB), first);
+  copy_async(d.span(16 * MiB, 16 * MiB), h.span().subspan(16 * MiB, 16 * MiB), second);
+  first.synchronize();
+  second.synchronize();
+  // Two streams, one host-to-device link: the copies take their sum, not their maximum.
+  EXPECT_GE(seconds_since(start), 32.0 * MiB / rate);
+}
+
+TEST(build_info, DescribesThisBuild)
+{
+  const build_info info = get_build_info();
+  EXPECT_FALSE(info.version.empty());
+  EXPECT_EQ(info.cuda, !info.cuda_runtime_version.empty());
+  EXPECT_EQ(info.nccl, !info.nccl_version.empty());
+  EXPECT_EQ(info.mpi, !info.mpi_library_version.empty());
+  if (info.nccl) {
+    EXPECT_EQ(std::count(info.nccl_version.begin(), info.nccl_version.end(), '.'), 2) << info.nccl_version;
+  }
+  if (!info.cuda) { EXPECT_EQ(cuda_device_count(), 0); }
+}
+
+TEST(build_info, CudaDeviceOutOfRangeSaysHowManyThereAre)
+{
+  try {
+    static_cast<void>(cuda_device(cuda_device_count()));
+    FAIL() << "a CUDA ordinal past the last device was accepted";
+  } catch (const cuda_error& e) {
+    const std::string text = e.what();
+    EXPECT_TRUE(text.find("does not exist") != std::string::npos ||
+                text.find("built without CUDA") != std::string::npos)
+      << text;
+  }
+}
+
+}  // namespace
+}  // namespace taskswap::test

@@ -1,0 +1,24 @@
+# SPDX-License-Identifier: Apache-2.0
+# Installs the build tree into a fresh prefix, then configures, builds and runs a consumer project
+# that does find_package(taskswap CONFIG REQUIRED), as a user's project would.
+
+file(REMOVE_RECURSE "${WORK_DIR}")
+set(prefix "${WORK_DIR}/prefix")
+
+function(run_step what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
+  endif()
+  message(STATUS "${what}: ok\n${out}")
+endfunction()
+
+set(config_args)
+if(CONFIG)
+  set(config_args --config ${CONFIG})
+endif()
+run_step("install" ${CMAKE_COMMAND} --install "${TASKSWAP_BUILD_DIR}" --prefix "${prefix}" ${config_args})
+run_step("configure consumer" ${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/build"
+  -G "${GENERATOR}" "-DCMAKE_PREFIX_PATH=${prefix}" -DCMAKE_BUILD_TYPE=Release)
+run_step("build consumer" ${CMAKE_COMMAND} --build "${WORK_DIR}/build")
+run_step("run consumer" "${WORK_DIR}/build/consumer")
