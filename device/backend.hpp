@@ -34,6 +34,8 @@ class backend {
   [[nodiscard]] virtual std::string name() const = 0;
   [[nodiscard]] virtual memory_info memory() const = 0;
   [[nodiscard]] virtual std::pair<int, int> stream_priority_range() const = 0;
+  // "0000:65:00.0" for a PCI device; empty where the device has no PCI location (emulated).
+  [[nodiscard]] virtual std::string pci_bus_id() const = 0;
   virtual void synchronize() = 0;
 
   // Device memory: 256-byte aligned. deallocate waits for the device's queued work.
@@ -41,6 +43,11 @@ class backend {
   virtual void deallocate(std::byte* p, std::size_t bytes) noexcept = 0;
   [[nodiscard]] virtual std::byte* allocate_pinned(std::size_t bytes) = 0;
   virtual void deallocate_pinned(std::byte* p, std::size_t bytes) noexcept = 0;
+
+  // Page-locks existing host memory for the device's copy engines (cudaHostRegister on cuda;
+  // mlock on emulated, which copies from pageable memory equally well and locks only when asked).
+  virtual void register_host(void* p, std::size_t bytes) = 0;
+  virtual void unregister_host(void* p, std::size_t bytes) noexcept = 0;
 
   [[nodiscard]] virtual void* create_stream(int priority) = 0;
   virtual void destroy_stream(void* s) noexcept = 0;

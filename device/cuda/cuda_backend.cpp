@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cassert>
 #include <cstdio>
 #include <map>
@@ -86,6 +87,32 @@ class cuda_backend final : public backend {
     int greatest = 0;
     TASKSWAP_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     return {least, greatest};
+  }
+
+  [[nodiscard]] std::string pci_bus_id() const override
+  {
+    std::array<char, 32> id{};
+    TASKSWAP_CUDA_TRY(cudaDeviceGetPCIBusId(id.data(), static_cast<int>(id.size()), index_));
+    return id.data();
+  }
+
+  void register_host(void* p, std::size_t bytes) override
+  {
+    const cuda_device_guard guard(index_);
+    const cudaError_t status = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
+    if (status == cudaErrorMemoryAllocation || status == cudaErrorHostMemoryAlreadyRegistered) {
+      static_cast<void>(cudaGetLastError());
+      throw out_of_memory(message("cuda:", index_, ": cannot page-lock ", bytes_text(bytes),
+                                  " of host memory (cudaHostRegister: ", cudaGetErrorName(status),
+                                  "); lower the arena size or raise the locked-memory limit"),
+                          bytes, 0, 0);
+    }
+    TASKSWAP_CUDA_TRY(status);
+  }
+
+  void unregister_host(void* p, std::size_t /*bytes*/) noexcept override
+  {
+    TASKSWAP_ASSERT_CUDA_SUCCESS(cudaHostUnregister(p));
   }
 
   void synchronize() override

@@ -13,6 +13,9 @@
 #include <new>
 #include <thread>
 
+#include <cerrno>
+#include <sys/mman.h>
+
 #if defined(__linux__)
 #include <pthread.h>
 #include <sys/prctl.h>
@@ -250,6 +253,23 @@ void emulated_backend::deallocate_pinned(std::byte* p, std::size_t /*bytes*/) no
   } catch (...) {
   }
   ::operator delete(p, host_page);
+}
+
+void emulated_backend::register_host(void* p, std::size_t bytes)
+{
+  if (::mlock(p, bytes) != 0) {
+    const int code = errno;
+    throw out_of_memory(message("emulated:", index_, ": cannot lock ", bytes_text(bytes),
+                                " of host memory (mlock: ", std::strerror(code),
+                                "); raise the locked-memory limit (ulimit -l) or do not ask for "
+                                "locked pages on the emulated backend"),
+                        bytes, 0, 0);
+  }
+}
+
+void emulated_backend::unregister_host(void* p, std::size_t bytes) noexcept
+{
+  static_cast<void>(::munlock(p, bytes));
 }
 
 void* emulated_backend::create_stream(int /*priority*/)

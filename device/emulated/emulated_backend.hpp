@@ -30,12 +30,16 @@ class emulated_backend final : public backend {
   [[nodiscard]] std::string name() const override;
   [[nodiscard]] memory_info memory() const override;
   [[nodiscard]] std::pair<int, int> stream_priority_range() const override { return {0, 0}; }
+  [[nodiscard]] std::string pci_bus_id() const override { return {}; }
   void synchronize() override;
 
   [[nodiscard]] std::byte* allocate(std::size_t bytes) override;
   void deallocate(std::byte* p, std::size_t bytes) noexcept override;
   [[nodiscard]] std::byte* allocate_pinned(std::size_t bytes) override;
   void deallocate_pinned(std::byte* p, std::size_t bytes) noexcept override;
+
+  void register_host(void* p, std::size_t bytes) override;
+  void unregister_host(void* p, std::size_t bytes) noexcept override;
 
   [[nodiscard]] void* create_stream(int priority) override;
   void destroy_stream(void* s) noexcept override;

@@ -70,6 +70,8 @@ class device {
   /// @brief Stream priorities: {least, greatest}. Numerically lower is higher priority on CUDA;
   /// the emulated backend has a single priority, {0, 0}.
   [[nodiscard]] std::pair<int, int> stream_priority_range() const;
+  /// @brief The PCI bus id ("0000:65:00.0"), or empty for a device without one (emulated).
+  [[nodiscard]] std::string pci_bus_id() const;
   /// @brief Blocks the host until all work on every stream of the device is done. For tests and
   /// tools only; the library never calls it on a hot path.
   void synchronize() const;

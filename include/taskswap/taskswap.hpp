@@ -6,4 +6,7 @@
 
 #include <taskswap/build_info.hpp>
 #include <taskswap/device.hpp>
+#include <taskswap/dtype.hpp>
 #include <taskswap/error.hpp>
+#include <taskswap/host.hpp>
+#include <taskswap/log.hpp>

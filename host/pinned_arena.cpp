@@ -1,0 +1,329 @@
+// SPDX-License-Identifier: Apache-2.0
+// The pinned, NUMA-local arena: mmap exactly the pages asked, bind them to the node (hwloc),
+// fault them in with threads of that node (oneTBB), page-lock them in chunks, then hand out
+// aligned slabs best-fit with coalescing.
+
+#include "device/backend.hpp"
+#include "device/expects.hpp"
+#include "device/log.hpp"
+#include "device/message.hpp"
+#include "host/host_task_arena.hpp"
+#include "host/topology.hpp"
+
+#include <taskswap/host.hpp>
+
+#include <oneapi/tbb/parallel_for.h>
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <future>
+#include <map>
+#include <mutex>
+#include <set>
+#include <utility>
+#include <vector>
+
+namespace taskswap {
+
+namespace {
+
+constexpr std::size_t huge_page = std::size_t{2} << 20;
+
+std::size_t round_up(std::size_t value, std::size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+
+bool is_power_of_two(std::size_t v) { return v != 0 && (v & (v - 1)) == 0; }
+
+std::size_t system_page() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
+
+// Reports a phase's progress at most every 50 ms and always at the end.
+class progress_reporter {
+ public:
+  progress_reporter(const std::function<void(const pin_progress&)>& sink, std::string_view phase, std::size_t total)
+      : sink_(sink), phase_(phase), total_(total), start_(std::chrono::steady_clock::now())
+  {
+  }
+  void report(std::size_t done, bool final = false)
+  {
+    if (!sink_) { return; }
+    const auto now = std::chrono::steady_clock::now();
+    if (!final && now - last_ < std::chrono::milliseconds(50)) { return; }
+    last_ = now;
+    const double seconds = std::chrono::duration<double>(now - start_).count();
+    sink_({phase_, done, total_, seconds > 0 ? static_cast<double>(done) / seconds : 0.0});
+  }
+
+ private:
+  const std::function<void(const pin_progress&)>& sink_;
+  std::string_view phase_;
+  std::size_t total_;
+  std::chrono::steady_clock::time_point start_;
+  std::chrono::steady_clock::time_point last_{};
+};
+
+}  // namespace
+
+struct pinned_arena::impl {
+  impl(const device& d, pinned_arena_options o) : dev(d), options(std::move(o)) {}
+  ~impl();
+  impl(const impl&) = delete;
+  impl& operator=(const impl&) = delete;
+  impl(impl&&) = delete;
+  impl& operator=(impl&&) = delete;
+
+  void map_pages();
+  void bind();
+  void prefault();
+  void lock();
+  void release_registrations() noexcept;
+
+  void insert_free(std::size_t offset, std::size_t size);
+  void erase_free(std::map<std::size_t, std::size_t>::iterator it);
+
+  device dev;
+  pinned_arena_options options;
+  unsigned node = 0;
+  std::byte* base = nullptr;
+  std::size_t reserved = 0;
+  bool bound = false;
+  std::size_t pinned = 0;
+  std::vector<std::pair<std::size_t, std::size_t>> registrations;  // offset, bytes
+
+  struct slab_extent {
+    std::size_t block_offset;  // where the block starts (alignment padding first)
+    std::size_t block_size;
+    std::size_t size;          // bytes the caller asked for
+  };
+  mutable std::mutex mutex;
+  std::map<std::size_t, std::size_t> free_by_offset;           // offset -> size
+  std::set<std::pair<std::size_t, std::size_t>> free_by_size;  // (size, offset)
+  std::map<std::size_t, slab_extent> live;                     // slab offset -> extent
+  std::size_t used = 0;
+};
+
+void pinned_arena::impl::map_pages()
+{
+  const std::size_t page = options.huge_pages ? huge_page : system_page();
+  reserved = round_up(options.bytes, page);
+  void* p = MAP_FAILED;
+  if (options.huge_pages) {
+    p = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
+    if (p == MAP_FAILED) {
+      detail::log(log_level::info,
+                  detail::message("no reserved 2 MiB huge pages for a ", detail::bytes_text(reserved),
+                                  " arena (MAP_HUGETLB: ", std::strerror(errno),
+                                  "); using transparent huge pages instead"));
+    }
+  }
+  if (p == MAP_FAILED) {
+    p = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED && options.huge_pages) { static_cast<void>(::madvise(p, reserved, MADV_HUGEPAGE)); }
+  }
+  if (p == MAP_FAILED) {
+    throw out_of_memory(detail::message("pinned arena: cannot map ", detail::bytes_text(reserved),
+                                        " of host memory (mmap: ", std::strerror(errno), ")"),
+                        reserved, 0, 0);
+  }
+  base = static_cast<std::byte*>(p);
+}
+
+void pinned_arena::impl::bind()
+{
+  bound = detail::topology::instance().bind_area(base, reserved, node);
+  if (!bound) {
+    detail::log(log_level::warning,
+                detail::message("pinned arena: the OS refused to bind ", detail::bytes_text(reserved),
+                                " to NUMA node ", node, " (", std::strerror(errno),
+                                "); pages are placed by first touch from threads of that node"));
+  }
+}
+
+void pinned_arena::impl::prefault()
+{
+  const std::size_t chunk = options.chunk_bytes;
+  const std::size_t chunks = (reserved + chunk - 1) / chunk;
+  int threads = static_cast<int>(options.threads);
+  if (threads == 0) {
+    threads = static_cast<int>(detail::topology::instance().cpus_of_node(node).size());
+  }
+  detail::host_task_arena arena(static_cast<int>(node), threads);
+  std::atomic<std::size_t> done{0};
+  const std::size_t page = system_page();
+  // Runs on another thread so that progress is reported from this one.
+  auto work = std::async(std::launch::async, [&] {
+    arena.execute([&] {
+      oneapi::tbb::parallel_for(std::size_t{0}, chunks, [&](std::size_t c) {
+        const std::size_t begin = c * chunk;
+        const std::size_t end = std::min(reserved, begin + chunk);
+        // One write per page faults it in; the kernel hands out zeroed pages.
+        for (std::size_t offset = begin; offset < end; offset += page) { base[offset] = std::byte{0}; }
+        done.fetch_add(end - begin, std::memory_order_relaxed);
+      });
+    });
+  });
+  progress_reporter progress(options.on_progress, "prefault", reserved);
+  while (work.wait_for(std::chrono::milliseconds(20)) != std::future_status::ready) {
+    progress.report(done.load(std::memory_order_relaxed));
+  }
+  work.get();
+  progress.report(reserved, true);
+}
+
+void pinned_arena::impl::lock()
+{
+  if (dev.kind() == backend_kind::emulated && !options.lock_pages) { return; }
+  progress_reporter progress(options.on_progress, "lock", reserved);
+  for (std::size_t offset = 0; offset < reserved; offset += options.chunk_bytes) {
+    const std::size_t bytes = std::min(options.chunk_bytes, reserved - offset);
+    dev.backend().register_host(base + offset, bytes);
+    registrations.emplace_back(offset, bytes);
+    pinned += bytes;
+    progress.report(pinned, pinned == reserved);
+  }
+}
+
+void pinned_arena::impl::release_registrations() noexcept
+{
+  if (!registrations.empty()) {
+    try {
+      dev.synchronize();  // no copy may still read or write the pages (cudaFreeHost does the same)
+    } catch (...) {     // teardown continues: the pages are unlocked and unmapped regardless
+    }
+  }
+  for (const auto& [offset, bytes] : registrations) { dev.backend().unregister_host(base + offset, bytes); }
+  registrations.clear();
+  pinned = 0;
+}
+
+pinned_arena::impl::~impl()
+{
+  release_registrations();
+  if (base != nullptr) { ::munmap(base, reserved); }
+}
+
+void pinned_arena::impl::insert_free(std::size_t offset, std::size_t size)
+{
+  // Coalesce with the free neighbours on both sides.
+  auto next = free_by_offset.lower_bound(offset);
+  if (next != free_by_offset.end() && offset + size == next->first) {
+    size += next->second;
+    erase_free(next);
+  }
+  auto prev = free_by_offset.lower_bound(offset);
+  if (prev != free_by_offset.begin()) {
+    --prev;
+    if (prev->first + prev->second == offset) {
+      offset = prev->first;
+      size += prev->second;
+      erase_free(prev);
+    }
+  }
+  free_by_offset.emplace(offset, size);
+  free_by_size.emplace(size, offset);
+}
+
+void pinned_arena::impl::erase_free(std::map<std::size_t, std::size_t>::iterator it)
+{
+  free_by_size.erase({it->second, it->first});
+  free_by_offset.erase(it);
+}
+
+pinned_arena::pinned_arena(const device& dev, pinned_arena_options options)
+    : impl_(std::make_unique<impl>(dev, std::move(options)))
+{
+  auto& a = *impl_;
+  const auto& t = detail::topology::instance();
+  TASKSWAP_EXPECTS(a.options.bytes > 0, "pinned arena of 0 bytes; give it the bytes of the slabs it will hold");
+  TASKSWAP_EXPECTS(a.options.chunk_bytes > 0, "pinned arena chunk_bytes must be positive");
+  if (a.options.numa_node >= 0) {
+    TASKSWAP_EXPECTS(t.has_node(static_cast<unsigned>(a.options.numa_node)),
+                     detail::message("NUMA node ", a.options.numa_node, " does not exist; this machine has ",
+                                     describe_topology().nodes.size(), " node(s), see taskswap probe"));
+    a.node = static_cast<unsigned>(a.options.numa_node);
+  } else {
+    a.node = locality_of(dev).numa_nodes.front();
+  }
+  std::size_t node_memory = 0;
+  for (const auto& n : t.nodes()) {
+    if (n.os_index == a.node) { node_memory = n.memory_bytes; }
+  }
+  if (node_memory > 0 && a.options.bytes > node_memory) {
+    throw out_of_memory(detail::message("pinned arena of ", detail::bytes_text(a.options.bytes),
+                                        " does not fit in NUMA node ", a.node, "'s ",
+                                        detail::bytes_text(node_memory), " of memory"),
+                        a.options.bytes, node_memory, node_memory);
+  }
+  a.map_pages();
+  a.bind();
+  a.prefault();
+  a.lock();
+  a.free_by_offset.emplace(0, a.reserved);
+  a.free_by_size.emplace(a.reserved, 0);
+}
+
+pinned_arena::~pinned_arena() = default;
+pinned_arena::pinned_arena(pinned_arena&&) noexcept = default;
+pinned_arena& pinned_arena::operator=(pinned_arena&&) noexcept = default;
+
+std::span<std::byte> pinned_arena::allocate(std::size_t bytes, std::size_t alignment)
+{
+  TASKSWAP_EXPECTS(bytes > 0, "pinned_arena::allocate of 0 bytes");
+  TASKSWAP_EXPECTS(is_power_of_two(alignment) && alignment >= 256,
+                   detail::message("slab alignment must be a power of two of at least 256, got ", alignment));
+  auto& a = *impl_;
+  const std::lock_guard lock(a.mutex);
+  const auto base_address = reinterpret_cast<std::uintptr_t>(a.base);  // NOLINT: alignment arithmetic
+  for (auto it = a.free_by_size.lower_bound({bytes, 0}); it != a.free_by_size.end(); ++it) {
+    const auto [block_size, block_offset] = *it;
+    const std::size_t aligned = round_up(base_address + block_offset, alignment) - base_address;
+    const std::size_t taken = aligned - block_offset + bytes;
+    if (taken > block_size) { continue; }
+    a.erase_free(a.free_by_offset.find(block_offset));
+    if (taken < block_size) { a.insert_free(block_offset + taken, block_size - taken); }
+    a.live.emplace(aligned, impl::slab_extent{block_offset, taken, bytes});
+    a.used += taken;
+    return {a.base + aligned, bytes};
+  }
+  const std::size_t largest = a.free_by_size.empty() ? 0 : a.free_by_size.rbegin()->first;
+  throw out_of_memory(
+    detail::message("pinned arena on node ", a.node, ": no free block holds ", detail::bytes_text(bytes),
+                    " aligned to ", alignment, "; ", detail::bytes_text(a.reserved - a.used), " free in ",
+                    a.free_by_offset.size(), " block(s), the largest ", detail::bytes_text(largest), ", of ",
+                    detail::bytes_text(a.reserved), "; free slabs first or make the arena larger"),
+    bytes, a.reserved - a.used, a.reserved);
+}
+
+void pinned_arena::deallocate(std::span<std::byte> slab)
+{
+  auto& a = *impl_;
+  const std::lock_guard lock(a.mutex);
+  const bool inside = slab.data() >= a.base && slab.data() < a.base + a.reserved;
+  const auto found = inside ? a.live.find(static_cast<std::size_t>(slab.data() - a.base)) : a.live.end();
+  TASKSWAP_EXPECTS(found != a.live.end() && found->second.size == slab.size(),
+                   detail::message("pinned_arena::deallocate: ", slab.size(), " bytes at ",
+                                   static_cast<const void*>(slab.data()),
+                                   " is not a live slab of this arena"));
+  const impl::slab_extent extent = found->second;
+  a.live.erase(found);
+  a.used -= extent.block_size;
+  a.insert_free(extent.block_offset, extent.block_size);
+}
+
+pinned_arena_stats pinned_arena::stats() const
+{
+  const auto& a = *impl_;
+  const std::lock_guard lock(a.mutex);
+  return {a.reserved, a.used, a.pinned, a.free_by_size.empty() ? 0 : a.free_by_size.rbegin()->first, a.live.size()};
+}
+
+unsigned pinned_arena::numa_node() const noexcept { return impl_->node; }
+bool pinned_arena::bound() const noexcept { return impl_->bound; }
+bool pinned_arena::locked() const noexcept { return impl_->pinned == impl_->reserved; }
+std::span<std::byte> pinned_arena::memory() const noexcept { return {impl_->base, impl_->reserved}; }
+const device& pinned_arena::get_device() const noexcept { return impl_->dev; }
+
+}  // namespace taskswap
