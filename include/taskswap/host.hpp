@@ -65,7 +65,7 @@ struct pinned_arena_options {
   bool lock_pages = false;             ///< emulated backend: mlock (the cuda backend always locks)
   std::size_t chunk_bytes = std::size_t{256} << 20;  ///< unit of parallel pre-faulting, locking, progress
   unsigned threads = 0;                ///< pre-fault threads; 0: the node's CPUs
-  std::function<void(const pin_progress&)> on_progress;  ///< called after each chunk
+  std::function<void(const pin_progress&)> on_progress{};  ///< called after each chunk
 };
 
 /// @brief Byte accounting of an arena.

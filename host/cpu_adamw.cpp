@@ -1,0 +1,108 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "host/cpu_adamw.hpp"
+
+#include "device/expects.hpp"
+#include "device/message.hpp"
+
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/partitioner.h>
+
+#include <cmath>
+
+namespace taskswap::detail {
+
+// Defined in the per-instruction-set translation units.
+void cpu_adamw_range_portable(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t);
+void cpu_adamw_range_avx2(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t);
+void cpu_adamw_range_avx512(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t);
+
+adamw_scalars make_adamw_scalars(const adamw_options& o, std::int64_t step)
+{
+  const auto t = static_cast<double>(step);
+  const double bias1 = 1.0 - std::pow(o.beta1, t);
+  const double bias2 = 1.0 - std::pow(o.beta2, t);
+  return {static_cast<float>(1.0 - o.lr * o.weight_decay),
+          static_cast<float>(o.beta1),
+          static_cast<float>(1.0 - o.beta1),
+          static_cast<float>(o.beta2),
+          static_cast<float>(1.0 - o.beta2),
+          static_cast<float>(-o.lr / bias1),
+          static_cast<float>(1.0 / std::sqrt(bias2)),
+          static_cast<float>(o.eps)};
+}
+
+std::string_view to_string(cpu_isa isa) noexcept
+{
+  switch (isa) {
+    case cpu_isa::avx512: return "avx512";
+    case cpu_isa::avx2: return "avx2";
+    case cpu_isa::portable: break;
+  }
+  return "portable";
+}
+
+namespace {
+bool supports(cpu_isa isa) noexcept
+{
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  switch (isa) {
+    case cpu_isa::avx512: return avx2 && __builtin_cpu_supports("avx512f");
+    case cpu_isa::avx2: return avx2;
+    case cpu_isa::portable: break;
+  }
+  return true;
+}
+
+// Elements per parallel chunk: a multiple of every vector width, large enough to amortise the
+// task, small enough to balance two to a few dozen threads.
+constexpr std::size_t chunk_elements = std::size_t{1} << 16;
+}  // namespace
+
+cpu_isa best_cpu_isa() noexcept
+{
+  static const cpu_isa best = supports(cpu_isa::avx512) ? cpu_isa::avx512
+                              : supports(cpu_isa::avx2) ? cpu_isa::avx2
+                                                        : cpu_isa::portable;
+  return best;
+}
+
+void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin,
+                     std::size_t end, cpu_isa isa)
+{
+  switch (isa) {
+    case cpu_isa::avx512: cpu_adamw_range_avx512(slabs, scalars, begin, end); return;
+    case cpu_isa::avx2: cpu_adamw_range_avx2(slabs, scalars, begin, end); return;
+    case cpu_isa::portable: cpu_adamw_range_portable(slabs, scalars, begin, end); return;
+  }
+}
+
+void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena)
+{
+  cpu_adamw_step(slabs, scalars, arena, best_cpu_isa());
+}
+
+void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena,
+                    cpu_isa isa)
+{
+  if (slabs.count == 0) { return; }
+  TASKSWAP_EXPECTS(slabs.master != nullptr && slabs.m != nullptr && slabs.v != nullptr && slabs.grad != nullptr,
+                   message("AdamW on ", slabs.count, " elements needs master, m, v and gradient slabs"));
+  TASKSWAP_EXPECTS(slabs.params == nullptr || slabs.param_type != dtype::f32,
+                   "AdamW: an f32 compute dtype updates the master in place; pass no params copy");
+  TASKSWAP_EXPECTS(supports(isa), message("AdamW: this CPU lacks the ", to_string(isa), " instruction set"));
+  const std::size_t chunks = (slabs.count + chunk_elements - 1) / chunk_elements;
+  arena.execute([&] {
+    oneapi::tbb::parallel_for(
+      oneapi::tbb::blocked_range<std::size_t>(0, chunks),
+      [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
+        const std::size_t begin = r.begin() * chunk_elements;
+        const std::size_t end = std::min(slabs.count, r.end() * chunk_elements);
+        cpu_adamw_range(slabs, scalars, begin, end, isa);
+      },
+      oneapi::tbb::static_partitioner{});
+  });
+}
+
+}  // namespace taskswap::detail

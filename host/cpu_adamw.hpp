@@ -1,0 +1,35 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The CPU AdamW: one pass over a unit's flat slabs (fp32 master and moments; gradients in f32,
+// bf16 or f16; optionally the compute-dtype parameter copy written in the same pass), vectorised
+// with AVX-512 or AVX2 where the CPU has them, parallel over chunks in a host task arena. Results
+// are bitwise independent of the instruction set and the thread count (see adamw_formula.hpp).
+
+#include "host/adamw_formula.hpp"
+#include "host/adamw_slabs.hpp"
+#include "host/host_task_arena.hpp"
+
+#include <cstddef>
+#include <string_view>
+
+namespace taskswap::detail {
+
+enum class cpu_isa { portable, avx2, avx512 };
+
+[[nodiscard]] std::string_view to_string(cpu_isa isa) noexcept;
+
+/// The widest instruction set this CPU supports among those compiled in.
+[[nodiscard]] cpu_isa best_cpu_isa() noexcept;
+
+/// Updates elements [begin, end) on the calling thread with the given instruction set.
+void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin,
+                     std::size_t end, cpu_isa isa);
+
+/// Updates every element, in parallel inside `arena`, with the best instruction set (or `isa`).
+/// @throws invalid_argument for null slabs, a params copy in f32, or an ISA this CPU lacks
+void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena);
+void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena,
+                    cpu_isa isa);
+
+}  // namespace taskswap::detail

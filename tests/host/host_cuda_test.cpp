@@ -1,0 +1,61 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host layer on a CUDA device: PCI locality and cudaHostRegister in chunks.
+#include <taskswap/taskswap.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <random>
+
+namespace taskswap::test {
+namespace {
+
+constexpr std::size_t MiB = std::size_t{1} << 20;
+
+class host_on_cuda : public ::testing::Test {
+ protected:
+  void SetUp() override
+  {
+    if (!get_build_info().cuda) { GTEST_SKIP() << "taskswap was built without CUDA"; }
+    if (cuda_device_count() == 0) { GTEST_SKIP() << "no CUDA device visible; run tools/gpu-check on a GPU machine"; }
+  }
+};
+
+TEST_F(host_on_cuda, LocalityComesFromThePciBusId)
+{
+  const device dev = cuda_device(0);
+  const device_locality locality = locality_of(dev);
+  ASSERT_FALSE(locality.numa_nodes.empty());
+  EXPECT_FALSE(locality.cpus.empty());
+  // hwloc in a container may lack PCI discovery; then the fallback must say why.
+  if (locality.from_device) {
+    EXPECT_NE(locality.source.find(dev.pci_bus_id()), std::string::npos) << locality.source;
+  } else {
+    EXPECT_NE(locality.source.find("fallback"), std::string::npos) << locality.source;
+  }
+}
+
+TEST_F(host_on_cuda, ArenaIsRegisteredInChunksAndCopiesCrossChunkBoundaries)
+{
+  const device dev = cuda_device(0);
+  pinned_arena arena(dev, {.bytes = 64 * MiB, .chunk_bytes = 16 * MiB});
+  EXPECT_TRUE(arena.locked());
+  EXPECT_EQ(arena.stats().pinned, arena.stats().reserved);
+  // A slab that straddles the registration boundary at 16 MiB.
+  auto filler = arena.allocate(12 * MiB);
+  auto home = arena.allocate(10 * MiB + 3);
+  auto back = arena.allocate(10 * MiB + 3);
+  std::mt19937 gen{7};
+  for (auto& b : home) { b = static_cast<std::byte>(gen()); }
+  std::fill(back.begin(), back.end(), std::byte{0xEE});
+  device_buffer slot(dev, home.size());
+  stream s(dev);
+  copy_async(slot.span(), home, s);
+  copy_async(back, slot.span(), s);
+  s.synchronize();
+  EXPECT_TRUE(std::equal(home.begin(), home.end(), back.begin()));
+  arena.deallocate(filler);
+}
+
+}  // namespace
+}  // namespace taskswap::test
