@@ -7,15 +7,26 @@
 #include <oneapi/tbb/info.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <string_view>
 
 namespace taskswap::detail {
 
 namespace {
 
+// TASKSWAP_TBB_NUMA=off keeps oneTBB from loading tbbbind at all: oneTBB opens it with
+// RTLD_DEEPBIND, which AddressSanitizer and ThreadSanitizer refuse (the sanitizer presets set it).
+bool tbb_numa_disabled()
+{
+  const char* setting = std::getenv("TASKSWAP_TBB_NUMA");
+  return setting != nullptr && std::string_view(setting) == "off";
+}
+
 // oneTBB knows NUMA nodes only through its tbbbind library (hwloc underneath); without it,
 // numa_nodes() is {-1}.
 bool tbb_knows_node(int numa_node)
 {
+  if (tbb_numa_disabled()) { return false; }
   const auto known = oneapi::tbb::info::numa_nodes();
   return std::find(known.begin(), known.end(), numa_node) != known.end();
 }
@@ -37,9 +48,9 @@ host_task_arena::host_task_arena(int numa_node, int threads)
 {
   if (numa_node >= 0 && !constrained_) {
     log_once("tbb-numa", log_level::info,
-             message("oneTBB has no NUMA information (tbbbind not loaded); host threads for node ",
-                     numa_node, " run unconstrained, memory placement still follows the arena's "
-                     "hwloc binding"));
+             message(tbb_numa_disabled() ? "TASKSWAP_TBB_NUMA=off" : "oneTBB has no NUMA information (tbbbind not loaded)",
+                     "; host threads for node ", numa_node,
+                     " run unconstrained, memory placement still follows the arena's hwloc binding"));
   }
   arena_.initialize();
 }

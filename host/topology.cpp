@@ -52,8 +52,10 @@ std::vector<unsigned> bitmap_indexes(hwloc_const_bitmap_t set)
 
 topology& topology::instance()
 {
-  static topology loaded;
-  return loaded;
+  // Never destroyed: arenas destroyed during static destruction may still query it, and hwloc's
+  // PCI plugin is not unloaded behind them.
+  static topology* const loaded = new topology();  // NOLINT: intentionally immortal
+  return *loaded;
 }
 
 topology::topology()

@@ -1,0 +1,262 @@
+// SPDX-License-Identifier: Apache-2.0
+// The CUDA kernels. Each element goes through the same float operations as the CPU path
+// (host/adamw_formula.hpp, with __fmaf_rn/__fmul_rn/__fdiv_rn/__fsqrt_rn on the device), so the
+// results are bitwise equal. Grid-stride loops; grids sized from the SM count and the kernel's
+// occupancy.
+
+#include "kernels/cuda_kernels.hpp"
+
+#include "device/cuda/cuda_device_guard.hpp"
+#include "device/cuda/cuda_try.hpp"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+namespace taskswap::detail {
+namespace {
+
+constexpr int threads_per_block = 256;
+constexpr std::size_t lanes = 4;  // elements per vector group: one 16-byte access per fp32 slab
+
+enum class copy_kind { none, bf16, f16 };
+
+__device__ inline std::size_t first_index() { return std::size_t{blockIdx.x} * blockDim.x + threadIdx.x; }
+__device__ inline std::size_t grid_stride() { return std::size_t{gridDim.x} * blockDim.x; }
+
+template <dtype G>
+__device__ inline float grad_at(const void* g, std::size_t i)
+{
+  if constexpr (G == dtype::f32) {
+    return static_cast<const float*>(g)[i];
+  } else if constexpr (G == dtype::bf16) {
+    return bf16_to_float(static_cast<const std::uint16_t*>(g)[i]);
+  } else {
+    return f16_to_float(static_cast<const std::uint16_t*>(g)[i]);
+  }
+}
+
+template <dtype G>
+__device__ inline float widen16(std::uint32_t bits)
+{
+  const auto h = static_cast<std::uint16_t>(bits);
+  return G == dtype::bf16 ? bf16_to_float(h) : f16_to_float(h);
+}
+
+// Four gradients at i: one 16-byte load for fp32, one 8-byte load for 16-bit types.
+template <dtype G>
+__device__ inline float4 grads4(const void* g, std::size_t i)
+{
+  if constexpr (G == dtype::f32) {
+    return *reinterpret_cast<const float4*>(static_cast<const float*>(g) + i);
+  } else {
+    const uint2 x = *reinterpret_cast<const uint2*>(static_cast<const std::uint16_t*>(g) + i);
+    return {widen16<G>(x.x & 0xFFFFU), widen16<G>(x.x >> 16U), widen16<G>(x.y & 0xFFFFU), widen16<G>(x.y >> 16U)};
+  }
+}
+
+template <copy_kind P>
+__device__ inline std::uint32_t narrow16(float x)
+{
+  return P == copy_kind::bf16 ? float_to_bf16(x) : float_to_f16(x);
+}
+
+template <copy_kind P>
+__device__ inline void store_copy(void* params, std::size_t i, float p)
+{
+  if constexpr (P != copy_kind::none) {
+    static_cast<std::uint16_t*>(params)[i] = static_cast<std::uint16_t>(narrow16<P>(p));
+  }
+}
+
+template <copy_kind P>
+__device__ inline void store_copy4(void* params, std::size_t i, float4 p)
+{
+  if constexpr (P != copy_kind::none) {
+    const uint2 packed{narrow16<P>(p.x) | (narrow16<P>(p.y) << 16U), narrow16<P>(p.z) | (narrow16<P>(p.w) << 16U)};
+    *reinterpret_cast<uint2*>(static_cast<std::uint16_t*>(params) + i) = packed;
+  }
+}
+
+// Elements [0, head) and [head + groups * lanes, count) one at a time; the groups in between
+// four at a time with vector accesses (the host checked every slab's alignment at head).
+template <dtype G, copy_kind P>
+__global__ void __launch_bounds__(threads_per_block)
+  adamw_kernel(adamw_slabs s, adamw_scalars k, std::size_t head, std::size_t groups)
+{
+  const std::size_t stride = grid_stride();
+  for (std::size_t group = first_index(); group < groups; group += stride) {
+    const std::size_t i = head + group * lanes;
+    float4 m = *reinterpret_cast<const float4*>(s.m + i);
+    float4 v = *reinterpret_cast<const float4*>(s.v + i);
+    float4 p = *reinterpret_cast<const float4*>(s.master + i);
+    const float4 g = grads4<G>(s.grad, i);
+    adamw_element(g.x, p.x, m.x, v.x, k);
+    adamw_element(g.y, p.y, m.y, v.y, k);
+    adamw_element(g.z, p.z, m.z, v.z, k);
+    adamw_element(g.w, p.w, m.w, v.w, k);
+    *reinterpret_cast<float4*>(s.m + i) = m;
+    *reinterpret_cast<float4*>(s.v + i) = v;
+    *reinterpret_cast<float4*>(s.master + i) = p;
+    store_copy4<P>(s.params, i, p);
+  }
+  const std::size_t tail = head + groups * lanes;
+  const std::size_t singles = head + (s.count - tail);
+  for (std::size_t j = first_index(); j < singles; j += stride) {
+    const std::size_t i = j < head ? j : tail + (j - head);
+    adamw_element(grad_at<G>(s.grad, i), s.master[i], s.m[i], s.v[i], k);
+    store_copy<P>(s.params, i, s.master[i]);
+  }
+}
+
+__device__ inline float widen_any(const void* p, dtype type, std::size_t i)
+{
+  switch (type) {
+    case dtype::f32: return static_cast<const float*>(p)[i];
+    case dtype::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(p)[i]);
+    case dtype::f16: return f16_to_float(static_cast<const std::uint16_t*>(p)[i]);
+  }
+  return 0.0F;
+}
+
+__device__ inline void narrow_any(void* p, dtype type, std::size_t i, float x)
+{
+  switch (type) {
+    case dtype::f32: static_cast<float*>(p)[i] = canonical(x); return;
+    case dtype::bf16: static_cast<std::uint16_t*>(p)[i] = float_to_bf16(x); return;
+    case dtype::f16: static_cast<std::uint16_t*>(p)[i] = float_to_f16(x); return;
+  }
+}
+
+__global__ void __launch_bounds__(threads_per_block)
+  unscale_kernel(void* grad, dtype type, std::size_t count, float factor, int* found_nonfinite)
+{
+  bool nonfinite = false;
+  for (std::size_t i = first_index(); i < count; i += grid_stride()) {
+    const float y = mul_rn(widen_any(grad, type, i), factor);
+    nonfinite = nonfinite || !(y - y == 0.0F);  // false for inf and NaN
+    narrow_any(grad, type, i, y);
+  }
+  if (nonfinite) { atomicOr(found_nonfinite, 1); }
+}
+
+__global__ void __launch_bounds__(threads_per_block)
+  cast_kernel(void* dst, dtype dst_type, const void* src, dtype src_type, std::size_t count)
+{
+  for (std::size_t i = first_index(); i < count; i += grid_stride()) {
+    narrow_any(dst, dst_type, i, widen_any(src, src_type, i));
+  }
+}
+
+__global__ void __launch_bounds__(threads_per_block) fill32_kernel(std::uint32_t* dst, std::size_t count, std::uint32_t bits)
+{
+  for (std::size_t i = first_index(); i < count; i += grid_stride()) { dst[i] = bits; }
+}
+
+__global__ void __launch_bounds__(threads_per_block) fill16_kernel(std::uint16_t* dst, std::size_t count, std::uint16_t bits)
+{
+  for (std::size_t i = first_index(); i < count; i += grid_stride()) { dst[i] = bits; }
+}
+
+// Enough blocks to fill every SM at the kernel's occupancy, fewer when there is less work.
+template <typename Kernel>
+unsigned grid_for(Kernel kernel, int device_index, std::size_t work_items)
+{
+  int sms = 0;
+  int blocks_per_sm = 0;
+  TASKSWAP_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_index));
+  TASKSWAP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads_per_block, 0));
+  const std::size_t full = static_cast<std::size_t>(sms) * static_cast<std::size_t>(std::max(blocks_per_sm, 1));
+  const std::size_t needed = (work_items + threads_per_block - 1) / threads_per_block;
+  return static_cast<unsigned>(std::max<std::size_t>(1, std::min(full, needed)));
+}
+
+bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
+
+template <dtype G, copy_kind P>
+void launch_adamw_typed(const adamw_slabs& s, const adamw_scalars& k, int device_index, cudaStream_t stream)
+{
+  // Elements before the master's first 16-byte boundary go one at a time; the vector part needs
+  // every slab aligned at the same element.
+  const auto master_address = reinterpret_cast<std::uintptr_t>(s.master);
+  std::size_t head = std::min<std::size_t>(s.count, ((16 - master_address % 16) % 16) / 4);
+  const std::size_t grad_bytes = G == dtype::f32 ? 4 : 2;
+  const bool vectorizable =
+    aligned(s.m + head, 16) && aligned(s.v + head, 16) &&
+    aligned(static_cast<const std::byte*>(s.grad) + head * grad_bytes, 4 * grad_bytes) &&
+    (P == copy_kind::none || aligned(static_cast<const std::byte*>(s.params) + head * 2, 8));
+  std::size_t groups = 0;
+  if (vectorizable) {
+    groups = (s.count - head) / lanes;
+  } else {
+    head = s.count;
+  }
+  const std::size_t singles = s.count - groups * lanes;
+  const unsigned blocks = grid_for(adamw_kernel<G, P>, device_index, std::max(groups, singles));
+  adamw_kernel<G, P><<<blocks, threads_per_block, 0, stream>>>(s, k, head, groups);
+  TASKSWAP_CUDA_TRY(cudaGetLastError());
+}
+
+template <dtype G>
+void launch_adamw_grad(const adamw_slabs& s, const adamw_scalars& k, int device_index, cudaStream_t stream)
+{
+  if (s.params == nullptr) {
+    launch_adamw_typed<G, copy_kind::none>(s, k, device_index, stream);
+  } else if (s.param_type == dtype::bf16) {
+    launch_adamw_typed<G, copy_kind::bf16>(s, k, device_index, stream);
+  } else {
+    launch_adamw_typed<G, copy_kind::f16>(s, k, device_index, stream);
+  }
+}
+
+}  // namespace
+
+void launch_adamw(const adamw_slabs& slabs, const adamw_scalars& scalars, int device_index, void* stream)
+{
+  const cuda_device_guard guard(device_index);
+  auto* s = static_cast<cudaStream_t>(stream);
+  switch (slabs.grad_type) {
+    case dtype::f32: launch_adamw_grad<dtype::f32>(slabs, scalars, device_index, s); return;
+    case dtype::bf16: launch_adamw_grad<dtype::bf16>(slabs, scalars, device_index, s); return;
+    case dtype::f16: launch_adamw_grad<dtype::f16>(slabs, scalars, device_index, s); return;
+  }
+}
+
+void launch_unscale_and_check(void* grad, dtype type, std::size_t count, float factor, int* found_nonfinite,
+                              int device_index, void* stream)
+{
+  const cuda_device_guard guard(device_index);
+  const unsigned blocks = grid_for(unscale_kernel, device_index, count);
+  unscale_kernel<<<blocks, threads_per_block, 0, static_cast<cudaStream_t>(stream)>>>(grad, type, count, factor,
+                                                                                      found_nonfinite);
+  TASKSWAP_CUDA_TRY(cudaGetLastError());
+}
+
+void launch_cast(void* dst, dtype dst_type, const void* src, dtype src_type, std::size_t count, int device_index,
+                 void* stream)
+{
+  const cuda_device_guard guard(device_index);
+  const unsigned blocks = grid_for(cast_kernel, device_index, count);
+  cast_kernel<<<blocks, threads_per_block, 0, static_cast<cudaStream_t>(stream)>>>(dst, dst_type, src, src_type,
+                                                                                   count);
+  TASKSWAP_CUDA_TRY(cudaGetLastError());
+}
+
+void launch_fill(void* dst, dtype type, std::size_t count, float value, int device_index, void* stream)
+{
+  const cuda_device_guard guard(device_index);
+  auto* s = static_cast<cudaStream_t>(stream);
+  if (type == dtype::f32) {
+    const unsigned blocks = grid_for(fill32_kernel, device_index, count);
+    fill32_kernel<<<blocks, threads_per_block, 0, s>>>(static_cast<std::uint32_t*>(dst), count,
+                                                       float_to_bits(canonical(value)));
+  } else {
+    const unsigned blocks = grid_for(fill16_kernel, device_index, count);
+    fill16_kernel<<<blocks, threads_per_block, 0, s>>>(static_cast<std::uint16_t*>(dst), count,
+                                                       type == dtype::bf16 ? float_to_bf16(value) : float_to_f16(value));
+  }
+  TASKSWAP_CUDA_TRY(cudaGetLastError());
+}
+
+}  // namespace taskswap::detail
