@@ -15,10 +15,6 @@
 
 #include <benchmark/benchmark.h>
 
-#include <oneapi/tbb/blocked_range.h>
-#include <oneapi/tbb/parallel_for.h>
-#include <oneapi/tbb/partitioner.h>
-
 #include <chrono>
 #include <immintrin.h>
 #include <cstring>
@@ -110,13 +106,9 @@ __attribute__((target("avx2"))) void stream_like_range(const adamw_unit& u, std:
 
 void stream_like(const adamw_unit& u, detail::host_task_arena& arena)
 {
-  arena.execute([&] {
-    oneapi::tbb::parallel_for(
-      oneapi::tbb::blocked_range<std::size_t>(0, (params + chunk - 1) / chunk),
-      [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
-        stream_like_range(u, r.begin() * chunk, std::min(params, r.end() * chunk));
-      },
-      oneapi::tbb::static_partitioner{});
+  // The same split over the same threads as cpu_adamw_step.
+  arena.parallel_for((params + chunk - 1) / chunk, [&](std::size_t first, std::size_t last) {
+    stream_like_range(u, first * chunk, std::min(params, last * chunk));
   });
 }
 

@@ -196,66 +196,19 @@ basic_device_span<T> basic_device_span<T>::subspan(std::size_t offset, std::size
 template class basic_device_span<std::byte>;
 template class basic_device_span<const std::byte>;
 
-device_buffer::device_buffer(const device& dev, std::size_t bytes) : device_(dev), size_(bytes)
-{
-  if (bytes > 0) { data_ = dev.backend().allocate(bytes); }
-}
+namespace {
+void release_device(detail::backend& b, std::byte* p, std::size_t bytes) noexcept { b.deallocate(p, bytes); }
+void release_pinned(detail::backend& b, std::byte* p, std::size_t bytes) noexcept { b.deallocate_pinned(p, bytes); }
+}  // namespace
 
-device_buffer::~device_buffer() { reset(); }
-
-device_buffer::device_buffer(device_buffer&& other) noexcept
-    : device_(other.device_),
-      data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0))
+device_buffer::device_buffer(const device& dev, std::size_t bytes)
+    : bytes_(dev, bytes > 0 ? dev.backend().allocate(bytes) : nullptr, bytes, release_device)
 {
 }
 
-device_buffer& device_buffer::operator=(device_buffer&& other) noexcept
+pinned_buffer::pinned_buffer(const device& dev, std::size_t bytes)
+    : bytes_(dev, bytes > 0 ? dev.backend().allocate_pinned(bytes) : nullptr, bytes, release_pinned)
 {
-  if (this != &other) {
-    reset();
-    device_ = other.device_;
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-  }
-  return *this;
-}
-
-void device_buffer::reset() noexcept
-{
-  if (data_ != nullptr) { device_.backend().deallocate(std::exchange(data_, nullptr), size_); }
-  size_ = 0;
-}
-
-pinned_buffer::pinned_buffer(const device& dev, std::size_t bytes) : device_(dev), size_(bytes)
-{
-  if (bytes > 0) { data_ = dev.backend().allocate_pinned(bytes); }
-}
-
-pinned_buffer::~pinned_buffer() { reset(); }
-
-pinned_buffer::pinned_buffer(pinned_buffer&& other) noexcept
-    : device_(other.device_),
-      data_(std::exchange(other.data_, nullptr)),
-      size_(std::exchange(other.size_, 0))
-{
-}
-
-pinned_buffer& pinned_buffer::operator=(pinned_buffer&& other) noexcept
-{
-  if (this != &other) {
-    reset();
-    device_ = other.device_;
-    data_ = std::exchange(other.data_, nullptr);
-    size_ = std::exchange(other.size_, 0);
-  }
-  return *this;
-}
-
-void pinned_buffer::reset() noexcept
-{
-  if (data_ != nullptr) { device_.backend().deallocate_pinned(std::exchange(data_, nullptr), size_); }
-  size_ = 0;
 }
 
 // --- operations on a stream --------------------------------------------------

@@ -4,10 +4,7 @@
 #include "device/expects.hpp"
 #include "device/message.hpp"
 
-#include <oneapi/tbb/blocked_range.h>
-#include <oneapi/tbb/parallel_for.h>
-#include <oneapi/tbb/partitioner.h>
-
+#include <algorithm>
 #include <cmath>
 
 namespace taskswap::detail {
@@ -93,15 +90,8 @@ void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host
                    "AdamW: an f32 compute dtype updates the master in place; pass no params copy");
   TASKSWAP_EXPECTS(supports(isa), message("AdamW: this CPU lacks the ", to_string(isa), " instruction set"));
   const std::size_t chunks = (slabs.count + chunk_elements - 1) / chunk_elements;
-  arena.execute([&] {
-    oneapi::tbb::parallel_for(
-      oneapi::tbb::blocked_range<std::size_t>(0, chunks),
-      [&](const oneapi::tbb::blocked_range<std::size_t>& r) {
-        const std::size_t begin = r.begin() * chunk_elements;
-        const std::size_t end = std::min(slabs.count, r.end() * chunk_elements);
-        cpu_adamw_range(slabs, scalars, begin, end, isa);
-      },
-      oneapi::tbb::static_partitioner{});
+  arena.parallel_for(chunks, [&](std::size_t first, std::size_t last) {
+    cpu_adamw_range(slabs, scalars, first * chunk_elements, std::min(slabs.count, last * chunk_elements), isa);
   });
 }
 

@@ -12,8 +12,6 @@
 
 #include <taskswap/host.hpp>
 
-#include <oneapi/tbb/parallel_for.h>
-
 #include <sys/mman.h>
 #include <unistd.h>
 
@@ -155,14 +153,14 @@ void pinned_arena::impl::prefault()
   const std::size_t page = system_page();
   // Runs on another thread so that progress is reported from this one.
   auto work = std::async(std::launch::async, [&] {
-    arena.execute([&] {
-      oneapi::tbb::parallel_for(std::size_t{0}, chunks, [&](std::size_t c) {
+    arena.parallel_for(chunks, [&](std::size_t first, std::size_t last) {
+      for (std::size_t c = first; c < last; ++c) {
         const std::size_t begin = c * chunk;
         const std::size_t end = std::min(reserved, begin + chunk);
         // One write per page faults it in; the kernel hands out zeroed pages.
         for (std::size_t offset = begin; offset < end; offset += page) { base[offset] = std::byte{0}; }
         done.fetch_add(end - begin, std::memory_order_relaxed);
-      });
+      }
     });
   });
   progress_reporter progress(options.on_progress, "prefault", reserved);

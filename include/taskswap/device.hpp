@@ -264,27 +264,73 @@ using const_device_span = basic_device_span<const std::byte>;
 extern template class basic_device_span<std::byte>;
 extern template class basic_device_span<const std::byte>;
 
+namespace detail {
+
+/// @brief Bytes owned on behalf of a device: freed with `release` at destruction; a move leaves
+/// the source empty. The one ownership mechanism behind device_buffer and pinned_buffer.
+class owned_bytes {
+ public:
+  using release_fn = void (*)(backend&, std::byte*, std::size_t) noexcept;
+  owned_bytes(device dev, std::byte* data, std::size_t size, release_fn release) noexcept
+      : device_(std::move(dev)), data_(data), size_(size), release_(release)
+  {
+  }
+  ~owned_bytes() { reset(); }
+  owned_bytes(owned_bytes&& other) noexcept
+      : device_(other.device_),
+        data_(std::exchange(other.data_, nullptr)),
+        size_(std::exchange(other.size_, 0)),
+        release_(other.release_)
+  {
+  }
+  owned_bytes& operator=(owned_bytes&& other) noexcept
+  {
+    if (this != &other) {
+      reset();
+      device_ = other.device_;
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+      release_ = other.release_;
+    }
+    return *this;
+  }
+  owned_bytes(const owned_bytes&) = delete;
+  owned_bytes& operator=(const owned_bytes&) = delete;
+
+  [[nodiscard]] std::byte* data() const noexcept { return data_; }
+  [[nodiscard]] std::size_t size() const noexcept { return size_; }
+  [[nodiscard]] const device& get_device() const noexcept { return device_; }
+
+ private:
+  void reset() noexcept
+  {
+    if (data_ != nullptr) { release_(device_.backend(), std::exchange(data_, nullptr), size_); }
+    size_ = 0;
+  }
+  device device_;
+  std::byte* data_;
+  std::size_t size_;
+  release_fn release_;
+};
+
+}  // namespace detail
+
 /// @brief Owning device memory, allocated at construction and freed at destruction. Freeing
-/// waits for the device's queued work, as cudaFree does. Move-only.
+/// waits for the device's queued work, as cudaFree does. Move-only (a move leaves the source empty).
 class device_buffer {
  public:
   /// @brief Allocates `bytes` (0 gives an empty buffer) with 256-byte alignment.
   /// @throws out_of_memory with the requested, free and total bytes
   device_buffer(const device& dev, std::size_t bytes);
-  ~device_buffer();
-  device_buffer(device_buffer&& other) noexcept;
-  device_buffer& operator=(device_buffer&& other) noexcept;
-  device_buffer(const device_buffer&) = delete;
-  device_buffer& operator=(const device_buffer&) = delete;
 
-  [[nodiscard]] std::byte* data() noexcept { return data_; }
-  [[nodiscard]] const std::byte* data() const noexcept { return data_; }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  [[nodiscard]] const device& get_device() const noexcept { return device_; }
+  [[nodiscard]] std::byte* data() noexcept { return bytes_.data(); }
+  [[nodiscard]] const std::byte* data() const noexcept { return bytes_.data(); }
+  [[nodiscard]] std::size_t size() const noexcept { return bytes_.size(); }
+  [[nodiscard]] const device& get_device() const noexcept { return bytes_.get_device(); }
 
   /// @brief The whole buffer as a span.
-  [[nodiscard]] device_span span() noexcept { return {&device_.backend(), data_, size_}; }
-  [[nodiscard]] const_device_span span() const noexcept { return {&device_.backend(), data_, size_}; }
+  [[nodiscard]] device_span span() noexcept { return {&get_device().backend(), data(), size()}; }
+  [[nodiscard]] const_device_span span() const noexcept { return {&get_device().backend(), data(), size()}; }
   /// @brief Bytes [offset, offset + count).
   /// @throws invalid_argument if the range reaches beyond the buffer
   [[nodiscard]] device_span span(std::size_t offset, std::size_t count) { return span().subspan(offset, count); }
@@ -294,10 +340,7 @@ class device_buffer {
   }
 
  private:
-  void reset() noexcept;
-  device device_;
-  std::byte* data_ = nullptr;
-  std::size_t size_ = 0;
+  detail::owned_bytes bytes_;
 };
 
 /// @brief Owning page-locked host memory usable by the device's copy engines (cudaHostAlloc on
@@ -308,24 +351,16 @@ class pinned_buffer {
   /// @brief Allocates `bytes` (0 gives an empty buffer).
   /// @throws out_of_memory if the host cannot pin that much
   pinned_buffer(const device& dev, std::size_t bytes);
-  ~pinned_buffer();
-  pinned_buffer(pinned_buffer&& other) noexcept;
-  pinned_buffer& operator=(pinned_buffer&& other) noexcept;
-  pinned_buffer(const pinned_buffer&) = delete;
-  pinned_buffer& operator=(const pinned_buffer&) = delete;
 
-  [[nodiscard]] std::byte* data() noexcept { return data_; }
-  [[nodiscard]] const std::byte* data() const noexcept { return data_; }
-  [[nodiscard]] std::size_t size() const noexcept { return size_; }
-  [[nodiscard]] const device& get_device() const noexcept { return device_; }
-  [[nodiscard]] std::span<std::byte> span() noexcept { return {data_, size_}; }
-  [[nodiscard]] std::span<const std::byte> span() const noexcept { return {data_, size_}; }
+  [[nodiscard]] std::byte* data() noexcept { return bytes_.data(); }
+  [[nodiscard]] const std::byte* data() const noexcept { return bytes_.data(); }
+  [[nodiscard]] std::size_t size() const noexcept { return bytes_.size(); }
+  [[nodiscard]] const device& get_device() const noexcept { return bytes_.get_device(); }
+  [[nodiscard]] std::span<std::byte> span() noexcept { return {data(), size()}; }
+  [[nodiscard]] std::span<const std::byte> span() const noexcept { return {data(), size()}; }
 
  private:
-  void reset() noexcept;
-  device device_;
-  std::byte* data_ = nullptr;
-  std::size_t size_ = 0;
+  detail::owned_bytes bytes_;
 };
 
 /// @brief Copies host memory to device memory on `s`. Does not synchronise: `src` must stay

@@ -4,6 +4,7 @@
 // scalars, so each step's float result must lie within a few ulps of it.
 
 #include "host/cpu_adamw.hpp"
+#include "test_scale.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -163,7 +164,7 @@ TEST_P(cpu_adamw, MatchesDoubleReferenceOverManyStepsOnEveryPath)
   const adamw_options options{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
   detail::host_task_arena threads(-1, 2);
   for (const std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{15}, std::size_t{17},
-                              std::size_t{1023}, (std::size_t{1} << 20) + 3}) {
+                              std::size_t{1023}, large_case((std::size_t{1} << 20) + 3, (std::size_t{3} << 16) + 3)}) {
     SCOPED_TRACE("n " + std::to_string(n));
     unit_state unit = random_unit(n, std::get<0>(GetParam()), param_type(), gen);
     for (std::int64_t step = 1; step <= 4; ++step) {
@@ -198,7 +199,7 @@ TEST(cpu_adamw_determinism, BitwiseIndependentOfThreadCount)
 {
   std::mt19937_64 gen{std::random_device{}()};
   const adamw_scalars k = detail::make_adamw_scalars({}, 3);
-  const unit_state start = random_unit((std::size_t{3} << 20) + 11, dtype::bf16, dtype::bf16, gen);
+  const unit_state start = random_unit(large_case((std::size_t{3} << 20) + 11, (std::size_t{5} << 16) + 11), dtype::bf16, dtype::bf16, gen);
   std::vector<unit_state> results;
   for (const int thread_count : {1, 2, 3, 8}) {
     detail::host_task_arena arena(-1, thread_count);
@@ -258,7 +259,7 @@ TEST(cpu_adamw_conversions, Bf16AndF16RoundToNearestEven)
     }
   }
   std::mt19937 gen{99};
-  for (int i = 0; i < 4'000'000; ++i) {
+  for (std::size_t i = 0; i < large_case(4'000'000, 200'000); ++i) {
     // Uniform bit patterns cover subnormals, overflow to inf and ties.
     const float x = std::bit_cast<float>(static_cast<std::uint32_t>(gen()));
     const std::uint16_t f16 = detail::float_to_f16(x);

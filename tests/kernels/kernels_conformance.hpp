@@ -8,6 +8,7 @@
 
 #include "host/cpu_adamw.hpp"
 #include "kernels/kernels.hpp"
+#include "test_scale.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -91,7 +92,7 @@ TYPED_TEST_P(kernels_conformance, AdamWIsBitwiseEqualToTheCpuPath)
   stream s(dev);
   detail::host_task_arena threads(-1, 0);
   const adamw_options options{.lr = 2e-3, .weight_decay = 0.05};
-  std::vector<std::size_t> sizes{1, 3, 4, 5, 1023, 4099, (std::size_t{1} << 20) + 5};
+  std::vector<std::size_t> sizes{1, 3, 4, 5, 1023, 4099, large_case((std::size_t{1} << 20) + 5, (std::size_t{1} << 17) + 5)};
   if (TypeParam::large) { sizes.push_back((std::size_t{1} << 26) + 5); }
   for (const dtype grad_type : {dtype::f32, dtype::bf16, dtype::f16}) {
     for (const int copy : {0, 1, 2}) {
