@@ -3,40 +3,53 @@
 
 #include <cstdio>
 #include <exception>
+#include <utility>
 
 namespace taskswap::detail {
 
-void backend::keep_host_func_error(void* s, std::exception_ptr error) noexcept
+void host_func_errors::keep(std::exception_ptr error) noexcept
 {
-  const std::lock_guard lock(host_func_errors_mutex_);
-  host_func_errors_.try_emplace(s, std::move(error));  // the first one wins
+  const std::lock_guard lock(mutex_);
+  if (!first_) { first_ = std::move(error); }  // the first one wins
 }
 
-void backend::rethrow_host_func_error(void* s)
+void host_func_errors::rethrow()
 {
   std::exception_ptr error;
   {
-    const std::lock_guard lock(host_func_errors_mutex_);
-    auto found = host_func_errors_.find(s);
-    if (found == host_func_errors_.end()) { return; }
-    error = std::move(found->second);
-    host_func_errors_.erase(found);
+    const std::lock_guard lock(mutex_);
+    error = std::exchange(first_, nullptr);
   }
-  std::rethrow_exception(error);
+  if (error) { std::rethrow_exception(error); }
 }
 
-void backend::forget_host_func_errors(void* s) noexcept
+void backend::open_error_slot(void* s)
 {
-  const std::lock_guard lock(host_func_errors_mutex_);
-  host_func_errors_.erase(s);
+  auto slot = std::make_shared<host_func_errors>();
+  const std::lock_guard lock(error_slots_mutex_);
+  error_slots_[s] = std::move(slot);
 }
 
-void run_host_func(backend& owner, void* s, const std::function<void()>& fn) noexcept
+void backend::close_error_slot(void* s) noexcept
+{
+  const std::lock_guard lock(error_slots_mutex_);
+  error_slots_.erase(s);
+}
+
+std::shared_ptr<host_func_errors> backend::error_slot(void* s)
+{
+  const std::lock_guard lock(error_slots_mutex_);
+  auto& slot = error_slots_[s];
+  if (!slot) { slot = std::make_shared<host_func_errors>(); }  // a handle made outside stream
+  return slot;
+}
+
+void run_host_func(host_func_errors& slot, const std::function<void()>& fn) noexcept
 {
   try {
     fn();
   } catch (...) {
-    owner.keep_host_func_error(s, std::current_exception());
+    slot.keep(std::current_exception());
   }
 }
 

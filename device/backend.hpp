@@ -12,6 +12,7 @@
 #include <exception>
 #include <functional>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <utility>
@@ -19,6 +20,19 @@
 namespace taskswap::detail {
 
 enum class copy_direction { host_to_device, device_to_host, device_to_device };
+
+// The first exception a stream's host functions threw since its last synchronize. Queued host
+// functions share the slot, so one that runs after its stream (or device) is gone writes to a slot
+// nobody reads, never to another stream's.
+class host_func_errors {
+ public:
+  void keep(std::exception_ptr error) noexcept;
+  void rethrow();
+
+ private:
+  std::mutex mutex_;
+  std::exception_ptr first_;
+};
 
 class backend {
  public:
@@ -68,18 +82,19 @@ class backend {
   [[nodiscard]] virtual bool query_event(void* e) = 0;
   [[nodiscard]] virtual double elapsed_ms(void* start, void* end) = 0;
 
-  // Host functions that throw: the exception is kept per stream and rethrown by the stream's
-  // next synchronize (CUDA cannot carry it; both backends behave the same).
-  void keep_host_func_error(void* s, std::exception_ptr error) noexcept;
-  void rethrow_host_func_error(void* s);
-  void forget_host_func_errors(void* s) noexcept;
+  // Host functions that throw: the exception is kept in the stream's slot and rethrown by the
+  // stream's next synchronize (CUDA cannot carry it; both backends behave the same). The public
+  // stream opens the slot after create_stream and closes it before destroy_stream.
+  void open_error_slot(void* s);
+  void close_error_slot(void* s) noexcept;
+  [[nodiscard]] std::shared_ptr<host_func_errors> error_slot(void* s);
 
  private:
-  std::mutex host_func_errors_mutex_;
-  std::map<void*, std::exception_ptr> host_func_errors_;
+  std::mutex error_slots_mutex_;
+  std::map<void*, std::shared_ptr<host_func_errors>> error_slots_;
 };
 
-// Runs a host function as both backends must: exceptions are kept for the stream, never escape.
-void run_host_func(backend& owner, void* s, const std::function<void()>& fn) noexcept;
+// Runs a host function as both backends must: exceptions go to the slot, never escape.
+void run_host_func(host_func_errors& slot, const std::function<void()>& fn) noexcept;
 
 }  // namespace taskswap::detail

@@ -80,7 +80,7 @@ void expect_copy_sizes(std::size_t dst, std::size_t src, const void* dst_data, c
 void stream_view::synchronize() const
 {
   backend_->synchronize_stream(handle_);
-  backend_->rethrow_host_func_error(handle_);
+  backend_->error_slot(handle_)->rethrow();
 }
 
 bool stream_view::query() const { return backend_->query_stream(handle_); }
@@ -94,6 +94,7 @@ stream::stream(const device& dev, stream_options options) : device_(dev), priori
                    detail::message("stream priority ", options.priority, " is outside device ",
                                    where(dev.backend()), "'s range [", lo, ", ", hi, "]"));
   handle_ = dev.backend().create_stream(options.priority);
+  dev.backend().open_error_slot(handle_);
 }
 
 stream::~stream() { reset(); }
@@ -117,7 +118,7 @@ stream& stream::operator=(stream&& other) noexcept
 void stream::reset() noexcept
 {
   if (handle_ != nullptr) {
-    device_.backend().forget_host_func_errors(handle_);
+    device_.backend().close_error_slot(handle_);
     device_.backend().destroy_stream(std::exchange(handle_, nullptr));
   }
 }
@@ -132,7 +133,10 @@ event::event(const device& dev, event_options options)
 event::~event() { reset(); }
 
 event::event(event&& other) noexcept
-    : device_(other.device_), handle_(std::exchange(other.handle_, nullptr)), timing_(other.timing_)
+    : device_(other.device_),
+      handle_(std::exchange(other.handle_, nullptr)),
+      timing_(other.timing_),
+      recorded_(std::exchange(other.recorded_, false))
 {
 }
 
@@ -143,6 +147,7 @@ event& event::operator=(event&& other) noexcept
     device_ = other.device_;
     handle_ = std::exchange(other.handle_, nullptr);
     timing_ = other.timing_;
+    recorded_ = std::exchange(other.recorded_, false);
   }
   return *this;
 }
@@ -156,6 +161,7 @@ void event::record(stream_view s)
 {
   expect_same_device(&device_.backend(), s.backend(), "event::record: the event");
   device_.backend().record_event(handle_, s.native_handle());
+  recorded_ = true;
 }
 
 void event::wait(stream_view s) const
@@ -168,6 +174,11 @@ void event::synchronize() const { device_.backend().synchronize_event(handle_); 
 
 bool event::synchronize_for(std::chrono::nanoseconds timeout) const
 {
+  // A deadline of now + timeout must not overflow: beyond a year, wait without one.
+  if (timeout >= std::chrono::hours(24 * 365)) {
+    synchronize();
+    return true;
+  }
   return device_.backend().synchronize_event_for(handle_, timeout);
 }
 
@@ -179,6 +190,9 @@ double elapsed_ms(const event& start, const event& end)
                    "elapsed_ms needs two events created with event_options{.timing = true}");
   TASKSWAP_EXPECTS(start.get_device() == end.get_device(),
                    "elapsed_ms needs two events of the same device");
+  TASKSWAP_EXPECTS(start.recorded() && end.recorded(), "elapsed_ms needs two recorded events");
+  TASKSWAP_EXPECTS(start.query() && end.query(),
+                   "elapsed_ms: an event has not completed; synchronize it first");
   return start.get_device().backend().elapsed_ms(start.native_handle(), end.native_handle());
 }
 

@@ -107,6 +107,8 @@ void pinned_arena::impl::map_pages()
 {
   const std::size_t page = options.huge_pages ? huge_page : system_page();
   reserved = round_up(options.bytes, page);
+  // Chunks are whole pages, so no two registrations share a page.
+  options.chunk_bytes = round_up(options.chunk_bytes, page);
   void* p = MAP_FAILED;
   if (options.huge_pages) {
     p = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
@@ -186,12 +188,6 @@ void pinned_arena::impl::lock()
 
 void pinned_arena::impl::release_registrations() noexcept
 {
-  if (!registrations.empty()) {
-    try {
-      dev.synchronize();  // no copy may still read or write the pages (cudaFreeHost does the same)
-    } catch (...) {     // teardown continues: the pages are unlocked and unmapped regardless
-    }
-  }
   for (const auto& [offset, bytes] : registrations) { dev.backend().unregister_host(base + offset, bytes); }
   registrations.clear();
   pinned = 0;
@@ -199,6 +195,12 @@ void pinned_arena::impl::release_registrations() noexcept
 
 pinned_arena::impl::~impl()
 {
+  if (base != nullptr) {
+    try {
+      dev.synchronize();  // no queued copy may still read or write the pages (as cudaFreeHost)
+    } catch (...) {     // teardown continues: the pages are unlocked and unmapped regardless
+    }
+  }
   release_registrations();
   if (base != nullptr) { ::munmap(base, reserved); }
 }

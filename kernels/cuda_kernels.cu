@@ -13,6 +13,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 namespace taskswap::detail {
 namespace {
@@ -159,15 +162,30 @@ __global__ void __launch_bounds__(threads_per_block) fill16_kernel(std::uint16_t
   for (std::size_t i = first_index(); i < count; i += grid_stride()) { dst[i] = bits; }
 }
 
-// Enough blocks to fill every SM at the kernel's occupancy, fewer when there is less work.
+// Resident blocks of `kernel` on the whole device: SMs x blocks per SM at its occupancy. Asked of
+// the driver once per kernel and device, not on every launch.
 template <typename Kernel>
-unsigned grid_for(Kernel kernel, int device_index, std::size_t work_items)
+std::size_t resident_blocks(Kernel kernel, int device_index)
 {
+  static std::mutex mutex;
+  static std::map<std::pair<const void*, int>, std::size_t> known;
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device_index};  // NOLINT
+  const std::lock_guard lock(mutex);
+  if (auto found = known.find(key); found != known.end()) { return found->second; }
   int sms = 0;
   int blocks_per_sm = 0;
   TASKSWAP_CUDA_TRY(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device_index));
   TASKSWAP_CUDA_TRY(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, threads_per_block, 0));
-  const std::size_t full = static_cast<std::size_t>(sms) * static_cast<std::size_t>(std::max(blocks_per_sm, 1));
+  const std::size_t blocks = static_cast<std::size_t>(sms) * static_cast<std::size_t>(std::max(blocks_per_sm, 1));
+  known.emplace(key, blocks);
+  return blocks;
+}
+
+// Enough blocks to fill every SM at the kernel's occupancy, fewer when there is less work.
+template <typename Kernel>
+unsigned grid_for(Kernel kernel, int device_index, std::size_t work_items)
+{
+  const std::size_t full = resident_blocks(kernel, device_index);
   const std::size_t needed = (work_items + threads_per_block - 1) / threads_per_block;
   return static_cast<unsigned>(std::max<std::size_t>(1, std::min(full, needed)));
 }

@@ -49,15 +49,14 @@ cudaMemcpyKind kind_of(copy_direction direction)
 
 // A host function travelling through cudaLaunchHostFunc; deleted by the trampoline.
 struct host_func_payload {
-  backend* owner;
-  void* stream;
+  std::shared_ptr<host_func_errors> errors;  // outlives the stream and the backend if need be
   std::function<void()> fn;
 };
 
 void CUDART_CB host_func_trampoline(void* user_data)
 {
   std::unique_ptr<host_func_payload> payload(static_cast<host_func_payload*>(user_data));
-  run_host_func(*payload->owner, payload->stream, payload->fn);
+  run_host_func(*payload->errors, payload->fn);
 }
 
 class cuda_backend final : public backend {
@@ -83,6 +82,7 @@ class cuda_backend final : public backend {
 
   [[nodiscard]] std::pair<int, int> stream_priority_range() const override
   {
+    const cuda_device_guard guard(index_);
     int least = 0;
     int greatest = 0;
     TASKSWAP_CUDA_TRY(cudaDeviceGetStreamPriorityRange(&least, &greatest));
@@ -100,7 +100,7 @@ class cuda_backend final : public backend {
   {
     const cuda_device_guard guard(index_);
     const cudaError_t status = cudaHostRegister(p, bytes, cudaHostRegisterPortable);
-    if (status == cudaErrorMemoryAllocation || status == cudaErrorHostMemoryAlreadyRegistered) {
+    if (status == cudaErrorMemoryAllocation) {
       static_cast<void>(cudaGetLastError());
       throw out_of_memory(message("cuda:", index_, ": cannot page-lock ", bytes_text(bytes),
                                   " of host memory (cudaHostRegister: ", cudaGetErrorName(status),
@@ -206,7 +206,7 @@ class cuda_backend final : public backend {
 
   void launch_host_func(void* s, std::function<void()> fn) override
   {
-    auto payload = std::make_unique<host_func_payload>(host_func_payload{this, s, std::move(fn)});
+    auto payload = std::make_unique<host_func_payload>(host_func_payload{error_slot(s), std::move(fn)});
     TASKSWAP_CUDA_TRY(cudaLaunchHostFunc(as_stream(s), host_func_trampoline, payload.get()));
     static_cast<void>(payload.release());  // the trampoline owns it now
   }

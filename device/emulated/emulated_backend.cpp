@@ -336,7 +336,7 @@ void emulated_backend::fill_async(void* dst, std::byte value, std::size_t bytes,
 
 void emulated_backend::launch_host_func(void* s, std::function<void()> fn)
 {
-  queue_of(s).push([this, s, fn = std::move(fn)] { run_host_func(*this, s, fn); });
+  queue_of(s).push([slot = error_slot(s), fn = std::move(fn)] { run_host_func(*slot, fn); });
 }
 
 void* emulated_backend::create_event(bool timing)

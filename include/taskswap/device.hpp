@@ -206,6 +206,8 @@ class event {
   [[nodiscard]] bool query() const;
   /// @brief Whether the event records timestamps.
   [[nodiscard]] bool timing() const noexcept { return timing_; }
+  /// @brief Whether record() was called at least once.
+  [[nodiscard]] bool recorded() const noexcept { return recorded_; }
   /// @brief The device the event belongs to.
   [[nodiscard]] const device& get_device() const noexcept { return device_; }
   /// @brief The backend's event handle (a cudaEvent_t on the cuda backend).
@@ -216,11 +218,12 @@ class event {
   device device_;
   void* handle_ = nullptr;
   bool timing_ = false;
+  bool recorded_ = false;
 };
 
 /// @brief Milliseconds between two completed timing events.
 /// @throws invalid_argument if either event lacks timing, they belong to different devices, or
-/// either has not completed
+/// either was never recorded or has not completed
 [[nodiscard]] double elapsed_ms(const event& start, const event& end);
 
 /// @brief A range of device memory: where it is, how long, and whose. `T` is std::byte or
@@ -383,8 +386,9 @@ void fill_async(device_span dst, std::byte value, stream_view s);
 
 /// @brief Runs `fn` on a host thread once the work queued on `s` before it has completed; work
 /// queued after it waits for it. Does not synchronise. `fn` must not call taskswap device
-/// functions (as with cudaLaunchHostFunc); an exception it throws is kept and rethrown by the
-/// stream's next synchronize().
+/// functions, nor own (capture by value) the last reference to a taskswap stream, event, buffer or
+/// device, whose destruction would call the device from the callback (as with cudaLaunchHostFunc).
+/// An exception it throws is kept and rethrown by the stream's next synchronize().
 void launch_host_func(stream_view s, std::function<void()> fn);
 
 }  // namespace taskswap

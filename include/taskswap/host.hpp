@@ -63,7 +63,7 @@ struct pinned_arena_options {
   int numa_node = -1;                  ///< OS index of the node to bind to; -1: the device's node
   bool huge_pages = false;             ///< 2 MiB pages: hugetlbfs where reserved, else transparent
   bool lock_pages = false;             ///< emulated backend: mlock (the cuda backend always locks)
-  std::size_t chunk_bytes = std::size_t{256} << 20;  ///< unit of parallel pre-faulting, locking, progress
+  std::size_t chunk_bytes = std::size_t{256} << 20;  ///< unit of pre-faulting, locking, progress (whole pages)
   unsigned threads = 0;                ///< pre-fault threads; 0: the node's CPUs
   std::function<void(const pin_progress&)> on_progress{};  ///< called after each chunk
 };
@@ -73,7 +73,7 @@ struct pinned_arena_stats {
   std::size_t reserved = 0;       ///< mapped bytes (the request rounded up to the page size)
   std::size_t used = 0;           ///< bytes in live slabs, alignment padding included
   std::size_t pinned = 0;         ///< bytes page-locked for the device
-  std::size_t largest_free = 0;   ///< the largest slab that could be allocated now
+  std::size_t largest_free = 0;   ///< the largest free block (a slab that size fits if aligned at its start)
   std::size_t slabs = 0;          ///< live slabs
   /// @brief 1 - largest_free / free: 0 when the free space is one block.
   [[nodiscard]] double fragmentation() const noexcept

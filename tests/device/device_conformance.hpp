@@ -215,6 +215,7 @@ TYPED_TEST_P(device_conformance, HostWaitsOnEvents)
   release.set_value();
   EXPECT_TRUE(done.synchronize_for(30s));
   EXPECT_TRUE(ran);
+  EXPECT_TRUE(done.synchronize_for(std::chrono::nanoseconds::max()));  // no deadline overflow
   EXPECT_TRUE(done.query());
   done.synchronize();
 }
@@ -304,6 +305,27 @@ TYPED_TEST_P(device_conformance, HostFunctionErrorsReachSynchronize)
   s.synchronize();  // reported once
 }
 
+TYPED_TEST_P(device_conformance, HostFunctionErrorsStayWithTheirStream)
+{
+  const device dev = this->make();
+  event done(dev);
+  {
+    stream doomed(dev);
+    launch_host_func(doomed, [] {
+      std::this_thread::sleep_for(5ms);
+      throw std::runtime_error("error of a destroyed stream");
+    });
+    done.record(doomed);
+  }  // destroyed with the throwing function still queued
+  done.synchronize();
+  // Streams made now may reuse the destroyed stream's handle; none inherits its error.
+  for (int i = 0; i < 8; ++i) {
+    stream fresh(dev);
+    launch_host_func(fresh, [] {});
+    EXPECT_NO_THROW(fresh.synchronize());
+  }
+}
+
 TYPED_TEST_P(device_conformance, RejectsBadArgumentsWithClearErrors)
 {
   const device dev = this->make();
@@ -342,6 +364,9 @@ TYPED_TEST_P(device_conformance, RejectsBadArgumentsWithClearErrors)
   expect_message([&] { launch_host_func(s, {}); }, "empty function");
   event plain(dev);
   expect_message([&] { static_cast<void>(elapsed_ms(plain, e)); }, "timing = true");
+  event never_a(dev, {.timing = true});
+  event never_b(dev, {.timing = true});
+  expect_message([&] { static_cast<void>(elapsed_ms(never_a, never_b)); }, "two recorded events");
   // Nothing was enqueued by the refused calls.
   s.synchronize();
   EXPECT_TRUE(s.query());
@@ -397,6 +422,7 @@ REGISTER_TYPED_TEST_SUITE_P(device_conformance, ExecutesInOrderWithinStream,
                             HostWaitsOnEvents, WaitSeesTheRecordCurrentWhenIssued,
                             DestroyingAStreamWithQueuedWorkCompletesTheWork,
                             DestroyingABufferWaitsForQueuedWork, HostFunctionErrorsReachSynchronize,
+                            HostFunctionErrorsStayWithTheirStream,
                             RejectsBadArgumentsWithClearErrors, TimingEventsMeasureElapsedTime,
                             StreamPrioritiesAndOwnershipMoves);
 
