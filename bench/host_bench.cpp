@@ -4,8 +4,9 @@
 // host_adamw: one AdamW step over 64 Mi parameters in the pinned arena (fp32 master and moments;
 //   fp32 gradients, or bf16 gradients with a bf16 parameter copy written in the same pass). The
 //   anchor, measured in the same benchmark, is a STREAM-style kernel with the same access pattern
-//   (the same arrays read and written, one add per element) and the same threads. roofline_ratio =
-//   AdamW bytes/s over the anchor's bytes/s, counting 28 bytes per parameter in both cases.
+//   (the same arrays read and written, one add per element) and the same threads, timed in every
+//   iteration beside AdamW. roofline_ratio = AdamW bytes/s over the anchor's bytes/s (mean over the
+//   iterations), counting 28 bytes per parameter in both cases.
 // host_pin: building a 1 GiB arena (bind, parallel pre-fault, page-lock), in GiB/s.
 
 #include "host/cpu_adamw.hpp"
@@ -132,17 +133,19 @@ void host_adamw(benchmark::State& state)
   detail::host_task_arena threads(static_cast<int>(arena.numa_node()), 0);
   const adamw_unit unit(arena, grad);
   const detail::adamw_scalars k = detail::make_adamw_scalars({}, 1);
-  // Warm-up, then the anchor (best of 3), measured here so the ratio comes from one run.
+  // Warm-up, then AdamW and the anchor in turn in every iteration, so both see the same machine
+  // (this VM's memory bandwidth drifts by several percent over seconds).
   detail::cpu_adamw_step(unit.slabs(), k, threads);
   stream_like(unit, threads);
-  double anchor = 1e30;
-  for (int i = 0; i < 3; ++i) { anchor = std::min(anchor, seconds_of([&] { stream_like(unit, threads); })); }
   double total = 0.0;
+  double anchor_total = 0.0;
   for (auto _ : state) {
     const double t = seconds_of([&] { detail::cpu_adamw_step(unit.slabs(), k, threads); });
     state.SetIterationTime(t);
     total += t;
+    anchor_total += seconds_of([&] { stream_like(unit, threads); });
   }
+  const double anchor = anchor_total / static_cast<double>(state.iterations());
   const double per_step = total / static_cast<double>(state.iterations());
   state.SetBytesProcessed(static_cast<std::int64_t>(unit.bytes()) * state.iterations());
   state.counters["params_per_s"] = static_cast<double>(params) / per_step;

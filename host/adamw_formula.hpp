@@ -23,6 +23,7 @@
 #include <taskswap/dtype.hpp>
 #include <taskswap/optimizer.hpp>
 
+#include <cstddef>
 #include <cstdint>
 
 // Host code uses compiler builtins, not <cmath>: the vector translation units are compiled for
@@ -180,6 +181,27 @@ TASKSWAP_HOST_DEVICE static inline std::uint16_t float_to_f16(float f)
   }
   const std::uint32_t rebased = magnitude - 0x38000000U;  // exponent 127 -> 15
   return static_cast<std::uint16_t>(sign | ((rebased + 0xFFFU + ((rebased >> 13U) & 1U)) >> 13U));
+}
+
+/// Element i of a slab of `type`, exactly widened to float.
+TASKSWAP_HOST_DEVICE static inline float widen_element(const void* slab, dtype type, std::size_t i)
+{
+  switch (type) {
+    case dtype::f32: return static_cast<const float*>(slab)[i];
+    case dtype::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(slab)[i]);
+    case dtype::f16: return f16_to_float(static_cast<const std::uint16_t*>(slab)[i]);
+  }
+  return 0.0F;
+}
+
+/// Stores x as element i of a slab of `type`, rounded to nearest even, NaN canonical.
+TASKSWAP_HOST_DEVICE static inline void narrow_element(void* slab, dtype type, std::size_t i, float x)
+{
+  switch (type) {
+    case dtype::f32: static_cast<float*>(slab)[i] = canonical(x); return;
+    case dtype::bf16: static_cast<std::uint16_t*>(slab)[i] = float_to_bf16(x); return;
+    case dtype::f16: static_cast<std::uint16_t*>(slab)[i] = float_to_f16(x); return;
+  }
 }
 
 }  // namespace taskswap::detail

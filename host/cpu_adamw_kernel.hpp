@@ -17,18 +17,6 @@ namespace {
 
 enum class param_copy { none, bf16, f16 };
 
-template <dtype G>
-inline float load_grad(const void* grad, std::size_t i)
-{
-  if constexpr (G == dtype::f32) {
-    return static_cast<const float*>(grad)[i];
-  } else if constexpr (G == dtype::bf16) {
-    return bf16_to_float(static_cast<const std::uint16_t*>(grad)[i]);
-  } else {
-    return f16_to_float(static_cast<const std::uint16_t*>(grad)[i]);
-  }
-}
-
 template <typename V, dtype G>
 inline typename V::reg load_grad_vector(const void* grad, std::size_t i)
 {
@@ -74,7 +62,7 @@ void adamw_loop(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin,
     }
   }
   for (; i < end; ++i) {
-    adamw_element(load_grad<G>(s.grad, i), s.master[i], s.m[i], s.v[i], k);
+    adamw_element(widen_element(s.grad, G, i), s.master[i], s.m[i], s.v[i], k);
     if constexpr (P == param_copy::bf16) { static_cast<std::uint16_t*>(s.params)[i] = float_to_bf16(s.master[i]); }
     if constexpr (P == param_copy::f16) { static_cast<std::uint16_t*>(s.params)[i] = float_to_f16(s.master[i]); }
   }

@@ -29,18 +29,6 @@ __device__ inline std::size_t first_index() { return std::size_t{blockIdx.x} * b
 __device__ inline std::size_t grid_stride() { return std::size_t{gridDim.x} * blockDim.x; }
 
 template <dtype G>
-__device__ inline float grad_at(const void* g, std::size_t i)
-{
-  if constexpr (G == dtype::f32) {
-    return static_cast<const float*>(g)[i];
-  } else if constexpr (G == dtype::bf16) {
-    return bf16_to_float(static_cast<const std::uint16_t*>(g)[i]);
-  } else {
-    return f16_to_float(static_cast<const std::uint16_t*>(g)[i]);
-  }
-}
-
-template <dtype G>
 __device__ inline float widen16(std::uint32_t bits)
 {
   const auto h = static_cast<std::uint16_t>(bits);
@@ -108,27 +96,8 @@ __global__ void __launch_bounds__(threads_per_block)
   const std::size_t singles = head + (s.count - tail);
   for (std::size_t j = first_index(); j < singles; j += stride) {
     const std::size_t i = j < head ? j : tail + (j - head);
-    adamw_element(grad_at<G>(s.grad, i), s.master[i], s.m[i], s.v[i], k);
+    adamw_element(widen_element(s.grad, G, i), s.master[i], s.m[i], s.v[i], k);
     store_copy<P>(s.params, i, s.master[i]);
-  }
-}
-
-__device__ inline float widen_any(const void* p, dtype type, std::size_t i)
-{
-  switch (type) {
-    case dtype::f32: return static_cast<const float*>(p)[i];
-    case dtype::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(p)[i]);
-    case dtype::f16: return f16_to_float(static_cast<const std::uint16_t*>(p)[i]);
-  }
-  return 0.0F;
-}
-
-__device__ inline void narrow_any(void* p, dtype type, std::size_t i, float x)
-{
-  switch (type) {
-    case dtype::f32: static_cast<float*>(p)[i] = canonical(x); return;
-    case dtype::bf16: static_cast<std::uint16_t*>(p)[i] = float_to_bf16(x); return;
-    case dtype::f16: static_cast<std::uint16_t*>(p)[i] = float_to_f16(x); return;
   }
 }
 
@@ -137,9 +106,9 @@ __global__ void __launch_bounds__(threads_per_block)
 {
   bool nonfinite = false;
   for (std::size_t i = first_index(); i < count; i += grid_stride()) {
-    const float y = mul_rn(widen_any(grad, type, i), factor);
+    const float y = mul_rn(widen_element(grad, type, i), factor);
     nonfinite = nonfinite || !(y - y == 0.0F);  // false for inf and NaN
-    narrow_any(grad, type, i, y);
+    narrow_element(grad, type, i, y);
   }
   if (nonfinite) { atomicOr(found_nonfinite, 1); }
 }
@@ -148,7 +117,7 @@ __global__ void __launch_bounds__(threads_per_block)
   cast_kernel(void* dst, dtype dst_type, const void* src, dtype src_type, std::size_t count)
 {
   for (std::size_t i = first_index(); i < count; i += grid_stride()) {
-    narrow_any(dst, dst_type, i, widen_any(src, src_type, i));
+    narrow_element(dst, dst_type, i, widen_element(src, src_type, i));
   }
 }
 

@@ -14,25 +14,6 @@ namespace taskswap::detail {
 
 namespace {
 
-float widen(const void* p, dtype type, std::size_t i)
-{
-  switch (type) {
-    case dtype::f32: return static_cast<const float*>(p)[i];
-    case dtype::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(p)[i]);
-    case dtype::f16: return f16_to_float(static_cast<const std::uint16_t*>(p)[i]);
-  }
-  return 0.0F;
-}
-
-void narrow(void* p, dtype type, std::size_t i, float x)
-{
-  switch (type) {
-    case dtype::f32: static_cast<float*>(p)[i] = canonical(x); return;
-    case dtype::bf16: static_cast<std::uint16_t*>(p)[i] = float_to_bf16(x); return;
-    case dtype::f16: static_cast<std::uint16_t*>(p)[i] = float_to_f16(x); return;
-  }
-}
-
 void expect_aligned(const void* p, dtype type, const char* what)
 {
   const auto address = reinterpret_cast<std::uintptr_t>(p);  // NOLINT: alignment check
@@ -50,16 +31,16 @@ void host_unscale_and_check(void* grad, dtype type, std::size_t count, float fac
 {
   bool nonfinite = false;
   for (std::size_t i = 0; i < count; ++i) {
-    const float y = mul_rn(widen(grad, type, i), factor);
+    const float y = mul_rn(widen_element(grad, type, i), factor);
     nonfinite = nonfinite || !(y - y == 0.0F);  // false for inf and NaN
-    narrow(grad, type, i, y);
+    narrow_element(grad, type, i, y);
   }
   if (nonfinite) { *found_nonfinite = 1; }
 }
 
 void host_cast(void* dst, dtype dst_type, const void* src, dtype src_type, std::size_t count)
 {
-  for (std::size_t i = 0; i < count; ++i) { narrow(dst, dst_type, i, widen(src, src_type, i)); }
+  for (std::size_t i = 0; i < count; ++i) { narrow_element(dst, dst_type, i, widen_element(src, src_type, i)); }
 }
 
 void host_fill(void* dst, dtype type, std::size_t count, float value)
