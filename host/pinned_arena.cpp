@@ -4,6 +4,7 @@
 // aligned slabs best-fit with coalescing.
 
 #include "device/backend.hpp"
+#include "device/best_fit_ranges.hpp"
 #include "device/expects.hpp"
 #include "device/log.hpp"
 #include "device/message.hpp"
@@ -20,9 +21,8 @@
 #include <chrono>
 #include <cstring>
 #include <future>
-#include <map>
 #include <mutex>
-#include <set>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -79,9 +79,6 @@ struct pinned_arena::impl {
   void lock();
   void release_registrations() noexcept;
 
-  void insert_free(std::size_t offset, std::size_t size);
-  void erase_free(std::map<std::size_t, std::size_t>::iterator it);
-
   device dev;
   pinned_arena_options options;
   unsigned node = 0;
@@ -91,16 +88,8 @@ struct pinned_arena::impl {
   std::size_t pinned = 0;
   std::vector<std::pair<std::size_t, std::size_t>> registrations;  // offset, bytes
 
-  struct slab_extent {
-    std::size_t block_offset;  // where the block starts (alignment padding first)
-    std::size_t block_size;
-    std::size_t size;          // bytes the caller asked for
-  };
   mutable std::mutex mutex;
-  std::map<std::size_t, std::size_t> free_by_offset;           // offset -> size
-  std::set<std::pair<std::size_t, std::size_t>> free_by_size;  // (size, offset)
-  std::map<std::size_t, slab_extent> live;                     // slab offset -> extent
-  std::size_t used = 0;
+  std::optional<detail::best_fit_ranges> slabs;  // placed once the pages are mapped
 };
 
 void pinned_arena::impl::map_pages()
@@ -205,33 +194,6 @@ pinned_arena::impl::~impl()
   if (base != nullptr) { ::munmap(base, reserved); }
 }
 
-void pinned_arena::impl::insert_free(std::size_t offset, std::size_t size)
-{
-  // Coalesce with the free neighbours on both sides.
-  auto next = free_by_offset.lower_bound(offset);
-  if (next != free_by_offset.end() && offset + size == next->first) {
-    size += next->second;
-    erase_free(next);
-  }
-  auto prev = free_by_offset.lower_bound(offset);
-  if (prev != free_by_offset.begin()) {
-    --prev;
-    if (prev->first + prev->second == offset) {
-      offset = prev->first;
-      size += prev->second;
-      erase_free(prev);
-    }
-  }
-  free_by_offset.emplace(offset, size);
-  free_by_size.emplace(size, offset);
-}
-
-void pinned_arena::impl::erase_free(std::map<std::size_t, std::size_t>::iterator it)
-{
-  free_by_size.erase({it->second, it->first});
-  free_by_offset.erase(it);
-}
-
 pinned_arena::pinned_arena(const device& dev, pinned_arena_options options)
     : impl_(std::make_unique<impl>(dev, std::move(options)))
 {
@@ -261,8 +223,7 @@ pinned_arena::pinned_arena(const device& dev, pinned_arena_options options)
   a.bind();
   a.prefault();
   a.lock();
-  a.free_by_offset.emplace(0, a.reserved);
-  a.free_by_size.emplace(a.reserved, 0);
+  a.slabs.emplace(a.reserved, reinterpret_cast<std::uintptr_t>(a.base));  // NOLINT: alignment of real addresses
 }
 
 pinned_arena::~pinned_arena() = default;
@@ -276,25 +237,13 @@ std::span<std::byte> pinned_arena::allocate(std::size_t bytes, std::size_t align
                    detail::message("slab alignment must be a power of two of at least 256, got ", alignment));
   auto& a = *impl_;
   const std::lock_guard lock(a.mutex);
-  const auto base_address = reinterpret_cast<std::uintptr_t>(a.base);  // NOLINT: alignment arithmetic
-  for (auto it = a.free_by_size.lower_bound({bytes, 0}); it != a.free_by_size.end(); ++it) {
-    const auto [block_size, block_offset] = *it;
-    const std::size_t aligned = round_up(base_address + block_offset, alignment) - base_address;
-    const std::size_t taken = aligned - block_offset + bytes;
-    if (taken > block_size) { continue; }
-    a.erase_free(a.free_by_offset.find(block_offset));
-    if (taken < block_size) { a.insert_free(block_offset + taken, block_size - taken); }
-    a.live.emplace(aligned, impl::slab_extent{block_offset, taken, bytes});
-    a.used += taken;
-    return {a.base + aligned, bytes};
-  }
-  const std::size_t largest = a.free_by_size.empty() ? 0 : a.free_by_size.rbegin()->first;
+  if (const auto offset = a.slabs->allocate(bytes, alignment)) { return {a.base + *offset, bytes}; }
   throw out_of_memory(
     detail::message("pinned arena on node ", a.node, ": no free block holds ", detail::bytes_text(bytes),
-                    " aligned to ", alignment, "; ", detail::bytes_text(a.reserved - a.used), " free in ",
-                    a.free_by_offset.size(), " block(s), the largest ", detail::bytes_text(largest), ", of ",
-                    detail::bytes_text(a.reserved), "; free slabs first or make the arena larger"),
-    bytes, a.reserved - a.used, a.reserved);
+                    " aligned to ", alignment, "; ", detail::bytes_text(a.reserved - a.slabs->used()), " free in ",
+                    a.slabs->free_blocks(), " block(s), the largest ", detail::bytes_text(a.slabs->largest_free()),
+                    ", of ", detail::bytes_text(a.reserved), "; free slabs first or make the arena larger"),
+    bytes, a.reserved - a.slabs->used(), a.reserved);
 }
 
 void pinned_arena::deallocate(std::span<std::byte> slab)
@@ -302,22 +251,16 @@ void pinned_arena::deallocate(std::span<std::byte> slab)
   auto& a = *impl_;
   const std::lock_guard lock(a.mutex);
   const bool inside = slab.data() >= a.base && slab.data() < a.base + a.reserved;
-  const auto found = inside ? a.live.find(static_cast<std::size_t>(slab.data() - a.base)) : a.live.end();
-  TASKSWAP_EXPECTS(found != a.live.end() && found->second.size == slab.size(),
+  TASKSWAP_EXPECTS(inside && a.slabs->deallocate(static_cast<std::size_t>(slab.data() - a.base), slab.size()),
                    detail::message("pinned_arena::deallocate: ", slab.size(), " bytes at ",
-                                   static_cast<const void*>(slab.data()),
-                                   " is not a live slab of this arena"));
-  const impl::slab_extent extent = found->second;
-  a.live.erase(found);
-  a.used -= extent.block_size;
-  a.insert_free(extent.block_offset, extent.block_size);
+                                   static_cast<const void*>(slab.data()), " is not a live slab of this arena"));
 }
 
 pinned_arena_stats pinned_arena::stats() const
 {
   const auto& a = *impl_;
   const std::lock_guard lock(a.mutex);
-  return {a.reserved, a.used, a.pinned, a.free_by_size.empty() ? 0 : a.free_by_size.rbegin()->first, a.live.size()};
+  return {a.reserved, a.slabs->used(), a.pinned, a.slabs->largest_free(), a.slabs->live()};
 }
 
 unsigned pinned_arena::numa_node() const noexcept { return impl_->node; }
