@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "host/topology.hpp"
+#include "expect_error.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -20,17 +21,6 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
 device emulated() { return emulated_device({.memory_bytes = MiB}); }
 
 std::size_t page() { return static_cast<std::size_t>(::sysconf(_SC_PAGESIZE)); }
-
-template <typename Call>
-void expect_error_mentioning(Call&& call, const std::string& needle)
-{
-  try {
-    call();
-    ADD_FAILURE() << "no exception; expected one mentioning '" << needle << "'";
-  } catch (const error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
 
 TEST(pinned_arena, ReservesExactlyTheBytesAskedRoundedToAPage)
 {

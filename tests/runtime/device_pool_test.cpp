@@ -1,5 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "runtime/device_pool.hpp"
+#include "expect_error.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -14,17 +15,6 @@ namespace taskswap::test {
 namespace {
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
-
-template <typename Call>
-void expect_error_mentioning(Call&& call, const std::string& needle)
-{
-  try {
-    call();
-    ADD_FAILURE() << "no exception; expected one mentioning '" << needle << "'";
-  } catch (const error& e) {
-    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
-  }
-}
 
 TEST(device_pool, HoldsExactlyTheBudgetInOneAllocation)
 {
