@@ -31,7 +31,7 @@ device_pool::device_pool(const device& dev, std::size_t budget)
 {
 }
 
-device_span device_pool::allocate(std::size_t bytes, std::size_t alignment)
+std::optional<device_span> device_pool::try_allocate(std::size_t bytes, std::size_t alignment)
 {
   TASKSWAP_EXPECTS(bytes > 0, "device pool allocation of 0 bytes");
   TASKSWAP_EXPECTS(alignment >= 256 && (alignment & (alignment - 1)) == 0,
@@ -41,6 +41,13 @@ device_span device_pool::allocate(std::size_t bytes, std::size_t alignment)
     peak_ = std::max(peak_, ranges_.used());
     return memory_.span(*offset, bytes);
   }
+  return std::nullopt;
+}
+
+device_span device_pool::allocate(std::size_t bytes, std::size_t alignment)
+{
+  if (auto range = try_allocate(bytes, alignment)) { return *range; }
+  const std::lock_guard lock(mutex_);
   const std::size_t budget = ranges_.capacity();
   throw out_of_memory(message("device pool on ", get_device().name(), ": no free block holds ", bytes_text(bytes),
                               "; ", bytes_text(budget - ranges_.used()), " of the ", bytes_text(budget),

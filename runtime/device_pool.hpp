@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <mutex>
+#include <optional>
 
 namespace taskswap::detail {
 
@@ -38,6 +39,8 @@ class device_pool {
   /// A range of `bytes` aligned to `alignment` (a power of two, at least 256).
   /// @throws out_of_memory naming the budget, the bytes in use and the largest free block
   [[nodiscard]] device_span allocate(std::size_t bytes, std::size_t alignment = 256);
+  /// As allocate(), but nothing when no free block holds it.
+  [[nodiscard]] std::optional<device_span> try_allocate(std::size_t bytes, std::size_t alignment = 256);
   /// Returns a range obtained from allocate(). The caller orders it after the range's last use
   /// on every stream (the runtime does so with events).
   /// @throws invalid_argument if `range` is not a live allocation of this pool

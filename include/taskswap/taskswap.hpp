@@ -5,8 +5,11 @@
 /// @brief The one header a user includes.
 
 #include <taskswap/build_info.hpp>
+#include <taskswap/config.hpp>
 #include <taskswap/device.hpp>
 #include <taskswap/dtype.hpp>
 #include <taskswap/error.hpp>
 #include <taskswap/host.hpp>
 #include <taskswap/log.hpp>
+#include <taskswap/optimizer.hpp>
+#include <taskswap/runtime.hpp>

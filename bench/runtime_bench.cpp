@@ -1,0 +1,185 @@
+// SPDX-License-Identifier: Apache-2.0
+// Runtime benchmarks.
+//
+// runtime_acquire_release: host time of one acquire + release (all hits: the plan runs ahead)
+//   with 1,000 and 10,000 registered units; us_per_op. Target ≤ 5 µs (DESIGN.md). With a budget
+//   for 64 units the calls also issue a step's eviction and prefetch (four stream operations).
+// runtime_overlap: a training loop over task units that do not all fit, on the emulated device
+//   with a 5 GB/s link, against the same loop with every unit resident, in the same run.
+//   Each step acquires one task unit, "computes" for compute_factor × the step's transfer time
+//   (a host function that sleeps on the compute stream, so it costs no CPU), runs AdamW on the
+//   device, and releases it; swapping moves the unit's parameters and moments both ways.
+//   step_time_ratio = step time swapping / step time all-resident. Target ≤ 1.03.
+
+#include <taskswap/taskswap.hpp>
+
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <deque>
+#include <thread>
+#include <vector>
+
+namespace {
+
+using namespace taskswap;
+using clock_type = std::chrono::steady_clock;
+
+unit_spec task_unit(std::size_t index, std::size_t elements, residency r, int lookahead)
+{
+  unit_spec u;
+  u.name = "task/" + std::to_string(index);
+  u.tensors = {{"w", {elements}}};
+  u.policy = unit_policy{r, lookahead, optimizer_placement::device};
+  return u;
+}
+
+void runtime_acquire_release(benchmark::State& state)
+{
+  const auto units = static_cast<std::size_t>(state.range(0));
+  const auto resident_units = static_cast<std::size_t>(state.range(1));
+  constexpr std::size_t elements = 256;  // 4 KiB per unit on the device
+  std::vector<unit_spec> specs;
+  for (std::size_t i = 0; i < units; ++i) { specs.push_back(task_unit(i, elements, residency::prefetch, 2)); }
+  runtime_options options;
+  options.device.budget = resident_units * 4 * elements * sizeof(float);
+  const device dev = emulated_device({.memory_bytes = options.device.budget, .link = {}});
+  runtime rt(dev, options, specs);
+  stream s(dev);
+  std::size_t next_planned = 0;
+  const auto plan_ahead = [&](std::size_t upto) {
+    for (; next_planned < upto; ++next_planned) { rt.plan(step_plan{unit_id{static_cast<std::uint32_t>(next_planned % units)}}); }
+  };
+  plan_ahead(8);
+  std::size_t k = 0;
+  std::size_t ops = 0;
+  double seconds = 0;
+  for (auto _ : state) {
+    plan_ahead(k + 8);
+    const unit_id u{static_cast<std::uint32_t>(k % units)};
+    const auto begin = clock_type::now();
+    const unit_view v = rt.acquire(u, s);
+    rt.release(u, s);
+    const auto end = clock_type::now();
+    benchmark::DoNotOptimize(v.params.data);
+    (void)rt.end_step();
+    if (++k % 1024 == 0) { s.synchronize(); }  // keep the emulated queues short
+    const double t = std::chrono::duration<double>(end - begin).count();
+    state.SetIterationTime(t);
+    seconds += t;
+    ++ops;
+  }
+  s.synchronize();
+  const runtime_stats st = rt.stats();
+  state.counters["us_per_op"] = seconds / static_cast<double>(std::max<std::size_t>(ops, 1)) * 1e6;
+  state.counters["misses"] = static_cast<double>(st.total.misses);
+}
+
+// One training loop: `steps` steps, each on the next task of a seeded round-robin, planned
+// `lookahead + 2` steps ahead. Returns the wall time of the steps, the device idle at both ends.
+struct loop_result {
+  double seconds = 0;
+  step_stats totals{};
+};
+
+loop_result train(runtime& rt, stream& s, std::size_t tasks, std::size_t steps, std::chrono::microseconds compute,
+                  std::size_t& next_planned, std::size_t& next_step)
+{
+  const auto task_of = [&](std::size_t k) { return unit_id{static_cast<std::uint32_t>((k * 5 + k / tasks) % tasks)}; };
+  const auto plan_ahead = [&](std::size_t upto) {
+    for (; next_planned < upto; ++next_planned) { rt.plan(step_plan{task_of(next_planned)}); }
+  };
+  const runtime_stats before = rt.stats();
+  rt.flush();
+  s.synchronize();
+  const auto begin = clock_type::now();
+  for (std::size_t i = 0; i < steps; ++i, ++next_step) {
+    plan_ahead(next_step + 4);
+    const unit_id u = task_of(next_step);
+    (void)rt.acquire(u, s);
+    launch_host_func(s, [compute] { std::this_thread::sleep_for(compute); });
+    rt.step(u, s);
+    rt.release(u, s);
+    (void)rt.end_step();
+  }
+  s.synchronize();
+  const auto end = clock_type::now();
+  loop_result r;
+  r.seconds = std::chrono::duration<double>(end - begin).count();
+  const runtime_stats after = rt.stats();
+  r.totals.h2d_bytes = after.total.h2d_bytes - before.total.h2d_bytes;
+  r.totals.d2h_bytes = after.total.d2h_bytes - before.total.d2h_bytes;
+  r.totals.stall_ms = after.total.stall_ms - before.total.stall_ms;
+  r.totals.misses = after.total.misses - before.total.misses;
+  return r;
+}
+
+void runtime_overlap(benchmark::State& state)
+{
+  constexpr double link = 5e9;
+  constexpr std::size_t tasks = 8;
+  const auto elements = static_cast<std::size_t>(state.range(0));
+  const double compute_factor = static_cast<double>(state.range(1)) / 100.0;
+  constexpr std::size_t steps = 24;
+
+  // Swapping: room for three units (the step's, and two on their way in or out).
+  std::vector<unit_spec> swapped_specs;
+  std::vector<unit_spec> resident_specs;
+  for (std::size_t i = 0; i < tasks; ++i) {
+    swapped_specs.push_back(task_unit(i, elements, residency::prefetch, 1));
+    resident_specs.push_back(task_unit(i, elements, residency::pinned, 1));
+  }
+  const std::size_t unit_bytes = 4 * elements * sizeof(float);  // params, m, v, grads (f32)
+  const std::size_t travel = 3 * elements * sizeof(float);
+  runtime_options swapped_options;
+  swapped_options.device.budget = 3 * unit_bytes;
+  runtime_options resident_options;
+  resident_options.device.budget = tasks * unit_bytes;
+  const device swapped_dev = emulated_device({.memory_bytes = swapped_options.device.budget, .link = {.bytes_per_second = link}});
+  const device resident_dev = emulated_device({.memory_bytes = resident_options.device.budget, .link = {.bytes_per_second = link}});
+  runtime swapped(swapped_dev, swapped_options, swapped_specs);
+  runtime resident(resident_dev, resident_options, resident_specs);
+  stream swapped_stream(swapped_dev);
+  stream resident_stream(resident_dev);
+
+  // Per step: one unit in and one out, on separate directions of the link.
+  const auto transfer = std::chrono::duration<double>(static_cast<double>(travel) / link);
+  const auto compute = std::chrono::duration_cast<std::chrono::microseconds>(transfer * compute_factor);
+  std::size_t swapped_planned = 0, swapped_step = 0, resident_planned = 0, resident_step = 0;
+  (void)train(swapped, swapped_stream, tasks, tasks, compute, swapped_planned, swapped_step);  // warm-up
+  (void)train(resident, resident_stream, tasks, tasks, compute, resident_planned, resident_step);
+
+  double swapped_seconds = 0, resident_seconds = 0, stall_ms = 0;
+  std::size_t h2d = 0, d2h = 0, misses = 0;
+  for (auto _ : state) {
+    const loop_result a = train(resident, resident_stream, tasks, steps, compute, resident_planned, resident_step);
+    const loop_result b = train(swapped, swapped_stream, tasks, steps, compute, swapped_planned, swapped_step);
+    resident_seconds += a.seconds;
+    swapped_seconds += b.seconds;
+    stall_ms += b.totals.stall_ms;
+    h2d += b.totals.h2d_bytes;
+    d2h += b.totals.d2h_bytes;
+    misses += b.totals.misses;
+    state.SetIterationTime(b.seconds);
+  }
+  const double n = static_cast<double>(state.iterations()) * static_cast<double>(steps);
+  state.counters["step_time_ratio"] = swapped_seconds / resident_seconds;
+  state.counters["step_ms_swapped"] = swapped_seconds / n * 1e3;
+  state.counters["step_ms_resident"] = resident_seconds / n * 1e3;
+  state.counters["transfer_ms"] = transfer.count() * 1e3;
+  state.counters["compute_ms"] = static_cast<double>(compute.count()) / 1e3;
+  state.counters["stall_ms_per_step"] = stall_ms / n;
+  state.counters["h2d_MiB_per_step"] = static_cast<double>(h2d) / n / (1 << 20);
+  state.counters["d2h_MiB_per_step"] = static_cast<double>(d2h) / n / (1 << 20);
+  state.counters["misses"] = static_cast<double>(misses);
+}
+
+}  // namespace
+
+// {registered units, units the budget holds}: all resident (every acquire a hit, no copies), and
+// 64 resident (every step evicts one unit and prefetches another).
+BENCHMARK(runtime_acquire_release)
+  ->Args({1000, 1000})->Args({10000, 10000})->Args({1000, 64})->Args({10000, 64})
+  ->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(1.0);
+// 1 Mi f32 elements: 12 MiB travel each way per step, 2.5 ms at 5 GB/s; compute 1.25× and 2×.
+BENCHMARK(runtime_overlap)->Args({1 << 20, 125})->Args({1 << 20, 200})->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(4);

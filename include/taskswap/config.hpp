@@ -1,0 +1,34 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// @file
+/// @brief The TOML configuration (docs/configuration.md) and the device it names.
+
+#include <taskswap/device.hpp>
+#include <taskswap/runtime.hpp>
+
+#include <cstddef>
+#include <filesystem>
+#include <string_view>
+
+namespace taskswap {
+
+/// @brief Reads a configuration file.
+/// @throws config_error naming the file, line and key: unknown keys, wrong types, unknown
+/// policies, sizes without units; or a file that cannot be read
+[[nodiscard]] runtime_options load_config(const std::filesystem::path& file);
+
+/// @brief Parses configuration text; `source` names it in error messages.
+/// @throws config_error as load_config
+[[nodiscard]] runtime_options parse_config(std::string_view text, std::string_view source = "config");
+
+/// @brief "40 GiB", "512 MiB", "1.5 GB", "4096 B" → bytes. A unit is required.
+/// @throws config_error for anything else
+[[nodiscard]] std::size_t parse_size(std::string_view text);
+
+/// @brief The device `options` name: the CUDA device, or an emulated one whose memory is the
+/// budget unless given.
+/// @throws cuda_error, invalid_argument
+[[nodiscard]] device make_device(const device_options& options);
+
+}  // namespace taskswap

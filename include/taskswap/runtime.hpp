@@ -1,0 +1,307 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// @file
+/// @brief The runtime: units, residency policies, the plan, and the step protocol
+/// (acquire → grads_ready → step → release, then end_step).
+
+#include <taskswap/device.hpp>
+#include <taskswap/dtype.hpp>
+#include <taskswap/optimizer.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace taskswap {
+
+/// @brief Where a unit lives between uses.
+enum class residency : std::uint8_t {
+  pinned,     ///< always on the device (the trunk, typically)
+  prefetch,   ///< brought in ahead of use as the plan and its lookahead allow
+  on_demand,  ///< brought in at acquire
+};
+
+/// @brief Where a unit's AdamW step runs.
+enum class optimizer_placement : std::uint8_t {
+  device,  ///< master, m and v travel with the unit; the AdamW kernel runs on the device
+  host,    ///< only parameters and gradients travel; the CPU AdamW updates the home copy
+};
+
+[[nodiscard]] std::string_view to_string(residency r) noexcept;
+[[nodiscard]] std::string_view to_string(optimizer_placement p) noexcept;
+
+/// @brief A unit's residency policy and optimizer placement.
+struct unit_policy {
+  taskswap::residency residency = taskswap::residency::prefetch;
+  int lookahead = 2;  ///< prefetch: steps ahead of the current one (0: only within the current step)
+  optimizer_placement optimizer = optimizer_placement::device;
+};
+
+/// @brief A policy rule: applies to the units whose name matches the glob (fnmatch syntax);
+/// rules are applied in order over the defaults, so later rules win.
+struct unit_rule {
+  std::string match;
+  std::optional<taskswap::residency> residency;
+  std::optional<int> lookahead;
+  std::optional<optimizer_placement> optimizer;
+  std::string origin;  ///< where the rule came from ("file:line"), for error messages
+};
+
+/// @brief Which device the runtime uses, and how much of it.
+struct device_options {
+  backend_kind backend = backend_kind::cuda;
+  int index = 0;                 ///< cuda: the device ordinal
+  std::size_t budget = 0;        ///< device bytes the runtime may hold (required)
+  emulated_options emulated{.memory_bytes = 0, .link = {}};  ///< emulated: memory (0: the budget), link model
+};
+
+/// @brief The host side: where the home copies live and who runs the CPU AdamW.
+struct host_options {
+  int numa_node = -1;        ///< -1: the device's local node
+  bool huge_pages = false;
+  int optimizer_threads = 0; ///< CPU AdamW threads; 0: the node's CPUs
+};
+
+/// @brief How gradients are averaged across ranks (used by the reducer).
+enum class average_mode : std::uint8_t { contributors, world };
+/// @brief The communicator backend (used by the reducer).
+enum class comm_backend : std::uint8_t { none, nccl, mpi };
+
+/// @brief Communicator and reducer options.
+struct comm_options {
+  comm_backend backend = comm_backend::none;
+  std::size_t bucket_cap = std::size_t{25} << 20;
+  average_mode average = average_mode::contributors;
+  std::chrono::milliseconds timeout{300'000};
+};
+
+/// @brief Everything the TOML configuration holds (see load_config in config.hpp).
+struct runtime_options {
+  device_options device{};
+  host_options host{};
+  unit_policy defaults{};
+  std::vector<unit_rule> units{};   ///< applied in order over `defaults`
+  adamw_options optimizer{};
+  comm_options comm{};
+  bool measure_stall = true;        ///< time the compute stream's waits on swap-ins (events)
+  bool trace = false;               ///< record spans for write_trace()
+  std::string source = "options";   ///< where these options came from, for error messages
+};
+
+/// @brief A named tensor of a unit.
+struct tensor_spec {
+  std::string name;
+  std::vector<std::size_t> shape;
+};
+
+/// @brief What a trainer registers: a named set of tensors stored as one slab per kind.
+struct unit_spec {
+  std::string name;
+  std::vector<tensor_spec> tensors;
+  dtype compute = dtype::f32;          ///< parameters on the device
+  std::optional<dtype> grad{};         ///< gradients; default: the compute dtype
+  std::optional<unit_policy> policy{}; ///< overrides the options' defaults and rules
+};
+
+/// @brief A registered unit's handle.
+struct unit_id {
+  std::uint32_t value = 0;
+  friend bool operator==(unit_id, unit_id) = default;
+};
+
+/// @brief A tensor's place in its unit's slabs.
+struct tensor_info {
+  std::string name;
+  std::vector<std::size_t> shape;
+  std::size_t count = 0;   ///< elements
+  std::size_t offset = 0;  ///< first element in the unit's slabs
+};
+
+/// @brief A flat slab: `count` elements of `type` at `data`.
+struct slab_view {
+  void* data = nullptr;
+  dtype type = dtype::f32;
+  std::size_t count = 0;
+  [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(type); }
+};
+
+/// @brief A unit on the device, valid from acquire until release.
+struct unit_view {
+  unit_id id{};
+  std::span<const tensor_info> tensors;
+  slab_view params;  ///< compute dtype
+  slab_view grads;   ///< zero when the unit arrives and after each step; kernels accumulate into it
+  /// @brief Device address of tensor `i`'s parameters.
+  [[nodiscard]] void* param(std::size_t i) const;
+  /// @brief Device address of tensor `i`'s gradients.
+  [[nodiscard]] void* grad(std::size_t i) const;
+};
+
+/// @brief A unit's authoritative home copy in the pinned host arena. Current after
+/// runtime::flush() until the unit is next acquired.
+struct home_view {
+  unit_id id{};
+  std::span<const tensor_info> tensors;
+  slab_view params;  ///< compute dtype
+  slab_view master;  ///< f32; the same memory as params when the compute dtype is f32
+  slab_view m;
+  slab_view v;
+  std::int64_t step = 0;  ///< AdamW steps taken
+};
+
+/// @brief One planned training step: the ordered acquisitions (and, where a unit is let go
+/// before the step ends, its release), as the trainer will call them.
+class step_plan {
+ public:
+  struct entry {
+    unit_id unit;
+    bool acquire;
+  };
+  step_plan() = default;
+  /// @brief Acquisitions in this order, each held until the end of the step.
+  step_plan(std::initializer_list<unit_id> acquisitions);
+  explicit step_plan(std::span<const unit_id> acquisitions);
+
+  /// @brief Appends an acquisition.
+  step_plan& acquire(unit_id u);
+  /// @brief Appends a release (before the step's end) of a unit acquired earlier in the step.
+  step_plan& release(unit_id u);
+
+  [[nodiscard]] std::span<const entry> entries() const noexcept { return entries_; }
+
+ private:
+  std::vector<entry> entries_;
+};
+
+/// @brief Where a unit is now.
+enum class unit_state : std::uint8_t { home, resident, held };
+
+/// @brief Transfers, hits and stalls of one step (or of all steps, in runtime_stats::total).
+struct step_stats {
+  std::uint64_t step = 0;
+  std::size_t h2d_bytes = 0;
+  std::size_t d2h_bytes = 0;
+  std::size_t hits = 0;        ///< acquisitions whose unit was resident or on its way
+  std::size_t misses = 0;      ///< acquisitions that had to start the swap-in
+  std::size_t unplanned = 0;   ///< acquisitions the plan did not announce
+  std::size_t swap_ins = 0;
+  std::size_t write_backs = 0;
+  std::size_t evictions = 0;
+  double stall_ms = 0;         ///< the compute stream's measured wait on swap-ins
+  std::size_t peak_device_bytes = 0;
+};
+
+/// @brief Per-unit residency figures.
+struct unit_stats {
+  std::string name;
+  unit_state state = unit_state::home;
+  bool dirty = false;
+  std::size_t device_bytes = 0;
+  std::size_t home_bytes = 0;
+  std::size_t swap_ins = 0;
+  std::size_t write_backs = 0;
+  std::int64_t step = 0;
+  unit_policy policy{};
+};
+
+/// @brief Cumulative figures, the recent steps, and each unit.
+struct runtime_stats {
+  step_stats total;
+  std::vector<step_stats> steps;  ///< the most recent steps (up to 4096), oldest first
+  std::vector<unit_stats> units;
+  std::size_t budget = 0;
+  std::size_t pinned_device_bytes = 0;  ///< held by pinned units
+  std::size_t device_bytes_in_use = 0;
+  std::size_t home_bytes = 0;           ///< slab bytes at home
+  std::size_t host_bytes_pinned = 0;    ///< bytes page-locked for them
+  double pool_fragmentation = 0;
+};
+
+/// @brief The runtime: holds every unit's home copy in a pinned, NUMA-local arena and the
+/// resident ones in a device pool of the budget; moves them on its own copy streams as the plan
+/// says; runs AdamW where each unit's placement says.
+///
+/// One trainer thread calls the step protocol; the runtime is not thread-safe. No call of the
+/// step protocol waits for the device (invariant 4); dependencies are events on the trainer's
+/// stream and the runtime's copy streams.
+class runtime {
+ public:
+  /// @brief Lays out every unit's slabs in one pinned arena of exactly their size, applies the
+  /// policies and brings the pinned units onto the device.
+  /// @throws config_error for a unit that can never fit next to the pinned units, a duplicate
+  /// or empty name, a rule that matches no unit (with the rule's origin)
+  /// @throws out_of_memory when the device cannot hold the budget
+  runtime(const device& dev, const runtime_options& options, std::vector<unit_spec> units);
+  /// @brief Writes dirty units back and waits for the runtime's streams; never throws.
+  ~runtime();
+  runtime(const runtime&) = delete;
+  runtime& operator=(const runtime&) = delete;
+  runtime(runtime&&) noexcept;
+  runtime& operator=(runtime&&) noexcept;
+
+  /// @throws invalid_argument when no unit has that name
+  [[nodiscard]] unit_id find(std::string_view name) const;
+  [[nodiscard]] std::size_t unit_count() const noexcept;
+  [[nodiscard]] std::string_view name(unit_id u) const;
+  [[nodiscard]] const unit_policy& policy(unit_id u) const;
+  [[nodiscard]] std::size_t device_bytes(unit_id u) const;
+  [[nodiscard]] unit_state state(unit_id u) const;
+
+  /// @brief The home copy. Call flush() first for current values; writing to it between flush()
+  /// and the next acquire sets what the device will see.
+  [[nodiscard]] home_view home(unit_id u);
+
+  /// @brief Appends upcoming steps; the first step not yet begun is the next to run. Checks that
+  /// at every point of each step the pinned units plus the units held at once fit the budget.
+  /// @throws config_error naming the step, the units held and the bytes, when they do not
+  void plan(std::span<const step_plan> steps);
+  void plan(const step_plan& step) { plan(std::span<const step_plan>(&step, 1)); }
+
+  /// @brief Device views of `u`; `s` waits (on the device) for its swap-in. Does not synchronise.
+  /// @throws invalid_argument if `u` is already held
+  /// @throws out_of_memory if `u` does not fit next to the units held now (a step off its plan)
+  [[nodiscard]] unit_view acquire(unit_id u, stream_view s);
+  /// @brief `u`'s gradients are complete on `s`. Does not synchronise.
+  void grads_ready(unit_id u, stream_view s);
+  /// @brief One AdamW step of `u` after the work on `s`: on `s` (device placement), or on the
+  /// CPU after its gradients came home (host placement). Gradients are zero afterwards.
+  /// Does not synchronise.
+  void step(unit_id u, stream_view s);
+  /// @brief Ends the use of `u` on `s`; its device memory may be reused after the work on `s`.
+  /// Does not synchronise.
+  void release(unit_id u, stream_view s);
+  /// @brief Ends the step: moves to the next planned one and returns this step's figures (the
+  /// stall time of swap-ins not yet finished on the device is added when they finish).
+  /// @throws invalid_argument if a unit is still held
+  step_stats end_step();
+
+  /// @brief Writes dirty units back and waits until every home copy is current. Synchronises.
+  /// @throws invalid_argument if a unit is held
+  void flush();
+
+  /// @brief Replaces the AdamW hyperparameters for the following steps (learning-rate schedules).
+  void set_optimizer(const adamw_options& options);
+
+  [[nodiscard]] runtime_stats stats() const;
+  /// @brief Writes a Chrome trace (JSON; opens in Perfetto) of the spans recorded since
+  /// construction: a track per stream and a counter of device bytes in use. Synchronises.
+  /// @throws invalid_argument unless the options enabled the trace
+  void write_trace(const std::filesystem::path& file);
+
+  [[nodiscard]] const device& get_device() const noexcept;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace taskswap

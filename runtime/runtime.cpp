@@ -1,0 +1,911 @@
+// SPDX-License-Identifier: Apache-2.0
+// The runtime: unit registry, residency, the plan-driven prefetch scheduler and the step protocol.
+//
+// Streams: the trainer's compute stream(s); `h2d_` for swap-ins and parameter uploads; `d2h_` for
+// write-backs and, for host placement, gradients coming home; `host_opt_` whose host functions
+// run the CPU AdamW. Every dependency between them is an event:
+//   swap-in:    h2d waits for the events of the units whose memory it reuses (their release, and
+//               their write-back or gradient copy), and for the unit's own pending write-back or
+//               CPU step (its home copy is being written); then copies and records `arrived`.
+//   acquire:    the compute stream waits on `arrived`.
+//   release:    records `released` on the compute stream.
+//   write-back: d2h waits on `released`, copies home, records `written_back`.
+//   host step:  d2h waits on the step's point in the compute stream (`grads_done`), copies the
+//               gradients home, zeroes them, records `grads_copied`; host_opt waits, runs the CPU
+//               AdamW, records `host_updated`; the next upload of the parameters waits for it.
+// Decisions (what to bring in, what to evict, where it goes) are made on the host from the plan
+// and never wait for the device.
+
+#include <taskswap/runtime.hpp>
+
+#include "device/expects.hpp"
+#include "device/log.hpp"
+#include "device/message.hpp"
+#include "host/cpu_adamw.hpp"
+#include "host/host_task_arena.hpp"
+#include "kernels/kernels.hpp"
+#include "runtime/device_pool.hpp"
+#include "runtime/plan_queue.hpp"
+#include "runtime/trace.hpp"
+#include "runtime/unit_layout.hpp"
+
+#include <taskswap/host.hpp>
+
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <deque>
+#include <optional>
+#include <unordered_map>
+
+namespace taskswap {
+
+std::string_view to_string(residency r) noexcept
+{
+  switch (r) {
+    case residency::pinned: return "pinned";
+    case residency::on_demand: return "on_demand";
+    case residency::prefetch: break;
+  }
+  return "prefetch";
+}
+
+std::string_view to_string(optimizer_placement p) noexcept
+{
+  return p == optimizer_placement::host ? "host" : "device";
+}
+
+void* unit_view::param(std::size_t i) const
+{
+  TASKSWAP_EXPECTS(i < tensors.size(), detail::message("tensor ", i, " of a unit with ", tensors.size()));
+  return static_cast<std::byte*>(params.data) + tensors[i].offset * size_of(params.type);
+}
+
+void* unit_view::grad(std::size_t i) const
+{
+  TASKSWAP_EXPECTS(i < tensors.size(), detail::message("tensor ", i, " of a unit with ", tensors.size()));
+  return static_cast<std::byte*>(grads.data) + tensors[i].offset * size_of(grads.type);
+}
+
+step_plan::step_plan(std::initializer_list<unit_id> acquisitions)
+    : step_plan(std::span<const unit_id>(acquisitions.begin(), acquisitions.size()))
+{
+}
+
+step_plan::step_plan(std::span<const unit_id> acquisitions)
+{
+  entries_.reserve(acquisitions.size());
+  for (const unit_id u : acquisitions) { entries_.push_back({u, true}); }
+}
+
+step_plan& step_plan::acquire(unit_id u)
+{
+  entries_.push_back({u, true});
+  return *this;
+}
+
+step_plan& step_plan::release(unit_id u)
+{
+  entries_.push_back({u, false});
+  return *this;
+}
+
+namespace {
+
+using detail::bytes_text;
+using detail::message;
+
+constexpr std::size_t stats_history = 4096;
+
+struct unit_record {
+  std::string name;
+  unit_policy policy;
+  detail::unit_layout layout;
+  std::byte* home = nullptr;  // the unit's block in the pinned arena
+  std::optional<device_span> slot;
+  bool held = false;
+  bool dirty = false;         // the device copy is newer than home (device placement)
+  bool params_stale = false;  // home is newer than the device copy (host placement, after a step)
+  bool stepped_here = false;  // a host step read this residency's gradients
+  std::int64_t step = 0;
+  std::uint64_t last_release = 0;
+  std::size_t resident_index = 0;  // in runtime::impl::resident_
+  std::size_t swap_ins = 0;
+  std::size_t write_backs = 0;
+  event arrived;
+  event released;
+  std::optional<event> grads_ready_event;
+  std::optional<event> written_back;
+  std::optional<event> grads_done;
+  std::optional<event> grads_copied;
+  std::optional<event> host_updated;
+  std::size_t trace_span = 0;
+  std::uint32_t index = 0;  // its unit_id
+
+  unit_record(const device& dev, std::uint32_t i, std::string n, unit_policy p, detail::unit_layout l)
+      : name(std::move(n)), policy(p), layout(std::move(l)), arrived(dev), released(dev), index(i)
+  {
+  }
+  [[nodiscard]] bool resident() const noexcept { return slot.has_value(); }
+  [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
+};
+
+event& ensure(std::optional<event>& e, const device& dev)
+{
+  if (!e) { e.emplace(dev); }
+  return *e;
+}
+
+unit_policy resolve_policy(const unit_spec& spec, const runtime_options& options, std::vector<bool>& rule_used)
+{
+  if (spec.policy) { return *spec.policy; }
+  unit_policy p = options.defaults;
+  for (std::size_t i = 0; i < options.units.size(); ++i) {
+    const unit_rule& r = options.units[i];
+    if (fnmatch(r.match.c_str(), spec.name.c_str(), 0) != 0) { continue; }
+    rule_used[i] = true;
+    if (r.residency) { p.residency = *r.residency; }
+    if (r.lookahead) { p.lookahead = *r.lookahead; }
+    if (r.optimizer) { p.optimizer = *r.optimizer; }
+  }
+  return p;
+}
+
+std::string policy_hint(const unit_record& r)
+{
+  return r.policy.optimizer == optimizer_placement::device
+           ? "raise [device] budget or choose optimizer = \"host\" for it"
+           : "raise [device] budget";
+}
+
+}  // namespace
+
+struct runtime::impl {
+  impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs);
+  ~impl();
+
+  // Registration
+  void register_units(const runtime_options& options, std::vector<unit_spec> specs);
+  void place_homes();
+  void start();
+
+  // Residency
+  bool swap_in(unit_record& r, std::uint64_t use, bool for_acquire);
+  void fill_slot(unit_record& r);
+  std::optional<device_span> make_room(std::size_t bytes, std::uint64_t use, bool for_acquire);
+  unit_record* pick_victim(std::uint64_t use, bool for_acquire);
+  void evict(unit_record& r);
+  void write_back(unit_record& r);
+  void upload_params(unit_record& r);
+  void flush_h2d_waits();
+  void prefetch();
+  void add_resident(unit_record& r);
+  void remove_resident(unit_record& r);
+  void note_device_bytes();
+
+  // Plan checks
+  void check_step(const step_plan& step, std::uint64_t step_number) const;
+
+  // Stats
+  void resolve_stalls(bool wait);
+  step_stats* stats_of(std::uint64_t step);
+
+  unit_record& record(unit_id u)
+  {
+    TASKSWAP_EXPECTS(u.value < units_.size(), message("unit id ", u.value, " of ", units_.size(), " units"));
+    return units_[u.value];
+  }
+  unit_record& held_record(unit_id u, const char* what)
+  {
+    unit_record& r = record(u);
+    TASKSWAP_EXPECTS(r.held, message(what, "('", r.name, "'): the unit is not acquired; call acquire first"));
+    return r;
+  }
+  int compute_track(stream_view s);
+
+  device device_;
+  runtime_options options_;
+  std::deque<unit_record> units_;  // stable addresses: events are referenced from pending waits
+  std::unordered_map<std::string, std::uint32_t> by_name_;
+  std::size_t pinned_bytes_ = 0;
+  std::size_t largest_swapped_ = 0;
+  std::optional<pinned_arena> arena_;
+  std::optional<detail::device_pool> pool_;  // taken once the units are known to be valid
+  stream h2d_;
+  stream d2h_;
+  stream host_opt_;
+  std::optional<detail::host_task_arena> cpu_;
+  detail::plan_queue plan_;
+  std::size_t max_lookahead_ = 0;
+  std::vector<std::uint32_t> resident_;  // non-pinned resident units
+  std::vector<const event*> h2d_waits_;  // must precede the next write into pool memory
+  std::size_t held_count_ = 0;
+  std::size_t held_bytes_ = 0;
+  std::uint64_t tick_ = 0;
+  std::uint64_t steps_done_ = 0;
+  std::uint64_t planned_steps_ = 0;  // steps appended to the plan, over all time
+  bool started_ = false;
+
+  step_stats current_{};
+  step_stats total_{};
+  std::deque<step_stats> history_;
+  struct stall_timer {
+    event begin;
+    event end;
+    std::uint64_t step = 0;
+  };
+  std::vector<stall_timer> stalls_pending_;
+  std::vector<stall_timer> stalls_free_;
+
+  std::optional<detail::trace_recorder> trace_;
+  int h2d_track_ = 0;
+  int d2h_track_ = 0;
+  int host_track_ = 0;
+  std::unordered_map<void*, int> compute_tracks_;
+};
+
+runtime::impl::impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs)
+    : device_(dev),
+      options_(options),
+      h2d_(dev),
+      d2h_(dev),
+      host_opt_(dev),
+      plan_(specs.size())
+{
+  register_units(options, std::move(specs));
+  pool_.emplace(dev, options.device.budget);
+  place_homes();
+  if (options_.trace) {
+    trace_.emplace(device_, h2d_.view());
+    h2d_track_ = trace_->track("h2d (swap-in)");
+    d2h_track_ = trace_->track("d2h (write-back)");
+    host_track_ = trace_->track("host optimizer");
+  }
+}
+
+runtime::impl::~impl()
+{
+  // Keep the home copies current and let no copy outlive the memory it touches.
+  try {
+    if (held_count_ == 0 && started_) {
+      for (unit_record& r : units_) {
+        if (r.resident() && r.dirty) { write_back(r); }
+      }
+    }
+  } catch (const std::exception& e) {
+    detail::log(log_level::warning, message("runtime teardown: writing dirty units back failed: ", e.what()));
+  }
+  for (stream* s : {&h2d_, &d2h_, &host_opt_}) {
+    try {
+      s->synchronize();
+    } catch (const std::exception& e) {
+      detail::log(log_level::warning, message("runtime teardown: ", e.what()));
+    }
+  }
+  for (unit_record& r : units_) {
+    try {
+      if (r.released.recorded()) { r.released.synchronize(); }
+    } catch (const std::exception& e) {
+      detail::log(log_level::warning, message("runtime teardown: unit '", r.name, "': ", e.what()));
+    }
+  }
+}
+
+void runtime::impl::register_units(const runtime_options& options, std::vector<unit_spec> specs)
+{
+  if (specs.empty()) { throw config_error("taskswap runtime: no units given; register at least one unit"); }
+  std::vector<bool> rule_used(options.units.size(), false);
+  for (unit_spec& spec : specs) {
+    if (spec.name.empty()) { throw config_error("taskswap runtime: a unit has an empty name; name every unit"); }
+    const unit_policy policy = resolve_policy(spec, options, rule_used);
+    if (policy.lookahead < 0) {
+      throw config_error(message("unit '", spec.name, "': lookahead ", policy.lookahead, " is negative; use 0 or more"));
+    }
+    if (!by_name_.emplace(spec.name, static_cast<std::uint32_t>(units_.size())).second) {
+      throw config_error(message("unit '", spec.name, "' is registered twice; unit names must be unique"));
+    }
+    units_.emplace_back(device_, static_cast<std::uint32_t>(units_.size()), spec.name, policy, detail::make_unit_layout(spec, policy.optimizer));
+    unit_record& r = units_.back();
+    if (r.pinned()) {
+      pinned_bytes_ += r.layout.device_bytes;
+    } else {
+      largest_swapped_ = std::max(largest_swapped_, r.layout.device_bytes);
+      if (policy.residency == residency::prefetch) {
+        max_lookahead_ = std::max(max_lookahead_, static_cast<std::size_t>(policy.lookahead));
+      }
+    }
+  }
+  for (std::size_t i = 0; i < rule_used.size(); ++i) {
+    if (!rule_used[i]) {
+      const unit_rule& rule = options.units[i];
+      throw config_error(message(rule.origin.empty() ? options.source : rule.origin, ": [[units]] match = \"",
+                                 rule.match, "\" matches no registered unit; fix the pattern or remove the rule"));
+    }
+  }
+  const std::size_t budget = options.device.budget;
+  if (pinned_bytes_ > budget) {
+    throw config_error(message("the pinned units need ", bytes_text(pinned_bytes_), " of device memory but the budget is ",
+                               bytes_text(budget), "; raise [device] budget or pin fewer units"));
+  }
+  for (const unit_record& r : units_) {
+    if (!r.pinned() && r.layout.device_bytes > budget - pinned_bytes_) {
+      throw config_error(message("unit '", r.name, "' needs ", bytes_text(r.layout.device_bytes),
+                                 " of device memory but the budget leaves ", bytes_text(budget - pinned_bytes_),
+                                 " after pinned units; ", policy_hint(r)));
+    }
+  }
+}
+
+void runtime::impl::place_homes()
+{
+  std::size_t total = 0;
+  bool any_host = false;
+  for (const unit_record& r : units_) {
+    total += r.layout.home_bytes;
+    any_host = any_host || r.policy.optimizer == optimizer_placement::host;
+  }
+  pinned_arena_options o;
+  o.bytes = total;
+  o.numa_node = options_.host.numa_node;
+  o.huge_pages = options_.host.huge_pages;
+  arena_.emplace(device_, o);
+  for (unit_record& r : units_) { r.home = arena_->allocate(r.layout.home_bytes, detail::slab_alignment).data(); }
+  if (any_host) { cpu_.emplace(static_cast<int>(arena_->numa_node()), options_.host.optimizer_threads); }
+  // Pinned units take the bottom of the pool, where they never fragment what swaps.
+  for (unit_record& r : units_) {
+    if (r.pinned()) { r.slot = pool_->allocate(r.layout.device_bytes, detail::slab_alignment); }
+  }
+}
+
+// Runs before the first plan or acquire, so the trainer can initialise the home copies first.
+void runtime::impl::start()
+{
+  if (started_) { return; }
+  started_ = true;
+  for (unit_record& r : units_) {
+    const detail::unit_layout& l = r.layout;
+    if (l.compute != dtype::f32) {  // the master is the source of truth; derive the params from it
+      detail::host_cast(r.home + l.params, l.compute, r.home + l.master, dtype::f32, l.count);
+    }
+    if (r.pinned()) { fill_slot(r); }
+  }
+}
+
+
+// ---- residency -------------------------------------------------------------------------------
+
+void runtime::impl::flush_h2d_waits()
+{
+  for (const event* e : h2d_waits_) {
+    if (!e->query()) { e->wait(h2d_); }  // a finished event orders nothing: skip the enqueue
+  }
+  h2d_waits_.clear();
+}
+
+void runtime::impl::note_device_bytes()
+{
+  const std::size_t used = pool_->stats().used;
+  current_.peak_device_bytes = std::max(current_.peak_device_bytes, used);
+  if (trace_) { trace_->counter("device bytes", static_cast<double>(used)); }
+}
+
+void runtime::impl::add_resident(unit_record& r)
+{
+  r.resident_index = resident_.size();
+  resident_.push_back(r.index);
+}
+
+void runtime::impl::remove_resident(unit_record& r)
+{
+  const std::uint32_t last = resident_.back();
+  resident_[r.resident_index] = last;
+  units_[last].resident_index = r.resident_index;
+  resident_.pop_back();
+}
+
+// Copies the travelling prefix of the home block into the unit's slot and zeroes its gradients,
+// on h2d, after every pending reuse of pool memory and every pending write of this home block.
+void runtime::impl::fill_slot(unit_record& r)
+{
+  const detail::unit_layout& l = r.layout;
+  flush_h2d_waits();
+  for (const std::optional<event>* e : {&r.written_back, &r.host_updated}) {
+    if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(h2d_); }
+  }
+  const std::size_t span = trace_ ? trace_->open(h2d_track_, "swap-in " + r.name, h2d_) : 0;
+  copy_async(r.slot->subspan(0, l.travel_bytes), std::span<const std::byte>(r.home, l.travel_bytes), h2d_);
+  fill_async(r.slot->subspan(l.device_grads, l.device_bytes - l.device_grads), std::byte{0}, h2d_);
+  r.arrived.record(h2d_);
+  if (trace_) { trace_->close(span, h2d_); }
+  r.dirty = false;
+  r.params_stale = false;
+  r.stepped_here = false;
+  ++r.swap_ins;
+  ++current_.swap_ins;
+  current_.h2d_bytes += l.travel_bytes;
+}
+
+// After a host step: the new parameters go up once the CPU AdamW wrote them and the trainer let
+// go of the old ones.
+void runtime::impl::upload_params(unit_record& r)
+{
+  const detail::unit_layout& l = r.layout;
+  flush_h2d_waits();
+  r.released.wait(h2d_);
+  r.host_updated->wait(h2d_);
+  const std::size_t span = trace_ ? trace_->open(h2d_track_, "params " + r.name, h2d_) : 0;
+  copy_async(r.slot->subspan(0, l.travel_bytes), std::span<const std::byte>(r.home, l.travel_bytes), h2d_);
+  r.arrived.record(h2d_);
+  if (trace_) { trace_->close(span, h2d_); }
+  r.params_stale = false;
+  current_.h2d_bytes += l.travel_bytes;
+}
+
+void runtime::impl::write_back(unit_record& r)
+{
+  const detail::unit_layout& l = r.layout;
+  if (r.released.recorded() && !r.released.query()) { r.released.wait(d2h_); }
+  const std::size_t span = trace_ ? trace_->open(d2h_track_, "write-back " + r.name, d2h_) : 0;
+  copy_async(std::span<std::byte>(r.home, l.writeback_bytes), const_device_span(r.slot->subspan(0, l.writeback_bytes)),
+             d2h_);
+  ensure(r.written_back, device_).record(d2h_);
+  if (trace_) { trace_->close(span, d2h_); }
+  r.dirty = false;
+  ++r.write_backs;
+  ++current_.write_backs;
+  current_.d2h_bytes += l.writeback_bytes;
+}
+
+void runtime::impl::evict(unit_record& r)
+{
+  if (r.dirty) {
+    write_back(r);
+    h2d_waits_.push_back(&*r.written_back);  // recorded after d2h waited for the release
+  } else {
+    if (r.released.recorded()) { h2d_waits_.push_back(&r.released); }
+    if (r.stepped_here) { h2d_waits_.push_back(&*r.grads_copied); }
+  }
+  pool_->deallocate(*r.slot);
+  r.slot.reset();
+  r.params_stale = false;
+  remove_resident(r);
+  ++current_.evictions;
+  if (trace_) { trace_->counter("device bytes", static_cast<double>(pool_->stats().used)); }
+}
+
+// Belady: the unit used furthest in the future, least recently released among equals.
+// An acquire (a use now) may take any unit not held. A prefetch for the use at `use` is
+// conservative (Cao et al., 1995): it displaces the unit that Belady would displace when `use`
+// comes, and only if that unit is neither held nor needed before then; otherwise it waits. So
+// prefetching moves fetches earlier but never adds one.
+unit_record* runtime::impl::pick_victim(std::uint64_t use, bool for_acquire)
+{
+  unit_record* best = nullptr;
+  std::uint64_t best_use = 0;
+  for (const std::uint32_t i : resident_) {
+    unit_record& r = units_[i];
+    if (for_acquire && r.held) { continue; }
+    const std::uint64_t next = for_acquire ? plan_.next_use(unit_id{i}) : plan_.next_use_after(unit_id{i}, use);
+    if (best == nullptr || next > best_use || (next == best_use && r.last_release < best->last_release)) {
+      best = &r;
+      best_use = next;
+    }
+  }
+  if (best != nullptr && !for_acquire && (best->held || plan_.next_use(unit_id{best->index}) < use)) {
+    return nullptr;
+  }
+  return best;
+}
+
+std::optional<device_span> runtime::impl::make_room(std::size_t bytes, std::uint64_t use, bool for_acquire)
+{
+  while (true) {
+    if (auto range = pool_->try_allocate(bytes, detail::slab_alignment)) { return range; }
+    unit_record* victim = pick_victim(use, for_acquire);
+    if (victim == nullptr) { return std::nullopt; }
+    evict(*victim);
+  }
+}
+
+bool runtime::impl::swap_in(unit_record& r, std::uint64_t use, bool for_acquire)
+{
+  auto range = make_room(r.layout.device_bytes, use, for_acquire);
+  if (!range) { return false; }
+  r.slot = *range;
+  add_resident(r);
+  fill_slot(r);
+  note_device_bytes();
+  return true;
+}
+
+// Brings in the upcoming units in the order of their use, as far as each one's lookahead and the
+// budget allow; stops at the first that does not fit, so no later unit takes its room.
+void runtime::impl::prefetch()
+{
+  plan_.for_each_upcoming(max_lookahead_, [&](unit_id u, std::uint64_t position, std::size_t distance) {
+    unit_record& r = units_[u.value];
+    if (r.resident() || r.policy.residency != residency::prefetch) { return true; }
+    if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }
+    return swap_in(r, position, false);
+  });
+}
+
+// ---- plan -----------------------------------------------------------------------------------
+
+void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number) const
+{
+  std::vector<std::uint32_t> held;
+  std::size_t held_bytes = 0;
+  const std::size_t budget = options_.device.budget;
+  const auto held_names = [&] {
+    std::string s;
+    for (const std::uint32_t i : held) { s += (s.empty() ? "'" : ", '") + units_[i].name + "'"; }
+    return s;
+  };
+  for (const step_plan::entry& e : step.entries()) {
+    if (e.unit.value >= units_.size()) {
+      throw config_error(message("plan step ", step_number, ": unit id ", e.unit.value, " is not registered (",
+                                 units_.size(), " units)"));
+    }
+    const unit_record& r = units_[e.unit.value];
+    const auto it = std::find(held.begin(), held.end(), e.unit.value);
+    if (!e.acquire) {
+      if (it == held.end()) {
+        throw config_error(message("plan step ", step_number, ": releases '", r.name,
+                                   "', which the step has not acquired; acquire it earlier in the step"));
+      }
+      held.erase(it);
+      if (!r.pinned()) { held_bytes -= r.layout.device_bytes; }
+      continue;
+    }
+    if (it != held.end()) {
+      throw config_error(message("plan step ", step_number, ": acquires '", r.name,
+                                 "' while it is still held; release it in between"));
+    }
+    if (r.pinned()) {
+      held.push_back(e.unit.value);
+      continue;
+    }
+    // Free room splits into at most one hole more than there are held units; when the largest
+    // hole is sure to hold the unit, no placement of the held units can make the acquire fail.
+    const std::size_t swapped_held = static_cast<std::size_t>(
+      std::count_if(held.begin(), held.end(), [&](std::uint32_t i) { return !units_[i].pinned(); }));
+    const std::size_t free = budget - pinned_bytes_ - std::min(held_bytes, budget - pinned_bytes_);
+    if (free >= r.layout.device_bytes && free / (swapped_held + 1) < r.layout.device_bytes) {
+      detail::log_once("plan fragmentation margin", log_level::warning,
+                       message("plan step ", step_number, ": acquiring '", r.name, "' (", bytes_text(r.layout.device_bytes),
+                               ") next to ", swapped_held, " held units leaves ", bytes_text(free),
+                               " free; if the held units split it, the acquire fails with out_of_memory. A budget "
+                               "with ", bytes_text((swapped_held + 1) * r.layout.device_bytes - free),
+                               " more is safe whatever the placement"));
+    }
+    held.push_back(e.unit.value);
+    held_bytes += r.layout.device_bytes;
+    if (pinned_bytes_ + held_bytes > budget) {
+      throw config_error(message("plan step ", step_number, ": after acquiring '", r.name, "' the units held at once (",
+                                 held_names(), ") need ", bytes_text(held_bytes), " and the pinned units ",
+                                 bytes_text(pinned_bytes_), ", together ", bytes_text(pinned_bytes_ + held_bytes),
+                                 " of a ", bytes_text(budget),
+                                 " budget; release units earlier in the step, raise [device] budget or choose "
+                                 "optimizer = \"host\""));
+    }
+  }
+}
+
+// ---- stats ----------------------------------------------------------------------------------
+
+step_stats* runtime::impl::stats_of(std::uint64_t step)
+{
+  if (step == steps_done_) { return &current_; }
+  const std::uint64_t oldest = steps_done_ - history_.size();
+  return step >= oldest ? &history_[step - oldest] : nullptr;
+}
+
+void runtime::impl::resolve_stalls(bool wait)
+{
+  auto it = stalls_pending_.begin();
+  while (it != stalls_pending_.end()) {
+    if (wait) { it->end.synchronize(); }
+    if (!it->end.query()) {
+      ++it;
+      continue;
+    }
+    const double ms = elapsed_ms(it->begin, it->end);
+    if (step_stats* s = stats_of(it->step)) { s->stall_ms += ms; }
+    if (it->step != steps_done_) { total_.stall_ms += ms; }
+    stalls_free_.push_back(std::move(*it));
+    it = stalls_pending_.erase(it);
+  }
+}
+
+int runtime::impl::compute_track(stream_view s)
+{
+  const auto [it, inserted] = compute_tracks_.try_emplace(s.native_handle(), 0);
+  if (inserted) { it->second = trace_->track("compute " + std::to_string(compute_tracks_.size())); }
+  return it->second;
+}
+
+// ---- runtime --------------------------------------------------------------------------------
+
+runtime::runtime(const device& dev, const runtime_options& options, std::vector<unit_spec> units)
+    : impl_(std::make_unique<impl>(dev, options, std::move(units)))
+{
+}
+
+runtime::~runtime() = default;
+runtime::runtime(runtime&&) noexcept = default;
+runtime& runtime::operator=(runtime&&) noexcept = default;
+
+unit_id runtime::find(std::string_view name) const
+{
+  const auto it = impl_->by_name_.find(std::string(name));
+  TASKSWAP_EXPECTS(it != impl_->by_name_.end(), message("no unit is named '", name, "'"));
+  return unit_id{it->second};
+}
+
+std::size_t runtime::unit_count() const noexcept { return impl_->units_.size(); }
+std::string_view runtime::name(unit_id u) const { return impl_->record(u).name; }
+const unit_policy& runtime::policy(unit_id u) const { return impl_->record(u).policy; }
+std::size_t runtime::device_bytes(unit_id u) const { return impl_->record(u).layout.device_bytes; }
+
+unit_state runtime::state(unit_id u) const
+{
+  const unit_record& r = impl_->record(u);
+  return r.held ? unit_state::held : r.resident() ? unit_state::resident : unit_state::home;
+}
+
+home_view runtime::home(unit_id u)
+{
+  unit_record& r = impl_->record(u);
+  const detail::unit_layout& l = r.layout;
+  home_view v;
+  v.id = u;
+  v.tensors = l.tensors;
+  v.params = {r.home + l.params, l.compute, l.count};
+  v.master = {r.home + l.master, dtype::f32, l.count};
+  v.m = {r.home + l.m, dtype::f32, l.count};
+  v.v = {r.home + l.v, dtype::f32, l.count};
+  v.step = r.step;
+  return v;
+}
+
+void runtime::plan(std::span<const step_plan> steps)
+{
+  impl& m = *impl_;
+  for (const step_plan& s : steps) { m.check_step(s, m.steps_done_ + m.plan_.planned_steps()); }
+  for (const step_plan& s : steps) { m.plan_.append(s); }
+  m.planned_steps_ += steps.size();
+  m.start();
+  m.prefetch();
+}
+
+unit_view runtime::acquire(unit_id u, stream_view s)
+{
+  impl& m = *impl_;
+  unit_record& r = m.record(u);
+  TASKSWAP_EXPECTS(!r.held, message("acquire('", r.name, "'): the unit is already held; release it first"));
+  m.start();
+  const std::optional<std::uint64_t> position = m.plan_.match(u);
+  if (!position) { ++m.current_.unplanned; }
+  if (r.resident()) {
+    ++m.current_.hits;
+  } else {
+    ++m.current_.misses;
+    if (!m.swap_in(r, position.value_or(0), true)) {
+      const std::size_t budget = m.options_.device.budget;
+      const std::size_t free = budget - m.pool_->stats().used;
+      throw out_of_memory(
+        message("acquire('", r.name, "') needs ", bytes_text(r.layout.device_bytes), " of device memory; ",
+                m.held_count_, " units held now use ", bytes_text(m.held_bytes_), " and the pinned units ",
+                bytes_text(m.pinned_bytes_), " of the ", bytes_text(budget), " budget (",
+                free >= r.layout.device_bytes ? "enough in total, but no free block is large enough"
+                                              : "not enough left",
+                "); release units earlier or plan the step so the runtime checks it ahead"),
+        r.layout.device_bytes, free, budget);
+    }
+  }
+  r.held = true;
+  ++m.held_count_;
+  if (!r.pinned()) { m.held_bytes_ += r.layout.device_bytes; }
+  const bool pending = !r.arrived.query();  // a finished swap-in needs no wait enqueued
+  if (pending && m.options_.measure_stall) {
+    if (m.stalls_free_.empty()) {
+      m.stalls_free_.push_back({event(m.device_, {.timing = true}), event(m.device_, {.timing = true}), 0});
+    }
+    impl::stall_timer t = std::move(m.stalls_free_.back());
+    m.stalls_free_.pop_back();
+    t.step = m.steps_done_;
+    t.begin.record(s);
+    r.arrived.wait(s);
+    t.end.record(s);
+    m.stalls_pending_.push_back(std::move(t));
+  } else if (pending) {
+    r.arrived.wait(s);
+  }
+  if (m.trace_) { r.trace_span = m.trace_->open(m.compute_track(s), r.name, s); }
+  m.prefetch();
+
+  const detail::unit_layout& l = r.layout;
+  unit_view v;
+  v.id = u;
+  v.tensors = l.tensors;
+  v.params = {r.slot->data() + l.params, l.compute, l.count};
+  v.grads = {r.slot->data() + l.device_grads, l.grad, l.count};
+  return v;
+}
+
+void runtime::grads_ready(unit_id u, stream_view s)
+{
+  unit_record& r = impl_->held_record(u, "grads_ready");
+  ensure(r.grads_ready_event, impl_->device_).record(s);
+}
+
+void runtime::step(unit_id u, stream_view s)
+{
+  impl& m = *impl_;
+  unit_record& r = m.held_record(u, "step");
+  const detail::unit_layout& l = r.layout;
+  if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
+  ++r.step;
+  const detail::adamw_scalars scalars = detail::make_adamw_scalars(m.options_.optimizer, r.step);
+  std::byte* base = r.slot->data();
+  if (r.policy.optimizer == optimizer_placement::device) {
+    detail::adamw_slabs slabs;
+    slabs.master = reinterpret_cast<float*>(base + l.master);  // NOLINT: slabs hold f32
+    slabs.m = reinterpret_cast<float*>(base + l.m);            // NOLINT
+    slabs.v = reinterpret_cast<float*>(base + l.v);            // NOLINT
+    slabs.grad = base + l.device_grads;
+    slabs.grad_type = l.grad;
+    slabs.params = l.compute == dtype::f32 ? nullptr : base + l.params;
+    slabs.param_type = l.compute;
+    slabs.count = l.count;
+    detail::adamw_async(slabs, scalars, s);
+    fill_async(r.slot->subspan(l.device_grads, l.device_bytes - l.device_grads), std::byte{0}, s);
+    r.dirty = true;
+    return;
+  }
+  // Host placement: gradients home on d2h (after the previous CPU step let go of them), then the
+  // CPU AdamW on host_opt; the device parameters are stale until uploaded again.
+  ensure(r.grads_done, m.device_).record(s);
+  r.grads_done->wait(m.d2h_);
+  if (r.host_updated && r.host_updated->recorded()) { r.host_updated->wait(m.d2h_); }
+  const std::size_t grad_bytes = l.device_bytes - l.device_grads;
+  const std::size_t span = m.trace_ ? m.trace_->open(m.d2h_track_, "grads " + r.name, m.d2h_) : 0;
+  copy_async(std::span<std::byte>(r.home + l.home_grads, grad_bytes),
+             const_device_span(r.slot->subspan(l.device_grads, grad_bytes)), m.d2h_);
+  fill_async(r.slot->subspan(l.device_grads, grad_bytes), std::byte{0}, m.d2h_);
+  ensure(r.grads_copied, m.device_).record(m.d2h_);
+  if (m.trace_) { m.trace_->close(span, m.d2h_); }
+  m.current_.d2h_bytes += grad_bytes;
+  r.grads_copied->wait(m.host_opt_);
+  detail::adamw_slabs slabs;
+  std::byte* home = r.home;
+  slabs.master = reinterpret_cast<float*>(home + l.master);  // NOLINT: slabs hold f32
+  slabs.m = reinterpret_cast<float*>(home + l.m);            // NOLINT
+  slabs.v = reinterpret_cast<float*>(home + l.v);            // NOLINT
+  slabs.grad = home + l.home_grads;
+  slabs.grad_type = l.grad;
+  slabs.params = l.compute == dtype::f32 ? nullptr : home + l.params;
+  slabs.param_type = l.compute;
+  slabs.count = l.count;
+  detail::host_task_arena* cpu = &*m.cpu_;
+  detail::trace_recorder* trace = m.trace_ ? &*m.trace_ : nullptr;
+  launch_host_func(m.host_opt_, [slabs, scalars, cpu, trace, track = m.host_track_, name = r.name] {
+    const auto begin = detail::trace_recorder::clock::now();
+    detail::cpu_adamw_step(slabs, scalars, *cpu);
+    if (trace != nullptr) { trace->host_span(track, "adamw " + name, begin, detail::trace_recorder::clock::now()); }
+  });
+  ensure(r.host_updated, m.device_).record(m.host_opt_);
+  r.params_stale = true;
+  r.stepped_here = true;
+}
+
+void runtime::release(unit_id u, stream_view s)
+{
+  impl& m = *impl_;
+  unit_record& r = m.held_record(u, "release");
+  r.released.record(s);
+  if (m.trace_) { m.trace_->close(r.trace_span, s); }
+  r.held = false;
+  --m.held_count_;
+  if (!r.pinned()) { m.held_bytes_ -= r.layout.device_bytes; }
+  r.last_release = ++m.tick_;
+  if (r.params_stale) {
+    // Upload the new parameters if the unit stays or is needed soon; otherwise free its room.
+    const std::uint64_t next = m.plan_.next_use(u);
+    const bool soon = next != detail::never &&
+                      m.plan_.step_distance(next) <= static_cast<std::size_t>(std::max(r.policy.lookahead, 0));
+    if (r.pinned() || soon) {
+      m.upload_params(r);
+    } else {
+      m.evict(r);
+    }
+  }
+  m.prefetch();
+}
+
+step_stats runtime::end_step()
+{
+  impl& m = *impl_;
+  if (m.held_count_ != 0) {
+    for (const unit_record& r : m.units_) {
+      TASKSWAP_EXPECTS(!r.held, message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
+    }
+  }
+  m.plan_.end_step();
+  m.resolve_stalls(false);
+  m.current_.step = m.steps_done_;
+  step_stats done = m.current_;
+  step_stats& t = m.total_;
+  t.h2d_bytes += done.h2d_bytes;
+  t.d2h_bytes += done.d2h_bytes;
+  t.hits += done.hits;
+  t.misses += done.misses;
+  t.unplanned += done.unplanned;
+  t.swap_ins += done.swap_ins;
+  t.write_backs += done.write_backs;
+  t.evictions += done.evictions;
+  t.stall_ms += done.stall_ms;
+  t.peak_device_bytes = std::max(t.peak_device_bytes, done.peak_device_bytes);
+  m.history_.push_back(done);
+  if (m.history_.size() > stats_history) { m.history_.pop_front(); }
+  ++m.steps_done_;
+  m.current_ = step_stats{};
+  m.current_.peak_device_bytes = m.pool_->stats().used;
+  m.prefetch();
+  return done;
+}
+
+void runtime::flush()
+{
+  impl& m = *impl_;
+  TASKSWAP_EXPECTS(m.held_count_ == 0, "flush: units are held; release them first");
+  m.start();
+  for (unit_record& r : m.units_) {
+    if (r.resident() && r.dirty) { m.write_back(r); }
+  }
+  m.h2d_.synchronize();
+  m.d2h_.synchronize();
+  m.host_opt_.synchronize();
+  m.resolve_stalls(true);
+}
+
+void runtime::set_optimizer(const adamw_options& options) { impl_->options_.optimizer = options; }
+
+runtime_stats runtime::stats() const
+{
+  impl& m = *impl_;
+  m.resolve_stalls(false);
+  runtime_stats s;
+  s.total = m.total_;
+  s.steps.assign(m.history_.begin(), m.history_.end());
+  const detail::device_pool_stats pool = m.pool_->stats();
+  s.budget = pool.budget;
+  s.pinned_device_bytes = m.pinned_bytes_;
+  s.device_bytes_in_use = pool.used;
+  s.pool_fragmentation = pool.fragmentation();
+  const pinned_arena_stats arena = m.arena_->stats();
+  s.home_bytes = arena.used;
+  s.host_bytes_pinned = arena.pinned;
+  s.units.reserve(m.units_.size());
+  for (const unit_record& r : m.units_) {
+    s.units.push_back(unit_stats{r.name, r.held ? unit_state::held : r.resident() ? unit_state::resident : unit_state::home,
+                                 r.dirty, r.layout.device_bytes, r.layout.home_bytes, r.swap_ins, r.write_backs, r.step,
+                                 r.policy});
+  }
+  return s;
+}
+
+void runtime::write_trace(const std::filesystem::path& file)
+{
+  impl& m = *impl_;
+  TASKSWAP_EXPECTS(m.trace_.has_value(), "write_trace: the trace is off; set trace = true in the runtime options");
+  m.h2d_.synchronize();
+  m.d2h_.synchronize();
+  m.host_opt_.synchronize();
+  m.trace_->write(file);
+}
+
+const device& runtime::get_device() const noexcept { return impl_->device_; }
+
+}  // namespace taskswap

@@ -1,0 +1,81 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "runtime/unit_layout.hpp"
+
+#include "device/message.hpp"
+
+#include <limits>
+
+namespace taskswap::detail {
+
+namespace {
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+std::size_t checked_product(const unit_spec& spec, const tensor_spec& t)
+{
+  if (t.shape.empty()) {
+    throw config_error(message("unit '", spec.name, "': tensor '", t.name, "' has no dimensions; give a shape"));
+  }
+  std::size_t n = 1;
+  for (const std::size_t d : t.shape) {
+    if (d == 0) {
+      throw config_error(message("unit '", spec.name, "': tensor '", t.name, "' has a dimension of 0"));
+    }
+    if (n > std::numeric_limits<std::size_t>::max() / 16 / d) {
+      throw config_error(message("unit '", spec.name, "': tensor '", t.name, "' is too large to address"));
+    }
+    n *= d;
+  }
+  return n;
+}
+
+}  // namespace
+
+unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placement)
+{
+  if (spec.tensors.empty()) {
+    throw config_error(message("unit '", spec.name, "' has no tensors; register at least one"));
+  }
+  unit_layout l;
+  l.compute = spec.compute;
+  l.grad = spec.grad.value_or(spec.compute);
+  for (const tensor_spec& t : spec.tensors) {
+    const std::size_t n = checked_product(spec, t);
+    l.count = round_up(l.count, tensor_alignment);
+    l.tensors.push_back(tensor_info{t.name, t.shape, n, l.count});
+    l.count += n;
+  }
+  const auto slab = [&](dtype type) { return round_up(l.count * size_of(type), slab_alignment); };
+  const std::size_t params_bytes = slab(l.compute);
+  const std::size_t f32_bytes = slab(dtype::f32);
+  const std::size_t grad_bytes = slab(l.grad);
+
+  std::size_t at = 0;
+  l.params = at;
+  at += params_bytes;
+  l.master = l.compute == dtype::f32 ? l.params : at;
+  if (l.compute != dtype::f32) { at += f32_bytes; }
+  l.m = at;
+  at += f32_bytes;
+  l.v = at;
+  at += f32_bytes;
+  const std::size_t state_end = at;
+  if (placement == optimizer_placement::host) {
+    l.home_grads = at;
+    l.home_bytes = at + grad_bytes;
+    l.device_grads = params_bytes;
+    l.device_bytes = params_bytes + grad_bytes;
+    l.travel_bytes = params_bytes;
+    l.writeback_bytes = 0;
+  } else {
+    l.home_grads = 0;
+    l.home_bytes = state_end;
+    l.device_grads = state_end;
+    l.device_bytes = state_end + grad_bytes;
+    l.travel_bytes = state_end;
+    l.writeback_bytes = state_end;
+  }
+  return l;
+}
+
+}  // namespace taskswap::detail

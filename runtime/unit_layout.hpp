@@ -1,0 +1,42 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Where a unit's slabs lie, at home and on the device. At home: params | master | m | v | grads,
+// the grads only for host placement (their home copy is what the CPU AdamW reads) and the master
+// only when the compute dtype is not f32 (otherwise the params are the master). On the device:
+// params | master | m | v | grads for device placement, params | grads for host placement. The
+// prefix that travels is the same bytes at the same offsets in both places, so a swap-in and a
+// write-back are one copy each.
+
+#include <taskswap/runtime.hpp>
+
+#include <cstddef>
+#include <vector>
+
+namespace taskswap::detail {
+
+inline constexpr std::size_t slab_alignment = 256;    // bytes, every slab's offset
+inline constexpr std::size_t tensor_alignment = 64;   // elements, every tensor's offset in a slab
+
+struct unit_layout {
+  std::vector<tensor_info> tensors;
+  std::size_t count = 0;       // elements per slab, tensor padding included
+  dtype compute = dtype::f32;
+  dtype grad = dtype::f32;
+  std::size_t params = 0;      // byte offsets from the start of the unit's block
+  std::size_t master = 0;      // == params when the compute dtype is f32
+  std::size_t m = 0;
+  std::size_t v = 0;
+  std::size_t home_grads = 0;  // host placement only
+  std::size_t home_bytes = 0;
+  std::size_t device_grads = 0;
+  std::size_t device_bytes = 0;
+  std::size_t travel_bytes = 0;     // home → device on swap-in
+  std::size_t writeback_bytes = 0;  // device → home on write-back; 0 for host placement
+};
+
+/// The layout of `spec` under `placement`.
+/// @throws config_error for a unit without tensors, an empty dimension or a size that overflows
+[[nodiscard]] unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placement);
+
+}  // namespace taskswap::detail

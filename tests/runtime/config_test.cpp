@@ -1,0 +1,128 @@
+// SPDX-License-Identifier: Apache-2.0
+// The TOML configuration: the example of DESIGN.md, and errors that name file, line and key.
+
+#include "expect_error.hpp"
+
+#include <taskswap/taskswap.hpp>
+
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+namespace taskswap::test {
+namespace {
+
+constexpr const char* design_example = R"(
+[device]
+backend = "cuda"        # cuda | emulated
+index   = 0
+budget  = "40 GiB"
+
+[defaults]
+residency = "prefetch"  # pinned | prefetch | on_demand
+lookahead = 2
+optimizer = "device"    # device | host
+
+[[units]]
+match = "trunk/*"
+residency = "pinned"
+
+[[units]]
+match = "task/*"
+optimizer = "host"
+
+[optimizer]
+kind = "adamw"
+lr = 1e-4
+betas = [0.9, 0.999]
+eps = 1e-8
+weight_decay = 0.01
+
+[comm]
+backend    = "nccl"     # nccl | mpi | none
+bucket_cap = "25 MiB"
+average    = "contributors"   # contributors | world
+timeout    = "300 s"
+)";
+
+TEST(config, the_design_example_reads_into_the_options)
+{
+  const runtime_options o = parse_config(design_example, "design.toml");
+  EXPECT_EQ(o.device.backend, backend_kind::cuda);
+  EXPECT_EQ(o.device.budget, std::size_t{40} << 30);
+  EXPECT_EQ(o.defaults.residency, residency::prefetch);
+  EXPECT_EQ(o.defaults.lookahead, 2);
+  ASSERT_EQ(o.units.size(), 2U);
+  EXPECT_EQ(o.units[0].match, "trunk/*");
+  EXPECT_EQ(o.units[0].residency, residency::pinned);
+  EXPECT_FALSE(o.units[0].optimizer.has_value());
+  EXPECT_EQ(o.units[1].optimizer, optimizer_placement::host);
+  EXPECT_EQ(o.units[1].origin, "design.toml:16");
+  EXPECT_DOUBLE_EQ(o.optimizer.lr, 1e-4);
+  EXPECT_DOUBLE_EQ(o.optimizer.beta2, 0.999);
+  EXPECT_DOUBLE_EQ(o.optimizer.weight_decay, 0.01);
+  EXPECT_EQ(o.comm.backend, comm_backend::nccl);
+  EXPECT_EQ(o.comm.bucket_cap, std::size_t{25} << 20);
+  EXPECT_EQ(o.comm.average, average_mode::contributors);
+  EXPECT_EQ(o.comm.timeout, std::chrono::seconds(300));
+}
+
+TEST(config, an_emulated_device_with_a_link_model)
+{
+  const runtime_options o = parse_config(R"(
+[device]
+backend = "emulated"
+budget = "512 MiB"
+link_bandwidth = "5 GB/s"
+link_latency = "10 us"
+[runtime]
+trace = true
+)");
+  EXPECT_EQ(o.device.backend, backend_kind::emulated);
+  EXPECT_DOUBLE_EQ(o.device.emulated.link.bytes_per_second, 5e9);
+  EXPECT_DOUBLE_EQ(o.device.emulated.link.latency_seconds, 10e-6);
+  EXPECT_TRUE(o.trace);
+  const device dev = make_device(o.device);
+  EXPECT_EQ(dev.kind(), backend_kind::emulated);
+  EXPECT_EQ(dev.memory().total, std::size_t{512} << 20);  // the budget, when no memory is given
+}
+
+TEST(config, sizes_need_a_unit)
+{
+  EXPECT_EQ(parse_size("1.5 KiB"), 1536U);
+  EXPECT_EQ(parse_size("2GB"), 2'000'000'000U);
+  expect_error_mentioning<config_error>([] { (void)parse_size("4096"); }, "not a size with a unit");
+  expect_error_mentioning<config_error>([] { (void)parse_size("4 parsecs"); }, "not a size with a unit");
+}
+
+TEST(config, errors_name_the_file_the_line_and_the_key)
+{
+  const auto fails = [](const std::string& text, const std::string& needle) {
+    expect_error_mentioning<config_error>([&] { (void)parse_config(text, "my.toml"); }, needle);
+  };
+  fails("[device]\nbudget = \"1 GiB\"\nbugdet = 3\n", "my.toml:3: [device] has no key 'bugdet'");
+  fails("[device]\nbudget = 1024\n", "my.toml:2: [device] budget: expected a quantity with a unit");
+  fails("[device]\nbudget = \"1024\"\n", "my.toml:2: [device] budget: \"1024\" is not a quantity with a unit");
+  fails("[device]\nbudget = \"1 GiB\"\n[defaults]\nresidency = \"sometimes\"\n",
+        "my.toml:4: [defaults] residency: unknown value \"sometimes\"; use pinned | prefetch | on_demand");
+  fails("[device]\nbudget = \"1 GiB\"\n[defaults]\nlookahead = \"2\"\n",
+        "my.toml:4: [defaults] lookahead: expected an integer, found a string");
+  fails("[device]\nbudget = \"1 GiB\"\n[[units]]\nresidency = \"pinned\"\n", "my.toml:3: [[units]] needs match");
+  fails("[device]\nbudget = \"1 GiB\"\n[optimiser]\nlr = 1\n", "my.toml:3: unknown key 'optimiser'");
+  fails("[device]\nbudget = \"1 GiB\"\n[optimizer]\nbetas = [0.9]\n", "my.toml:4: [optimizer] betas: expected two");
+  fails("[device]\nbudget = \"1 GiB\"\n[optimizer]\nlr = -1.0\n", "my.toml:4: [optimizer] lr: must be a positive");
+  fails("[device]\nbackend = \"emulated\"\n", "[device] budget is missing");
+  fails("[device\nbudget = 1\n", "my.toml:1:");
+}
+
+TEST(config, a_missing_file_is_named)
+{
+  expect_error_mentioning<config_error>([] { (void)load_config("/nonexistent/taskswap.toml"); },
+                                        "cannot read the configuration '/nonexistent/taskswap.toml'");
+  const std::string file = ::testing::TempDir() + "taskswap_config_test.toml";
+  std::ofstream(file) << "[device]\nbackend = \"emulated\"\nbudget = \"64 MiB\"\n";
+  EXPECT_EQ(load_config(file).device.budget, std::size_t{64} << 20);
+}
+
+}  // namespace
+}  // namespace taskswap::test

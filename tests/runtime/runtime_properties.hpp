@@ -1,0 +1,371 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// Property tests of the runtime, once per device backend: random units, policies, placements,
+// budgets and step scripts, run against a host reference model of AdamW.
+//   - device bytes never exceed the budget;
+//   - the parameters a trainer sees at every acquire, and every home copy after every flush, are
+//     bitwise those of the reference (so swaps are bit-exact and no update is lost or repeated);
+//   - any policy and placement gives bitwise the all-resident result;
+//   - misses and plans that differ from what runs still work, and nothing deadlocks.
+
+#include "host/adamw_formula.hpp"
+#include "host/cpu_adamw.hpp"
+#include "kernels/kernels.hpp"
+#include "test_scale.hpp"
+
+#include <taskswap/taskswap.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace taskswap::test {
+
+// One action of a step script, as the trainer calls it.
+struct action {
+  enum kind_t { acquire, step, release } kind;
+  std::uint32_t unit;
+};
+
+struct scenario {
+  std::vector<unit_spec> units;
+  std::size_t budget = 0;
+  std::vector<std::vector<action>> steps;
+  std::vector<step_plan> plans;  // what the trainer announces; may differ from the steps
+  enum plan_mode_t { upfront, step_by_step, none } plan_mode = upfront;
+  std::uint64_t seed = 0;
+};
+
+inline std::size_t device_bytes_of(const unit_spec& u)
+{
+  // Mirrors runtime/unit_layout: checked against runtime::device_bytes in the tests.
+  std::size_t count = 0;
+  for (const tensor_spec& t : u.tensors) {
+    std::size_t n = 1;
+    for (const std::size_t d : t.shape) { n *= d; }
+    count = (count + 63) / 64 * 64 + n;
+  }
+  const auto slab = [&](dtype t) { return (count * size_of(t) + 255) / 256 * 256; };
+  const dtype grad = u.grad.value_or(u.compute);
+  if (u.policy->optimizer == optimizer_placement::host) { return slab(u.compute) + slab(grad); }
+  return slab(u.compute) + (u.compute == dtype::f32 ? 0 : slab(dtype::f32)) + 2 * slab(dtype::f32) + slab(grad);
+}
+
+// Held-at-once sets of a script: the budget that the plan check and the fragmentation margin need.
+inline std::size_t safe_budget(const scenario& s, std::size_t pinned)
+{
+  std::size_t need = pinned;
+  for (const auto& step : s.steps) {
+    std::vector<std::uint32_t> held;
+    for (const action& a : step) {
+      const unit_spec& u = s.units[a.unit];
+      if (u.policy->residency == residency::pinned) { continue; }
+      if (a.kind == action::acquire) {
+        std::size_t held_bytes = 0;
+        for (const std::uint32_t h : held) { held_bytes += device_bytes_of(s.units[h]); }
+        need = std::max(need, pinned + held_bytes + (held.size() + 1) * device_bytes_of(u));
+        held.push_back(a.unit);
+      } else if (a.kind == action::release) {
+        held.erase(std::find(held.begin(), held.end(), a.unit));
+      }
+    }
+  }
+  return need;
+}
+
+inline scenario random_scenario(std::uint64_t seed, bool all_resident = false)
+{
+  std::mt19937_64 rng(seed);
+  const auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
+  scenario s;
+  s.seed = seed;
+  const std::size_t n_units = 2 + pick(6);
+  constexpr std::array dtypes{dtype::f32, dtype::bf16, dtype::f16};
+  std::size_t pinned = 0;
+  std::size_t swapped_total = 0;
+  for (std::size_t i = 0; i < n_units; ++i) {
+    unit_spec u;
+    u.name = (i < 2 && pick(2) == 0 ? "trunk/" : "task/") + std::to_string(i);
+    const std::size_t tensors = 1 + pick(3);
+    for (std::size_t t = 0; t < tensors; ++t) {
+      std::vector<std::size_t> shape{1 + pick(40)};
+      if (pick(2) == 0) { shape.push_back(1 + pick(60)); }
+      u.tensors.push_back({"w" + std::to_string(t), shape});
+    }
+    u.compute = dtypes[pick(3)];
+    if (u.compute != dtype::f32 && pick(2) == 0) { u.grad = dtype::f32; }
+    unit_policy p;
+    const auto drawn = static_cast<residency>(pick(3));
+    p.residency = all_resident ? residency::pinned : drawn;
+    p.lookahead = static_cast<int>(pick(4));
+    p.optimizer = static_cast<optimizer_placement>(pick(2));
+    u.policy = p;
+    (p.residency == residency::pinned ? pinned : swapped_total) += device_bytes_of(u);
+    s.units.push_back(std::move(u));
+  }
+  const std::size_t n_steps = 1 + pick(10);
+  for (std::size_t k = 0; k < n_steps; ++k) {
+    std::vector<std::uint32_t> used;
+    for (std::uint32_t i = 0; i < n_units; ++i) {
+      if (pick(3) == 0) { used.push_back(i); }
+    }
+    if (used.empty()) { used.push_back(static_cast<std::uint32_t>(pick(n_units))); }
+    std::shuffle(used.begin(), used.end(), rng);
+    std::vector<action> step;
+    step_plan plan;
+    if (pick(2) == 0) {  // hold everything for the step, release in reverse
+      for (const std::uint32_t u : used) { step.push_back({action::acquire, u}); }
+      for (auto it = used.rbegin(); it != used.rend(); ++it) {
+        if (pick(4) != 0) { step.push_back({action::step, *it}); }
+        step.push_back({action::release, *it});
+      }
+    } else {  // stream: forward one at a time, then backward one at a time
+      for (const std::uint32_t u : used) {
+        step.push_back({action::acquire, u});
+        step.push_back({action::release, u});
+      }
+      for (auto it = used.rbegin(); it != used.rend(); ++it) {
+        step.push_back({action::acquire, *it});
+        if (pick(4) != 0) { step.push_back({action::step, *it}); }
+        step.push_back({action::release, *it});
+      }
+    }
+    for (const action& a : step) {
+      if (a.kind == action::acquire) { plan.acquire(unit_id{a.unit}); }
+      if (a.kind == action::release) { plan.release(unit_id{a.unit}); }
+    }
+    if (pick(8) == 0) {  // the trainer changes its mind: announce another unit's step instead
+      plan = step_plan{unit_id{static_cast<std::uint32_t>(pick(n_units))}};
+    }
+    s.steps.push_back(std::move(step));
+    s.plans.push_back(std::move(plan));
+  }
+  s.plan_mode = static_cast<scenario::plan_mode_t>(pick(3));
+  s.budget = safe_budget(s, pinned) + (pick(2) == 0 ? 0 : pick(swapped_total + 1));
+  // A plan that deviates must still pass the check: the announced step alone holds one unit.
+  for (const unit_spec& u : s.units) { s.budget = std::max(s.budget, pinned + device_bytes_of(u)); }
+  return s;
+}
+
+// The reference: every unit's state on the host, stepped by the portable CPU AdamW.
+struct reference_unit {
+  std::vector<float> master, m, v;
+  std::vector<std::byte> params;  // compute dtype
+  dtype compute = dtype::f32;
+  std::int64_t step = 0;
+};
+
+template <typename Backend>
+class runtime_properties : public ::testing::Test {
+ protected:
+  void SetUp() override
+  {
+    if (const std::string why = Backend::skip_reason(); !why.empty()) { GTEST_SKIP() << why; }
+  }
+
+  struct outcome {
+    std::vector<reference_unit> homes;  // as flushed from the runtime at the end
+  };
+
+  // Runs `s`; checks every acquire against the reference and, with `flush_each_step`, every home.
+  void run(const scenario& s, bool flush_each_step, outcome* out = nullptr)
+  {
+    SCOPED_TRACE("scenario seed " + std::to_string(s.seed));
+    device dev = Backend::make(s.budget);
+    runtime_options options;
+    options.device.budget = s.budget;
+    options.optimizer = {.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.99, .eps = 1e-6, .weight_decay = 0.05};
+    runtime rt(dev, options, s.units);
+    stream compute(dev);
+    std::mt19937_64 rng(s.seed ^ 0x9e3779b97f4a7c15ULL);
+    std::uniform_real_distribution<float> dist(-1.0F, 1.0F);
+
+    std::vector<reference_unit> ref(s.units.size());
+    for (std::uint32_t i = 0; i < s.units.size(); ++i) {
+      const unit_id id{i};
+      EXPECT_EQ(rt.device_bytes(id), device_bytes_of(s.units[i]));
+      home_view h = rt.home(id);
+      reference_unit& r = ref[i];
+      r.master.resize(h.master.count);
+      for (float& x : r.master) { x = dist(rng); }
+      std::memcpy(h.master.data, r.master.data(), r.master.size() * sizeof(float));
+      r.m.assign(h.m.count, 0.0F);
+      r.v.assign(h.v.count, 0.0F);
+      r.params.resize(h.params.bytes());
+      r.compute = h.params.type;
+      if (h.params.type == dtype::f32) {
+        std::memcpy(r.params.data(), r.master.data(), r.params.size());
+      } else {
+        detail::host_cast(r.params.data(), h.params.type, r.master.data(), dtype::f32, r.master.size());
+      }
+    }
+    if (s.plan_mode == scenario::upfront) { rt.plan(s.plans); }
+
+    const std::size_t budget = s.budget;
+    for (std::size_t k = 0; k < s.steps.size(); ++k) {
+      SCOPED_TRACE("step " + std::to_string(k));
+      if (s.plan_mode == scenario::step_by_step) { rt.plan(s.plans[k]); }
+      std::vector<pinned_buffer> staging;
+      std::vector<std::pair<std::size_t, std::vector<std::byte>>> expected_params;  // staging index, bytes
+      std::vector<unit_view> views(s.units.size());
+      for (const action& a : s.steps[k]) {
+        const unit_id id{a.unit};
+        if (a.kind == action::acquire) {
+          views[a.unit] = rt.acquire(id, compute);
+          const slab_view p = views[a.unit].params;
+          staging.emplace_back(dev, p.bytes());
+          copy_async(staging.back().span(), const_device_span(device_span(&dev.backend(), static_cast<std::byte*>(p.data), p.bytes())),
+                     compute);
+          expected_params.emplace_back(staging.size() - 1, ref[a.unit].params);
+        } else if (a.kind == action::step) {
+          const slab_view g = views[a.unit].grads;
+          std::vector<float> grads(g.count);
+          for (float& x : grads) { x = dist(rng); }
+          staging.emplace_back(dev, g.bytes());
+          detail::host_cast(staging.back().data(), g.type, grads.data(), dtype::f32, g.count);
+          copy_async(device_span(&dev.backend(), static_cast<std::byte*>(g.data), g.bytes()),
+                     std::span<const std::byte>(staging.back().data(), g.bytes()), compute);
+          rt.grads_ready(id, compute);
+          rt.step(id, compute);
+          reference_step(ref[a.unit], staging.back().data(), g.type, options.optimizer);
+        } else {
+          rt.release(id, compute);
+        }
+        EXPECT_LE(rt.stats().device_bytes_in_use, budget);
+      }
+      const step_stats st = rt.end_step();
+      EXPECT_LE(st.peak_device_bytes, budget);
+      compute.synchronize();
+      for (const auto& [index, bytes] : expected_params) {
+        ASSERT_EQ(std::memcmp(staging[index].data(), bytes.data(), bytes.size()), 0)
+          << "device parameters at acquire differ from the reference";
+      }
+      if (flush_each_step) {
+        rt.flush();
+        expect_homes_equal(rt, ref);
+      }
+    }
+    rt.flush();
+    expect_homes_equal(rt, ref);
+    const runtime_stats stats = rt.stats();
+    EXPECT_LE(stats.total.peak_device_bytes, budget);
+    seen_.hits += stats.total.hits;
+    seen_.misses += stats.total.misses;
+    seen_.unplanned += stats.total.unplanned;
+    seen_.evictions += stats.total.evictions;
+    seen_.write_backs += stats.total.write_backs;
+    seen_.d2h_bytes += stats.total.d2h_bytes;  // write-backs and host-placement gradients
+    if (out != nullptr) {
+      for (std::uint32_t i = 0; i < s.units.size(); ++i) { out->homes.push_back(snapshot(rt.home(unit_id{i}))); }
+    }
+  }
+
+  // What the scenarios exercised, so that a generator that stops producing evictions, misses or
+  // write-backs is noticed.
+  void expect_every_path_was_taken() const
+  {
+    EXPECT_GT(seen_.hits, 0U);
+    EXPECT_GT(seen_.misses, 0U);
+    EXPECT_GT(seen_.unplanned, 0U);
+    EXPECT_GT(seen_.evictions, 0U);
+    EXPECT_GT(seen_.write_backs, 0U);
+    EXPECT_GT(seen_.d2h_bytes, 0U);
+  }
+  step_stats seen_{};
+
+  static void reference_step(reference_unit& r, const void* grads, dtype grad_type, const adamw_options& o)
+  {
+    ++r.step;
+    detail::adamw_slabs slabs;
+    slabs.master = r.master.data();
+    slabs.m = r.m.data();
+    slabs.v = r.v.data();
+    slabs.grad = grads;
+    slabs.grad_type = grad_type;
+    slabs.params = nullptr;
+    slabs.count = r.master.size();
+    detail::cpu_adamw_range(slabs, detail::make_adamw_scalars(o, r.step), 0, slabs.count, detail::cpu_isa::portable);
+    if (r.compute == dtype::f32) {
+      std::memcpy(r.params.data(), r.master.data(), r.params.size());
+    } else {
+      detail::host_cast(r.params.data(), r.compute, r.master.data(), dtype::f32, r.master.size());
+    }
+  }
+
+  static reference_unit snapshot(const home_view& h)
+  {
+    reference_unit r;
+    const auto* master = static_cast<const float*>(h.master.data);
+    r.master.assign(master, master + h.master.count);
+    r.m.assign(static_cast<const float*>(h.m.data), static_cast<const float*>(h.m.data) + h.m.count);
+    r.v.assign(static_cast<const float*>(h.v.data), static_cast<const float*>(h.v.data) + h.v.count);
+    const auto* p = static_cast<const std::byte*>(h.params.data);
+    r.params.assign(p, p + h.params.bytes());
+    r.compute = h.params.type;
+    r.step = h.step;
+    return r;
+  }
+
+  static void expect_homes_equal(runtime& rt, const std::vector<reference_unit>& ref)
+  {
+    for (std::uint32_t i = 0; i < ref.size(); ++i) {
+      const reference_unit got = snapshot(rt.home(unit_id{i}));
+      SCOPED_TRACE("unit " + std::string(rt.name(unit_id{i})));
+      ASSERT_EQ(got.step, ref[i].step);
+      ASSERT_TRUE(got.master == ref[i].master || bitwise_equal(got.master, ref[i].master)) << "master differs";
+      ASSERT_TRUE(bitwise_equal(got.m, ref[i].m)) << "m differs";
+      ASSERT_TRUE(bitwise_equal(got.v, ref[i].v)) << "v differs";
+      ASSERT_TRUE(got.params == ref[i].params) << "params differ";
+    }
+  }
+
+  static bool bitwise_equal(const std::vector<float>& a, const std::vector<float>& b)
+  {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+  }
+};
+
+TYPED_TEST_SUITE_P(runtime_properties);
+
+TYPED_TEST_P(runtime_properties, random_scenarios_match_the_reference_after_every_step)
+{
+  const std::size_t cases = large_case(1500, 120);
+  for (std::uint64_t seed = 1; seed <= cases; ++seed) {
+    this->run(random_scenario(seed), /*flush_each_step=*/true);
+    if (this->HasFatalFailure()) { return; }
+  }
+  this->expect_every_path_was_taken();
+}
+
+TYPED_TEST_P(runtime_properties, any_policy_gives_the_all_resident_parameters)
+{
+  const std::size_t cases = large_case(600, 60);
+  for (std::uint64_t seed = 10'001; seed < 10'001 + cases; ++seed) {
+    const scenario swapped = random_scenario(seed);
+    scenario resident = random_scenario(seed, /*all_resident=*/true);
+    std::size_t total = 0;
+    for (const unit_spec& u : resident.units) { total += device_bytes_of(u); }
+    resident.budget = total;
+    typename TestFixture::outcome a;
+    typename TestFixture::outcome b;
+    this->run(swapped, /*flush_each_step=*/false, &a);
+    this->run(resident, /*flush_each_step=*/false, &b);
+    if (this->HasFatalFailure()) { return; }
+    for (std::size_t i = 0; i < a.homes.size(); ++i) {
+      ASSERT_EQ(a.homes[i].params, b.homes[i].params) << "seed " << seed << " unit " << i;
+      ASSERT_TRUE(this->bitwise_equal(a.homes[i].master, b.homes[i].master)) << "seed " << seed << " unit " << i;
+    }
+  }
+  this->expect_every_path_was_taken();
+}
+
+REGISTER_TYPED_TEST_SUITE_P(runtime_properties, random_scenarios_match_the_reference_after_every_step,
+                            any_policy_gives_the_all_resident_parameters);
+
+}  // namespace taskswap::test

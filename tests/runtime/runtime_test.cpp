@@ -1,0 +1,369 @@
+// SPDX-License-Identifier: Apache-2.0
+// The runtime's protocol, plan, eviction rule, stats and trace on the emulated backend.
+
+#include "expect_error.hpp"
+#include "runtime/plan_queue.hpp"
+#include "runtime/unit_layout.hpp"
+#include "test_scale.hpp"
+
+#include <taskswap/taskswap.hpp>
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <random>
+#include <sstream>
+
+namespace taskswap::test {
+namespace {
+
+constexpr std::size_t KiB = 1024;
+constexpr std::size_t MiB = 1024 * KiB;
+
+unit_spec make_unit(std::string name, std::size_t elements, residency r = residency::prefetch,
+                    optimizer_placement o = optimizer_placement::device, int lookahead = 2)
+{
+  unit_spec u;
+  u.name = std::move(name);
+  u.tensors = {{"w", {elements}}};
+  u.policy = unit_policy{r, lookahead, o};
+  return u;
+}
+
+runtime_options options_with_budget(std::size_t budget)
+{
+  runtime_options o;
+  o.device.budget = budget;
+  return o;
+}
+
+device emulated(std::size_t memory, double link_bytes_per_second = 0)
+{
+  return emulated_device({.memory_bytes = memory, .link = {.bytes_per_second = link_bytes_per_second}});
+}
+
+TEST(unit_layout, slabs_are_aligned_and_the_travelling_prefix_is_shared)
+{
+  unit_spec u;
+  u.name = "u";
+  u.tensors = {{"a", {3, 5}}, {"b", {7}}};
+  u.compute = dtype::bf16;
+  u.grad = dtype::f32;
+  const auto d = detail::make_unit_layout(u, optimizer_placement::device);
+  ASSERT_EQ(d.tensors.size(), 2U);
+  EXPECT_EQ(d.tensors[0].offset, 0U);
+  EXPECT_EQ(d.tensors[1].offset, 64U);  // tensors start on 64-element boundaries
+  EXPECT_EQ(d.count, 64U + 7U);
+  for (const std::size_t off : {d.params, d.master, d.m, d.v, d.device_grads}) { EXPECT_EQ(off % 256, 0U); }
+  EXPECT_LT(d.params, d.master);
+  EXPECT_EQ(d.travel_bytes, d.device_grads);
+  EXPECT_EQ(d.writeback_bytes, d.travel_bytes);
+  EXPECT_EQ(d.home_bytes, d.travel_bytes);  // device placement keeps no gradients at home
+
+  const auto h = detail::make_unit_layout(u, optimizer_placement::host);
+  EXPECT_EQ(h.travel_bytes, 256U);  // params only: 71 bf16 round up to one 256-byte slab
+  EXPECT_EQ(h.writeback_bytes, 0U);
+  EXPECT_EQ(h.device_bytes, 256U + 512U);  // params + f32 gradients
+  EXPECT_GT(h.home_bytes, h.home_grads);
+
+  unit_spec f = u;
+  f.compute = dtype::f32;
+  f.grad.reset();
+  EXPECT_EQ(detail::make_unit_layout(f, optimizer_placement::device).master, 0U);  // params are the master
+}
+
+TEST(unit_layout, refuses_units_without_tensors_or_with_empty_dimensions)
+{
+  unit_spec u;
+  u.name = "empty";
+  expect_error_mentioning<config_error>([&] { (void)detail::make_unit_layout(u, optimizer_placement::device); },
+                                        "has no tensors");
+  u.tensors = {{"w", {4, 0}}};
+  expect_error_mentioning<config_error>([&] { (void)detail::make_unit_layout(u, optimizer_placement::device); },
+                                        "dimension of 0");
+}
+
+TEST(plan_queue, next_use_follows_consumption_and_skipped_acquisitions_are_dropped)
+{
+  detail::plan_queue q(3);
+  const unit_id a{0}, b{1}, c{2};
+  q.append(step_plan{a, b});
+  q.append(step_plan{c, a});
+  EXPECT_EQ(q.next_use(a), 0U);
+  EXPECT_EQ(q.next_use(b), 1U);
+  EXPECT_EQ(q.next_use(c), 2U);
+  EXPECT_EQ(q.step_distance(3), 1U);
+  EXPECT_EQ(q.match(b), 1U);  // out of order within the step is still planned
+  EXPECT_EQ(q.match(c), std::nullopt);  // c belongs to the next step
+  q.end_step();  // a's acquisition in step 0 was skipped
+  EXPECT_EQ(q.next_use(a), 3U);
+  EXPECT_EQ(q.next_use(b), detail::never);
+  std::vector<std::uint64_t> seen;
+  q.for_each_upcoming(5, [&](unit_id, std::uint64_t p, std::size_t) {
+    seen.push_back(p);
+    return true;
+  });
+  EXPECT_EQ(seen, (std::vector<std::uint64_t>{2, 3}));
+}
+
+// The fewest fetches any eviction choice achieves, by dynamic programming over cache contents.
+std::size_t optimal_fetches(const std::vector<std::uint32_t>& requests, std::size_t units, std::size_t capacity)
+{
+  constexpr std::size_t inf = 1U << 30;
+  std::map<std::uint32_t, std::size_t> best{{0U, 0U}};
+  for (const std::uint32_t r : requests) {
+    std::map<std::uint32_t, std::size_t> next;
+    const auto relax = [&](std::uint32_t set, std::size_t cost) {
+      auto [it, inserted] = next.try_emplace(set, cost);
+      if (!inserted) { it->second = std::min(it->second, cost); }
+    };
+    for (const auto& [set, cost] : best) {
+      const std::uint32_t bit = 1U << r;
+      if ((set & bit) != 0) {
+        relax(set, cost);
+      } else if (static_cast<std::size_t>(std::popcount(set)) < capacity) {
+        relax(set | bit, cost + 1);
+      } else {
+        for (std::uint32_t v = 0; v < units; ++v) {
+          if ((set & (1U << v)) != 0) { relax((set & ~(1U << v)) | bit, cost + 1); }
+        }
+      }
+    }
+    best = std::move(next);
+  }
+  std::size_t result = inf;
+  for (const auto& [set, cost] : best) { result = std::min(result, cost); }
+  return result;
+}
+
+TEST(runtime_eviction, belady_fetches_as_few_units_as_a_brute_force_optimum)
+{
+  const std::size_t cases = large_case(400, 60);
+  std::mt19937_64 rng(7);
+  for (std::size_t c = 0; c < cases; ++c) {
+    const std::size_t units = 2 + rng() % 4;
+    const std::size_t capacity = 1 + rng() % (units - 1);
+    std::vector<std::uint32_t> requests(1 + rng() % 10);
+    for (auto& r : requests) { r = static_cast<std::uint32_t>(rng() % units); }
+    for (const residency policy : {residency::on_demand, residency::prefetch}) {
+      std::vector<unit_spec> specs;
+      for (std::size_t u = 0; u < units; ++u) {
+        specs.push_back(make_unit("u" + std::to_string(u), 64, policy, optimizer_placement::host, 1000));
+      }
+      const std::size_t unit_bytes = 512;  // 64 f32 params + 64 f32 grads
+      device dev = emulated(capacity * unit_bytes);
+      runtime rt(dev, options_with_budget(capacity * unit_bytes), specs);
+      ASSERT_EQ(rt.device_bytes(unit_id{0}), unit_bytes);
+      std::vector<step_plan> plan;
+      for (const std::uint32_t r : requests) { plan.push_back(step_plan{unit_id{r}}); }
+      rt.plan(plan);
+      stream s(dev);
+      for (const std::uint32_t r : requests) {
+        (void)rt.acquire(unit_id{r}, s);
+        rt.release(unit_id{r}, s);
+        (void)rt.end_step();
+      }
+      EXPECT_EQ(rt.stats().total.swap_ins, optimal_fetches(requests, units, capacity))
+        << "case " << c << ", policy " << to_string(policy);
+    }
+  }
+}
+
+TEST(runtime_protocol, acquire_does_not_wait_for_the_swap_in_and_the_stall_is_measured)
+{
+  // 10 MB/s: the 1 MiB swap-in takes about 100 ms on the h2d stream.
+  device dev = emulated(8 * MiB, 10e6);
+  runtime rt(dev, options_with_budget(8 * MiB), {make_unit("task/0", 128 * KiB, residency::on_demand, optimizer_placement::host)});
+  stream s(dev);
+  const unit_id u = rt.find("task/0");
+  (void)rt.acquire(u, s);
+  EXPECT_FALSE(s.query()) << "the compute stream should still be waiting for the swap-in";
+  EXPECT_EQ(rt.state(u), unit_state::held);
+  rt.release(u, s);
+  s.synchronize();
+  const step_stats st = rt.end_step();
+  EXPECT_EQ(st.misses, 1U);
+  EXPECT_EQ(st.unplanned, 1U);
+  EXPECT_EQ(st.h2d_bytes, 512 * KiB);
+  rt.flush();
+  EXPECT_GT(rt.stats().steps.back().stall_ms, 30.0);
+}
+
+TEST(runtime_protocol, prefetch_brings_the_next_steps_units_in_before_they_are_acquired)
+{
+  device dev = emulated(64 * MiB);
+  std::vector<unit_spec> specs;
+  for (int i = 0; i < 4; ++i) { specs.push_back(make_unit("task/" + std::to_string(i), 1024)); }
+  runtime rt(dev, options_with_budget(64 * MiB), specs);
+  rt.plan(std::vector<step_plan>{step_plan{unit_id{0}}, step_plan{unit_id{1}}, step_plan{unit_id{2}},
+                                 step_plan{unit_id{3}}});
+  // Lookahead 2: steps 0, 1 and 2 are in flight, step 3 is not yet.
+  EXPECT_EQ(rt.state(unit_id{2}), unit_state::resident);
+  EXPECT_EQ(rt.state(unit_id{3}), unit_state::home);
+  stream s(dev);
+  for (std::uint32_t k = 0; k < 4; ++k) {
+    (void)rt.acquire(unit_id{k}, s);
+    rt.release(unit_id{k}, s);
+    const step_stats st = rt.end_step();
+    EXPECT_EQ(st.hits, 1U);
+    EXPECT_EQ(st.misses, 0U);
+  }
+}
+
+TEST(runtime_protocol, protocol_errors_say_what_to_do)
+{
+  device dev = emulated(1 * MiB);
+  runtime rt(dev, options_with_budget(1 * MiB), {make_unit("a", 256), make_unit("b", 256)});
+  stream s(dev);
+  const unit_id a = rt.find("a");
+  expect_error_mentioning<invalid_argument>([&] { rt.release(a, s); }, "call acquire first");
+  expect_error_mentioning<invalid_argument>([&] { rt.step(a, s); }, "call acquire first");
+  (void)rt.acquire(a, s);
+  expect_error_mentioning<invalid_argument>([&] { (void)rt.acquire(a, s); }, "already held");
+  expect_error_mentioning<invalid_argument>([&] { (void)rt.end_step(); }, "'a' is still held");
+  expect_error_mentioning<invalid_argument>([&] { rt.flush(); }, "release them first");
+  rt.release(a, s);
+  (void)rt.end_step();
+  expect_error_mentioning<invalid_argument>([&] { (void)rt.find("c"); }, "no unit is named 'c'");
+  expect_error_mentioning<invalid_argument>([&] { rt.write_trace("/tmp/x.json"); }, "trace = true");
+}
+
+TEST(runtime_registration, a_unit_that_can_never_fit_is_refused_with_the_numbers)
+{
+  device dev = emulated(1 * MiB);
+  std::vector<unit_spec> specs{make_unit("trunk/0", 16 * KiB, residency::pinned), make_unit("task/7", 200 * KiB)};
+  expect_error_mentioning<config_error>([&] { runtime rt(dev, options_with_budget(1 * MiB), specs); },
+                                        "unit 'task/7' needs 3.1 MiB (3276800 bytes) of device memory but the budget "
+                                        "leaves 768.0 KiB (786432 bytes) after pinned units; raise [device] budget or "
+                                        "choose optimizer = \"host\"");
+  specs[1].name = "trunk/0";
+  expect_error_mentioning<config_error>([&] { runtime rt(dev, options_with_budget(1 * MiB), specs); },
+                                        "registered twice");
+  expect_error_mentioning<config_error>([&] { runtime rt(dev, options_with_budget(1 * MiB), {}); },
+                                        "no units given");
+}
+
+TEST(runtime_registration, rules_apply_in_order_and_a_rule_matching_nothing_is_an_error)
+{
+  device dev = emulated(1 * MiB);
+  runtime_options o = options_with_budget(1 * MiB);
+  o.units.push_back({"trunk/*", residency::pinned, std::nullopt, std::nullopt, "cfg.toml:7"});
+  o.units.push_back({"task/*", std::nullopt, 5, optimizer_placement::host, "cfg.toml:11"});
+  o.units.push_back({"task/1", residency::on_demand, std::nullopt, std::nullopt, "cfg.toml:15"});
+  std::vector<unit_spec> specs;
+  for (const char* n : {"trunk/0", "task/0", "task/1"}) {
+    unit_spec u = make_unit(n, 64);
+    u.policy.reset();
+    specs.push_back(u);
+  }
+  runtime rt(dev, o, specs);
+  EXPECT_EQ(rt.policy(rt.find("trunk/0")).residency, residency::pinned);
+  EXPECT_EQ(rt.policy(rt.find("task/0")).lookahead, 5);
+  EXPECT_EQ(rt.policy(rt.find("task/0")).optimizer, optimizer_placement::host);
+  EXPECT_EQ(rt.policy(rt.find("task/1")).residency, residency::on_demand);
+  EXPECT_EQ(rt.policy(rt.find("task/1")).optimizer, optimizer_placement::host);
+
+  o.units.push_back({"head/*", residency::pinned, std::nullopt, std::nullopt, "cfg.toml:19"});
+  expect_error_mentioning<config_error>([&] { runtime bad(dev, o, specs); },
+                                        "cfg.toml:19: [[units]] match = \"head/*\" matches no registered unit");
+}
+
+TEST(runtime_plan, a_step_that_holds_more_than_the_budget_is_refused_naming_the_step)
+{
+  device dev = emulated(1 * MiB);
+  std::vector<unit_spec> specs{make_unit("a", 16 * KiB), make_unit("b", 16 * KiB)};  // 256 KiB each
+  runtime rt(dev, options_with_budget(400 * KiB), specs);
+  const unit_id a{0}, b{1};
+  rt.plan(step_plan{a});
+  expect_error_mentioning<config_error>([&] { rt.plan(step_plan{a, b}); },
+                                        "plan step 1: after acquiring 'b' the units held at once ('a', 'b') need "
+                                        "512.0 KiB");
+  // Released in between, the same two fit one after the other.
+  step_plan streamed;
+  streamed.acquire(a).release(a).acquire(b).release(b);
+  rt.plan(streamed);
+  expect_error_mentioning<config_error>([&] { rt.plan(step_plan().release(a)); }, "has not acquired");
+}
+
+TEST(runtime_plan, a_step_off_its_plan_that_cannot_fit_fails_with_out_of_memory_and_loses_nothing)
+{
+  device dev = emulated(1 * MiB);
+  std::vector<unit_spec> specs{make_unit("a", 16 * KiB), make_unit("b", 16 * KiB)};
+  runtime rt(dev, options_with_budget(400 * KiB), specs);
+  stream s(dev);
+  (void)rt.acquire(unit_id{0}, s);
+  expect_error_mentioning<out_of_memory>([&] { (void)rt.acquire(unit_id{1}, s); }, "acquire('b') needs 256.0 KiB");
+  rt.step(unit_id{0}, s);
+  rt.release(unit_id{0}, s);
+  (void)rt.end_step();
+  (void)rt.acquire(unit_id{1}, s);  // a is evicted (written back) to make room
+  rt.release(unit_id{1}, s);
+  (void)rt.end_step();
+  rt.flush();
+  EXPECT_EQ(rt.home(unit_id{0}).step, 1);
+  EXPECT_EQ(rt.stats().units[0].write_backs, 1U);
+}
+
+TEST(runtime_stats, bytes_and_residency_are_reported_per_step_and_per_unit)
+{
+  device dev = emulated(4 * MiB);
+  std::vector<unit_spec> specs{make_unit("trunk", 1024, residency::pinned), make_unit("task/0", 1024),
+                               make_unit("task/1", 1024, residency::prefetch, optimizer_placement::host)};
+  runtime rt(dev, options_with_budget(4 * MiB), specs);
+  stream s(dev);
+  const unit_id trunk{0}, t0{1}, t1{2};
+  rt.plan(std::vector<step_plan>{step_plan{trunk, t0}, step_plan{trunk, t1}});
+  for (const unit_id task : {t0, t1}) {
+    (void)rt.acquire(trunk, s);
+    (void)rt.acquire(task, s);
+    rt.step(task, s);
+    rt.step(trunk, s);
+    rt.release(task, s);
+    rt.release(trunk, s);
+    (void)rt.end_step();
+  }
+  rt.flush();
+  const runtime_stats st = rt.stats();
+  ASSERT_EQ(st.steps.size(), 2U);
+  EXPECT_EQ(st.total.hits, 4U);
+  EXPECT_EQ(st.total.misses, 0U);
+  // task/1 (host placement): params up, gradients down.
+  EXPECT_EQ(st.steps[1].d2h_bytes, 4096U);
+  EXPECT_EQ(st.units[0].state, unit_state::resident);
+  EXPECT_EQ(st.units[2].step, 1);
+  EXPECT_EQ(st.pinned_device_bytes, rt.device_bytes(trunk));
+  EXPECT_LE(st.host_bytes_pinned, st.home_bytes + 4096);  // pinned ≤ slab bytes + a page
+  EXPECT_LE(st.total.peak_device_bytes, st.budget);
+}
+
+TEST(runtime_trace, the_chrome_trace_has_a_track_per_stream_and_a_device_bytes_counter)
+{
+  device dev = emulated(4 * MiB);
+  runtime_options o = options_with_budget(4 * MiB);
+  o.trace = true;
+  runtime rt(dev, o, {make_unit("task/0", 4096), make_unit("task/1", 4096, residency::prefetch, optimizer_placement::host)});
+  stream s(dev);
+  rt.plan(std::vector<step_plan>{step_plan{unit_id{0}}, step_plan{unit_id{1}}});
+  for (std::uint32_t k = 0; k < 2; ++k) {
+    (void)rt.acquire(unit_id{k}, s);
+    rt.step(unit_id{k}, s);
+    rt.release(unit_id{k}, s);
+    (void)rt.end_step();
+  }
+  const std::string file = ::testing::TempDir() + "taskswap_trace.json";
+  rt.write_trace(file);
+  std::ifstream in(file);
+  std::stringstream text;
+  text << in.rdbuf();
+  const std::string json = text.str();
+  for (const char* needle : {"\"traceEvents\"", "h2d (swap-in)", "d2h (write-back)", "host optimizer", "compute 1",
+                             "\"swap-in task/0\"", "\"adamw task/1\"", "\"grads task/1\"", "\"device bytes\""}) {
+    EXPECT_NE(json.find(needle), std::string::npos) << needle;
+  }
+  EXPECT_EQ(std::count(json.begin(), json.end(), '{'), std::count(json.begin(), json.end(), '}'));
+}
+
+}  // namespace
+}  // namespace taskswap::test
