@@ -130,6 +130,11 @@ struct unit_record {
   [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
 };
 
+unit_state state_of(const unit_record& r) noexcept
+{
+  return r.held ? unit_state::held : r.resident() ? unit_state::resident : unit_state::home;
+}
+
 event& ensure(std::optional<event>& e, const device& dev)
 {
   if (!e) { e.emplace(dev); }
@@ -414,7 +419,7 @@ void runtime::impl::fill_slot(unit_record& r)
   }
   const std::size_t span = trace_ ? trace_->open(h2d_track_, "swap-in " + r.name, h2d_) : 0;
   copy_async(r.slot->subspan(0, l.travel_bytes), std::span<const std::byte>(r.home, l.travel_bytes), h2d_);
-  fill_async(r.slot->subspan(l.device_grads, l.device_bytes - l.device_grads), std::byte{0}, h2d_);
+  fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, h2d_);
   r.arrived.record(h2d_);
   if (trace_) { trace_->close(span, h2d_); }
   r.dirty = false;
@@ -470,7 +475,7 @@ void runtime::impl::evict(unit_record& r)
   r.params_stale = false;
   remove_resident(r);
   ++current_.evictions;
-  if (trace_) { trace_->counter("device bytes", static_cast<double>(pool_->stats().used)); }
+  note_device_bytes();
 }
 
 // Belady: the unit used furthest in the future, least recently released among equals.
@@ -650,8 +655,7 @@ std::size_t runtime::device_bytes(unit_id u) const { return impl_->record(u).lay
 
 unit_state runtime::state(unit_id u) const
 {
-  const unit_record& r = impl_->record(u);
-  return r.held ? unit_state::held : r.resident() ? unit_state::resident : unit_state::home;
+  return state_of(impl_->record(u));
 }
 
 home_view runtime::home(unit_id u)
@@ -748,19 +752,9 @@ void runtime::step(unit_id u, stream_view s)
   if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
   ++r.step;
   const detail::adamw_scalars scalars = detail::make_adamw_scalars(m.options_.optimizer, r.step);
-  std::byte* base = r.slot->data();
   if (r.policy.optimizer == optimizer_placement::device) {
-    detail::adamw_slabs slabs;
-    slabs.master = reinterpret_cast<float*>(base + l.master);  // NOLINT: slabs hold f32
-    slabs.m = reinterpret_cast<float*>(base + l.m);            // NOLINT
-    slabs.v = reinterpret_cast<float*>(base + l.v);            // NOLINT
-    slabs.grad = base + l.device_grads;
-    slabs.grad_type = l.grad;
-    slabs.params = l.compute == dtype::f32 ? nullptr : base + l.params;
-    slabs.param_type = l.compute;
-    slabs.count = l.count;
-    detail::adamw_async(slabs, scalars, s);
-    fill_async(r.slot->subspan(l.device_grads, l.device_bytes - l.device_grads), std::byte{0}, s);
+    detail::adamw_async(l.slabs_at(r.slot->data(), l.device_grads), scalars, s);
+    fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
     r.dirty = true;
     return;
   }
@@ -769,7 +763,7 @@ void runtime::step(unit_id u, stream_view s)
   ensure(r.grads_done, m.device_).record(s);
   r.grads_done->wait(m.d2h_);
   if (r.host_updated && r.host_updated->recorded()) { r.host_updated->wait(m.d2h_); }
-  const std::size_t grad_bytes = l.device_bytes - l.device_grads;
+  const std::size_t grad_bytes = l.device_grad_bytes();
   const std::size_t span = m.trace_ ? m.trace_->open(m.d2h_track_, "grads " + r.name, m.d2h_) : 0;
   copy_async(std::span<std::byte>(r.home + l.home_grads, grad_bytes),
              const_device_span(r.slot->subspan(l.device_grads, grad_bytes)), m.d2h_);
@@ -778,16 +772,7 @@ void runtime::step(unit_id u, stream_view s)
   if (m.trace_) { m.trace_->close(span, m.d2h_); }
   m.current_.d2h_bytes += grad_bytes;
   r.grads_copied->wait(m.host_opt_);
-  detail::adamw_slabs slabs;
-  std::byte* home = r.home;
-  slabs.master = reinterpret_cast<float*>(home + l.master);  // NOLINT: slabs hold f32
-  slabs.m = reinterpret_cast<float*>(home + l.m);            // NOLINT
-  slabs.v = reinterpret_cast<float*>(home + l.v);            // NOLINT
-  slabs.grad = home + l.home_grads;
-  slabs.grad_type = l.grad;
-  slabs.params = l.compute == dtype::f32 ? nullptr : home + l.params;
-  slabs.param_type = l.compute;
-  slabs.count = l.count;
+  const detail::adamw_slabs slabs = l.slabs_at(r.home, l.home_grads);
   detail::host_task_arena* cpu = &*m.cpu_;
   detail::trace_recorder* trace = m.trace_ ? &*m.trace_ : nullptr;
   launch_host_func(m.host_opt_, [slabs, scalars, cpu, trace, track = m.host_track_, name = r.name] {
@@ -889,8 +874,7 @@ runtime_stats runtime::stats() const
   s.host_bytes_pinned = arena.pinned;
   s.units.reserve(m.units_.size());
   for (const unit_record& r : m.units_) {
-    s.units.push_back(unit_stats{r.name, r.held ? unit_state::held : r.resident() ? unit_state::resident : unit_state::home,
-                                 r.dirty, r.layout.device_bytes, r.layout.home_bytes, r.swap_ins, r.write_backs, r.step,
+    s.units.push_back(unit_stats{r.name, state_of(r), r.dirty, r.layout.device_bytes, r.layout.home_bytes, r.swap_ins, r.write_backs, r.step,
                                  r.policy});
   }
   return s;

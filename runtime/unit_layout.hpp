@@ -8,6 +8,8 @@
 // prefix that travels is the same bytes at the same offsets in both places, so a swap-in and a
 // write-back are one copy each.
 
+#include "host/adamw_slabs.hpp"
+
 #include <taskswap/runtime.hpp>
 
 #include <cstddef>
@@ -33,6 +35,23 @@ struct unit_layout {
   std::size_t device_bytes = 0;
   std::size_t travel_bytes = 0;     // home → device on swap-in
   std::size_t writeback_bytes = 0;  // device → home on write-back; 0 for host placement
+
+  [[nodiscard]] std::size_t device_grad_bytes() const noexcept { return device_bytes - device_grads; }
+  /// The AdamW operands of a copy of this unit whose block starts at `base` (home or device) and
+  /// whose gradients lie at `grads` bytes from it.
+  [[nodiscard]] adamw_slabs slabs_at(std::byte* base, std::size_t grads) const noexcept
+  {
+    adamw_slabs s;
+    s.master = reinterpret_cast<float*>(base + master);  // NOLINT: these slabs hold f32
+    s.m = reinterpret_cast<float*>(base + m);            // NOLINT
+    s.v = reinterpret_cast<float*>(base + v);            // NOLINT
+    s.grad = base + grads;
+    s.grad_type = grad;
+    s.params = compute == dtype::f32 ? nullptr : base + params;
+    s.param_type = compute;
+    s.count = count;
+    return s;
+  }
 };
 
 /// The layout of `spec` under `placement`.

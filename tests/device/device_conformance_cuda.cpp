@@ -1,19 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
+#include "cuda_skip.hpp"
 #include "device_conformance.hpp"
 
 namespace taskswap::test {
 
 struct cuda_backend_under_test {
-  static std::string skip_reason()
-  {
-    const build_info info = get_build_info();
-    if (!info.cuda) { return "taskswap was built without CUDA (TASKSWAP_CUDA=OFF)"; }
-    if (cuda_device_count() == 0) {
-      return "no CUDA device visible (driver " + info.cuda_driver_version +
-             "); run tools/gpu-check on a machine with a GPU";
-    }
-    return {};
-  }
+  static std::string skip_reason() { return cuda_skip_reason(); }
   static device make() { return cuda_device(0); }
 };
 

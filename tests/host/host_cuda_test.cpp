@@ -1,5 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The host layer on a CUDA device: PCI locality and cudaHostRegister in chunks.
+#include "cuda_skip.hpp"
+
 #include <taskswap/taskswap.hpp>
 
 #include <gtest/gtest.h>
@@ -16,8 +18,7 @@ class host_on_cuda : public ::testing::Test {
  protected:
   void SetUp() override
   {
-    if (!get_build_info().cuda) { GTEST_SKIP() << "taskswap was built without CUDA"; }
-    if (cuda_device_count() == 0) { GTEST_SKIP() << "no CUDA device visible; run tools/gpu-check on a GPU machine"; }
+    if (const std::string why = cuda_skip_reason(); !why.empty()) { GTEST_SKIP() << why; }
   }
 };
 

@@ -1,16 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
+#include "cuda_skip.hpp"
 #include "kernels_conformance.hpp"
 
 namespace taskswap::test {
 
 struct cuda_kernels {
   static constexpr bool large = true;
-  static std::string skip_reason()
-  {
-    if (!get_build_info().cuda) { return "taskswap was built without CUDA (TASKSWAP_CUDA=OFF)"; }
-    if (cuda_device_count() == 0) { return "no CUDA device visible; run tools/gpu-check on a machine with a GPU"; }
-    return {};
-  }
+  static std::string skip_reason() { return cuda_skip_reason(); }
   static device make() { return cuda_device(0); }
 };
 
