@@ -292,6 +292,8 @@ void read_comm(const toml::table& t, std::string_view source, comm_options& c)
   if (auto b = r.choice("backend", backends)) { c.backend = *b; }
   if (auto b = r.quantity("bucket_cap", size_units, "25 MiB")) { c.bucket_cap = static_cast<std::size_t>(*b); }
   if (auto a = r.choice("average", averages)) { c.average = *a; }
+  constexpr std::array reduces{std::pair{std::string_view("active"), false}, std::pair{std::string_view("all"), true}};
+  if (auto a = r.choice("reduce", reduces)) { c.reduce_all = *a; }
   if (auto s = r.quantity("timeout", time_units, "300 s")) {
     c.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(*s * 1000.0)));
   }

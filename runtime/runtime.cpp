@@ -18,6 +18,8 @@
 
 #include <taskswap/runtime.hpp>
 
+#include "comm/reducer.hpp"
+
 #include "device/expects.hpp"
 #include "device/log.hpp"
 #include "device/message.hpp"
@@ -29,6 +31,7 @@
 #include "runtime/trace.hpp"
 #include "runtime/unit_layout.hpp"
 
+#include <taskswap/comm.hpp>
 #include <taskswap/host.hpp>
 
 #include <fnmatch.h>
@@ -121,6 +124,15 @@ struct unit_record {
   std::optional<event> host_updated;
   std::size_t trace_span = 0;
   std::uint32_t index = 0;  // its unit_id
+  // With a communicator, within the current step:
+  bool update_only = false;     // acquired by the runtime to apply an update other ranks trained
+  bool step_requested = false;  // step() was called (or the runtime stepped it)
+  bool step_deferred = false;   // step() came before its reduction was launched; the update waits
+  bool updated_on_aux = false;  // its update ran on the runtime's aux stream
+  bool release_deferred = false;  // the trainer released it before the deferred update ran
+  void* released_on = nullptr;    // the stream of its last release: a user on another one waits for it
+  std::optional<event> step_point;        // the trainer's stream at step()
+  std::optional<event> trainer_released;  // the trainer's stream at release()
 
   unit_record(const device& dev, std::uint32_t i, std::string n, unit_policy p, detail::unit_layout l)
       : name(std::move(n)), policy(p), layout(std::move(l)), arrived(dev), released(dev), index(i)
@@ -166,7 +178,8 @@ std::string policy_hint(const unit_record& r)
 }  // namespace
 
 struct runtime::impl {
-  impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs);
+  impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs,
+       std::shared_ptr<communicator> comm);
   ~impl();
 
   // Registration
@@ -190,6 +203,24 @@ struct runtime::impl {
 
   // Plan checks
   void check_step(const step_plan& step, std::uint64_t step_number) const;
+
+  // The step protocol's bodies (shared by the trainer's calls and the reducer's updates)
+  void acquire(unit_record& r, stream_view s);
+  void apply_step(unit_record& r, stream_view s);
+  void release(unit_record& r, stream_view s);
+
+  // With a communicator
+  void plan_together(std::span<const step_plan> steps);
+  void begin_step();
+  void mark_ready(unit_record& r, stream_view s);
+  void on_launched(const std::vector<std::uint32_t>& units);
+  void update_on_aux(unit_record& r);
+  void complete_step();
+  void reset_step_flags(unit_record& r);
+  void check_comm() const
+  {
+    if (reducer_) { reducer_->comm().check(); }
+  }
 
   // Stats
   void resolve_stalls(bool wait);
@@ -247,9 +278,22 @@ struct runtime::impl {
   int d2h_track_ = 0;
   int host_track_ = 0;
   std::unordered_map<void*, int> compute_tracks_;
+
+  // With a communicator: the reducer, the agreed upcoming steps (front: the current one) and the
+  // stream on which the runtime applies the updates it owns.
+  struct agreed_step {
+    detail::step_agreement agreement;
+    std::vector<std::uint32_t> update_only;  // active elsewhere, not trained here
+  };
+  std::optional<stream> aux_;
+  std::deque<agreed_step> agreed_;
+  bool step_begun_ = false;
+  std::vector<std::uint32_t> step_units_;  // units with per-step flags set, to reset at end_step
+  std::optional<detail::reducer> reducer_;
 };
 
-runtime::impl::impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs)
+runtime::impl::impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs,
+                    std::shared_ptr<communicator> comm)
     : device_(dev),
       options_(options),
       h2d_(dev),
@@ -266,6 +310,23 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
     d2h_track_ = trace_->track("d2h (write-back)");
     host_track_ = trace_->track("host optimizer");
   }
+  if (!comm) { comm = make_communicator(dev, options.comm); }
+  if (comm) {
+    std::vector<detail::reducer_unit> units;
+    units.reserve(units_.size());
+    for (const unit_record& r : units_) {
+      const detail::unit_layout& l = r.layout;
+      std::uint64_t digest = 0xcbf29ce484222325ULL;
+      for (const tensor_info& t : l.tensors) {
+        digest = detail::fnv1a(digest, t.name);
+        for (const std::size_t d : t.shape) { digest = detail::fnv1a(digest, message(",", d)); }
+      }
+      digest = detail::fnv1a(digest, message(to_string(l.compute), "/", to_string(l.grad)));
+      units.push_back({r.name, l.count * size_of(l.grad), l.grad, digest});
+    }
+    aux_.emplace(dev);
+    reducer_.emplace(dev, std::move(comm), options.comm, std::move(units));
+  }
 }
 
 runtime::impl::~impl()
@@ -279,6 +340,13 @@ runtime::impl::~impl()
     }
   } catch (const std::exception& e) {
     detail::log(log_level::warning, message("runtime teardown: writing dirty units back failed: ", e.what()));
+  }
+  if (aux_) {
+    try {
+      aux_->synchronize();
+    } catch (const std::exception& e) {
+      detail::log(log_level::warning, message("runtime teardown: ", e.what()));
+    }
   }
   for (stream* s : {&h2d_, &d2h_, &host_opt_}) {
     try {
@@ -597,6 +665,122 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number)
   }
 }
 
+// ---- with a communicator ----------------------------------------------------------------------
+
+// Agrees with the other ranks on the steps' units, then plans each step with the units other
+// ranks train and this one does not acquired first (this rank applies their update too) and
+// released at its end, and checks the budget again with them.
+void runtime::impl::plan_together(std::span<const step_plan> steps)
+{
+  const std::uint64_t first = steps_done_ + plan_.planned_steps();
+  std::vector<std::vector<std::uint32_t>> local(steps.size());
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    for (const step_plan::entry& e : steps[k].entries()) {
+      if (e.acquire && std::find(local[k].begin(), local[k].end(), e.unit.value) == local[k].end()) {
+        local[k].push_back(e.unit.value);
+      }
+    }
+  }
+  std::vector<detail::step_agreement> agreed = reducer_->agree(local, first);
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    agreed_step a{std::move(agreed[k]), {}};
+    for (const std::uint32_t u : a.agreement.order) {
+      if (std::find(local[k].begin(), local[k].end(), u) == local[k].end()) { a.update_only.push_back(u); }
+    }
+    std::sort(a.update_only.begin(), a.update_only.end());
+    step_plan full;
+    for (const std::uint32_t u : a.update_only) { full.acquire(unit_id{u}); }
+    for (const step_plan::entry& e : steps[k].entries()) {
+      if (e.acquire) {
+        full.acquire(e.unit);
+      } else {
+        full.release(e.unit);
+      }
+    }
+    for (const std::uint32_t u : a.update_only) { full.release(unit_id{u}); }
+    if (!a.update_only.empty()) { check_step(full, first + k); }
+    plan_.append(full);
+    agreed_.push_back(std::move(a));
+  }
+}
+
+// The current step's reduction starts once it is planned: the units this rank only updates are
+// acquired on aux with zero gradients, ready for their buckets.
+void runtime::impl::begin_step()
+{
+  if (!reducer_ || step_begun_ || agreed_.empty()) { return; }
+  step_begun_ = true;
+  reducer_->begin(agreed_.front().agreement, steps_done_);
+  for (const std::uint32_t u : agreed_.front().update_only) {
+    unit_record& r = units_[u];
+    acquire(r, *aux_);
+    r.update_only = true;
+    r.step_requested = true;
+    fill_async(r.slot->subspan(r.layout.device_grads, r.layout.device_grad_bytes()), std::byte{0}, *aux_);
+    mark_ready(r, *aux_);
+  }
+}
+
+void runtime::impl::mark_ready(unit_record& r, stream_view s)
+{
+  ensure(r.grads_ready_event, device_).record(s);
+  if (reducer_->is_ready(r.index)) { return; }
+  // The tensors' elements only: the slab's alignment padding is never sent.
+  const std::size_t bytes = r.layout.count * size_of(r.layout.grad);
+  on_launched(reducer_->ready(r.index, r.slot->subspan(r.layout.device_grads, bytes), *r.grads_ready_event));
+}
+
+void runtime::impl::on_launched(const std::vector<std::uint32_t>& units)
+{
+  for (const std::uint32_t u : units) {
+    unit_record& r = units_[u];
+    if (r.update_only || r.step_deferred) { update_on_aux(r); }
+  }
+}
+
+// The update of a unit whose reduction was launched after the trainer's step() (or that only
+// this runtime holds): on aux, after the trainer's stream reached step() and the reduction.
+void runtime::impl::update_on_aux(unit_record& r)
+{
+  stream& aux = *aux_;
+  if (r.step_deferred && !r.step_point->query()) { r.step_point->wait(aux); }
+  const event* reduced = reducer_->reduced(r.index);
+  if (!reduced->query()) { reduced->wait(aux); }
+  apply_step(r, aux);
+  r.step_deferred = false;
+  r.updated_on_aux = true;
+  if (r.release_deferred) {
+    if (!r.trainer_released->query()) { r.trainer_released->wait(aux); }
+    release(r, aux);
+  } else if (r.update_only) {
+    release(r, aux);
+  }
+}
+
+// Units planned here but never acquired still count as trained by this rank: they contribute
+// zeros and take the update, as units only other ranks trained do.
+void runtime::impl::complete_step()
+{
+  for (const std::uint32_t u : reducer_->not_ready()) {
+    unit_record& r = units_[u];
+    if (r.held) { continue; }  // the trainer still holds it: end_step reports that
+    acquire(r, *aux_);
+    r.update_only = true;
+    r.step_requested = true;
+    fill_async(r.slot->subspan(r.layout.device_grads, r.layout.device_grad_bytes()), std::byte{0}, *aux_);
+    mark_ready(r, *aux_);
+  }
+}
+
+void runtime::impl::reset_step_flags(unit_record& r)
+{
+  r.update_only = false;
+  r.step_requested = false;
+  r.step_deferred = false;
+  r.updated_on_aux = false;
+  r.release_deferred = false;
+}
+
 // ---- stats ----------------------------------------------------------------------------------
 
 step_stats* runtime::impl::stats_of(std::uint64_t step)
@@ -633,7 +817,13 @@ int runtime::impl::compute_track(stream_view s)
 // ---- runtime --------------------------------------------------------------------------------
 
 runtime::runtime(const device& dev, const runtime_options& options, std::vector<unit_spec> units)
-    : impl_(std::make_unique<impl>(dev, options, std::move(units)))
+    : impl_(std::make_unique<impl>(dev, options, std::move(units), nullptr))
+{
+}
+
+runtime::runtime(const device& dev, const runtime_options& options, std::vector<unit_spec> units,
+                 std::shared_ptr<communicator> comm)
+    : impl_(std::make_unique<impl>(dev, options, std::move(units), std::move(comm)))
 {
 }
 
@@ -676,10 +866,16 @@ home_view runtime::home(unit_id u)
 void runtime::plan(std::span<const step_plan> steps)
 {
   impl& m = *impl_;
-  for (const step_plan& s : steps) { m.check_step(s, m.steps_done_ + m.plan_.planned_steps()); }
-  for (const step_plan& s : steps) { m.plan_.append(s); }
+  m.check_comm();
+  for (std::size_t k = 0; k < steps.size(); ++k) { m.check_step(steps[k], m.steps_done_ + m.plan_.planned_steps() + k); }
+  if (m.reducer_) {
+    m.plan_together(steps);
+  } else {
+    for (const step_plan& s : steps) { m.plan_.append(s); }
+  }
   m.planned_steps_ += steps.size();
   m.start();
+  m.begin_step();
   m.prefetch();
 }
 
@@ -688,47 +884,10 @@ unit_view runtime::acquire(unit_id u, stream_view s)
   impl& m = *impl_;
   unit_record& r = m.record(u);
   TASKSWAP_EXPECTS(!r.held, message("acquire('", r.name, "'): the unit is already held; release it first"));
+  m.check_comm();
   m.start();
-  const std::optional<std::uint64_t> position = m.plan_.match(u);
-  if (!position) { ++m.current_.unplanned; }
-  if (r.resident()) {
-    ++m.current_.hits;
-  } else {
-    ++m.current_.misses;
-    if (!m.swap_in(r, position.value_or(0), true)) {
-      const std::size_t budget = m.options_.device.budget;
-      const std::size_t free = budget - m.pool_->stats().used;
-      throw out_of_memory(
-        message("acquire('", r.name, "') needs ", bytes_text(r.layout.device_bytes), " of device memory; ",
-                m.held_count_, " units held now use ", bytes_text(m.held_bytes_), " and the pinned units ",
-                bytes_text(m.pinned_bytes_), " of the ", bytes_text(budget), " budget (",
-                free >= r.layout.device_bytes ? "enough in total, but no free block is large enough"
-                                              : "not enough left",
-                "); release units earlier or plan the step so the runtime checks it ahead"),
-        r.layout.device_bytes, free, budget);
-    }
-  }
-  r.held = true;
-  ++m.held_count_;
-  if (!r.pinned()) { m.held_bytes_ += r.layout.device_bytes; }
-  const bool pending = !r.arrived.query();  // a finished swap-in needs no wait enqueued
-  if (pending && m.options_.measure_stall) {
-    if (m.stalls_free_.empty()) {
-      m.stalls_free_.push_back({event(m.device_, {.timing = true}), event(m.device_, {.timing = true}), 0});
-    }
-    impl::stall_timer t = std::move(m.stalls_free_.back());
-    m.stalls_free_.pop_back();
-    t.step = m.steps_done_;
-    t.begin.record(s);
-    r.arrived.wait(s);
-    t.end.record(s);
-    m.stalls_pending_.push_back(std::move(t));
-  } else if (pending) {
-    r.arrived.wait(s);
-  }
-  if (m.trace_) { r.trace_span = m.trace_->open(m.compute_track(s), r.name, s); }
-  m.prefetch();
-
+  m.begin_step();
+  m.acquire(r, s);
   const detail::unit_layout& l = r.layout;
   unit_view v;
   v.id = u;
@@ -738,20 +897,101 @@ unit_view runtime::acquire(unit_id u, stream_view s)
   return v;
 }
 
+void runtime::impl::acquire(unit_record& r, stream_view s)
+{
+  const unit_id u{r.index};
+  const std::optional<std::uint64_t> position = plan_.match(u);
+  if (!position) {
+    TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "'): step ", steps_done_,
+                                        " did not plan it. With a communicator every acquisition must be planned "
+                                        "(runtime::plan), since the ranks agree on each step's units when it is planned"));
+    ++current_.unplanned;
+  }
+  if (r.resident()) {
+    ++current_.hits;
+  } else {
+    ++current_.misses;
+    if (!swap_in(r, position.value_or(0), true)) {
+      const std::size_t budget = options_.device.budget;
+      const std::size_t free = budget - pool_->stats().used;
+      throw out_of_memory(
+        message("acquire('", r.name, "') needs ", bytes_text(r.layout.device_bytes), " of device memory; ",
+                held_count_, " units held now use ", bytes_text(held_bytes_), " and the pinned units ",
+                bytes_text(pinned_bytes_), " of the ", bytes_text(budget), " budget (",
+                free >= r.layout.device_bytes ? "enough in total, but no free block is large enough"
+                                              : "not enough left",
+                "); release units earlier or plan the step so the runtime checks it ahead"),
+        r.layout.device_bytes, free, budget);
+    }
+  }
+  r.held = true;
+  ++held_count_;
+  if (!r.pinned()) { held_bytes_ += r.layout.device_bytes; }
+  if (reducer_) { step_units_.push_back(r.index); }
+  // The previous use ended on another stream (the trainer's, or aux after an update): wait for it.
+  if (r.released_on != nullptr && r.released_on != s.native_handle()) {
+    if (!r.released.query()) { r.released.wait(s); }
+    r.released_on = nullptr;
+  }
+  const bool pending = !r.arrived.query();  // a finished swap-in needs no wait enqueued
+  if (pending && options_.measure_stall) {
+    if (stalls_free_.empty()) {
+      stalls_free_.push_back({event(device_, {.timing = true}), event(device_, {.timing = true}), 0});
+    }
+    stall_timer t = std::move(stalls_free_.back());
+    stalls_free_.pop_back();
+    t.step = steps_done_;
+    t.begin.record(s);
+    r.arrived.wait(s);
+    t.end.record(s);
+    stalls_pending_.push_back(std::move(t));
+  } else if (pending) {
+    r.arrived.wait(s);
+  }
+  if (trace_) { r.trace_span = trace_->open(compute_track(s), r.name, s); }
+  prefetch();
+}
+
 void runtime::grads_ready(unit_id u, stream_view s)
 {
-  unit_record& r = impl_->held_record(u, "grads_ready");
-  ensure(r.grads_ready_event, impl_->device_).record(s);
+  impl& m = *impl_;
+  m.check_comm();
+  unit_record& r = m.held_record(u, "grads_ready");
+  if (m.reducer_) {
+    m.mark_ready(r, s);
+    return;
+  }
+  ensure(r.grads_ready_event, m.device_).record(s);
 }
 
 void runtime::step(unit_id u, stream_view s)
 {
   impl& m = *impl_;
+  m.check_comm();
   unit_record& r = m.held_record(u, "step");
+  if (!m.reducer_) {
+    if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
+    m.apply_step(r, s);
+    return;
+  }
+  TASKSWAP_EXPECTS(!r.step_requested, message("step('", r.name, "'): the unit was stepped already in this step"));
+  m.mark_ready(r, s);  // a step implies the gradients are complete
+  r.step_requested = true;
+  if (const event* reduced = m.reducer_->reduced(r.index)) {
+    if (!reduced->query()) { reduced->wait(s); }
+    m.apply_step(r, s);
+    return;
+  }
+  // Its bucket waits for units not ready yet: the update runs on aux once it is launched.
+  ensure(r.step_point, m.device_).record(s);
+  r.step_deferred = true;
+}
+
+void runtime::impl::apply_step(unit_record& r, stream_view s)
+{
   const detail::unit_layout& l = r.layout;
-  if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
   ++r.step;
-  const detail::adamw_scalars scalars = detail::make_adamw_scalars(m.options_.optimizer, r.step);
+  const detail::adamw_scalars scalars = detail::make_adamw_scalars(options_.optimizer, r.step);
   if (r.policy.optimizer == optimizer_placement::device) {
     detail::adamw_async(l.slabs_at(r.slot->data(), l.device_grads), scalars, s);
     fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
@@ -760,27 +1000,27 @@ void runtime::step(unit_id u, stream_view s)
   }
   // Host placement: gradients home on d2h (after the previous CPU step let go of them), then the
   // CPU AdamW on host_opt; the device parameters are stale until uploaded again.
-  ensure(r.grads_done, m.device_).record(s);
-  r.grads_done->wait(m.d2h_);
-  if (r.host_updated && r.host_updated->recorded()) { r.host_updated->wait(m.d2h_); }
+  ensure(r.grads_done, device_).record(s);
+  r.grads_done->wait(d2h_);
+  if (r.host_updated && r.host_updated->recorded()) { r.host_updated->wait(d2h_); }
   const std::size_t grad_bytes = l.device_grad_bytes();
-  const std::size_t span = m.trace_ ? m.trace_->open(m.d2h_track_, "grads " + r.name, m.d2h_) : 0;
+  const std::size_t span = trace_ ? trace_->open(d2h_track_, "grads " + r.name, d2h_) : 0;
   copy_async(std::span<std::byte>(r.home + l.home_grads, grad_bytes),
-             const_device_span(r.slot->subspan(l.device_grads, grad_bytes)), m.d2h_);
-  fill_async(r.slot->subspan(l.device_grads, grad_bytes), std::byte{0}, m.d2h_);
-  ensure(r.grads_copied, m.device_).record(m.d2h_);
-  if (m.trace_) { m.trace_->close(span, m.d2h_); }
-  m.current_.d2h_bytes += grad_bytes;
-  r.grads_copied->wait(m.host_opt_);
+             const_device_span(r.slot->subspan(l.device_grads, grad_bytes)), d2h_);
+  fill_async(r.slot->subspan(l.device_grads, grad_bytes), std::byte{0}, d2h_);
+  ensure(r.grads_copied, device_).record(d2h_);
+  if (trace_) { trace_->close(span, d2h_); }
+  current_.d2h_bytes += grad_bytes;
+  r.grads_copied->wait(host_opt_);
   const detail::adamw_slabs slabs = l.slabs_at(r.home, l.home_grads);
-  detail::host_task_arena* cpu = &*m.cpu_;
-  detail::trace_recorder* trace = m.trace_ ? &*m.trace_ : nullptr;
-  launch_host_func(m.host_opt_, [slabs, scalars, cpu, trace, track = m.host_track_, name = r.name] {
+  detail::host_task_arena* cpu = &*cpu_;
+  detail::trace_recorder* trace = trace_ ? &*trace_ : nullptr;
+  launch_host_func(host_opt_, [slabs, scalars, cpu, trace, track = host_track_, name = r.name] {
     const auto begin = detail::trace_recorder::clock::now();
     detail::cpu_adamw_step(slabs, scalars, *cpu);
     if (trace != nullptr) { trace->host_span(track, "adamw " + name, begin, detail::trace_recorder::clock::now()); }
   });
-  ensure(r.host_updated, m.device_).record(m.host_opt_);
+  ensure(r.host_updated, device_).record(host_opt_);
   r.params_stale = true;
   r.stepped_here = true;
 }
@@ -788,34 +1028,81 @@ void runtime::step(unit_id u, stream_view s)
 void runtime::release(unit_id u, stream_view s)
 {
   impl& m = *impl_;
+  m.check_comm();
   unit_record& r = m.held_record(u, "release");
+  if (!m.reducer_) {
+    m.release(r, s);
+    return;
+  }
+  TASKSWAP_EXPECTS(!r.release_deferred, message("release('", r.name, "'): the unit was released already"));
+  if (!r.step_requested) {
+    detail::log_once("release without step", log_level::warning,
+                     message("release('", r.name, "'): the unit was not stepped; with a communicator the runtime "
+                             "steps it so that every rank applies the same update. Call step() before release()"));
+    step(u, s);
+  }
+  if (r.step_deferred) {  // the update has not run yet; the release follows it
+    ensure(r.trainer_released, m.device_).record(s);
+    r.release_deferred = true;
+    --m.held_count_;  // the trainer no longer holds it; the runtime does until the update ran
+    if (!r.pinned()) { m.held_bytes_ -= r.layout.device_bytes; }
+    return;
+  }
+  if (r.updated_on_aux) {
+    ensure(r.trainer_released, m.device_).record(s);
+    r.trainer_released->wait(*m.aux_);
+    m.release(r, *m.aux_);
+    return;
+  }
+  m.release(r, s);
+}
+
+void runtime::impl::release(unit_record& r, stream_view s)
+{
+  const unit_id u{r.index};
   r.released.record(s);
-  if (m.trace_) { m.trace_->close(r.trace_span, s); }
+  r.released_on = s.native_handle();
+  if (trace_) { trace_->close(r.trace_span, s); }
   r.held = false;
-  --m.held_count_;
-  if (!r.pinned()) { m.held_bytes_ -= r.layout.device_bytes; }
-  r.last_release = ++m.tick_;
+  if (!r.release_deferred) {  // a deferred release left the trainer's count when the trainer called it
+    --held_count_;
+    if (!r.pinned()) { held_bytes_ -= r.layout.device_bytes; }
+  }
+  r.release_deferred = false;
+  r.last_release = ++tick_;
   if (r.params_stale) {
     // Upload the new parameters if the unit stays or is needed soon; otherwise free its room.
-    const std::uint64_t next = m.plan_.next_use(u);
+    const std::uint64_t next = plan_.next_use(u);
     const bool soon = next != detail::never &&
-                      m.plan_.step_distance(next) <= static_cast<std::size_t>(std::max(r.policy.lookahead, 0));
+                      plan_.step_distance(next) <= static_cast<std::size_t>(std::max(r.policy.lookahead, 0));
     if (r.pinned() || soon) {
-      m.upload_params(r);
+      upload_params(r);
     } else {
-      m.evict(r);
+      evict(r);
     }
   }
-  m.prefetch();
+  prefetch();
 }
 
 step_stats runtime::end_step()
 {
   impl& m = *impl_;
+  m.check_comm();
+  if (m.reducer_ && m.step_begun_) { m.complete_step(); }
   if (m.held_count_ != 0) {
     for (const unit_record& r : m.units_) {
-      TASKSWAP_EXPECTS(!r.held, message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
+      TASKSWAP_EXPECTS(!r.held || r.release_deferred,
+                       message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
     }
+  }
+  if (m.reducer_ && m.step_begun_) {
+    m.reducer_->end();
+    m.current_.reduced_bytes = m.reducer_->step_bytes();
+    m.current_.reduce_all_bytes = m.reducer_->all_bytes();
+    m.agreed_.pop_front();
+    m.step_begun_ = false;
+    for (const std::uint32_t u : m.step_units_) { m.reset_step_flags(m.units_[u]); }
+    m.step_units_.clear();
   }
   m.plan_.end_step();
   m.resolve_stalls(false);
@@ -832,11 +1119,14 @@ step_stats runtime::end_step()
   t.evictions += done.evictions;
   t.stall_ms += done.stall_ms;
   t.peak_device_bytes = std::max(t.peak_device_bytes, done.peak_device_bytes);
+  t.reduced_bytes += done.reduced_bytes;
+  t.reduce_all_bytes += done.reduce_all_bytes;
   m.history_.push_back(done);
   if (m.history_.size() > stats_history) { m.history_.pop_front(); }
   ++m.steps_done_;
   m.current_ = step_stats{};
   m.current_.peak_device_bytes = m.pool_->stats().used;
+  m.begin_step();
   m.prefetch();
   return done;
 }
@@ -849,10 +1139,12 @@ void runtime::flush()
   for (unit_record& r : m.units_) {
     if (r.resident() && r.dirty) { m.write_back(r); }
   }
+  if (m.aux_) { m.aux_->synchronize(); }
   m.h2d_.synchronize();
   m.d2h_.synchronize();
   m.host_opt_.synchronize();
   m.resolve_stalls(true);
+  m.check_comm();
 }
 
 void runtime::set_optimizer(const adamw_options& options) { impl_->options_.optimizer = options; }

@@ -23,6 +23,8 @@
 
 namespace taskswap {
 
+class communicator;
+
 /// @brief Where a unit lives between uses.
 enum class residency : std::uint8_t {
   pinned,     ///< always on the device (the trunk, typically)
@@ -82,6 +84,7 @@ struct comm_options {
   std::size_t bucket_cap = std::size_t{25} << 20;
   average_mode average = average_mode::contributors;
   std::chrono::milliseconds timeout{300'000};
+  bool reduce_all = false;  ///< reduce every unit every step, zeros included (DDP's behaviour; for comparison)
 };
 
 /// @brief Everything the TOML configuration holds (see load_config in config.hpp).
@@ -198,6 +201,8 @@ struct step_stats {
   std::size_t evictions = 0;
   double stall_ms = 0;         ///< the compute stream's measured wait on swap-ins
   std::size_t peak_device_bytes = 0;
+  std::size_t reduced_bytes = 0;     ///< gradient bytes allreduced (with a communicator)
+  std::size_t reduce_all_bytes = 0;  ///< what reducing every unit, as DDP does, would have moved
 };
 
 /// @brief Per-unit residency figures.
@@ -241,6 +246,20 @@ class runtime {
   /// or empty name, a rule that matches no unit (with the rule's origin)
   /// @throws out_of_memory when the device cannot hold the budget
   runtime(const device& dev, const runtime_options& options, std::vector<unit_spec> units);
+  /// @brief As above, reducing gradients over `comm` (nullptr: the communicator options.comm
+  /// names, if any). Collective when there is a communicator: every rank constructs its runtime
+  /// with the same units, which is checked (config_error naming the ranks that differ).
+  ///
+  /// With a communicator, every acquisition must be planned, and every rank calls plan() with
+  /// the same number of steps at the same point: plan() agrees with the other ranks on each
+  /// step's units (one small collective per call). A unit some rank trains in a step is updated
+  /// on every rank: a rank that does not train it acquires it itself, contributes zero gradients
+  /// and applies the same update, so replicas stay identical; a unit no rank trains is untouched.
+  /// Gradients are averaged over the ranks that trained the unit (or the world size, [comm]
+  /// average = "world"). step(u) waits (on the device) for u's reduction; release(u) of a
+  /// unit not stepped steps it first, so that every rank applies the same updates.
+  runtime(const device& dev, const runtime_options& options, std::vector<unit_spec> units,
+          std::shared_ptr<communicator> comm);
   /// @brief Writes dirty units back and waits for the runtime's streams; never throws.
   ~runtime();
   runtime(const runtime&) = delete;

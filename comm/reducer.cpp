@@ -1,0 +1,234 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "comm/reducer.hpp"
+
+#include "device/expects.hpp"
+#include "device/message.hpp"
+
+#include <algorithm>
+
+namespace taskswap::detail {
+
+namespace {
+constexpr std::size_t first_bucket_cap = std::size_t{1} << 20;  // as DDP: the first bucket goes early
+}
+
+std::uint64_t fnv1a(std::uint64_t h, std::string_view text) noexcept
+{
+  for (const char c : text) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 0x100000001b3ULL;
+  }
+  return h;
+}
+
+reducer::reducer(const device& dev, std::shared_ptr<communicator> comm, const comm_options& options,
+                 std::vector<reducer_unit> units)
+    : device_(dev),
+      comm_(std::move(comm)),
+      options_(options),
+      units_(std::move(units)),
+      stream_(dev),
+      control_stream_(dev),
+      control_done_(dev),
+      where_(units_.size(), -1)
+{
+  TASKSWAP_EXPECTS(comm_ != nullptr, "the reducer needs a communicator");
+  control_ = comm_->split();
+  for (const reducer_unit& u : units_) { all_bytes_ += u.grad_bytes; }
+  check_digests();
+}
+
+reducer::~reducer()
+{
+  try {
+    if (!comm_->failed()) {
+      stream_.synchronize();
+      control_stream_.synchronize();
+    }
+  } catch (const std::exception&) {  // the failure was reported where it happened
+  }
+}
+
+void reducer::wait_control(const event& done, std::string_view what)
+{
+  // The collective enforces its own timeout; the margin covers the copies around it.
+  const auto limit = comm_->timeout() + std::chrono::seconds(10);
+  const bool finished = done.synchronize_for(limit);
+  if (control_->failed()) { comm_->check(); }  // a gradient collective that failed first is the cause
+  control_->check();
+  if (finished) { control_stream_.synchronize(); }  // rethrows a failure of the host functions on it
+  if (!finished) {
+    throw timeout_error(message("taskswap: the ranks' ", what, " did not finish within ",
+                                std::chrono::duration_cast<std::chrono::milliseconds>(limit).count(), " ms"));
+  }
+}
+
+// Every rank writes its digest into its own slots; the sum is then everyone's digest everywhere.
+void reducer::check_digests()
+{
+  const int world = comm_->size();
+  const int me = comm_->rank();
+  std::uint64_t digest = 0xcbf29ce484222325ULL;
+  for (const reducer_unit& u : units_) {
+    digest = fnv1a(digest, u.name);
+    digest ^= u.digest;
+    digest *= 0x100000001b3ULL;
+  }
+  std::vector<std::int64_t> slots(static_cast<std::size_t>(world) * 3, 0);
+  const std::size_t at = static_cast<std::size_t>(me) * 3;
+  slots[at] = static_cast<std::int64_t>(units_.size());
+  slots[at + 1] = static_cast<std::int64_t>(digest >> 32U);
+  slots[at + 2] = static_cast<std::int64_t>(digest & 0xffffffffU);
+  control_->allreduce_counts(slots, control_stream_, "unit registration digests");
+  control_done_.record(control_stream_);
+  wait_control(control_done_, "comparison of unit registrations");
+  std::string differing;
+  for (int r = 0; r < world; ++r) {
+    const std::size_t i = static_cast<std::size_t>(r) * 3;
+    if (slots[i] != slots[at] || slots[i + 1] != slots[at + 1] || slots[i + 2] != slots[at + 2]) {
+      differing += message(differing.empty() ? "" : ", ", "rank ", r, " (", slots[i], " units)");
+    }
+  }
+  if (!differing.empty()) {
+    throw config_error(message("taskswap: the ranks registered different units: rank ", me, " has ", units_.size(),
+                               " units with digest ", std::hex, digest, std::dec, ", and these ranks differ from it: ",
+                               differing,
+                               ". Every rank must register the same units (names, tensor shapes, dtypes) in the "
+                               "same order"));
+  }
+}
+
+std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint32_t>> local, std::uint64_t first_step)
+{
+  const std::size_t n = units_.size();
+  std::vector<step_agreement> out(local.size());
+  if (local.empty()) { return out; }
+  std::vector<std::int64_t> counts;
+  if (options_.reduce_all) {
+    counts.assign(local.size() * n, comm_->size());
+  } else {
+    counts.assign(local.size() * n, 0);
+    for (std::size_t k = 0; k < local.size(); ++k) {
+      for (const std::uint32_t u : local[k]) { counts[k * n + u] = 1; }
+    }
+    control_->allreduce_counts(counts, control_stream_,
+                               message("steps ", first_step, "..", first_step + local.size() - 1, " (plan)"));
+    control_done_.record(control_stream_);
+    wait_control(control_done_, message("agreement on the units of steps ", first_step, "..",
+                                        first_step + local.size() - 1));
+  }
+  for (std::size_t k = 0; k < local.size(); ++k) {
+    step_agreement& a = out[k];
+    std::size_t bucket_bytes = 0;
+    std::size_t cap = std::min(first_bucket_cap, options_.bucket_cap);
+    for (std::size_t i = n; i-- > 0;) {
+      const std::int64_t c = counts[k * n + i];
+      if (c <= 0) { continue; }
+      const std::size_t bytes = units_[i].grad_bytes;
+      if (!a.order.empty() && bucket_bytes + bytes > cap) {
+        a.bucket_end.push_back(a.order.size());
+        bucket_bytes = 0;
+        cap = options_.bucket_cap;
+      }
+      a.order.push_back(static_cast<std::uint32_t>(i));
+      a.counts.push_back(c);
+      bucket_bytes += bytes;
+    }
+    if (!a.order.empty()) { a.bucket_end.push_back(a.order.size()); }
+  }
+  return out;
+}
+
+void reducer::begin(const step_agreement& step, std::uint64_t step_number)
+{
+  comm_->check();
+  step_ = &step;
+  step_number_ = step_number;
+  const std::size_t n = step.order.size();
+  for (std::size_t i = 0; i < n; ++i) { where_[step.order[i]] = static_cast<std::int32_t>(i); }
+  slabs_.assign(n, device_span{});
+  ready_events_.assign(n, nullptr);
+  ready_.assign(n, false);
+  next_bucket_ = 0;
+  while (bucket_done_.size() < step.bucket_end.size()) { bucket_done_.emplace_back(device_); }
+  step_bytes_ = 0;
+  for (const std::uint32_t u : step.order) { step_bytes_ += units_[u].grad_bytes; }
+}
+
+bool reducer::is_ready(std::uint32_t u) const noexcept
+{
+  return active(u) && ready_[static_cast<std::size_t>(where_[u])];
+}
+
+std::vector<std::uint32_t> reducer::ready(std::uint32_t u, device_span grads, const event& ready)
+{
+  comm_->check();
+  std::vector<std::uint32_t> launched;
+  TASKSWAP_EXPECTS(step_ != nullptr && active(u),
+                   message("unit '", units_[u].name, "' is not active in step ", step_number_, " on any rank"));
+  const auto i = static_cast<std::size_t>(where_[u]);
+  if (ready_[i]) { return launched; }
+  ready_[i] = true;
+  slabs_[i] = grads;
+  ready_events_[i] = &ready;
+  launch_ready_buckets(launched);
+  return launched;
+}
+
+void reducer::launch_ready_buckets(std::vector<std::uint32_t>& launched)
+{
+  const step_agreement& a = *step_;
+  while (next_bucket_ < a.bucket_end.size()) {
+    const std::size_t first = next_bucket_ == 0 ? 0 : a.bucket_end[next_bucket_ - 1];
+    const std::size_t last = a.bucket_end[next_bucket_];
+    for (std::size_t i = first; i < last; ++i) {
+      if (!ready_[i]) { return; }
+    }
+    std::vector<reduce_item> items;
+    items.reserve(last - first);
+    for (std::size_t i = first; i < last; ++i) {
+      if (!ready_events_[i]->query()) { ready_events_[i]->wait(stream_); }
+      const std::uint32_t u = a.order[i];
+      const double factor = options_.average == average_mode::world ? 1.0 / comm_->size()
+                                                                     : 1.0 / static_cast<double>(a.counts[i]);
+      items.push_back({slabs_[i], units_[u].grad, reduce_op::premul_sum, factor});
+    }
+    comm_->allreduce_many(items, stream_,
+                          message("bucket ", next_bucket_, " (", last - first, " units from '", units_[a.order[first]].name,
+                                  "'), step ", step_number_));
+    bucket_done_[next_bucket_].record(stream_);
+    for (std::size_t i = first; i < last; ++i) { launched.push_back(a.order[i]); }
+    ++next_bucket_;
+  }
+}
+
+const event* reducer::reduced(std::uint32_t u) const noexcept
+{
+  if (!active(u)) { return nullptr; }
+  const auto i = static_cast<std::size_t>(where_[u]);
+  const auto& ends = step_->bucket_end;
+  const std::size_t b = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), i) - ends.begin());
+  return b < next_bucket_ ? &bucket_done_[b] : nullptr;
+}
+
+std::vector<std::uint32_t> reducer::not_ready() const
+{
+  std::vector<std::uint32_t> out;
+  if (step_ == nullptr) { return out; }
+  for (std::size_t i = 0; i < ready_.size(); ++i) {
+    if (!ready_[i]) { out.push_back(step_->order[i]); }
+  }
+  return out;
+}
+
+void reducer::end()
+{
+  if (step_ == nullptr) { return; }
+  TASKSWAP_EXPECTS(next_bucket_ == step_->bucket_end.size(),
+                   message("step ", step_number_, " ends with ", step_->bucket_end.size() - next_bucket_,
+                           " gradient buckets not launched"));
+  for (const std::uint32_t u : step_->order) { where_[u] = -1; }
+  step_ = nullptr;
+}
+
+}  // namespace taskswap::detail

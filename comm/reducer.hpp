@@ -1,0 +1,115 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The active-gradient reducer: the runtime's partner when the ranks train together.
+//
+// - At construction the ranks compare a digest of their units (names, tensor shapes, dtypes) and
+//   refuse to start when they differ.
+// - When steps are planned, each rank's units per step are summed over the ranks (one small
+//   collective per planned window, on a channel of its own so it never queues behind gradients):
+//   a unit's count is the number of ranks that train it in that step.
+// - A step's active units (count > 0) are reduced in one order, the same on every rank (highest
+//   unit id first: the order backward reaches them when the trunk is registered before the
+//   heads), packed into buckets (a small first one, then up to the cap). A bucket is launched on
+//   the comm stream once all its units are ready and the bucket before it was launched; each
+//   unit's gradient is pre-multiplied by 1 / its count (or 1 / world size) and summed.
+// The runtime owns the units' memory and their updates; the reducer only orders and launches.
+
+#include <taskswap/comm.hpp>
+#include <taskswap/runtime.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace taskswap::detail {
+
+/// What the reducer knows of a unit.
+struct reducer_unit {
+  std::string name;
+  std::size_t grad_bytes = 0;
+  dtype grad = dtype::f32;
+  std::uint64_t digest = 0;  // of its name, tensor shapes and dtypes
+};
+
+/// A planned step as the ranks agreed it.
+struct step_agreement {
+  std::vector<std::uint32_t> order;   // active units, in reduction order
+  std::vector<std::int64_t> counts;   // contributors of each, in the same order
+  std::vector<std::size_t> bucket_end;  // bucket b is order[bucket_end[b-1] .. bucket_end[b])
+};
+
+class reducer {
+ public:
+  /// Collective: compares the ranks' unit digests (throws config_error naming the ranks that differ).
+  reducer(const device& dev, std::shared_ptr<communicator> comm, const comm_options& options,
+          std::vector<reducer_unit> units);
+  ~reducer();
+  reducer(const reducer&) = delete;
+  reducer& operator=(const reducer&) = delete;
+  reducer(reducer&&) = delete;
+  reducer& operator=(reducer&&) = delete;
+
+  [[nodiscard]] communicator& comm() const noexcept { return *comm_; }
+  [[nodiscard]] int world() const noexcept { return comm_->size(); }
+
+  /// Collective: agrees on the given steps' units (`local[k]`: the units this rank trains in step
+  /// k, each once). Blocks until the small collective is done (within the timeout).
+  [[nodiscard]] std::vector<step_agreement> agree(std::span<const std::vector<std::uint32_t>> local,
+                                                  std::uint64_t first_step);
+
+  /// Starts reducing a step.
+  void begin(const step_agreement& step, std::uint64_t step_number);
+  /// Whether `u` is active in the current step.
+  [[nodiscard]] bool active(std::uint32_t u) const noexcept { return u < where_.size() && where_[u] >= 0; }
+  /// `u`'s gradient slab is complete once `ready` (recorded) has; launches what became launchable
+  /// and returns the units whose reduction was enqueued by this call.
+  std::vector<std::uint32_t> ready(std::uint32_t u, device_span grads, const event& ready);
+  /// Whether `u` is marked ready in the current step.
+  [[nodiscard]] bool is_ready(std::uint32_t u) const noexcept;
+  /// The event after `u`'s reduction, once its bucket was launched; nullptr before.
+  [[nodiscard]] const event* reduced(std::uint32_t u) const noexcept;
+  /// Units of the current step not yet marked ready.
+  [[nodiscard]] std::vector<std::uint32_t> not_ready() const;
+  /// Ends the step; every bucket must have been launched.
+  void end();
+
+  /// Bytes this step reduces, and the bytes a reduce-everything reducer would move.
+  [[nodiscard]] std::size_t step_bytes() const noexcept { return step_bytes_; }
+  [[nodiscard]] std::size_t all_bytes() const noexcept { return all_bytes_; }
+
+ private:
+  void check_digests();
+  void launch_ready_buckets(std::vector<std::uint32_t>& launched);
+  void wait_control(const event& done, std::string_view what);
+
+  device device_;
+  std::shared_ptr<communicator> comm_;
+  std::unique_ptr<communicator> control_;  // the agreement's channel
+  comm_options options_;
+  std::vector<reducer_unit> units_;
+  stream stream_;          // gradients
+  stream control_stream_;  // agreements
+  event control_done_;
+  std::size_t all_bytes_ = 0;
+
+  // The current step
+  const step_agreement* step_ = nullptr;
+  std::uint64_t step_number_ = 0;
+  std::vector<std::int32_t> where_;  // unit -> index in step_->order, or -1
+  std::vector<device_span> slabs_;   // by index in order
+  std::vector<const event*> ready_events_;
+  std::vector<bool> ready_;
+  std::size_t next_bucket_ = 0;
+  std::vector<event> bucket_done_;
+  std::size_t step_bytes_ = 0;
+};
+
+/// FNV-1a over the bytes of `text` (folded into `h`).
+[[nodiscard]] std::uint64_t fnv1a(std::uint64_t h, std::string_view text) noexcept;
+
+}  // namespace taskswap::detail

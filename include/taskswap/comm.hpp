@@ -1,0 +1,127 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// @file
+/// @brief Communicators: allreduce of gradient slabs and of small integer vectors, and a
+/// barrier, asynchronous on a stream, over NCCL (CUDA buffers) or MPI (the emulated backend's
+/// buffers). Every collective is watched: one that does not finish within the timeout aborts the
+/// communicator, and the next call (or check()) throws timeout_error naming what it was reducing.
+/// The runtime's reducer uses a communicator; a trainer passes one to the runtime or names the
+/// backend in the [comm] section of its configuration.
+
+#include <taskswap/device.hpp>
+#include <taskswap/dtype.hpp>
+#include <taskswap/runtime.hpp>
+
+#include <array>
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string_view>
+
+namespace taskswap {
+
+/// @brief How the ranks' values are combined.
+enum class reduce_op : std::uint8_t {
+  sum,         ///< x = sum over ranks of x_r
+  average,     ///< x = sum over ranks of x_r / size()
+  premul_sum,  ///< x = sum over ranks of (factor * x_r): the factor is applied before the sum
+};
+
+/// @brief One slab of a grouped allreduce (communicator::allreduce_many).
+struct reduce_item {
+  device_span data;
+  dtype type = dtype::f32;
+  reduce_op op = reduce_op::sum;
+  double factor = 1.0;  ///< premul_sum only
+};
+
+/// @brief A group of ranks that reduce together. Calls on one communicator are issued by one
+/// thread and in the same order on every rank (as for NCCL and MPI); use split() for a second,
+/// independent channel.
+class communicator {
+ public:
+  virtual ~communicator() = default;
+  communicator(const communicator&) = delete;
+  communicator& operator=(const communicator&) = delete;
+  communicator(communicator&&) = delete;
+  communicator& operator=(communicator&&) = delete;
+
+  [[nodiscard]] virtual int rank() const noexcept = 0;
+  [[nodiscard]] virtual int size() const noexcept = 0;
+  [[nodiscard]] virtual comm_backend backend() const noexcept = 0;
+  /// @brief The collectives' timeout.
+  [[nodiscard]] virtual std::chrono::milliseconds timeout() const noexcept = 0;
+
+  /// @brief In-place allreduce of `data` (elements of `type`) on `s`, after the work queued on
+  /// `s` before it. `what` names the data in errors ("unit 'head3', step 12"). Does not
+  /// synchronise. `factor` is used by premul_sum only.
+  /// @throws invalid_argument if `data` is not this communicator's kind of memory, or its size is
+  /// not a multiple of the element size
+  /// @throws timeout_error, comm_error for an earlier collective that failed
+  void allreduce(device_span data, dtype type, reduce_op op, double factor, stream_view s, std::string_view what)
+  {
+    const reduce_item item{data, type, op, factor};
+    allreduce_many(std::span<const reduce_item>(&item, 1), s, what);
+  }
+
+  /// @brief Several in-place allreduces issued as one group (one NCCL launch; concurrent MPI
+  /// requests), watched as one collective.
+  virtual void allreduce_many(std::span<const reduce_item> items, stream_view s, std::string_view what) = 0;
+
+  /// @brief In-place sum of a small integer vector in host memory, on `s`: the result is there
+  /// once the work queued on `s` so far has completed. `values` stays valid until then.
+  virtual void allreduce_counts(std::span<std::int64_t> values, stream_view s, std::string_view what) = 0;
+
+  /// @brief Every rank reaches this point of `s` before any continues past it.
+  virtual void barrier(stream_view s) = 0;
+
+  /// @brief A second communicator over the same ranks whose collectives are independent of this
+  /// one's (MPI_Comm_dup, ncclCommSplit). Collective: every rank calls it.
+  [[nodiscard]] virtual std::unique_ptr<communicator> split() = 0;
+
+  /// @brief Rethrows the first failure a collective met: timeout_error (it did not finish within
+  /// the timeout; the communicator was aborted) or comm_error. Cheap; call it often.
+  virtual void check() const = 0;
+  /// @brief Whether a collective failed (and the communicator was aborted).
+  [[nodiscard]] virtual bool failed() const noexcept = 0;
+
+ protected:
+  communicator() = default;
+};
+
+/// @brief The bytes of an NCCL unique id (ncclUniqueId), made by rank 0 and sent to the others.
+using nccl_unique_id = std::array<char, 128>;
+
+/// @brief A new NCCL unique id (rank 0 calls it and shares the bytes).
+/// @throws comm_error if taskswap was built without NCCL or NCCL fails
+[[nodiscard]] nccl_unique_id make_nccl_unique_id();
+
+/// @brief An MPI communicator over MPI_COMM_WORLD (duplicated), for emulated devices. Initialises
+/// MPI (MPI_THREAD_MULTIPLE) if the program has not; taskswap then finalises it at exit.
+/// @throws comm_error if taskswap was built without MPI, or MPI fails
+[[nodiscard]] std::shared_ptr<communicator> make_mpi_communicator(const device& dev,
+                                                                  std::chrono::milliseconds timeout);
+
+/// @brief An NCCL communicator for `dev` (a cuda device) from a unique id, this rank and the size.
+/// @throws comm_error if taskswap was built without NCCL or the initialisation fails
+[[nodiscard]] std::shared_ptr<communicator> make_nccl_communicator(const device& dev, const nccl_unique_id& id,
+                                                                   int rank, int size,
+                                                                   std::chrono::milliseconds timeout);
+
+/// @brief Wraps an existing ncclComm_t (passed as a pointer) that the caller keeps and destroys.
+/// The watchdog still aborts it on a timeout.
+[[nodiscard]] std::shared_ptr<communicator> make_nccl_communicator(const device& dev, void* nccl_comm,
+                                                                   std::chrono::milliseconds timeout);
+
+/// @brief An NCCL communicator whose unique id rank 0 of MPI_COMM_WORLD makes and broadcasts.
+[[nodiscard]] std::shared_ptr<communicator> make_nccl_communicator_over_mpi(const device& dev,
+                                                                            std::chrono::milliseconds timeout);
+
+/// @brief The communicator `options.backend` names: mpi over MPI_COMM_WORLD, nccl bootstrapped
+/// over MPI, or none (nullptr).
+/// @throws config_error if the backend does not suit the device (nccl needs cuda, mpi emulated)
+[[nodiscard]] std::shared_ptr<communicator> make_communicator(const device& dev, const comm_options& options);
+
+}  // namespace taskswap

@@ -1,0 +1,411 @@
+// SPDX-License-Identifier: Apache-2.0
+// The active-gradient reducer over MPI on emulated devices; run under mpirun (-np 2 and -np 4).
+//
+// Every rank trains the same model (two trunk units and five heads) on its own schedule and
+// writes known gradients. Each rank also computes, in process, what a single process that sums
+// the ranks' gradients would get, and checks its home copies against it; the ranks then compare
+// their home copies with each other bitwise.
+
+#include "host/adamw_formula.hpp"
+#include "test_scale.hpp"
+
+#include <taskswap/comm.hpp>
+#include <taskswap/taskswap.hpp>
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace taskswap::test {
+namespace {
+
+constexpr std::chrono::milliseconds test_timeout{60'000};
+
+int world_rank()
+{
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+int world_size()
+{
+  int n = 0;
+  MPI_Comm_size(MPI_COMM_WORLD, &n);
+  return n;
+}
+
+std::vector<unit_spec> model(std::size_t head_rows = 16)
+{
+  const auto unit = [](std::string name, std::vector<tensor_spec> t, dtype compute, std::optional<dtype> grad,
+                       residency res, optimizer_placement place) {
+    unit_spec u;
+    u.name = std::move(name);
+    u.tensors = std::move(t);
+    u.compute = compute;
+    u.grad = grad;
+    u.policy = unit_policy{.residency = res, .lookahead = 1, .optimizer = place};
+    return u;
+  };
+  std::vector<unit_spec> units;
+  units.push_back(unit("trunk0", {{"w", {24, 16}}, {"b", {16}}}, dtype::f32, {}, residency::pinned,
+                       optimizer_placement::device));
+  units.push_back(unit("trunk1", {{"w", {16, 16}}}, dtype::bf16, dtype::f32, residency::pinned,
+                       optimizer_placement::device));
+  units.push_back(unit("head0", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::prefetch, optimizer_placement::device));
+  units.push_back(unit("head1", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::on_demand, optimizer_placement::device));
+  units.push_back(unit("head2", {{"w", {head_rows, 8}}}, dtype::bf16, {}, residency::prefetch, optimizer_placement::device));
+  units.push_back(unit("head3", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::prefetch, optimizer_placement::host));
+  units.push_back(unit("head4", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::prefetch, optimizer_placement::device));
+  return units;
+}
+
+constexpr std::uint32_t first_head = 2;
+constexpr std::uint32_t trained_heads = 4;  // head4 is never trained
+
+// The gradient rank `rank` writes for element i of unit u in step k: multiples of 1/8, exact in bf16.
+float gradient(int rank, std::uint64_t k, std::uint32_t u, std::size_t i)
+{
+  return static_cast<float>(rank + 1) * 0.25F + static_cast<float>((i * 7 + k * 3 + u) % 11) * 0.125F - 0.75F;
+}
+
+enum class schedule { homogeneous, heterogeneous };
+
+struct run_options {
+  schedule kind = schedule::homogeneous;
+  std::size_t bucket_cap = std::size_t{25} << 20;
+  bool plan_upfront = true;
+  average_mode average = average_mode::contributors;
+  std::uint64_t steps = 10;
+};
+
+// The head rank `rank` trains in step k; a rank may plan it and then not acquire it (it still
+// counts as a contributor of zeros).
+std::uint32_t head_of(const run_options& o, int rank, std::uint64_t k)
+{
+  const std::uint64_t t = o.kind == schedule::homogeneous ? (k * 5 + 1) : (k + static_cast<std::uint64_t>(rank));
+  return first_head + static_cast<std::uint32_t>(t % trained_heads);
+}
+
+bool skips_head(const run_options& o, int rank, std::uint64_t k)
+{
+  return o.kind == schedule::heterogeneous && k % 5 == 4 && rank == world_size() - 1;
+}
+
+step_plan plan_of(const run_options& o, int rank, std::uint64_t k)
+{
+  return step_plan{unit_id{0}, unit_id{1}, unit_id{head_of(o, rank, k)}};
+}
+
+struct home_state {
+  std::vector<float> master, m, v;
+  std::int64_t step = 0;
+};
+
+home_state read_home(runtime& rt, unit_id u)
+{
+  const home_view h = rt.home(u);
+  const auto copy = [](const slab_view& s) {
+    std::vector<float> out(s.count);
+    std::memcpy(out.data(), s.data, s.count * sizeof(float));
+    return out;
+  };
+  return {copy(h.master), copy(h.m), copy(h.v), h.step};
+}
+
+void init_home(runtime& rt)
+{
+  for (std::uint32_t u = 0; u < rt.unit_count(); ++u) {
+    const home_view h = rt.home(unit_id{u});
+    auto* master = static_cast<float*>(h.master.data);
+    for (std::size_t i = 0; i < h.master.count; ++i) { master[i] = 0.01F * static_cast<float>((i + u) % 17) - 0.05F; }
+  }
+}
+
+runtime_options options_for(const run_options& o, std::size_t budget)
+{
+  runtime_options opt;
+  opt.device.backend = backend_kind::emulated;
+  opt.device.budget = budget;
+  opt.comm.backend = comm_backend::mpi;
+  opt.comm.bucket_cap = o.bucket_cap;
+  opt.comm.average = o.average;
+  opt.comm.timeout = test_timeout;
+  opt.optimizer.lr = 1e-2F;
+  opt.optimizer.weight_decay = 0.1F;
+  return opt;
+}
+
+// Pinned trunk plus room for two heads at a time: heads swap, and update-only heads must fit.
+std::size_t budget_for(const std::vector<unit_spec>& units)
+{
+  runtime_options probe;
+  probe.device.backend = backend_kind::emulated;
+  probe.device.budget = std::size_t{64} << 20;
+  runtime rt(emulated_device({.memory_bytes = probe.device.budget}), probe, units);
+  std::size_t head = 0;
+  for (std::uint32_t u = first_head; u < rt.unit_count(); ++u) { head = std::max(head, rt.device_bytes(unit_id{u})); }
+  // Each step holds this rank's head and the heads only other ranks train: up to one per rank.
+  return rt.device_bytes(unit_id{0}) + rt.device_bytes(unit_id{1}) + (static_cast<std::size_t>(world_size()) + 1) * head;
+}
+
+void write_gradients(const unit_view& v, int rank, std::uint64_t k, stream_view s)
+{
+  launch_host_func(s, [v, rank, k] {
+    for (std::size_t i = 0; i < v.grads.count; ++i) {
+      detail::narrow_element(v.grads.data, v.grads.type, i, gradient(rank, k, v.id.value, i));
+    }
+  });
+}
+
+struct outcome {
+  std::vector<home_state> homes;
+  runtime_stats stats;
+};
+
+outcome train(const run_options& o)
+{
+  const int me = world_rank();
+  const std::vector<unit_spec> units = model();
+  const runtime_options opt = options_for(o, budget_for(units));
+  const device dev = make_device(opt.device);
+  runtime rt(dev, opt, units);
+  init_home(rt);
+  stream compute(dev);
+  if (o.plan_upfront) {
+    std::vector<step_plan> plans;
+    for (std::uint64_t k = 0; k < o.steps; ++k) { plans.push_back(plan_of(o, me, k)); }
+    rt.plan(plans);
+  }
+  for (std::uint64_t k = 0; k < o.steps; ++k) {
+    if (!o.plan_upfront) { rt.plan(plan_of(o, me, k)); }
+    std::vector<std::uint32_t> order{0, 1};
+    if (!skips_head(o, me, k)) { order.push_back(head_of(o, me, k)); }
+    std::vector<unit_view> views;
+    for (const std::uint32_t u : order) { views.push_back(rt.acquire(unit_id{u}, compute)); }
+    for (std::size_t i = order.size(); i-- > 0;) {  // backward: the head, then the trunk top down
+      write_gradients(views[i], me, k, compute);
+      rt.grads_ready(unit_id{order[i]}, compute);
+      rt.step(unit_id{order[i]}, compute);
+      rt.release(unit_id{order[i]}, compute);
+    }
+    (void)rt.end_step();
+  }
+  rt.flush();
+  compute.synchronize();
+  outcome out;
+  for (std::uint32_t u = 0; u < rt.unit_count(); ++u) { out.homes.push_back(read_home(rt, unit_id{u})); }
+  out.stats = rt.stats();
+  return out;
+}
+
+// What one process computes from every rank's gradients: for each unit trained in a step, the
+// ranks' gradients times 1 / contributors (or 1 / world), summed, then AdamW.
+struct reference {
+  std::vector<home_state> homes;
+  std::size_t reduced_bytes = 0;
+};
+
+reference reference_of(const run_options& o, const runtime_options& opt, const std::vector<home_state>& initial,
+                       const std::vector<std::size_t>& counts, const std::vector<dtype>& grad_types)
+{
+  const int world = world_size();
+  reference ref{initial, 0};
+  for (std::uint64_t k = 0; k < o.steps; ++k) {
+    std::map<std::uint32_t, std::vector<int>> trained;  // unit -> contributing ranks
+    for (int r = 0; r < world; ++r) {
+      for (const std::uint32_t u : {0U, 1U, head_of(o, r, k)}) { trained[u].push_back(r); }
+    }
+    for (const auto& [u, ranks] : trained) {
+      home_state& h = ref.homes[u];
+      const dtype t = grad_types[u];
+      const float factor = opt.comm.average == average_mode::world ? 1.0F / static_cast<float>(world)
+                                                                   : 1.0F / static_cast<float>(ranks.size());
+      ref.reduced_bytes += counts[u] * size_of(t);
+      ++h.step;
+      const detail::adamw_scalars sc = detail::make_adamw_scalars(opt.optimizer, h.step);
+      for (std::size_t i = 0; i < h.master.size(); ++i) {
+        std::uint16_t half = 0;
+        float sum = 0;
+        bool first = true;
+        for (const int r : ranks) {
+          const bool zero = u == head_of(o, r, k) && skips_head(o, r, k);
+          float c = zero ? 0.0F : gradient(r, k, u, i);
+          if (t != dtype::f32) {  // the gradient and its premultiplied value are rounded to the type
+            detail::narrow_element(&half, t, 0, c);
+            detail::narrow_element(&half, t, 0, detail::widen_element(&half, t, 0) * factor);
+            c = detail::widen_element(&half, t, 0);
+          } else {
+            c *= factor;
+          }
+          if (first) {
+            sum = c;
+            first = false;
+          } else if (t == dtype::f32) {
+            sum += c;
+          } else {
+            detail::narrow_element(&half, t, 0, sum + c);
+            sum = detail::widen_element(&half, t, 0);
+          }
+        }
+        detail::adamw_element(sum, h.master[i], h.m[i], h.v[i], sc);
+      }
+    }
+  }
+  return ref;
+}
+
+void expect_matches_reference(const run_options& o)
+{
+  const std::vector<unit_spec> units = model();
+  const runtime_options opt = options_for(o, budget_for(units));
+  // The initial homes and element counts, from a runtime that does not communicate.
+  runtime_options local = opt;
+  local.comm.backend = comm_backend::none;
+  runtime probe(make_device(local.device), local, units);
+  init_home(probe);
+  std::vector<home_state> initial;
+  std::vector<std::size_t> counts;
+  std::vector<dtype> grad_types;
+  for (std::uint32_t u = 0; u < probe.unit_count(); ++u) {
+    initial.push_back(read_home(probe, unit_id{u}));
+    counts.push_back(initial.back().master.size());
+    grad_types.push_back(units[u].grad.value_or(units[u].compute));
+  }
+
+  const outcome got = train(o);
+  const reference want = reference_of(o, opt, initial, counts, grad_types);
+  const bool exact = world_size() == 2;  // with more ranks MPI may add in another order
+  for (std::uint32_t u = 0; u < got.homes.size(); ++u) {
+    const home_state& g = got.homes[u];
+    const home_state& w = want.homes[u];
+    EXPECT_EQ(g.step, w.step) << units[u].name;
+    std::size_t wrong = 0;
+    std::size_t first_wrong = 0;
+    for (std::size_t i = 0; i < g.master.size(); ++i) {
+      const bool ok = exact ? g.master[i] == w.master[i] && g.v[i] == w.v[i]
+                            : std::abs(g.master[i] - w.master[i]) <= 1e-5F + 1e-4F * std::abs(w.master[i]);
+      if (!ok && wrong++ == 0) { first_wrong = i; }
+    }
+    EXPECT_EQ(wrong, 0U) << units[u].name << ": " << wrong << " of " << g.master.size()
+                         << " elements differ from the reference, the first at " << first_wrong << " ("
+                         << g.master[first_wrong] << " instead of " << w.master[first_wrong] << ")";
+  }
+  // head4 is trained by nobody: not a bit of it moved.
+  const home_state& idle = got.homes[first_head + trained_heads];
+  const home_state& idle0 = initial[first_head + trained_heads];
+  EXPECT_EQ(idle.step, 0);
+  EXPECT_EQ(0, std::memcmp(idle.master.data(), idle0.master.data(), idle.master.size() * sizeof(float)));
+  EXPECT_TRUE(std::all_of(idle.m.begin(), idle.m.end(), [](float x) { return x == 0.0F; }));
+  EXPECT_TRUE(std::all_of(idle.v.begin(), idle.v.end(), [](float x) { return x == 0.0F; }));
+  // Only the active units' gradients travel, against the whole model for a reduce-everything one.
+  EXPECT_EQ(got.stats.total.reduced_bytes, want.reduced_bytes);
+  std::size_t model_bytes = 0;
+  for (std::uint32_t u = 0; u < counts.size(); ++u) { model_bytes += counts[u] * size_of(grad_types[u]); }
+  EXPECT_EQ(got.stats.total.reduce_all_bytes, model_bytes * o.steps);
+
+  // Replicas: every rank's home copies are bitwise rank 0's.
+  for (std::uint32_t u = 0; u < got.homes.size(); ++u) {
+    for (const std::vector<float>* slab : {&got.homes[u].master, &got.homes[u].m, &got.homes[u].v}) {
+      std::vector<float> root = *slab;
+      MPI_Bcast(root.data(), static_cast<int>(root.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
+      ASSERT_EQ(0, std::memcmp(root.data(), slab->data(), root.size() * sizeof(float)))
+        << "rank " << world_rank() << " differs from rank 0 in " << units[u].name;
+    }
+  }
+}
+
+TEST(reducer_mpi, homogeneous_schedule_matches_the_summed_reference)
+{
+  expect_matches_reference({.kind = schedule::homogeneous});
+}
+
+TEST(reducer_mpi, heterogeneous_schedule_matches_the_summed_reference)
+{
+  expect_matches_reference({.kind = schedule::heterogeneous, .plan_upfront = false});
+}
+
+TEST(reducer_mpi, one_unit_per_bucket_and_world_average)
+{
+  // Buckets of one unit each: every step() finds its reduction launched (no deferred update).
+  expect_matches_reference({.kind = schedule::heterogeneous, .bucket_cap = 256, .average = average_mode::world});
+}
+
+TEST(reducer_mpi, mismatched_registrations_are_refused_on_every_rank)
+{
+  std::vector<unit_spec> units = model(world_rank() == 1 ? 24 : 16);  // rank 1's heads are larger
+  runtime_options opt = options_for({}, std::size_t{8} << 20);
+  try {
+    runtime rt(make_device(opt.device), opt, units);
+    FAIL() << "the runtime started although rank 1 registered different units";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("registered different units"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
+  }
+}
+
+TEST(communicator_mpi, allreduce_ops_and_counts)
+{
+  const device dev = emulated_device({.memory_bytes = 1 << 20});
+  const auto comm = make_mpi_communicator(dev, test_timeout);
+  ASSERT_EQ(comm->size(), world_size());
+  stream s(dev);
+  device_buffer buf(dev, 64 * sizeof(float));
+  const auto fill = [&](dtype t) {
+    launch_host_func(s, [&, t] {
+      for (std::size_t i = 0; i < 64; ++i) {
+        detail::narrow_element(buf.data(), t, i, static_cast<float>(comm->rank() + 1) * static_cast<float>(i % 4));
+      }
+    });
+  };
+  const float n = static_cast<float>(world_size());
+  const float rank_sum = n * (n + 1) / 2;
+  for (const dtype t : {dtype::f32, dtype::bf16, dtype::f16}) {
+    const device_span span = buf.span(0, 64 * size_of(t));
+    fill(t);
+    comm->allreduce(span, t, reduce_op::sum, 1.0, s, "sum");
+    s.synchronize();
+    EXPECT_EQ(detail::widen_element(buf.data(), t, 3), rank_sum * 3) << to_string(t);
+    fill(t);
+    comm->allreduce(span, t, reduce_op::premul_sum, 0.5, s, "premul");
+    s.synchronize();
+    EXPECT_EQ(detail::widen_element(buf.data(), t, 2), rank_sum) << to_string(t);
+    fill(t);
+    comm->allreduce(span, t, reduce_op::average, 1.0, s, "average");
+    s.synchronize();
+    EXPECT_NEAR(detail::widen_element(buf.data(), t, 1), rank_sum / n, 1e-2) << to_string(t);
+  }
+  std::vector<std::int64_t> counts(5, comm->rank());
+  comm->allreduce_counts(counts, s, "counts");
+  comm->barrier(s);
+  const auto channel = comm->split();
+  channel->barrier(s);
+  s.synchronize();
+  EXPECT_EQ(counts[4], static_cast<std::int64_t>(world_size()) * (world_size() - 1) / 2);
+  EXPECT_THROW(comm->allreduce(buf.span(0, 6), dtype::f32, reduce_op::sum, 1.0, s, "odd"), invalid_argument);
+}
+
+}  // namespace
+}  // namespace taskswap::test
+
+int main(int argc, char** argv)
+{
+  ::testing::InitGoogleTest(&argc, argv);
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  if (taskswap::test::world_rank() != 0) {  // one report; failures on other ranks still fail the run
+    ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+  }
+  const int result = RUN_ALL_TESTS();
+  int worst = 0;
+  MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  if (result != 0) { std::fprintf(stderr, "rank %d: tests failed\n", taskswap::test::world_rank()); }
+  MPI_Finalize();
+  return worst;
+}
