@@ -27,8 +27,11 @@ test: build
 demo: build
 	$(BUILD)/samples/device_tour/device_tour
 
+MPIRUN ?= mpirun --allow-run-as-root --oversubscribe --bind-to none
+
 bench: build
 	$(BUILD)/bench/taskswap_bench --benchmark_counters_tabular=true
+	$(MPIRUN) -np 2 $(BUILD)/bench/taskswap_comm_bench --benchmark_counters_tabular=true
 
 test-asan:
 	$(MAKE) test PRESET=asan

@@ -1134,7 +1134,11 @@ step_stats runtime::end_step()
 void runtime::flush()
 {
   impl& m = *impl_;
-  TASKSWAP_EXPECTS(m.held_count_ == 0, "flush: units are held; release them first");
+  // Units the runtime holds for the next step's updates (with a communicator) are no obstacle.
+  for (const unit_record& r : m.units_) {
+    TASKSWAP_EXPECTS(!r.held || r.update_only,
+                     message("flush: unit '", r.name, "' is held; release it first"));
+  }
   m.start();
   for (unit_record& r : m.units_) {
     if (r.resident() && r.dirty) { m.write_back(r); }

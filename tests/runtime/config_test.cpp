@@ -65,6 +65,7 @@ TEST(config, the_design_example_reads_into_the_options)
   EXPECT_EQ(o.comm.bucket_cap, std::size_t{25} << 20);
   EXPECT_EQ(o.comm.average, average_mode::contributors);
   EXPECT_EQ(o.comm.timeout, std::chrono::seconds(300));
+  EXPECT_FALSE(o.comm.reduce_all);
 }
 
 TEST(config, an_emulated_device_with_a_link_model)

@@ -223,7 +223,7 @@ TEST(runtime_protocol, protocol_errors_say_what_to_do)
   (void)rt.acquire(a, s);
   expect_error_mentioning<invalid_argument>([&] { (void)rt.acquire(a, s); }, "already held");
   expect_error_mentioning<invalid_argument>([&] { (void)rt.end_step(); }, "'a' is still held");
-  expect_error_mentioning<invalid_argument>([&] { rt.flush(); }, "release them first");
+  expect_error_mentioning<invalid_argument>([&] { rt.flush(); }, "is held; release it first");
   rt.release(a, s);
   (void)rt.end_step();
   expect_error_mentioning<invalid_argument>([&] { (void)rt.find("c"); }, "no unit is named 'c'");
