@@ -51,7 +51,6 @@ std::shared_ptr<communicator> make_mpi_communicator(const device&, std::chrono::
 
 namespace detail {
 void ensure_mpi() { no_mpi(); }
-std::optional<std::unique_lock<std::mutex>> mpi_lock() { return std::nullopt; }
 std::pair<int, int> mpi_world_rank_size() { no_mpi(); }
 void mpi_broadcast_bytes(void*, int) { no_mpi(); }
 }  // namespace detail

@@ -6,8 +6,7 @@
 // communicator fails, or the timeout passes. So the stream's order is the collective's order, no
 // thread blocks forever in MPI, and a rank that died or stalled ends in a timeout_error on the
 // others instead of a hang. The library needs MPI_THREAD_MULTIPLE (the reducer's two channels
-// run on two stream threads); with a lower level that still allows threads (SERIALIZED), every
-// MPI call is funnelled through one lock.
+// run on two stream threads, and the trainer may call MPI too).
 
 #include <taskswap/comm.hpp>
 
@@ -37,7 +36,6 @@ namespace {
 std::atomic<bool> any_failed{false};  // finalising MPI after a failed collective could hang
 bool initialised_here = false;
 int thread_level = MPI_THREAD_SINGLE;
-std::mutex serial_mutex;
 
 void finalize_at_exit()
 {
@@ -95,18 +93,14 @@ void ensure_mpi()
       std::atexit(finalize_at_exit);
     }
     MPI_Query_thread(&thread_level);
-    if (thread_level < MPI_THREAD_SERIALIZED) {
-      throw comm_error(message("taskswap: MPI was initialised with thread level ", thread_level,
-                               "; taskswap calls MPI from its stream threads. Initialise it with "
-                               "MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...) or let taskswap initialise it"));
+    if (thread_level < MPI_THREAD_MULTIPLE) {
+      throw comm_error(message("taskswap: MPI provides thread level ", thread_level, " (MPI_THREAD_MULTIPLE is ",
+                               MPI_THREAD_MULTIPLE, "); taskswap calls MPI from its stream threads while the "
+                               "trainer may call it too. Initialise MPI with MPI_Init_thread(..., "
+                               "MPI_THREAD_MULTIPLE, ...), or let taskswap initialise it, with an MPI built "
+                               "with thread support"));
     }
   });
-}
-
-std::optional<std::unique_lock<std::mutex>> mpi_lock()
-{
-  if (thread_level >= MPI_THREAD_MULTIPLE) { return std::nullopt; }
-  return std::unique_lock(serial_mutex);
 }
 
 void check_mpi(int rc, const char* call)
@@ -117,7 +111,6 @@ void check_mpi(int rc, const char* call)
 void mpi_broadcast_bytes(void* data, int bytes)
 {
   ensure_mpi();
-  const auto lock = mpi_lock();
   check_mpi(MPI_Bcast(data, bytes, MPI_BYTE, 0, MPI_COMM_WORLD), "MPI_Bcast");
 }
 
@@ -138,7 +131,6 @@ class mpi_communicator final : public communicator {
   mpi_communicator(device dev, MPI_Comm parent, std::chrono::milliseconds timeout)
       : device_(std::move(dev)), timeout_(timeout)
   {
-    const auto lock = mpi_lock();
     check_mpi(MPI_Comm_dup(parent, &comm_), "MPI_Comm_dup");
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
@@ -149,8 +141,7 @@ class mpi_communicator final : public communicator {
     int finalized = 0;
     MPI_Finalized(&finalized);
     if (finalized == 0 && !failure_.failed()) {
-      const auto lock = mpi_lock();
-      MPI_Comm_free(&comm_);
+        MPI_Comm_free(&comm_);
     }
   }
 
@@ -267,8 +258,7 @@ class mpi_communicator final : public communicator {
     failure_.rethrow();
     std::vector<MPI_Request> requests(n, MPI_REQUEST_NULL);
     for (std::size_t k = 0; k < n; ++k) {
-      const auto lock = mpi_lock();
-      const int rc = start(k, &requests[k]);
+        const int rc = start(k, &requests[k]);
       if (rc != MPI_SUCCESS) { fail(comm_error(message("taskswap: MPI ", what, " failed to start: ", mpi_error_text(rc)))); }
     }
     const auto begin = std::chrono::steady_clock::now();
@@ -276,8 +266,7 @@ class mpi_communicator final : public communicator {
       int done = 0;
       int rc = MPI_SUCCESS;
       {
-        const auto lock = mpi_lock();
-        rc = MPI_Testall(static_cast<int>(n), requests.data(), &done, MPI_STATUSES_IGNORE);
+            rc = MPI_Testall(static_cast<int>(n), requests.data(), &done, MPI_STATUSES_IGNORE);
       }
       if (rc != MPI_SUCCESS) {
         fail(comm_error(message("taskswap: MPI ", what, " failed on rank ", rank_, " of ", size_, ": ",

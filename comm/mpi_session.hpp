@@ -5,16 +5,12 @@
 // taskswap initialised it), and the two world-level calls the NCCL bootstrap needs. Without MPI
 // in the build, each throws comm_error saying so.
 
-#include <mutex>
-#include <optional>
 #include <utility>
 
 namespace taskswap::detail {
 
-/// Initialises MPI unless the program did; checks its thread level.
+/// Initialises MPI unless the program did; requires MPI_THREAD_MULTIPLE.
 void ensure_mpi();
-/// A lock to hold around MPI calls when MPI gives less than MPI_THREAD_MULTIPLE; none otherwise.
-[[nodiscard]] std::optional<std::unique_lock<std::mutex>> mpi_lock();
 /// {rank, size} in MPI_COMM_WORLD.
 [[nodiscard]] std::pair<int, int> mpi_world_rank_size();
 /// Broadcasts `bytes` bytes from rank 0 of MPI_COMM_WORLD.

@@ -15,7 +15,7 @@
 #include "device/expects.hpp"
 #include "device/log.hpp"
 #include "device/message.hpp"
-#include "host/adamw_formula.hpp"
+#include "kernels/kernels.hpp"
 
 #include <nccl.h>
 
@@ -56,7 +56,7 @@ ncclDataType_t nccl_type(dtype t)
 class nccl_communicator final : public communicator {
  public:
   nccl_communicator(device dev, ncclComm_t comm, bool owned, std::chrono::milliseconds timeout)
-      : device_(std::move(dev)), comm_(comm), owned_(owned), timeout_(timeout), scratch_(device_, 64)
+      : device_(std::move(dev)), comm_(comm), owned_(owned), timeout_(timeout), scratch_(device_, flag_bytes + 64)
   {
     check_nccl(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank");
     check_nccl(ncclCommCount(comm_, &size_), "ncclCommCount");
@@ -92,6 +92,14 @@ class nccl_communicator final : public communicator {
                        message("NCCL allreduce of ", what, ": ", it.data.size(), " bytes is not a whole number of ",
                                to_string(it.type), " elements"));
     }
+    // A 16-bit factor would bias every average (1/3 is 0.33398 in bf16): 16-bit slabs are scaled
+    // in f32 first (the MPI path's rounding) and then summed.
+    for (const reduce_item& it : items) {
+      if (it.op == reduce_op::premul_sum && it.type != dtype::f32) {
+        detail::unscale_and_check_async(it.data.data(), it.type, it.data.size() / size_of(it.type),
+                                        static_cast<float>(it.factor), flag(), s);
+      }
+    }
     watched(s, message("allreduce of ", what), [&](cudaStream_t cs) {
       check_nccl(ncclGroupStart(), "ncclGroupStart", what);
       std::vector<ncclRedOp_t> premuls;
@@ -99,13 +107,11 @@ class nccl_communicator final : public communicator {
       for (const reduce_item& it : items) {
         const std::size_t count = it.data.size() / size_of(it.type);
         const ncclDataType_t t = nccl_type(it.type);
-        ncclRedOp_t op = it.op == reduce_op::sum ? ncclSum : ncclAvg;
-        if (it.op == reduce_op::premul_sum) {
-          // The scalar has the data's type; a host-immediate one is read during the call.
-          const float f32 = static_cast<float>(it.factor);
-          const std::uint16_t half = it.type == dtype::bf16 ? float_to_bf16(f32) : float_to_f16(f32);
-          const void* scalar = it.type == dtype::f32 ? static_cast<const void*>(&f32) : &half;
-          rc = ncclRedOpCreatePreMulSum(&op, const_cast<void*>(scalar), t, ncclScalarHostImmediate, comm_);
+        ncclRedOp_t op = it.op == reduce_op::average ? ncclAvg : ncclSum;
+        if (it.op == reduce_op::premul_sum && it.type == dtype::f32) {
+          // A host-immediate scalar of the data's type, read during the call.
+          float factor = static_cast<float>(it.factor);
+          rc = ncclRedOpCreatePreMulSum(&op, &factor, t, ncclScalarHostImmediate, comm_);
           if (rc != ncclSuccess) { break; }
           premuls.push_back(op);
         }
@@ -123,11 +129,13 @@ class nccl_communicator final : public communicator {
   {
     check();
     const std::size_t bytes = values.size_bytes();
-    if (scratch_.size() < bytes) {
-      device_.synchronize();  // the old scratch may still be read; growth happens a few times at most
-      scratch_ = device_buffer(device_, bytes);
+    if (scratch_.size() < bytes + flag_bytes) {
+      // Queued work may still use the old scratch: keep it until the communicator goes (growth
+      // happens a few times at most; no host wait for the device).
+      retired_.push_back(std::move(scratch_));
+      scratch_ = device_buffer(device_, bytes + flag_bytes);
     }
-    const device_span d = scratch_.span(0, bytes);
+    const device_span d = scratch_.span(flag_bytes, bytes);
     copy_async(d, std::as_bytes(values), s);
     watched(s, message("count allreduce of ", what), [&](cudaStream_t cs) {
       check_nccl(ncclAllReduce(d.data(), d.data(), values.size(), ncclInt64, ncclSum, comm_, cs), "ncclAllReduce", what);
@@ -138,7 +146,7 @@ class nccl_communicator final : public communicator {
   void barrier(stream_view s) override
   {
     check();
-    const device_span d = scratch_.span(0, sizeof(std::int64_t));
+    const device_span d = scratch_.span(flag_bytes, sizeof(std::int64_t));
     watched(s, "barrier", [&](cudaStream_t cs) {
       check_nccl(ncclAllReduce(d.data(), d.data(), 1, ncclInt64, ncclSum, comm_, cs), "ncclAllReduce", "barrier");
     });
@@ -147,6 +155,7 @@ class nccl_communicator final : public communicator {
   std::unique_ptr<communicator> split() override
   {
     check();
+    const cuda_device_guard guard(device_.index());
     ncclComm_t child = nullptr;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     check_nccl(ncclCommSplit(comm_, 0, rank_, &child, &config), "ncclCommSplit");
@@ -172,11 +181,10 @@ class nccl_communicator final : public communicator {
     const cuda_device_guard guard(device_.index());
     pending p{event(device_), event(device_), std::move(what), std::nullopt};
     p.start.record(s);
-    {
-      const std::lock_guard lock(mutex_);
-      failure_.rethrow();
-      enqueue(static_cast<cudaStream_t>(s.native_handle()));
-    }
+    // Not under mutex_: a call that blocks in NCCL (a peer missing at connection set-up) must
+    // leave the watchdog free to abort the communicator, which makes the call return.
+    failure_.rethrow();
+    enqueue(static_cast<cudaStream_t>(s.native_handle()));
     p.end.record(s);
     {
       const std::lock_guard lock(mutex_);
@@ -235,7 +243,10 @@ class nccl_communicator final : public communicator {
   std::chrono::milliseconds timeout_;
   int rank_ = 0;
   int size_ = 1;
+  static constexpr std::size_t flag_bytes = 256;  // the scaling kernel's non-finite flag, then the counts
+  [[nodiscard]] int* flag() { return reinterpret_cast<int*>(scratch_.data()); }
   device_buffer scratch_;
+  std::vector<device_buffer> retired_;
   comm_failure failure_;
   std::mutex mutex_;
   std::condition_variable wake_;
@@ -271,6 +282,7 @@ std::shared_ptr<communicator> make_nccl_communicator(const device& dev, const nc
 {
   detail::require_cuda(dev);
   TASKSWAP_EXPECTS(size > 0 && rank >= 0 && rank < size, detail::message("NCCL rank ", rank, " of ", size));
+  TASKSWAP_EXPECTS(timeout.count() > 0, detail::message("communicator timeout ", timeout.count(), " ms; give a positive timeout"));
   const detail::cuda_device_guard guard(dev.index());
   ncclUniqueId nid;
   std::memcpy(&nid, id.data(), sizeof(nid));
@@ -284,6 +296,7 @@ std::shared_ptr<communicator> make_nccl_communicator(const device& dev, void* nc
 {
   detail::require_cuda(dev);
   TASKSWAP_EXPECTS(nccl_comm != nullptr, "make_nccl_communicator: the ncclComm_t is null");
+  TASKSWAP_EXPECTS(timeout.count() > 0, detail::message("communicator timeout ", timeout.count(), " ms; give a positive timeout"));
   return std::make_shared<detail::nccl_communicator>(dev, static_cast<ncclComm_t>(nccl_comm), false, timeout);
 }
 

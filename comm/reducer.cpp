@@ -74,7 +74,11 @@ void reducer::check_digests()
     digest ^= u.digest;
     digest *= 0x100000001b3ULL;
   }
-  std::vector<std::int64_t> slots(static_cast<std::size_t>(world) * 3, 0);
+  // The settings that shape the collectives must agree too.
+  digest = fnv1a(digest, message("bucket_cap=", options_.bucket_cap, " reduce_all=", options_.reduce_all,
+                                 " average=", static_cast<int>(options_.average)));
+  std::vector<std::int64_t>& slots = counts_;  // a member: a collective that timed out may still write it
+  slots.assign(static_cast<std::size_t>(world) * 3, 0);
   const std::size_t at = static_cast<std::size_t>(me) * 3;
   slots[at] = static_cast<std::int64_t>(units_.size());
   slots[at + 1] = static_cast<std::int64_t>(digest >> 32U);
@@ -90,11 +94,11 @@ void reducer::check_digests()
     }
   }
   if (!differing.empty()) {
-    throw config_error(message("taskswap: the ranks registered different units: rank ", me, " has ", units_.size(),
-                               " units with digest ", std::hex, digest, std::dec, ", and these ranks differ from it: ",
-                               differing,
+    throw config_error(message("taskswap: the ranks registered different units or [comm] settings: rank ", me,
+                               " has ", units_.size(), " units with digest ", std::hex, digest, std::dec,
+                               ", and these ranks differ from it: ", differing,
                                ". Every rank must register the same units (names, tensor shapes, dtypes) in the "
-                               "same order"));
+                               "same order, with the same [comm] bucket_cap, average and reduce"));
   }
 }
 
@@ -103,7 +107,7 @@ std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint
   const std::size_t n = units_.size();
   std::vector<step_agreement> out(local.size());
   if (local.empty()) { return out; }
-  std::vector<std::int64_t> counts;
+  std::vector<std::int64_t>& counts = counts_;
   if (options_.reduce_all) {
     counts.assign(local.size() * n, comm_->size());
   } else {

@@ -95,6 +95,7 @@ class reducer {
   stream stream_;          // gradients
   stream control_stream_;  // agreements
   event control_done_;
+  std::vector<std::int64_t> counts_;  // the agreement's buffer
   std::size_t all_bytes_ = 0;
 
   // The current step

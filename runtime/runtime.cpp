@@ -131,6 +131,7 @@ struct unit_record {
   bool updated_on_aux = false;  // its update ran on the runtime's aux stream
   bool release_deferred = false;  // the trainer released it before the deferred update ran
   void* released_on = nullptr;    // the stream of its last release: a user on another one waits for it
+  bool grads_only = false;        // its slot holds only a gradient slab (host placement, update only)
   std::optional<event> step_point;        // the trainer's stream at step()
   std::optional<event> trainer_released;  // the trainer's stream at release()
 
@@ -140,6 +141,8 @@ struct unit_record {
   }
   [[nodiscard]] bool resident() const noexcept { return slot.has_value(); }
   [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
+  /// Where the gradients start in its slot.
+  [[nodiscard]] std::size_t grads_at() const noexcept { return grads_only ? 0 : layout.device_grads; }
 };
 
 unit_state state_of(const unit_record& r) noexcept
@@ -215,6 +218,8 @@ struct runtime::impl {
   void mark_ready(unit_record& r, stream_view s);
   void on_launched(const std::vector<std::uint32_t>& units);
   void update_on_aux(unit_record& r);
+  void hold_for_update(unit_record& r);
+  void hold_gradients_only(unit_record& r);
   void complete_step();
   void reset_step_flags(unit_record& r);
   void check_comm() const
@@ -288,6 +293,7 @@ struct runtime::impl {
   std::optional<stream> aux_;
   std::deque<agreed_step> agreed_;
   bool step_begun_ = false;
+  adamw_options step_optimizer_{};  // the optimizer settings of the current step
   std::vector<std::uint32_t> step_units_;  // units with per-step flags set, to reset at end_step
   std::optional<detail::reducer> reducer_;
 };
@@ -540,6 +546,7 @@ void runtime::impl::evict(unit_record& r)
   }
   pool_->deallocate(*r.slot);
   r.slot.reset();
+  r.grads_only = false;
   r.params_stale = false;
   remove_resident(r);
   ++current_.evictions;
@@ -628,7 +635,9 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number)
                                    "', which the step has not acquired; acquire it earlier in the step"));
       }
       held.erase(it);
-      if (!r.pinned()) { held_bytes -= r.layout.device_bytes; }
+      // With a communicator a released unit may keep its room until its bucket is reduced, which
+      // can wait for units acquired later in the step: count it to the end of the step.
+      if (!r.pinned() && !reducer_) { held_bytes -= r.layout.device_bytes; }
       continue;
     }
     if (it != held.end()) {
@@ -660,7 +669,9 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number)
                                  bytes_text(pinned_bytes_), ", together ", bytes_text(pinned_bytes_ + held_bytes),
                                  " of a ", bytes_text(budget),
                                  " budget; release units earlier in the step, raise [device] budget or choose "
-                                 "optimizer = \"host\""));
+                                 "optimizer = \"host\"",
+                                 reducer_ ? " (with a communicator, units released within a step count until it ends)"
+                                          : ""));
     }
   }
 }
@@ -676,12 +687,19 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
   std::vector<std::vector<std::uint32_t>> local(steps.size());
   for (std::size_t k = 0; k < steps.size(); ++k) {
     for (const step_plan::entry& e : steps[k].entries()) {
-      if (e.acquire && std::find(local[k].begin(), local[k].end(), e.unit.value) == local[k].end()) {
-        local[k].push_back(e.unit.value);
+      if (!e.acquire) { continue; }
+      if (std::find(local[k].begin(), local[k].end(), e.unit.value) != local[k].end()) {
+        throw config_error(message("plan step ", first + k, ": acquires '", units_[e.unit.value].name,
+                                   "' twice. With a communicator a unit is acquired once per step and held from "
+                                   "forward through backward (its release is the end of its gradients); release "
+                                   "and re-acquire within a step only without a communicator"));
       }
+      local[k].push_back(e.unit.value);
     }
   }
   std::vector<detail::step_agreement> agreed = reducer_->agree(local, first);
+  std::vector<step_plan> full_steps(steps.size());
+  std::vector<agreed_step> agreed_steps;
   for (std::size_t k = 0; k < steps.size(); ++k) {
     agreed_step a{std::move(agreed[k]), {}};
     for (const std::uint32_t u : a.agreement.order) {
@@ -698,9 +716,20 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
       }
     }
     for (const std::uint32_t u : a.update_only) { full.release(unit_id{u}); }
-    if (!a.update_only.empty()) { check_step(full, first + k); }
-    plan_.append(full);
-    agreed_.push_back(std::move(a));
+    try {
+      check_step(full, first + k);
+    } catch (const config_error& e) {
+      std::string others;
+      for (const std::uint32_t u : a.update_only) { others += (others.empty() ? "'" : ", '") + units_[u].name + "'"; }
+      throw config_error(message(e.what(), others.empty() ? "" : ". The step includes units other ranks train (",
+                                 others, others.empty() ? "" : "), which this rank holds for their update"));
+    }
+    full_steps[k] = std::move(full);
+    agreed_steps.push_back(std::move(a));
+  }
+  for (std::size_t k = 0; k < steps.size(); ++k) {  // all checked: nothing is planned half
+    plan_.append(full_steps[k]);
+    agreed_.push_back(std::move(agreed_steps[k]));
   }
 }
 
@@ -710,24 +739,59 @@ void runtime::impl::begin_step()
 {
   if (!reducer_ || step_begun_ || agreed_.empty()) { return; }
   step_begun_ = true;
+  step_optimizer_ = options_.optimizer;
   reducer_->begin(agreed_.front().agreement, steps_done_);
-  for (const std::uint32_t u : agreed_.front().update_only) {
-    unit_record& r = units_[u];
+  for (const std::uint32_t u : agreed_.front().update_only) { hold_for_update(units_[u]); }
+}
+
+// A unit this rank updates without training it: it contributes zero gradients and applies the
+// reduced ones. With host placement, unless it is resident anyway, only a zeroed gradient slab
+// exists on the device: the gradient goes home and the CPU updates it; no parameters travel.
+void runtime::impl::hold_for_update(unit_record& r)
+{
+  if (r.policy.optimizer == optimizer_placement::host && !r.resident()) {
+    hold_gradients_only(r);
+  } else {
     acquire(r, *aux_);
-    r.update_only = true;
-    r.step_requested = true;
-    fill_async(r.slot->subspan(r.layout.device_grads, r.layout.device_grad_bytes()), std::byte{0}, *aux_);
-    mark_ready(r, *aux_);
+    fill_async(r.slot->subspan(r.grads_at(), r.layout.device_grad_bytes()), std::byte{0}, *aux_);
   }
+  r.update_only = true;
+  r.step_requested = true;
+  mark_ready(r, *aux_);
+}
+
+void runtime::impl::hold_gradients_only(unit_record& r)
+{
+  const std::optional<std::uint64_t> position = plan_.match(unit_id{r.index});
+  const std::size_t bytes = r.layout.device_grad_bytes();
+  const auto range = make_room(bytes, position.value_or(0), true);
+  if (!range) {
+    throw out_of_memory(message("step ", steps_done_, ": the zeroed gradient slab of '", r.name, "' (",
+                                bytes_text(bytes), "), which other ranks train, does not fit in the ",
+                                bytes_text(options_.device.budget), " budget beside the units held; raise [device] budget"),
+                        bytes, options_.device.budget - pool_->stats().used, options_.device.budget);
+  }
+  r.slot = *range;
+  r.grads_only = true;
+  add_resident(r);
+  flush_h2d_waits();  // the pool memory's previous users are done with it
+  fill_async(*r.slot, std::byte{0}, h2d_);
+  r.arrived.record(h2d_);
+  r.arrived.wait(*aux_);
+  r.held = true;
+  ++held_count_;
+  held_bytes_ += r.layout.device_bytes;
+  step_units_.push_back(r.index);
+  note_device_bytes();
 }
 
 void runtime::impl::mark_ready(unit_record& r, stream_view s)
 {
+  if (reducer_->is_ready(r.index)) { return; }  // the reduction waits for the first ready point
   ensure(r.grads_ready_event, device_).record(s);
-  if (reducer_->is_ready(r.index)) { return; }
   // The tensors' elements only: the slab's alignment padding is never sent.
   const std::size_t bytes = r.layout.count * size_of(r.layout.grad);
-  on_launched(reducer_->ready(r.index, r.slot->subspan(r.layout.device_grads, bytes), *r.grads_ready_event));
+  on_launched(reducer_->ready(r.index, r.slot->subspan(r.grads_at(), bytes), *r.grads_ready_event));
 }
 
 void runtime::impl::on_launched(const std::vector<std::uint32_t>& units)
@@ -764,11 +828,7 @@ void runtime::impl::complete_step()
   for (const std::uint32_t u : reducer_->not_ready()) {
     unit_record& r = units_[u];
     if (r.held) { continue; }  // the trainer still holds it: end_step reports that
-    acquire(r, *aux_);
-    r.update_only = true;
-    r.step_requested = true;
-    fill_async(r.slot->subspan(r.layout.device_grads, r.layout.device_grad_bytes()), std::byte{0}, *aux_);
-    mark_ready(r, *aux_);
+    hold_for_update(r);
   }
 }
 
@@ -875,7 +935,6 @@ void runtime::plan(std::span<const step_plan> steps)
   }
   m.planned_steps_ += steps.size();
   m.start();
-  m.begin_step();
   m.prefetch();
 }
 
@@ -991,7 +1050,10 @@ void runtime::impl::apply_step(unit_record& r, stream_view s)
 {
   const detail::unit_layout& l = r.layout;
   ++r.step;
-  const detail::adamw_scalars scalars = detail::make_adamw_scalars(options_.optimizer, r.step);
+  // With a communicator every update of a step uses the settings the step began with, whichever
+  // rank's call order enqueues it: replicas stay identical when set_optimizer changes them.
+  const detail::adamw_scalars scalars =
+    detail::make_adamw_scalars(reducer_ && step_begun_ ? step_optimizer_ : options_.optimizer, r.step);
   if (r.policy.optimizer == optimizer_placement::device) {
     detail::adamw_async(l.slabs_at(r.slot->data(), l.device_grads), scalars, s);
     fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
@@ -1006,8 +1068,8 @@ void runtime::impl::apply_step(unit_record& r, stream_view s)
   const std::size_t grad_bytes = l.device_grad_bytes();
   const std::size_t span = trace_ ? trace_->open(d2h_track_, "grads " + r.name, d2h_) : 0;
   copy_async(std::span<std::byte>(r.home + l.home_grads, grad_bytes),
-             const_device_span(r.slot->subspan(l.device_grads, grad_bytes)), d2h_);
-  fill_async(r.slot->subspan(l.device_grads, grad_bytes), std::byte{0}, d2h_);
+             const_device_span(r.slot->subspan(r.grads_at(), grad_bytes)), d2h_);
+  fill_async(r.slot->subspan(r.grads_at(), grad_bytes), std::byte{0}, d2h_);
   ensure(r.grads_copied, device_).record(d2h_);
   if (trace_) { trace_->close(span, d2h_); }
   current_.d2h_bytes += grad_bytes;
@@ -1075,7 +1137,7 @@ void runtime::impl::release(unit_record& r, stream_view s)
     const std::uint64_t next = plan_.next_use(u);
     const bool soon = next != detail::never &&
                       plan_.step_distance(next) <= static_cast<std::size_t>(std::max(r.policy.lookahead, 0));
-    if (r.pinned() || soon) {
+    if (!r.grads_only && (r.pinned() || soon)) {
       upload_params(r);
     } else {
       evict(r);
@@ -1088,10 +1150,13 @@ step_stats runtime::end_step()
 {
   impl& m = *impl_;
   m.check_comm();
-  if (m.reducer_ && m.step_begun_) { m.complete_step(); }
+  if (m.reducer_) {
+    m.begin_step();  // a rank that trained nothing in the step still takes its updates
+    if (m.step_begun_) { m.complete_step(); }
+  }
   if (m.held_count_ != 0) {
     for (const unit_record& r : m.units_) {
-      TASKSWAP_EXPECTS(!r.held || r.release_deferred,
+      TASKSWAP_EXPECTS(!r.held || r.release_deferred || r.update_only,
                        message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
     }
   }
@@ -1126,7 +1191,6 @@ step_stats runtime::end_step()
   ++m.steps_done_;
   m.current_ = step_stats{};
   m.current_.peak_device_bytes = m.pool_->stats().used;
-  m.begin_step();
   m.prefetch();
   return done;
 }

@@ -111,7 +111,8 @@ using nccl_unique_id = std::array<char, 128>;
                                                                    std::chrono::milliseconds timeout);
 
 /// @brief Wraps an existing ncclComm_t (passed as a pointer) that the caller keeps and destroys.
-/// The watchdog still aborts it on a timeout.
+/// The watchdog still aborts it on a timeout (ncclCommAbort frees it): once failed() is true, the
+/// caller must not destroy it again.
 [[nodiscard]] std::shared_ptr<communicator> make_nccl_communicator(const device& dev, void* nccl_comm,
                                                                    std::chrono::milliseconds timeout);
 

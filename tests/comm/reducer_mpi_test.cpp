@@ -97,6 +97,9 @@ bool skips_head(const run_options& o, int rank, std::uint64_t k)
   return o.kind == schedule::heterogeneous && k % 5 == 4 && rank == world_size() - 1;
 }
 
+// A learning-rate schedule: set between steps, it must reach every rank's updates alike.
+float lr_of(std::uint64_t k) { return 1e-2F * static_cast<float>(1 + k % 3); }
+
 step_plan plan_of(const run_options& o, int rank, std::uint64_t k)
 {
   return step_plan{unit_id{0}, unit_id{1}, unit_id{head_of(o, rank, k)}};
@@ -183,6 +186,9 @@ outcome train(const run_options& o)
     rt.plan(plans);
   }
   for (std::uint64_t k = 0; k < o.steps; ++k) {
+    adamw_options schedule = opt.optimizer;
+    schedule.lr = lr_of(k);
+    rt.set_optimizer(schedule);
     if (!o.plan_upfront) { rt.plan(plan_of(o, me, k)); }
     std::vector<std::uint32_t> order{0, 1};
     if (!skips_head(o, me, k)) { order.push_back(head_of(o, me, k)); }
@@ -228,7 +234,9 @@ reference reference_of(const run_options& o, const runtime_options& opt, const s
                                                                    : 1.0F / static_cast<float>(ranks.size());
       ref.reduced_bytes += counts[u] * size_of(t);
       ++h.step;
-      const detail::adamw_scalars sc = detail::make_adamw_scalars(opt.optimizer, h.step);
+      adamw_options schedule = opt.optimizer;
+      schedule.lr = lr_of(k);
+      const detail::adamw_scalars sc = detail::make_adamw_scalars(schedule, h.step);
       for (std::size_t i = 0; i < h.master.size(); ++i) {
         std::uint16_t half = 0;
         float sum = 0;
@@ -334,6 +342,62 @@ TEST(reducer_mpi, one_unit_per_bucket_and_world_average)
 {
   // Buckets of one unit each: every step() finds its reduction launched (no deferred update).
   expect_matches_reference({.kind = schedule::heterogeneous, .bucket_cap = 256, .average = average_mode::world});
+}
+
+TEST(reducer_mpi, a_host_placed_unit_only_others_train_moves_only_its_gradient)
+{
+  // Rank 0 trains head "a", the others head "b"; both heads have host placement and are not
+  // resident. On the other ranks "a" is updated from its reduced gradient without its
+  // parameters ever coming to the device.
+  const int me = world_rank();
+  std::vector<unit_spec> units = model();
+  units.resize(first_head + 2);
+  for (std::uint32_t u = first_head; u < units.size(); ++u) {
+    units[u].policy = unit_policy{.residency = residency::on_demand, .lookahead = 0, .optimizer = optimizer_placement::host};
+  }
+  const runtime_options opt = options_for({}, budget_for(units));
+  const device dev = make_device(opt.device);
+  runtime rt(dev, opt, units);
+  init_home(rt);
+  stream compute(dev);
+  const unit_id a{first_head};
+  const unit_id b{first_head + 1};
+  const unit_id mine = me == 0 ? a : b;
+  rt.plan(step_plan{unit_id{0}, mine});
+  const unit_view trunk = rt.acquire(unit_id{0}, compute);
+  const unit_view head = rt.acquire(mine, compute);
+  for (const auto& [u, v] : {std::pair{mine, head}, std::pair{unit_id{0}, trunk}}) {
+    write_gradients(v, me, 0, compute);
+    rt.grads_ready(u, compute);
+    rt.step(u, compute);
+    rt.release(u, compute);
+  }
+  (void)rt.end_step();
+  rt.flush();
+  const runtime_stats st = rt.stats();
+  EXPECT_EQ(st.units[a.value].step, 1);
+  EXPECT_EQ(st.units[a.value].swap_ins, me == 0 ? 1U : 0U) << "rank " << me;
+  EXPECT_EQ(st.units[a.value].state, unit_state::home);
+  // The CPU updates agree: rank 0's "a" (trained, gradient reduced with zeros) is everyone's.
+  const home_state h = read_home(rt, a);
+  std::vector<float> root = h.master;
+  MPI_Bcast(root.data(), static_cast<int>(root.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
+  EXPECT_EQ(0, std::memcmp(root.data(), h.master.data(), root.size() * sizeof(float))) << "rank " << me;
+}
+
+TEST(reducer_mpi, a_unit_acquired_twice_in_a_step_is_refused_when_planned)
+{
+  const std::vector<unit_spec> units = model();
+  const runtime_options opt = options_for({}, budget_for(units));
+  runtime rt(make_device(opt.device), opt, units);
+  step_plan twice;
+  twice.acquire(unit_id{0}).release(unit_id{0}).acquire(unit_id{0}).release(unit_id{0});
+  try {
+    rt.plan(twice);
+    FAIL() << "a plan that acquires a unit twice in a step was accepted";
+  } catch (const config_error& e) {
+    EXPECT_NE(std::string(e.what()).find("acquired once per step"), std::string::npos) << e.what();
+  }
 }
 
 TEST(reducer_mpi, mismatched_registrations_are_refused_on_every_rank)
