@@ -12,6 +12,7 @@
 
 #include "comm/comm_failure.hpp"
 #include "comm/mpi_session.hpp"
+#include "comm/reduce_checks.hpp"
 #include "device/backend.hpp"
 #include "device/expects.hpp"
 #include "device/message.hpp"
@@ -140,9 +141,7 @@ class mpi_communicator final : public communicator {
   {
     int finalized = 0;
     MPI_Finalized(&finalized);
-    if (finalized == 0 && !failure_.failed()) {
-        MPI_Comm_free(&comm_);
-    }
+    if (finalized == 0 && !failure_.failed()) { MPI_Comm_free(&comm_); }
   }
 
   int rank() const noexcept override { return rank_; }
@@ -162,12 +161,7 @@ class mpi_communicator final : public communicator {
     std::vector<job> jobs;
     jobs.reserve(items.size());
     for (const reduce_item& it : items) {
-      TASKSWAP_EXPECTS(it.data.owner() == &device_.backend(),
-                       message("MPI allreduce of ", what, ": the buffer is not on the communicator's device (",
-                               device_.name(), "); the mpi backend reduces emulated-device buffers, use nccl for cuda"));
-      TASKSWAP_EXPECTS(it.data.size() % size_of(it.type) == 0,
-                       message("MPI allreduce of ", what, ": ", it.data.size(), " bytes is not a whole number of ",
-                               to_string(it.type), " elements"));
+      check_reduce_item(it, device_, "MPI", what, "the mpi backend reduces emulated-device buffers, use nccl for cuda");
       const std::size_t count = it.data.size() / size_of(it.type);
       TASKSWAP_EXPECTS(count <= static_cast<std::size_t>(std::numeric_limits<int>::max()),
                        message("MPI allreduce of ", what, ": ", count, " elements exceeds MPI's int count"));

@@ -11,6 +11,7 @@
 
 #include "comm/comm_failure.hpp"
 #include "comm/mpi_session.hpp"
+#include "comm/reduce_checks.hpp"
 #include "device/cuda/cuda_device_guard.hpp"
 #include "device/expects.hpp"
 #include "device/log.hpp"
@@ -85,12 +86,7 @@ class nccl_communicator final : public communicator {
   {
     check();
     for (const reduce_item& it : items) {
-      TASKSWAP_EXPECTS(it.data.owner() == &device_.backend(),
-                       message("NCCL allreduce of ", what, ": the buffer is not on the communicator's device (",
-                               device_.name(), "); the nccl backend reduces cuda buffers, use mpi for emulated devices"));
-      TASKSWAP_EXPECTS(it.data.size() % size_of(it.type) == 0,
-                       message("NCCL allreduce of ", what, ": ", it.data.size(), " bytes is not a whole number of ",
-                               to_string(it.type), " elements"));
+      check_reduce_item(it, device_, "NCCL", what, "the nccl backend reduces cuda buffers, use mpi for emulated devices");
     }
     // A 16-bit factor would bias every average (1/3 is 0.33398 in bf16): 16-bit slabs are scaled
     // in f32 first (the MPI path's rounding) and then summed.
