@@ -55,7 +55,6 @@ class reducer {
   reducer& operator=(reducer&&) = delete;
 
   [[nodiscard]] communicator& comm() const noexcept { return *comm_; }
-  [[nodiscard]] int world() const noexcept { return comm_->size(); }
 
   /// Collective: agrees on the given steps' units (`local[k]`: the units this rank trains in step
   /// k, each once). Blocks until the small collective is done (within the timeout).

@@ -717,7 +717,7 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
     }
     for (const std::uint32_t u : a.update_only) { full.release(unit_id{u}); }
     try {
-      check_step(full, first + k);
+      if (!a.update_only.empty()) { check_step(full, first + k); }  // else plan() checked it as given
     } catch (const config_error& e) {
       std::string others;
       for (const std::uint32_t u : a.update_only) { others += (others.empty() ? "'" : ", '") + units_[u].name + "'"; }
