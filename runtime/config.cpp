@@ -8,6 +8,7 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <charconv>
@@ -321,6 +322,12 @@ std::size_t parse_size(std::string_view text)
 
 runtime_options parse_config(std::string_view text, std::string_view source)
 {
+  return parse_config(text, source, {});
+}
+
+runtime_options parse_config(std::string_view text, std::string_view source,
+                             std::span<const std::string_view> own_tables)
+{
   toml::table root;
   try {
     root = toml::parse(text, source);
@@ -335,6 +342,7 @@ runtime_options parse_config(std::string_view text, std::string_view source)
       read_units(node, source, o.units);
       continue;
     }
+    if (std::find(own_tables.begin(), own_tables.end(), k) != own_tables.end()) { continue; }
     const toml::table* t = section(root, k, source);
     if (t == nullptr || (k != "device" && k != "host" && k != "defaults" && k != "optimizer" && k != "comm" &&
                          k != "runtime")) {
@@ -362,13 +370,18 @@ runtime_options parse_config(std::string_view text, std::string_view source)
 
 runtime_options load_config(const std::filesystem::path& file)
 {
+  return load_config(file, {});
+}
+
+runtime_options load_config(const std::filesystem::path& file, std::span<const std::string_view> own_tables)
+{
   std::ifstream in(file, std::ios::binary);
   if (!in) {
     throw config_error(message("cannot read the configuration '", file.string(), "'; check the path"));
   }
   std::ostringstream text;
   text << in.rdbuf();
-  return parse_config(text.str(), file.string());
+  return parse_config(text.str(), file.string(), own_tables);
 }
 
 device make_device(const device_options& options)

@@ -180,6 +180,23 @@ std::string policy_hint(const unit_record& r)
 
 }  // namespace
 
+unit_policy policy_for(const unit_spec& spec, const runtime_options& options)
+{
+  std::vector<bool> rule_used(options.units.size(), false);
+  return resolve_policy(spec, options, rule_used);
+}
+
+unit_footprint footprint(const unit_spec& spec, optimizer_placement placement)
+{
+  const detail::unit_layout l = detail::make_unit_layout(spec, placement);
+  return unit_footprint{.device_bytes = l.device_bytes,
+                        .home_bytes = l.home_bytes,
+                        .swap_in_bytes = l.travel_bytes,
+                        .write_back_bytes = l.writeback_bytes,
+                        .grad_bytes = l.device_grad_bytes(),
+                        .param_bytes = l.master == l.params ? l.m - l.params : l.master - l.params};
+}
+
 struct runtime::impl {
   impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs,
        std::shared_ptr<communicator> comm);

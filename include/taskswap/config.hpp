@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <filesystem>
+#include <span>
 #include <string_view>
 
 namespace taskswap {
@@ -18,9 +19,18 @@ namespace taskswap {
 /// policies, sizes without units; or a file that cannot be read
 [[nodiscard]] runtime_options load_config(const std::filesystem::path& file);
 
+/// @brief As above, skipping the top-level tables named in `own_tables`, which the application
+/// reads itself (the sample trainer's [model]); any other unknown table is still an error.
+[[nodiscard]] runtime_options load_config(const std::filesystem::path& file,
+                                          std::span<const std::string_view> own_tables);
+
 /// @brief Parses configuration text; `source` names it in error messages.
 /// @throws config_error as load_config
 [[nodiscard]] runtime_options parse_config(std::string_view text, std::string_view source = "config");
+
+/// @brief As above, skipping the top-level tables named in `own_tables`.
+[[nodiscard]] runtime_options parse_config(std::string_view text, std::string_view source,
+                                           std::span<const std::string_view> own_tables);
 
 /// @brief "40 GiB", "512 MiB", "1.5 GB", "4096 B" → bytes. A unit is required.
 /// @throws config_error for anything else

@@ -185,6 +185,25 @@ class step_plan {
   std::vector<entry> entries_;
 };
 
+/// @brief What one unit costs, from its spec and placement alone (no device needed): what a
+/// planner or a capacity estimate uses before a runtime exists.
+struct unit_footprint {
+  std::size_t device_bytes = 0;      ///< while resident (the budget it takes)
+  std::size_t home_bytes = 0;        ///< its block in the pinned host arena
+  std::size_t swap_in_bytes = 0;     ///< host→device per swap-in
+  std::size_t write_back_bytes = 0;  ///< device→host per write-back (0 for host placement)
+  std::size_t grad_bytes = 0;        ///< its gradient slab (reduced; host placement: sent home each step)
+  std::size_t param_bytes = 0;       ///< its parameter slab (host placement: uploaded after each CPU step)
+};
+
+/// @brief The footprint of `spec` under `placement`; the same layout the runtime uses.
+/// @throws config_error for a unit without tensors or with an empty dimension
+[[nodiscard]] unit_footprint footprint(const unit_spec& spec, optimizer_placement placement);
+
+/// @brief The policy the runtime gives `spec` under `options`: its own policy if it has one,
+/// else the defaults with every matching [[units]] rule applied in order.
+[[nodiscard]] unit_policy policy_for(const unit_spec& spec, const runtime_options& options);
+
 /// @brief Where a unit is now.
 enum class unit_state : std::uint8_t { home, resident, held };
 

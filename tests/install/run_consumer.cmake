@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # Installs the build tree into a fresh prefix, then configures, builds and runs a consumer project
-# that does find_package(taskswap CONFIG REQUIRED), as a user's project would.
+# that does find_package(taskswap CONFIG REQUIRED), as a user's project would: the consumer of
+# tests/install, or the sample trainer.
 
 file(REMOVE_RECURSE "${WORK_DIR}")
 set(prefix "${WORK_DIR}/prefix")
@@ -23,4 +24,9 @@ run_step("configure consumer" ${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "$
   # the same instrumentation as the library (sanitizer presets)
   "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}" "-DCMAKE_EXE_LINKER_FLAGS=${EXE_LINKER_FLAGS}")
 run_step("build consumer" ${CMAKE_COMMAND} --build "${WORK_DIR}/build")
-run_step("run consumer" "${WORK_DIR}/build/consumer")
+# EXECUTABLE and RUN_ARGS ('|'-separated) name another program of the project and its arguments.
+if(NOT EXECUTABLE)
+  set(EXECUTABLE consumer)
+endif()
+string(REPLACE "|" ";" run_args "${RUN_ARGS}")
+run_step("run consumer" "${WORK_DIR}/build/${EXECUTABLE}" ${run_args})

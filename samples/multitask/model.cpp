@@ -1,0 +1,570 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "model.hpp"
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+
+namespace multitask {
+
+std::unique_ptr<ops> make_cpu_ops(taskswap::stream_view s);
+#if MULTITASK_WITH_CUDA
+std::unique_ptr<ops> make_cuda_ops(taskswap::stream_view s);
+#endif
+
+std::unique_ptr<ops> make_ops(const taskswap::device& dev, taskswap::stream_view s)
+{
+  if (dev.kind() == taskswap::backend_kind::emulated) { return make_cpu_ops(s); }
+#if MULTITASK_WITH_CUDA
+  return make_cuda_ops(s);
+#else
+  throw taskswap::invalid_argument("the sample was built without CUDA; use [device] backend = \"emulated\"");
+#endif
+}
+
+namespace {
+
+using taskswap::config_error;
+using taskswap::dtype;
+
+constexpr std::size_t alignment = 256;
+
+std::size_t round_up(std::size_t n, std::size_t a) { return (n + a - 1) / a * a; }
+
+std::string at(std::string_view source, const toml::node& n)
+{
+  std::ostringstream s;
+  s << source << ":" << n.source().begin.line;
+  return s.str();
+}
+
+// Reads [model]: integers within bounds, the dtype, and nothing else.
+model_config read_model(const toml::table& root, std::string_view source)
+{
+  model_config m;
+  const toml::node* node = root.get("model");
+  if (node == nullptr) { return m; }
+  const toml::table* t = node->as_table();
+  if (t == nullptr) { throw config_error(at(source, *node) + ": [model] must be a table"); }
+  struct int_key {
+    std::string_view name;
+    int* value;
+    int least;
+  };
+  const std::array<int_key, 9> ints{{{"tasks", &m.tasks, 1},
+                                     {"trunk_layers", &m.trunk_layers, 1},
+                                     {"width", &m.width, 1},
+                                     {"adapter_hidden", &m.adapter_hidden, 1},
+                                     {"outputs", &m.outputs, 1},
+                                     {"batch", &m.batch, 1},
+                                     {"steps", &m.steps, 1},
+                                     {"log_every", &m.log_every, 0},
+                                     {"plan_window", &m.plan_window, 1}}};
+  for (const auto& [key, value] : *t) {
+    const std::string_view k = key.str();
+    const std::string where = at(source, value) + ": [model] " + std::string(k);
+    if (k == "dtype") {
+      const auto s = value.value<std::string>();
+      if (s == "f32") {
+        m.compute = dtype::f32;
+      } else if (s == "bf16") {
+        m.compute = dtype::bf16;
+      } else {
+        throw config_error(where + ": use \"f32\" or \"bf16\"");
+      }
+      continue;
+    }
+    if (k == "seed") {
+      const auto v = value.value<std::int64_t>();
+      if (!v || *v < 0) { throw config_error(where + ": give a non-negative integer"); }
+      m.seed = static_cast<std::uint64_t>(*v);
+      continue;
+    }
+    const auto* ik = std::find_if(ints.begin(), ints.end(), [&](const int_key& i) { return i.name == k; });
+    if (ik == ints.end()) {
+      throw config_error(at(source, value) + ": [model] has no key '" + std::string(k) +
+                         "'; the keys are tasks, trunk_layers, width, adapter_hidden, outputs, dtype, batch, steps, "
+                         "seed, log_every, plan_window");
+    }
+    const auto v = value.value<std::int64_t>();
+    if (!v || *v < ik->least || *v > (std::int64_t{1} << 30)) {
+      throw config_error(where + ": give an integer of at least " + std::to_string(ik->least));
+    }
+    *ik->value = static_cast<int>(*v);
+  }
+  return m;
+}
+
+std::uint64_t key_of(std::uint64_t seed, std::uint64_t a, std::uint64_t b, std::uint64_t c)
+{
+  return mix(seed ^ mix(a ^ mix(b ^ mix(c))));
+}
+
+enum : std::uint64_t { key_input = 1, key_teacher = 2, key_init = 3, key_sampler = 4 };
+
+}  // namespace
+
+configuration parse_configuration(std::string_view text, std::string_view source)
+{
+  static constexpr std::array<std::string_view, 1> own{"model"};
+  configuration c;
+  c.runtime = taskswap::parse_config(text, source, own);
+  toml::table root;
+  try {
+    root = toml::parse(text, source);
+  } catch (const toml::parse_error& e) {
+    throw config_error(std::string(source) + ": " + std::string(e.description()));
+  }
+  c.model = read_model(root, source);
+  return c;
+}
+
+configuration load_configuration(const std::filesystem::path& file)
+{
+  std::ifstream in(file, std::ios::binary);
+  if (!in) { throw config_error("cannot read the configuration '" + file.string() + "'; check the path"); }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_configuration(text.str(), file.string());
+}
+
+std::vector<taskswap::unit_spec> model_units(const model_config& m)
+{
+  const auto d = static_cast<std::size_t>(m.width);
+  const auto h = static_cast<std::size_t>(m.adapter_hidden);
+  const auto o = static_cast<std::size_t>(m.outputs);
+  std::vector<taskswap::unit_spec> units;
+  for (int l = 0; l < m.trunk_layers; ++l) {
+    units.push_back({.name = "trunk/" + std::to_string(l),
+                     .tensors = {{"w", {d, d}}, {"b", {d}}},
+                     .compute = m.compute});
+  }
+  for (int t = 0; t < m.tasks; ++t) {
+    units.push_back({.name = "task/" + std::to_string(t),
+                     .tensors = {{"w1", {d, h}}, {"b1", {h}}, {"w2", {h, o}}, {"b2", {o}}},
+                     .compute = m.compute});
+  }
+  return units;
+}
+
+int task_of_step(const model_config& m, int rank, std::int64_t step)
+{
+  return static_cast<int>(key_of(m.seed, key_sampler, static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(step)) %
+                          static_cast<std::uint64_t>(m.tasks));
+}
+
+namespace {
+
+// The buffers of one batch: activations (per sample) first, then the fixed ones.
+struct buffer_sizes {
+  std::vector<std::size_t> per_sample;  // floats per sample of each per-sample buffer
+  std::vector<std::size_t> fixed;       // floats of each fixed buffer
+};
+
+buffer_sizes buffers_of(const model_config& m, int steps)
+{
+  const auto d = static_cast<std::size_t>(m.width);
+  const auto h = static_cast<std::size_t>(m.adapter_hidden);
+  const auto o = static_cast<std::size_t>(m.outputs);
+  buffer_sizes b;
+  for (int l = 0; l <= m.trunk_layers; ++l) { b.per_sample.push_back(d); }  // h_0 (input) … h_L
+  b.per_sample.push_back(h);                                                 // adapter hidden
+  b.per_sample.push_back(o);                                                 // output, then dLoss/dy
+  b.per_sample.push_back(o);                                                 // target
+  b.per_sample.push_back(std::max(d, h));                                    // backward, ping
+  b.per_sample.push_back(std::max(d, h));                                    // backward, pong
+  b.fixed.push_back(d * o);                                                  // the teacher of the step
+  b.fixed.push_back(static_cast<std::size_t>(steps));                        // losses
+  if (m.compute != dtype::f32) {
+    const std::size_t largest = std::max({d * d, d * h, h * o});
+    b.fixed.push_back(largest);  // a weight widened to f32
+    b.fixed.push_back(largest);  // a weight gradient in f32
+    b.fixed.push_back(std::max({d, h, o}));  // a bias widened
+    b.fixed.push_back(std::max({d, h, o}));  // a bias gradient
+  }
+  return b;
+}
+
+}  // namespace
+
+workspace_size model_workspace(const model_config& m, int steps)
+{
+  const buffer_sizes b = buffers_of(m, steps);
+  workspace_size w;
+  for (std::size_t n : b.per_sample) {
+    w.per_sample += n * sizeof(float);
+    w.fixed += alignment;  // each per-sample buffer is rounded up to the alignment: at most this much
+  }
+  for (std::size_t n : b.fixed) { w.fixed += round_up(n * sizeof(float), alignment); }
+  return w;
+}
+
+taskswap::runtime_options all_resident(const taskswap::runtime_options& options,
+                                       const std::vector<taskswap::unit_spec>& units)
+{
+  taskswap::runtime_options o = options;
+  o.defaults = {.residency = taskswap::residency::pinned, .lookahead = 0, .optimizer = taskswap::optimizer_placement::device};
+  o.units.clear();
+  o.device.budget = 0;
+  for (const taskswap::unit_spec& u : units) {
+    o.device.budget += taskswap::footprint(u, taskswap::optimizer_placement::device).device_bytes;
+  }
+  return o;
+}
+
+struct trainer::impl {
+  impl(const taskswap::device& d, const taskswap::runtime_options& options, const model_config& m, int b, int s,
+       std::shared_ptr<taskswap::communicator> c)
+      : dev(d),
+        model(m),
+        batch(b),
+        steps(s),
+        compute(dev),
+        comm(c ? std::move(c)
+               : options.comm.backend == taskswap::comm_backend::none ? nullptr
+                                                                        : taskswap::make_communicator(dev, options.comm)),
+        rt(dev, options, model_units(m), comm),
+        kernels(make_ops(dev, compute)),
+        workspace(dev, workspace_bytes()),
+        losses_home(dev, static_cast<std::size_t>(steps) * sizeof(float))
+  {
+    for (int l = 0; l < model.trunk_layers; ++l) { trunk.push_back(rt.find("trunk/" + std::to_string(l))); }
+    for (int t = 0; t < model.tasks; ++t) { tasks.push_back(rt.find("task/" + std::to_string(t))); }
+    carve();
+    initialise();
+  }
+
+  [[nodiscard]] std::size_t workspace_bytes() const
+  {
+    const buffer_sizes b = buffers_of(model, steps);
+    std::size_t bytes = 0;
+    for (std::size_t n : b.per_sample) { bytes += round_up(n * static_cast<std::size_t>(batch) * sizeof(float), alignment); }
+    for (std::size_t n : b.fixed) { bytes += round_up(n * sizeof(float), alignment); }
+    return bytes;
+  }
+
+  void carve()
+  {
+    const buffer_sizes b = buffers_of(model, steps);
+    auto* base = reinterpret_cast<float*>(workspace.data());  // NOLINT: the workspace holds f32 arrays
+    std::size_t offset = 0;
+    std::vector<float*> out;
+    const auto take = [&](std::size_t floats) {
+      out.push_back(base + offset / sizeof(float));
+      offset += round_up(floats * sizeof(float), alignment);
+    };
+    for (std::size_t n : b.per_sample) { take(n * static_cast<std::size_t>(batch)); }
+    for (std::size_t n : b.fixed) { take(n); }
+    std::size_t i = 0;
+    for (int l = 0; l <= model.trunk_layers; ++l) { h.push_back(out[i++]); }
+    hidden = out[i++];
+    y = out[i++];
+    target = out[i++];
+    back[0] = out[i++];
+    back[1] = out[i++];
+    teacher = out[i++];
+    losses = out[i++];
+    if (model.compute != dtype::f32) {
+      wide_weight = out[i++];
+      wide_grad = out[i++];
+      wide_bias = out[i++];
+      wide_bias_grad = out[i++];
+    }
+  }
+
+  // He-uniform weights from the seed, zero biases and output layers, written to every unit's master before the first plan.
+  void initialise()
+  {
+    for (std::size_t u = 0; u < rt.unit_count(); ++u) {
+      const taskswap::unit_id id{static_cast<std::uint32_t>(u)};
+      const taskswap::home_view home = rt.home(id);
+      auto* master = static_cast<float*>(home.master.data);
+      for (std::size_t ti = 0; ti < home.tensors.size(); ++ti) {
+        const taskswap::tensor_info& t = home.tensors[ti];
+        float* w = master + t.offset;
+        if (t.shape.size() == 1 || t.name == "w2") {  // biases, and each adapter's output layer, start at zero
+          std::fill(w, w + t.count, 0.0F);
+          continue;
+        }
+        const float bound = std::sqrt(6.0F / static_cast<float>(t.shape[0]));
+        const std::uint64_t key = key_of(model.seed, key_init, u, ti);
+        for (std::size_t i = 0; i < t.count; ++i) { w[i] = bound * uniform(key, i); }
+      }
+    }
+  }
+
+  // The f32 view of tensor `i` of `v`: the parameters themselves, or a widened copy.
+  const float* weight(const taskswap::unit_view& v, std::size_t i, float* wide)
+  {
+    if (model.compute == dtype::f32) { return static_cast<const float*>(v.param(i)); }
+    kernels->widen(wide, v.param(i), model.compute, v.tensors[i].count);
+    return wide;
+  }
+  // Where the gradient of tensor `i` is computed (f32), and its storing into the slab.
+  float* grad_target(const taskswap::unit_view& v, std::size_t i, float* wide)
+  {
+    return model.compute == dtype::f32 ? static_cast<float*>(v.grad(i)) : wide;
+  }
+  void store_grad(const taskswap::unit_view& v, std::size_t i, float* wide)
+  {
+    if (model.compute != dtype::f32) { kernels->narrow(v.grad(i), model.compute, wide, v.tensors[i].count); }
+  }
+
+  // Forward and backward of one step; returns nothing, the loss lands in losses[step].
+  void train_step(std::int64_t step)
+  {
+    const int task = task_of_step(model, rank(), step);
+    const int b = batch;
+    const int d = model.width;
+    const int hd = model.adapter_hidden;
+    const int o = model.outputs;
+    const int layers = model.trunk_layers;
+    const auto act = [this](int l) { return h[static_cast<std::size_t>(l)]; };
+    std::vector<taskswap::unit_view> tv;
+    tv.reserve(trunk.size());
+    for (taskswap::unit_id u : trunk) { tv.push_back(rt.acquire(u, compute)); }
+    const taskswap::unit_view av = rt.acquire(tasks[static_cast<std::size_t>(task)], compute);
+
+    // The batch and its targets: x random, y = x · A_task.
+    kernels->random_uniform(act(0), static_cast<std::size_t>(b) * static_cast<std::size_t>(d),
+                            key_of(model.seed, key_input, static_cast<std::uint64_t>(rank()), static_cast<std::uint64_t>(step)),
+                            1.0F);
+    // The teacher: a part every task shares (what the trunk can learn once) plus the task's own.
+    const std::size_t teacher_size = static_cast<std::size_t>(d) * static_cast<std::size_t>(o);
+    const float scale = std::sqrt(3.0F / static_cast<float>(d));
+    kernels->random_uniform(teacher, teacher_size, key_of(model.seed, key_teacher, 0, 0), scale);
+    kernels->gemm(false, false, b, o, d, 1.0F, act(0), teacher, 0.0F, target);
+    kernels->random_uniform(teacher, teacher_size, key_of(model.seed, key_teacher, 1, static_cast<std::uint64_t>(task)),
+                            0.5F * scale);
+    kernels->gemm(false, false, b, o, d, 1.0F, act(0), teacher, 1.0F, target);
+
+    // Forward.
+    for (int l = 0; l < layers; ++l) {
+      const auto& v = tv[static_cast<std::size_t>(l)];
+      kernels->gemm(false, false, b, d, d, 1.0F, act(l), weight(v, 0, wide_weight), 0.0F, act(l + 1));
+      kernels->bias_activation(act(l + 1), weight(v, 1, wide_bias), b, d, true);
+    }
+    kernels->gemm(false, false, b, hd, d, 1.0F, act(layers), weight(av, 0, wide_weight), 0.0F, hidden);
+    kernels->bias_activation(hidden, weight(av, 1, wide_bias), b, hd, true);
+    kernels->gemm(false, false, b, o, hd, 1.0F, hidden, weight(av, 2, wide_weight), 0.0F, y);
+    kernels->bias_activation(y, weight(av, 3, wide_bias), b, o, false);
+    kernels->mse(y, target, b, o, losses + step);
+
+    // Backward through the adapter (y now holds dLoss/dy).
+    kernels->gemm(true, false, hd, o, b, 1.0F, hidden, y, 0.0F, grad_target(av, 2, wide_grad));
+    store_grad(av, 2, wide_grad);
+    kernels->column_sums(grad_target(av, 3, wide_bias_grad), y, b, o);
+    store_grad(av, 3, wide_bias_grad);
+    kernels->gemm(false, true, b, hd, o, 1.0F, y, weight(av, 2, wide_weight), 0.0F, back[0]);
+    kernels->relu_backward(back[0], hidden, static_cast<std::size_t>(b) * static_cast<std::size_t>(hd));
+    kernels->gemm(true, false, d, hd, b, 1.0F, act(layers), back[0], 0.0F, grad_target(av, 0, wide_grad));
+    store_grad(av, 0, wide_grad);
+    kernels->column_sums(grad_target(av, 1, wide_bias_grad), back[0], b, hd);
+    store_grad(av, 1, wide_bias_grad);
+    kernels->gemm(false, true, b, d, hd, 1.0F, back[0], weight(av, 0, wide_weight), 0.0F, back[1]);
+    finish(av.id);
+
+    // Backward through the trunk, last layer first; each layer's update overlaps the rest.
+    float* dh = back[1];
+    float* next = back[0];
+    for (int l = layers - 1; l >= 0; --l) {
+      const auto& v = tv[static_cast<std::size_t>(l)];
+      kernels->relu_backward(dh, act(l + 1), static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
+      kernels->gemm(true, false, d, d, b, 1.0F, act(l), dh, 0.0F, grad_target(v, 0, wide_grad));
+      store_grad(v, 0, wide_grad);
+      kernels->column_sums(grad_target(v, 1, wide_bias_grad), dh, b, d);
+      store_grad(v, 1, wide_bias_grad);
+      if (l > 0) {
+        kernels->gemm(false, true, b, d, d, 1.0F, dh, weight(v, 0, wide_weight), 0.0F, next);
+        std::swap(dh, next);
+      }
+      finish(v.id);
+    }
+    last_stats = rt.end_step();
+  }
+
+  void finish(taskswap::unit_id u)
+  {
+    rt.grads_ready(u, compute);
+    rt.step(u, compute);
+    rt.release(u, compute);
+  }
+
+  void plan_from(std::int64_t first)
+  {
+    const std::int64_t end = std::min<std::int64_t>(first + model.plan_window, steps);
+    std::vector<taskswap::step_plan> plans;
+    for (std::int64_t s = first; s < end; ++s) {
+      taskswap::step_plan p;
+      for (taskswap::unit_id u : trunk) { p.acquire(u); }
+      p.acquire(tasks[static_cast<std::size_t>(task_of_step(model, rank(), s))]);
+      plans.push_back(std::move(p));
+    }
+    rt.plan(plans);
+  }
+
+  [[nodiscard]] int rank() const noexcept { return comm ? comm->rank() : 0; }
+  [[nodiscard]] int world() const noexcept { return comm ? comm->size() : 1; }
+
+  taskswap::device dev;
+  model_config model;
+  int batch;
+  int steps;
+  taskswap::stream compute;
+  std::shared_ptr<taskswap::communicator> comm;
+  taskswap::runtime rt;
+  std::unique_ptr<ops> kernels;
+  taskswap::device_buffer workspace;
+  taskswap::pinned_buffer losses_home;
+  std::vector<taskswap::unit_id> trunk;
+  std::vector<taskswap::unit_id> tasks;
+  std::vector<float*> h;
+  float* hidden = nullptr;
+  float* y = nullptr;
+  float* target = nullptr;
+  std::array<float*, 2> back{};
+  float* teacher = nullptr;
+  float* losses = nullptr;
+  float* wide_weight = nullptr;
+  float* wide_grad = nullptr;
+  float* wide_bias = nullptr;
+  float* wide_bias_grad = nullptr;
+  taskswap::step_stats last_stats{};
+};
+
+trainer::trainer(const taskswap::device& dev, const taskswap::runtime_options& options, const model_config& model,
+                 int batch, int steps, std::shared_ptr<taskswap::communicator> comm)
+    : impl_(std::make_unique<impl>(dev, options, model, batch, steps, std::move(comm)))
+{
+}
+
+trainer::~trainer() = default;
+
+taskswap::runtime& trainer::get_runtime() noexcept { return impl_->rt; }
+int trainer::rank() const noexcept { return impl_->rank(); }
+int trainer::world() const noexcept { return impl_->world(); }
+
+run_result trainer::run(const std::function<void(const std::string&)>& on_log)
+{
+  impl& m = *impl_;
+  auto* host_losses = reinterpret_cast<float*>(m.losses_home.data());  // NOLINT: f32 array
+  const auto copy_losses = [&](std::int64_t first, std::int64_t end) {
+    const std::size_t off = static_cast<std::size_t>(first) * sizeof(float);
+    const std::size_t n = static_cast<std::size_t>(end - first) * sizeof(float);
+    taskswap::copy_async(m.losses_home.span().subspan(off, n), m.workspace.span().subspan(
+                                                                   static_cast<std::size_t>(reinterpret_cast<std::byte*>(m.losses + first) - m.workspace.data()), n),
+                         m.compute);
+  };
+  // Loss lines lag one interval: the copy of an interval is read when the next one is queued.
+  struct pending {
+    std::int64_t first;
+    std::int64_t end;
+    taskswap::event done;
+  };
+  std::optional<pending> waiting;
+  const auto print = [&](const pending& p) {
+    p.done.synchronize();
+    std::vector<double> sum(static_cast<std::size_t>(m.model.tasks), 0.0);
+    std::vector<int> count(static_cast<std::size_t>(m.model.tasks), 0);
+    for (std::int64_t s = p.first; s < p.end; ++s) {
+      const auto t = static_cast<std::size_t>(task_of_step(m.model, m.rank(), s));
+      sum[t] += host_losses[s];
+      ++count[t];
+    }
+    std::ostringstream line;
+    line << "step " << p.end << ": mean loss " ;
+    double all = 0;
+    for (std::size_t t = 0; t < sum.size(); ++t) { all += sum[t]; }
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.4f", all / static_cast<double>(p.end - p.first));
+    line << buf << " over " << (p.end - p.first) << " steps;";
+    int shown = 0;
+    for (std::size_t t = 0; t < sum.size() && shown < 6; ++t) {
+      if (count[t] == 0) { continue; }
+      std::snprintf(buf, sizeof buf, " task/%zu %.4f", t, sum[t] / count[t]);
+      line << buf;
+      ++shown;
+    }
+    if (on_log) { on_log(line.str()); }
+  };
+
+  run_result r;
+  std::chrono::steady_clock::time_point start;
+  for (std::int64_t s = 0; s < m.steps; ++s) {
+    if (s % m.model.plan_window == 0) { m.plan_from(s); }
+    m.train_step(s);
+    if (s == 0) {
+      m.compute.synchronize();
+      start = std::chrono::steady_clock::now();
+    }
+    const int every = m.model.log_every;
+    if (every > 0 && on_log && ((s + 1) % every == 0 || s + 1 == m.steps)) {
+      const std::int64_t first = s + 1 - ((s + 1) % every == 0 ? every : (s + 1) % every);
+      copy_losses(first, s + 1);
+      pending p{first, s + 1, taskswap::event(m.dev)};
+      p.done.record(m.compute);
+      if (waiting) { print(*waiting); }
+      waiting = std::move(p);
+    }
+  }
+  m.compute.synchronize();
+  const auto end = std::chrono::steady_clock::now();
+  if (waiting) { print(*waiting); }
+  r.seconds = std::chrono::duration<double>(end - start).count();
+  r.timed_steps = m.steps - 1;
+  m.rt.flush();
+  copy_losses(0, m.steps);
+  m.compute.synchronize();
+  r.tasks.resize(static_cast<std::size_t>(m.model.tasks));
+  for (std::int64_t s = 0; s < m.steps; ++s) {
+    task_losses& t = r.tasks[static_cast<std::size_t>(task_of_step(m.model, m.rank(), s))];
+    t.all.push_back(host_losses[s]);
+    ++t.steps;
+  }
+  for (task_losses& t : r.tasks) {
+    if (t.all.empty()) { continue; }
+    const std::size_t k = std::max<std::size_t>(1, std::min<std::size_t>(3, t.all.size() / 2));
+    double first = 0;
+    double last = 0;
+    for (std::size_t i = 0; i < k; ++i) {
+      first += t.all[i];
+      last += t.all[t.all.size() - 1 - i];
+    }
+    t.first = static_cast<float>(first / static_cast<double>(k));
+    t.last = static_cast<float>(last / static_cast<double>(k));
+  }
+  r.total = m.rt.stats().total;
+  return r;
+}
+
+void trainer::save_parameters(const std::filesystem::path& file)
+{
+  impl& m = *impl_;
+  m.rt.flush();
+  const std::filesystem::path tmp = file.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) { throw taskswap::invalid_argument("cannot write '" + tmp.string() + "'; check the directory"); }
+    for (std::size_t u = 0; u < m.rt.unit_count(); ++u) {
+      const taskswap::home_view h = m.rt.home({static_cast<std::uint32_t>(u)});
+      const std::string name(m.rt.name(h.id));
+      out << name << '\n';
+      for (const taskswap::slab_view& s : {h.params, h.master, h.m, h.v}) {
+        out.write(static_cast<const char*>(s.data), static_cast<std::streamsize>(s.bytes()));
+      }
+      out.write(reinterpret_cast<const char*>(&h.step), sizeof h.step);  // NOLINT: raw bytes
+    }
+    if (!out.flush()) { throw taskswap::invalid_argument("writing '" + tmp.string() + "' failed"); }
+  }
+  std::filesystem::rename(tmp, file);
+}
+
+}  // namespace multitask

@@ -1,0 +1,116 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The sample's multi-task model: a trunk of ReLU layers (one unit each) and T task adapters (a
+// two-layer MLP each, one unit each), trained on synthetic regression: task t's target is
+// x · A_t for a fixed random teacher A_t, so every task's loss falls. The task of each step comes
+// from a seeded sampler and is planned ahead. Used by the trainer (main.cpp) and by `taskswap
+// headroom`, which needs the same units, activations and steps.
+
+#include "ops.hpp"
+
+#include <taskswap/taskswap.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace multitask {
+
+/// The [model] table of a configuration.
+struct model_config {
+  int tasks = 16;
+  int trunk_layers = 2;
+  int width = 128;           ///< input and trunk width
+  int adapter_hidden = 256;  ///< hidden width of each task adapter
+  int outputs = 32;          ///< regression targets per sample
+  taskswap::dtype compute = taskswap::dtype::f32;  ///< f32 or bf16 parameters; activations are f32
+  int batch = 256;
+  int steps = 200;
+  std::uint64_t seed = 1;
+  int log_every = 50;        ///< steps between loss lines (0: none)
+  int plan_window = 32;      ///< steps planned at a time
+};
+
+/// The runtime options and the model of one configuration file.
+struct configuration {
+  taskswap::runtime_options runtime;
+  model_config model;
+};
+
+/// Reads a configuration: the runtime's sections and [model].
+/// @throws taskswap::config_error naming the file, line and key
+[[nodiscard]] configuration load_configuration(const std::filesystem::path& file);
+/// The same from text; `source` names it in errors.
+[[nodiscard]] configuration parse_configuration(std::string_view text, std::string_view source);
+
+/// The units of the model, trunk first ("trunk/0", …, "task/0", …).
+[[nodiscard]] std::vector<taskswap::unit_spec> model_units(const model_config& m);
+
+/// The task each step of `rank` trains: a counter-based sample, so any window can be produced alone.
+[[nodiscard]] int task_of_step(const model_config& m, int rank, std::int64_t step);
+
+/// Device bytes the trainer allocates beside the runtime's budget for a batch and a number of
+/// steps: fixed + batch × per_sample (each buffer rounded to 256 bytes, counted in `fixed`).
+struct workspace_size {
+  std::size_t fixed = 0;
+  std::size_t per_sample = 0;
+  [[nodiscard]] std::size_t bytes(std::size_t batch) const noexcept { return fixed + batch * per_sample; }
+};
+[[nodiscard]] workspace_size model_workspace(const model_config& m, int steps);
+
+/// Options with every unit pinned and the budget exactly the units' device bytes: the
+/// all-resident baseline of the same model.
+[[nodiscard]] taskswap::runtime_options all_resident(const taskswap::runtime_options& options,
+                                                     const std::vector<taskswap::unit_spec>& units);
+
+/// Per-task losses, as they are read back from the device.
+struct task_losses {
+  std::int64_t steps = 0;
+  float first = 0;  ///< mean over the task's first few steps
+  float last = 0;   ///< mean over its last few steps
+  std::vector<float> all;
+};
+
+/// What a training run did.
+struct run_result {
+  std::vector<task_losses> tasks;
+  double seconds = 0;        ///< wall time of the steps (after the first, which warms up)
+  std::int64_t timed_steps = 0;
+  taskswap::step_stats total{};
+  [[nodiscard]] double step_ms() const { return timed_steps == 0 ? 0 : seconds * 1e3 / static_cast<double>(timed_steps); }
+};
+
+/// The trainer: the runtime, the model's workspace for one batch size, and the step.
+class trainer {
+ public:
+  /// Builds the runtime over `units` (collectively, when `comm` is given) and the workspace.
+  /// @throws taskswap::out_of_memory when the budget or the workspace does not fit the device
+  trainer(const taskswap::device& dev, const taskswap::runtime_options& options, const model_config& model,
+          int batch, int steps, std::shared_ptr<taskswap::communicator> comm = nullptr);
+  ~trainer();
+  trainer(const trainer&) = delete;
+  trainer& operator=(const trainer&) = delete;
+
+  /// Runs `steps` steps; `on_log` gets a line every log_every steps (the losses lag by one
+  /// interval, so that reading them never waits for the device).
+  run_result run(const std::function<void(const std::string&)>& on_log = {});
+
+  /// Flushes and writes every unit's home slabs (params, master, m, v) to `file`.
+  void save_parameters(const std::filesystem::path& file);
+
+  [[nodiscard]] taskswap::runtime& get_runtime() noexcept;
+  [[nodiscard]] int rank() const noexcept;
+  [[nodiscard]] int world() const noexcept;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace multitask

@@ -1,0 +1,64 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The few operations the sample model needs, enqueued on one stream: GEMMs through cuBLAS on the
+// cuda backend and OpenBLAS on the emulated one, and small element-wise kernels. All arrays are
+// row-major f32 in device memory except where a dtype is named. Nothing here synchronises.
+
+#include <taskswap/taskswap.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+namespace multitask {
+
+class ops {
+ public:
+  virtual ~ops() = default;
+  ops() = default;
+  ops(const ops&) = delete;
+  ops& operator=(const ops&) = delete;
+
+  /// c[m×n] = alpha · op(a) · op(b) + beta · c, where op(a) is m×k (a stored k×m when ta) and
+  /// op(b) is k×n (b stored n×k when tb).
+  virtual void gemm(bool ta, bool tb, int m, int n, int k, float alpha, const float* a, const float* b, float beta,
+                    float* c) = 0;
+  /// x[i] = scale · u(key, i), u uniform in [-1, 1) from a counter-based hash: the same numbers on
+  /// every backend, whatever the order of work.
+  virtual void random_uniform(float* x, std::size_t n, std::uint64_t key, float scale) = 0;
+  /// y[r][c] += b[c], then max(y, 0) when relu.
+  virtual void bias_activation(float* y, const float* b, int rows, int cols, bool relu) = 0;
+  /// dy[i] = y[i] > 0 ? dy[i] : 0 (the ReLU's backward, from its output).
+  virtual void relu_backward(float* dy, const float* y, std::size_t n) = 0;
+  /// out[c] = sum over r of x[r][c] (out = beta · out + sums).
+  virtual void column_sums(float* out, const float* x, int rows, int cols) = 0;
+  /// Mean squared error: *loss = mean((y - t)^2); y becomes dLoss/dy = 2 (y - t) / (rows · cols).
+  virtual void mse(float* y, const float* target, int rows, int cols, float* loss) = 0;
+  /// dst (f32) = src of type `type`.
+  virtual void widen(float* dst, const void* src, taskswap::dtype type, std::size_t n) = 0;
+  /// dst of type `type` = src rounded to nearest even.
+  virtual void narrow(void* dst, taskswap::dtype type, const float* src, std::size_t n) = 0;
+};
+
+/// The implementation for `s`'s device: cuBLAS and CUDA kernels, or OpenBLAS and loops run on
+/// the emulated stream's worker.
+[[nodiscard]] std::unique_ptr<ops> make_ops(const taskswap::device& dev, taskswap::stream_view s);
+
+/// The hash behind random_uniform, shared by the backends and the host-side initialisation.
+[[nodiscard]] constexpr std::uint64_t mix(std::uint64_t x) noexcept
+{
+  x += 0x9e3779b97f4a7c15ULL;
+  x = (x ^ (x >> 30U)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27U)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31U);
+}
+
+/// u(key, i) in [-1, 1): 24 random bits, exact in f32.
+[[nodiscard]] constexpr float uniform(std::uint64_t key, std::uint64_t i) noexcept
+{
+  const auto bits = static_cast<std::uint32_t>(mix(key ^ mix(i)) >> 40U);
+  return static_cast<float>(bits) * (1.0F / 8388608.0F) - 1.0F;
+}
+
+}  // namespace multitask

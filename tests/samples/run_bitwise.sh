@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Usage: run_bitwise.sh WORKDIR [mpiexec NP] -- TRAINER CONFIG [ARGS...]
+# Trains CONFIG as configured and again with --all-resident, and passes when the final home slabs
+# (params, master, m, v, step of every unit) are bitwise equal; under mpiexec, also equal on every rank.
+set -euo pipefail
+work=$1; shift
+launch=()
+if [ "$1" != "--" ]; then
+  launch=("$1" --allow-run-as-root --oversubscribe --bind-to none -np "$2"); shift 2
+fi
+shift  # --
+rm -rf "$work" && mkdir -p "$work"
+"${launch[@]}" "$@" --save-params "$work/swapped.bin" | tail -n 3
+"${launch[@]}" "$@" --all-resident --save-params "$work/resident.bin" | tail -n 1
+files=("$work"/swapped.bin*)
+for f in "${files[@]}"; do
+  r=${f/swapped/resident}
+  cmp "$f" "$r" || { echo "run_bitwise: $f and $r differ"; exit 1; }
+done
+for f in "${files[@]}"; do
+  cmp "${files[0]}" "$f" || { echo "run_bitwise: the ranks' replicas differ"; exit 1; }
+done
+echo "run_bitwise: ${#files[@]} file(s), swapped and all-resident runs bitwise equal"
