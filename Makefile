@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 # The two commands of the README, and the steps under them.
-#   make demo   the main job: builds, then runs the demo on the GPU or the emulated device
+#   make demo   the main job: builds, trains the sample multi-task model, then prints the headroom
+#               table (the GPU where there is one, else the emulated device)
 #   make test   installs what is missing, configures, builds from scratch if needed, runs ctest
 # PRESET=debug|release|asan|tsan picks another CMakePresets.json preset (default: default).
 
@@ -24,8 +25,13 @@ build: configure
 test: build
 	ctest --preset $(PRESET) -j $(JOBS)
 
+# The sample trainer, then the headroom report on the embedded default configuration: the GPU's
+# (samples/configs/cuda.toml) where nvidia-smi lists one, else the emulated device's.
+DEMO_CONFIG ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo samples/configs/cuda.toml || echo samples/configs/emulated.toml)
+
 demo: build
-	$(BUILD)/samples/device_tour/device_tour
+	$(BUILD)/samples/multitask/multitask_train $(DEMO_CONFIG)
+	$(BUILD)/tools/taskswap headroom
 
 MPIRUN ?= mpirun --allow-run-as-root --oversubscribe --bind-to none
 

@@ -63,7 +63,8 @@ int train(int argc, char** argv)
     std::printf("summary: %.2f ms/step; swap-ins %zu, write-backs %zu, h2d %s, d2h %s, stall %.1f ms; reduced %s\n",
                 r.step_ms(), r.total.swap_ins, r.total.write_backs, mib(r.total.h2d_bytes).c_str(),
                 mib(r.total.d2h_bytes).c_str(), r.total.stall_ms, mib(r.total.reduced_bytes).c_str());
-    std::printf("  %-8s %6s %10s %10s\n", "task", "steps", "first", "last");
+    std::printf("  %-8s %6s %10s %10s   (mean loss of each task's first and last 3 steps)\n", "task", "steps", "first",
+                "last");
     int fell = 0;
     int trained = 0;
     for (std::size_t i = 0; i < r.tasks.size(); ++i) {
@@ -71,8 +72,11 @@ int train(int argc, char** argv)
       if (l.steps == 0) { continue; }
       ++trained;
       if (l.last < l.first) { ++fell; }
-      std::printf("  task/%-3zu %6lld %10.4f %10.4f\n", i, static_cast<long long>(l.steps), l.first, l.last);
+      if (trained <= 12) {
+        std::printf("  task/%-3zu %6lld %10.4f %10.4f\n", i, static_cast<long long>(l.steps), l.first, l.last);
+      }
     }
+    if (trained > 12) { std::printf("  (%d more tasks)\n", trained - 12); }
     std::printf("loss fell on %d of %d tasks trained on rank 0\n", fell, trained);
   }
   return 0;

@@ -114,7 +114,7 @@ enum : std::uint64_t { key_input = 1, key_teacher = 2, key_init = 3, key_sampler
 
 configuration parse_configuration(std::string_view text, std::string_view source)
 {
-  static constexpr std::array<std::string_view, 1> own{"model"};
+  static constexpr std::array<std::string_view, 2> own{"model", "headroom"};
   configuration c;
   c.runtime = taskswap::parse_config(text, source, own);
   toml::table root;
@@ -124,6 +124,22 @@ configuration parse_configuration(std::string_view text, std::string_view source
     throw config_error(std::string(source) + ": " + std::string(e.description()));
   }
   c.model = read_model(root, source);
+  if (const toml::node* h = root.get("headroom")) {
+    const toml::table* t = h->as_table();
+    if (t == nullptr) { throw config_error(at(source, *h) + ": [headroom] must be a table"); }
+    for (const auto& [key, value] : *t) {
+      const auto size = value.value<std::string>();
+      if (key.str() != "device_memory" || !size) {
+        throw config_error(at(source, value) + ": [headroom] has no key '" + std::string(key.str()) +
+                           "' of that type; the key is device_memory = \"16 GiB\"");
+      }
+      try {
+        c.headroom_device_memory = taskswap::parse_size(*size);
+      } catch (const config_error& e) {
+        throw config_error(at(source, value) + ": [headroom] device_memory: " + e.what());
+      }
+    }
+  }
   return c;
 }
 
@@ -182,7 +198,7 @@ buffer_sizes buffers_of(const model_config& m, int steps)
   b.per_sample.push_back(std::max(d, h));                                    // backward, ping
   b.per_sample.push_back(std::max(d, h));                                    // backward, pong
   b.fixed.push_back(d * o);                                                  // the teacher of the step
-  b.fixed.push_back(static_cast<std::size_t>(steps));                        // losses
+  b.fixed.push_back(std::max<std::size_t>(static_cast<std::size_t>(steps), 64));  // losses (at least 256 bytes)
   if (m.compute != dtype::f32) {
     const std::size_t largest = std::max({d * d, d * h, h * o});
     b.fixed.push_back(largest);  // a weight widened to f32
@@ -541,7 +557,19 @@ run_result trainer::run(const std::function<void(const std::string&)>& on_log)
     t.first = static_cast<float>(first / static_cast<double>(k));
     t.last = static_cast<float>(last / static_cast<double>(k));
   }
-  r.total = m.rt.stats().total;
+  const taskswap::runtime_stats stats = m.rt.stats();
+  r.total = stats.total;
+  for (std::size_t i = 1; i < stats.steps.size(); ++i) {  // the steps after the warm-up
+    const taskswap::step_stats& st = stats.steps[i];
+    r.timed.h2d_bytes += st.h2d_bytes;
+    r.timed.d2h_bytes += st.d2h_bytes;
+    r.timed.swap_ins += st.swap_ins;
+    r.timed.write_backs += st.write_backs;
+    r.timed.hits += st.hits;
+    r.timed.misses += st.misses;
+    r.timed.stall_ms += st.stall_ms;
+    r.timed.reduced_bytes += st.reduced_bytes;
+  }
   return r;
 }
 

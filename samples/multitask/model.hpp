@@ -41,6 +41,9 @@ struct model_config {
 struct configuration {
   taskswap::runtime_options runtime;
   model_config model;
+  /// [headroom] device_memory: the device bytes `taskswap headroom` lets the budget and the
+  /// activations share (on a GPU, less than its memory keeps the search short). 0: all of it.
+  std::size_t headroom_device_memory = 0;
 };
 
 /// Reads a configuration: the runtime's sections and [model].
@@ -82,7 +85,8 @@ struct run_result {
   std::vector<task_losses> tasks;
   double seconds = 0;        ///< wall time of the steps (after the first, which warms up)
   std::int64_t timed_steps = 0;
-  taskswap::step_stats total{};
+  taskswap::step_stats total{};  ///< every step
+  taskswap::step_stats timed{};  ///< the steps after the first (transfers, stall)
   [[nodiscard]] double step_ms() const { return timed_steps == 0 ? 0 : seconds * 1e3 / static_cast<double>(timed_steps); }
 };
 

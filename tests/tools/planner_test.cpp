@@ -1,0 +1,156 @@
+// SPDX-License-Identifier: Apache-2.0
+// The planner: its replay of the runtime's rules (checked against the runtime itself), the host
+// placement's traffic, the errors it shares with the runtime, and the batch arithmetic.
+
+#include "expect_error.hpp"
+#include "planner.hpp"
+
+#include <gtest/gtest.h>
+
+#include <random>
+
+namespace {
+
+using namespace taskswap;
+using taskswap::test::expect_error_mentioning;
+
+unit_spec unit(const std::string& name, std::size_t n)
+{
+  return {.name = name, .tensors = {{"w", {n}}}, .compute = dtype::f32};
+}
+
+tools::plan_input input(std::vector<unit_spec> units, std::size_t budget, residency r, optimizer_placement o,
+                        int lookahead = 2)
+{
+  tools::plan_input in;
+  in.options.device = {.backend = backend_kind::emulated, .budget = budget};
+  in.options.defaults = {.residency = r, .lookahead = lookahead, .optimizer = o};
+  in.units = std::move(units);
+  return in;
+}
+
+TEST(planner, replays_belady_over_a_known_schedule)
+{
+  auto in = input({unit("a", 4096), unit("b", 4096), unit("c", 4096)}, 0, residency::on_demand, optimizer_placement::device);
+  const unit_footprint fp = footprint(in.units[0], optimizer_placement::device);
+  in.options.device.budget = 2 * fp.device_bytes;
+  in.steps = {{0}, {1}, {2}, {0}, {1}, {2}};
+  const tools::plan_report r = tools::make_plan(in);
+  // a, b, c (evicts b: next use furthest), a hit, b (evicts a), c hit: 4 swap-ins, 2 write-backs.
+  EXPECT_DOUBLE_EQ(r.swap_ins_per_step, 4.0 / 6);
+  EXPECT_DOUBLE_EQ(r.h2d_bytes_per_step, 4.0 * static_cast<double>(fp.swap_in_bytes) / 6);
+  EXPECT_DOUBLE_EQ(r.d2h_bytes_per_step, 2.0 * static_cast<double>(fp.write_back_bytes) / 6);
+  EXPECT_EQ(r.peak_device_bytes, fp.device_bytes);
+  EXPECT_EQ(r.all_resident_bytes, 3 * fp.device_bytes);
+  EXPECT_EQ(r.pinned_host_bytes % 4096, 0U);
+  EXPECT_GE(r.pinned_host_bytes, 3 * fp.home_bytes);
+}
+
+TEST(planner, host_placement_sends_gradients_home_and_parameters_back_when_used_again_soon)
+{
+  auto in = input({unit("h", 4096)}, std::size_t{1} << 20U, residency::prefetch, optimizer_placement::host, 1);
+  in.steps = {{0}, {0}, {}, {0}};
+  const unit_footprint fp = footprint(in.units[0], optimizer_placement::host);
+  const tools::plan_report r = tools::make_plan(in);
+  // Swap-ins at steps 0 and 3; parameters back after step 0 only (step 1's next use is 2 steps on).
+  EXPECT_DOUBLE_EQ(r.h2d_bytes_per_step, (2.0 * static_cast<double>(fp.swap_in_bytes) + static_cast<double>(fp.param_bytes)) / 4);
+  EXPECT_DOUBLE_EQ(r.d2h_bytes_per_step, 3.0 * static_cast<double>(fp.grad_bytes) / 4);
+  EXPECT_EQ(fp.write_back_bytes, 0U);
+}
+
+TEST(planner, warm_up_steps_hold_the_copies_prefetch_issues_before_them)
+{
+  auto in = input({unit("a", 4096), unit("b", 4096)}, std::size_t{1} << 20U, residency::prefetch,
+                  optimizer_placement::device, 2);
+  in.steps = {{0}, {1}, {0}};
+  in.warmup_steps = 1;
+  // b's swap-in (needed at step 1) is issued at step 0 with lookahead 2: not counted.
+  EXPECT_DOUBLE_EQ(tools::make_plan(in).h2d_bytes_per_step, 0.0);
+  in.options.defaults.residency = residency::on_demand;
+  EXPECT_GT(tools::make_plan(in).h2d_bytes_per_step, 0.0);
+}
+
+// The replay against the runtime: same swap-ins and write-backs over random schedules.
+TEST(planner, counts_what_the_runtime_does)
+{
+  std::mt19937 rng(5);
+  for (residency policy : {residency::on_demand, residency::prefetch}) {
+    for (int trial = 0; trial < 4; ++trial) {
+      std::vector<unit_spec> units;
+      for (int i = 0; i < 6; ++i) { units.push_back(unit("u" + std::to_string(i), 2048)); }
+      const std::size_t room = 3 * footprint(units[0], optimizer_placement::device).device_bytes;
+      auto in = input(units, room, policy, optimizer_placement::device, 1 + trial % 3);
+      for (int s = 0; s < 120; ++s) {
+        std::vector<std::size_t> step{rng() % 6};
+        if (rng() % 2 == 0) {
+          const std::size_t other = rng() % 6;
+          if (other != step[0]) { step.push_back(other); }
+        }
+        in.steps.push_back(step);
+      }
+      const tools::plan_report r = tools::make_plan(in);
+
+      const device dev = emulated_device({.memory_bytes = room, .link = {}});
+      runtime rt(dev, in.options, units);
+      std::vector<step_plan> plans;
+      for (const auto& step : in.steps) {
+        step_plan p;
+        for (std::size_t u : step) { p.acquire(unit_id{static_cast<std::uint32_t>(u)}); }
+        plans.push_back(p);
+      }
+      rt.plan(plans);
+      const stream s(dev);
+      std::size_t swap_ins = 0;
+      std::size_t write_backs = 0;
+      for (const auto& step : in.steps) {
+        for (std::size_t u : step) { (void)rt.acquire(unit_id{static_cast<std::uint32_t>(u)}, s); }
+        for (std::size_t u : step) {
+          rt.step(unit_id{static_cast<std::uint32_t>(u)}, s);
+          rt.release(unit_id{static_cast<std::uint32_t>(u)}, s);
+        }
+        const step_stats st = rt.end_step();
+        swap_ins += st.swap_ins;
+        write_backs += st.write_backs;
+      }
+      const auto n = static_cast<double>(in.steps.size());
+      EXPECT_DOUBLE_EQ(r.swap_ins_per_step * n, static_cast<double>(swap_ins)) << "policy " << to_string(policy);
+      const unit_footprint fp = footprint(units[0], optimizer_placement::device);
+      EXPECT_DOUBLE_EQ(r.d2h_bytes_per_step * n, static_cast<double>(write_backs * fp.write_back_bytes))
+          << "policy " << to_string(policy);
+      rt.flush();
+    }
+  }
+}
+
+TEST(planner, refuses_what_the_runtime_refuses)
+{
+  auto in = input({unit("trunk", 4096), unit("task", 65536)}, 0, residency::prefetch, optimizer_placement::device);
+  unit_rule rule;
+  rule.match = "trnk";
+  rule.residency = residency::pinned;
+  rule.origin = "cfg.toml:9";
+  in.options.units.push_back(rule);
+  in.options.device.budget = std::size_t{1} << 20U;
+  expect_error_mentioning<config_error>([&] { (void)tools::make_plan(in); },
+                                        "cfg.toml:9: [[units]] match = \"trnk\" matches no unit");
+  in.options.units[0].match = "trunk";
+  in.options.device.budget = footprint(in.units[0], optimizer_placement::device).device_bytes + 1024;
+  expect_error_mentioning<config_error>([&] { (void)tools::make_plan(in); }, "unit 'task' needs");
+  in.options.device.budget = 2 * footprint(in.units[1], optimizer_placement::device).device_bytes;
+  in.units.push_back(unit("task2", 65536));
+  in.steps = {{0, 1, 2}};
+  expect_error_mentioning<config_error>([&] { (void)tools::make_plan(in); }, "plan step 0: the units held at once need");
+}
+
+TEST(planner, largest_batch_and_rates)
+{
+  EXPECT_EQ(tools::largest_batch(1000, 400, 100, 50), 10);
+  EXPECT_EQ(tools::largest_batch(1000, 900, 100, 50), 0);
+  EXPECT_EQ(tools::largest_batch(1000, 950, 100, 50), 0);
+  EXPECT_DOUBLE_EQ(tools::parse_rate("25 GB/s"), 25e9);
+  EXPECT_DOUBLE_EQ(tools::parse_rate("1 GiB/s"), 1073741824.0);
+  expect_error_mentioning<config_error>([] { (void)tools::parse_rate("25 GB"); }, "is not a rate");
+  EXPECT_EQ(tools::bytes_text(3.5 * 1024 * 1024), "3.5 MiB");
+}
+
+}  // namespace

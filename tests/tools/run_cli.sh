@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Usage: run_cli.sh TASKSWAP CONFIG_DIR WORK_DIR CASE
+# The `taskswap` command line as a user runs it: plan and probe write their JSON; headroom finds a
+# larger batch with taskswap than all-resident, within 5 % of the planner; errors say what to change.
+set -uo pipefail
+taskswap=$1 configs=$2 work=$3 case=$4
+rm -rf "$work" && mkdir -p "$work"
+fail() { echo "run_cli ($case): $*"; exit 1; }
+json() { python3 -c "import json,sys; d=json.load(open('$1')); print($2)"; }
+
+expect_error() {  # expect_error TEXT COMMAND...
+  local text=$1; shift
+  local out; out=$("$@" 2>&1) && fail "'$*' succeeded; expected an error mentioning: $text"
+  echo "$out"
+  grep -qF -- "$text" <<<"$out" || fail "the error does not mention: $text"
+}
+
+case $case in
+plan)
+  "$taskswap" plan "$configs/emulated.toml" --json "$work/plan.json" || fail "plan failed"
+  [ "$(json "$work/plan.json" "d['max_batch'] > d['max_batch_all_resident'] > 0")" = True ] || fail "max_batch"
+  [ "$(json "$work/plan.json" "d['peak_device_bytes'] <= d['budget'] and d['pinned_host_bytes'] > 0")" = True ] || fail "bytes"
+  [ "$(json "$work/plan.json" "d['transfer_ms_per_step'] > 0 and d['link_source'] == '[device] link_bandwidth'")" = True ] || fail "link"
+  "$taskswap" plan "$configs/emulated.toml" --link-rate "1 GiB/s" --bytes-per-sample "1 MiB" --json "$work/given.json" >/dev/null || fail "plan with given rate"
+  [ "$(json "$work/given.json" "d['link_bytes_per_second'] == 1073741824 and d['bytes_per_sample'] == 1048576")" = True ] || fail "given rate"
+  ;;
+probe)
+  "$taskswap" probe --emulated --size "8 MiB" --repeats 2 --json "$work/probe.json" || fail "probe failed"
+  [ "$(json "$work/probe.json" "d['devices'][0]['bandwidth'][0]['h2d_bytes_per_second'] > 0 and d['devices'][0]['copy_engines'] == 2")" = True ] || fail "probe json"
+  ;;
+headroom)
+  "$taskswap" headroom "$configs/../../tests/tools/headroom-small.toml" --json "$work/headroom.json" --trace "$work/trace.json" --rounds 1 --steps 4 || fail "headroom failed"
+  [ "$(json "$work/headroom.json" "d['max_batch_taskswap'] > d['max_batch_resident'] > 0")" = True ] || fail "taskswap's batch is not larger"
+  [ "$(json "$work/headroom.json" "abs(d['predicted_max_batch_taskswap'] - d['max_batch_taskswap']) <= 0.05 * d['max_batch_taskswap']")" = True ] || fail "prediction off by more than 5 %"
+  [ "$(json "$work/headroom.json" "d['step_time_ratio'] > 0")" = True ] || fail "step_time_ratio"
+  python3 -c "import json; t=json.load(open('$work/trace.json')); assert any('swap-in' in e.get('name','') for e in t['traceEvents'])" || fail "trace"
+  ;;
+errors)
+  expect_error "cannot read the configuration '$work/missing.toml'" "$taskswap" headroom "$work/missing.toml"
+  sed 's/match = "trunk\/\*"/match = "trnk\/*"/' "$configs/emulated.toml" > "$work/unknown-unit.toml"
+  expect_error 'match = "trnk/*" matches no unit' "$taskswap" plan "$work/unknown-unit.toml"
+  sed 's/^budget = .*/budget = "64 MiB"/' "$configs/emulated.toml" > "$work/no-batch.toml"
+  expect_error "leaves no room for a batch" "$taskswap" headroom "$work/no-batch.toml"
+  sed 's/^budget = .*/budget = "400 KiB"/' "$configs/emulated.toml" > "$work/small-budget.toml"
+  expect_error "the pinned units need" "$taskswap" plan "$work/small-budget.toml"
+  expect_error "is not a rate" "$taskswap" plan "$configs/emulated.toml" --link-rate "fast"
+  ;;
+*) fail "unknown case" ;;
+esac
+echo "run_cli ($case): passed"

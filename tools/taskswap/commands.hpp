@@ -1,0 +1,72 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The subcommands of the `taskswap` command line and what they share: the device memory and
+// link rate a configuration implies, and the planner's input for the sample model.
+
+#include "model.hpp"
+#include "planner.hpp"
+
+#include <nlohmann/json.hpp>
+
+#include <cstddef>
+#include <optional>
+#include <string>
+
+namespace taskswap::tools {
+
+struct plan_args {
+  std::string config;
+  std::string json;                    ///< write the report here too
+  std::optional<std::string> link_rate;
+  std::optional<std::string> device_memory;
+  std::optional<std::size_t> bytes_per_sample;  ///< default: the sample model's
+  int steps = 0;                       ///< steps of the schedule replayed (0: [model] steps)
+  bool measure_link = false;
+};
+
+struct probe_args {
+  std::string json;
+  std::string size = "256 MiB";
+  int repeats = 5;
+  bool emulated = false;
+};
+
+struct headroom_args {
+  std::string config;
+  std::string json;
+  std::string trace;
+  std::optional<std::string> device_memory;
+  int probe_steps = 3;
+  int timed_steps = 12;
+  int rounds = 3;                      ///< timed runs per arm, alternating; the fastest counts
+  bool progress = true;
+};
+
+int run_plan(const plan_args& args);
+int run_probe(const probe_args& args);
+int run_headroom(const headroom_args& args);
+
+/// The configuration in `file`, or where `file` is empty the embedded default: samples/configs/cuda.toml
+/// where there is a GPU, else samples/configs/emulated.toml. `name` says which was taken.
+[[nodiscard]] multitask::configuration load_or_default(const std::string& file, std::string& name);
+
+/// The device bytes the runtime's budget and the trainer's activations share: the emulated
+/// device's memory, or the CUDA device's free memory now, capped by `cap` (given as a size), else
+/// by [headroom] device_memory; 0 when unknown.
+[[nodiscard]] std::size_t device_memory_for(const multitask::configuration& cfg, const std::optional<std::string>& cap);
+
+/// The planner's input for the sample model of `cfg` over `steps` steps of rank 0's schedule.
+[[nodiscard]] plan_input model_plan_input(const multitask::configuration& cfg, int steps, std::size_t device_memory);
+
+/// Host↔device copy rates measured with timing events, bytes per second.
+struct copy_rates {
+  double h2d = 0;
+  double d2h = 0;
+};
+[[nodiscard]] copy_rates measure_copies(const device& dev, int numa_node, std::size_t bytes, int repeats);
+
+/// Writes `j` to `file` ("-": standard output).
+void write_json(const nlohmann::json& j, const std::string& file);
+
+}  // namespace taskswap::tools

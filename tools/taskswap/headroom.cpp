@@ -1,0 +1,257 @@
+// SPDX-License-Identifier: Apache-2.0
+// `taskswap headroom CONFIG`: trains the sample model of a configuration at growing batch sizes,
+// all-resident and under the configured policies, catching out-of-memory, to find the largest
+// batch each fits (real steps, exact to one sample); then times both at the all-resident batch
+// and taskswap at its own, and prints them beside the planner's prediction.
+
+#include "commands.hpp"
+
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+
+namespace taskswap::tools {
+namespace {
+
+struct arm {
+  std::string name;
+  runtime_options options;
+  std::int64_t max_batch = 0;
+  std::int64_t probes = 0;
+  multitask::run_result at_max{};
+};
+
+class headroom_search {
+ public:
+  headroom_search(const headroom_args& args, multitask::configuration cfg, std::size_t memory)
+      : args_(args), cfg_(std::move(cfg)), memory_(memory)
+  {
+  }
+
+  // A fresh device each time (nothing left over from the last probe); on cuda, the same GPU
+  // with the memory above the cap taken by a filler allocation.
+  std::optional<multitask::run_result> try_batch(const runtime_options& options, std::int64_t batch, int steps,
+                                                 const std::string& trace = {})
+  {
+    runtime_options o = options;
+    o.trace = !trace.empty();
+    if (o.device.backend == backend_kind::emulated) { o.device.emulated.memory_bytes = memory_; }
+    const device dev = make_device(o.device);
+    std::optional<device_buffer> filler;
+    if (dev.kind() == backend_kind::cuda && dev.memory().free > memory_) {
+      filler.emplace(dev, dev.memory().free - memory_);
+    }
+    try {
+      multitask::model_config m = cfg_.model;
+      m.log_every = 0;
+      multitask::trainer t(dev, o, m, static_cast<int>(batch), steps);
+      multitask::run_result r = t.run();
+      if (!trace.empty()) { t.get_runtime().write_trace(trace); }
+      return r;
+    } catch (const out_of_memory&) {
+      return std::nullopt;
+    }
+  }
+
+  // Gallops up from a small batch until one does not fit, then bisects: the result fits and one
+  // more sample does not.
+  void search(arm& a)
+  {
+    std::int64_t fits = 0;
+    std::int64_t fails = -1;
+    std::int64_t b = 64;
+    const auto probe = [&](std::int64_t batch) {
+      ++a.probes;
+      progress(a.name + ": batch " + std::to_string(batch) + "…");
+      auto r = try_batch(a.options, batch, args_.probe_steps);
+      progress(a.name + ": batch " + std::to_string(batch) + (r ? " fits" : " out of memory"));
+      if (r) { a.at_max = *r; }
+      return r.has_value();
+    };
+    while (fails < 0 && b <= (std::int64_t{1} << 26)) {
+      if (probe(b)) {
+        fits = b;
+        b *= 2;
+      } else {
+        fails = b;
+      }
+    }
+    if (fails < 0) { throw invalid_argument("batch " + std::to_string(fits) + " still fits; the search stops there"); }
+    if (fits == 0) {
+      // Below the first guess: bisect down to 1.
+      fails = std::min<std::int64_t>(fails, 64);
+    }
+    while (fails - fits > 1) {
+      const std::int64_t mid = fits + (fails - fits) / 2;
+      if (probe(mid)) {
+        fits = mid;
+      } else {
+        fails = mid;
+      }
+    }
+    a.max_batch = fits;
+  }
+
+  void progress(const std::string& line)
+  {
+    if (args_.progress && isatty(STDERR_FILENO) == 1) { std::fprintf(stderr, "\r\033[Kheadroom: %s", line.c_str()); }
+  }
+  void progress_done()
+  {
+    if (args_.progress && isatty(STDERR_FILENO) == 1) { std::fprintf(stderr, "\r\033[K"); }
+  }
+
+ private:
+  const headroom_args& args_;
+  multitask::configuration cfg_;
+  std::size_t memory_;
+};
+
+std::string ms_text(double ms)
+{
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f ms", ms);
+  return buf;
+}
+
+double percent(double a, double b) { return b == 0 ? 0 : (a - b) / b * 100.0; }
+
+}  // namespace
+
+int run_headroom(const headroom_args& args)
+{
+  std::string name;
+  const multitask::configuration cfg = load_or_default(args.config, name);
+  const std::size_t memory = device_memory_for(cfg, args.device_memory);
+  if (memory == 0) {
+    throw invalid_argument("no CUDA device is usable here; run on a GPU machine, or use [device] backend = \"emulated\"");
+  }
+  const auto units = multitask::model_units(cfg.model);
+  const int timed = std::max(args.timed_steps, 2);
+
+  // The planner's prediction: the batch beside the budget (the workspace of the probes), and the
+  // traffic of the timed runs' schedule without its first step, as the runs measure it.
+  plan_input in = model_plan_input(cfg, timed, memory);
+  in.warmup_steps = 1;
+  const plan_report predicted = make_plan(in);
+  if (*predicted.max_batch < 1) {
+    throw config_error(name + ": a budget of " + bytes_text(static_cast<double>(predicted.budget)) +
+                       " leaves no room for a batch on a device of " + bytes_text(static_cast<double>(memory)) +
+                       " (one sample needs " + bytes_text(static_cast<double>(predicted.bytes_per_sample)) + " beside " +
+                       bytes_text(static_cast<double>(predicted.fixed_bytes)) + "); lower [device] budget (this plan peaks at " +
+                       bytes_text(static_cast<double>(predicted.peak_device_bytes)) + ")" +
+                       (cfg.runtime.device.backend == backend_kind::emulated ? " or raise [device] memory" : ""));
+  }
+
+  headroom_search search(args, cfg, memory);
+  arm resident{.name = "all-resident", .options = multitask::all_resident(cfg.runtime, units)};
+  arm swapped{.name = "taskswap", .options = cfg.runtime};
+  search.search(resident);
+  search.search(swapped);
+
+  // Timing, alternating the arms round by round; the fastest run of each counts. Both at the
+  // all-resident batch (the cost of swapping the same work), taskswap also at its own.
+  std::optional<multitask::run_result> res_time;
+  std::optional<multitask::run_result> swap_same;
+  std::optional<multitask::run_result> swap_max;
+  const auto keep_fastest = [](std::optional<multitask::run_result>& best, std::optional<multitask::run_result> r) {
+    if (!r) { throw out_of_memory("a batch that fitted in the search did not fit when timed; the device's free memory changed", 0, 0, 0); }
+    if (!best || r->step_ms() < best->step_ms()) { best = std::move(r); }
+  };
+  // The batch both fit: the all-resident one, unless a budget larger than the model leaves taskswap less.
+  const std::int64_t common = std::min(resident.max_batch, swapped.max_batch);
+  for (int round = 0; round < args.rounds; ++round) {
+    const std::string of = " (round " + std::to_string(round + 1) + " of " + std::to_string(args.rounds) + ")…";
+    if (common > 0) {
+      search.progress("timing both at batch " + std::to_string(common) + of);
+      keep_fastest(res_time, search.try_batch(resident.options, common, timed));
+      keep_fastest(swap_same, search.try_batch(swapped.options, common, timed));
+    }
+    search.progress("timing taskswap at batch " + std::to_string(swapped.max_batch) + of);
+    keep_fastest(swap_max, search.try_batch(swapped.options, swapped.max_batch, timed,
+                                            round + 1 == args.rounds ? args.trace : std::string()));
+  }
+  search.progress_done();
+
+  const double ratio = res_time && swap_same ? swap_same->step_ms() / res_time->step_ms() : 0.0;
+  const auto per_step = [](const multitask::run_result& r, std::size_t bytes) {
+    return static_cast<double>(bytes) / static_cast<double>(std::max<std::int64_t>(1, r.timed_steps));
+  };
+  const auto stall = [](const multitask::run_result& r) {
+    return r.seconds > 0 ? r.timed.stall_ms / (r.seconds * 1e3) * 100.0 : 0.0;
+  };
+  const auto b = [](double v) { return bytes_text(v); };
+  const double error = percent(static_cast<double>(*predicted.max_batch), static_cast<double>(swapped.max_batch));
+  const std::string device_name =
+      cfg.runtime.device.backend == backend_kind::emulated ? "the emulated device" : cuda_device(cfg.runtime.device.index).name();
+
+  std::printf("taskswap headroom, %s: %s, %s of device memory for the budget and the activations\n", name.c_str(),
+              device_name.c_str(), b(static_cast<double>(memory)).c_str());
+  std::printf("  model: %d tasks, %d trunk layers, width %d, adapters %d→%d→%d, %s; %s of activations per sample\n\n",
+              cfg.model.tasks, cfg.model.trunk_layers, cfg.model.width, cfg.model.width, cfg.model.adapter_hidden,
+              cfg.model.outputs, std::string(to_string(cfg.model.compute)).c_str(),
+              b(static_cast<double>(predicted.bytes_per_sample)).c_str());
+  std::printf("  %-28s %14s %14s %20s\n", "", "all-resident", "taskswap", "planner (taskswap)");
+  std::printf("  %-28s %14s %14s %20s\n", "budget", b(static_cast<double>(resident.options.device.budget)).c_str(),
+              b(static_cast<double>(swapped.options.device.budget)).c_str(), b(static_cast<double>(predicted.budget)).c_str());
+  std::printf("  %-28s %14lld %14lld %20lld\n", "largest batch", static_cast<long long>(resident.max_batch),
+              static_cast<long long>(swapped.max_batch), static_cast<long long>(*predicted.max_batch));
+  if (res_time && swap_same) {
+    std::printf("  %-28s %14s %14s %20s\n", ("step time, batch " + std::to_string(common)).c_str(),
+                ms_text(res_time->step_ms()).c_str(), ms_text(swap_same->step_ms()).c_str(), "");
+  }
+  std::printf("  %-28s %14s %14s %20s\n", ("step time, batch " + std::to_string(swapped.max_batch)).c_str(), "-",
+              ms_text(swap_max->step_ms()).c_str(), "");
+  std::printf("  %-28s %13.1f%% %13.1f%% %20s\n", "stall (largest batch)", res_time ? stall(*res_time) : 0.0,
+              stall(*swap_max), "");
+  std::printf("  %-28s %14s %14s %20s\n", "h2d per step", res_time ? b(per_step(*res_time, res_time->timed.h2d_bytes)).c_str() : "-",
+              b(per_step(*swap_max, swap_max->timed.h2d_bytes)).c_str(), b(predicted.h2d_bytes_per_step).c_str());
+  std::printf("  %-28s %14s %14s %20s\n", "d2h per step", res_time ? b(per_step(*res_time, res_time->timed.d2h_bytes)).c_str() : "-",
+              b(per_step(*swap_max, swap_max->timed.d2h_bytes)).c_str(), b(predicted.d2h_bytes_per_step).c_str());
+  if (predicted.link_bytes_per_second > 0) {
+    std::printf("  %-28s %14s %14s %20s\n", "transfer time per step", "", "", ms_text(predicted.transfer_ms_per_step).c_str());
+  }
+  std::printf("\n  taskswap trains a %.2fx larger batch (%lld vs %lld); at the same batch its step takes %.3fx "
+              "as long; the planner's batch is %+.2f %% off the measured one\n",
+              resident.max_batch > 0 ? static_cast<double>(swapped.max_batch) / static_cast<double>(resident.max_batch) : 0.0,
+              static_cast<long long>(swapped.max_batch), static_cast<long long>(resident.max_batch), ratio, error);
+  if (swapped.max_batch <= resident.max_batch) {
+    std::printf("  the budget (%s) leaves taskswap no larger batch: this plan peaks at %s; lower [device] budget toward it\n",
+                b(static_cast<double>(predicted.budget)).c_str(), b(static_cast<double>(predicted.peak_device_bytes)).c_str());
+  }
+  std::printf("  (%lld + %lld probes of %d steps; timed runs of %d steps, the fastest of %d rounds)\n",
+              static_cast<long long>(resident.probes), static_cast<long long>(swapped.probes), args.probe_steps, timed,
+              args.rounds);
+
+  if (!args.json.empty()) {
+    nlohmann::json j{{"config", name},
+                     {"device", device_name},
+                     {"device_memory", memory},
+                     {"max_batch_resident", resident.max_batch},
+                     {"max_batch_taskswap", swapped.max_batch},
+                     {"predicted_max_batch_taskswap", *predicted.max_batch},
+                     {"predicted_max_batch_resident", *predicted.max_batch_all_resident},
+                     {"prediction_error_percent", error},
+                     {"step_time_ratio", ratio},
+                     {"step_ms_resident", res_time ? res_time->step_ms() : 0.0},
+                     {"step_ms_taskswap_same_batch", swap_same ? swap_same->step_ms() : 0.0},
+                     {"step_ms_taskswap_max_batch", swap_max->step_ms()},
+                     {"stall_percent_taskswap", stall(*swap_max)},
+                     {"h2d_bytes_per_step", per_step(*swap_max, swap_max->timed.h2d_bytes)},
+                     {"d2h_bytes_per_step", per_step(*swap_max, swap_max->timed.d2h_bytes)},
+                     {"predicted_h2d_bytes_per_step", predicted.h2d_bytes_per_step},
+                     {"predicted_d2h_bytes_per_step", predicted.d2h_bytes_per_step},
+                     {"budget_resident", resident.options.device.budget},
+                     {"budget_taskswap", swapped.options.device.budget},
+                     {"probes", resident.probes + swapped.probes},
+                     {"probe_steps", args.probe_steps},
+                     {"timed_steps", timed},
+                     {"rounds", args.rounds}};
+    write_json(j, args.json);
+  }
+  return 0;
+}
+
+}  // namespace taskswap::tools

@@ -1,0 +1,158 @@
+// SPDX-License-Identifier: Apache-2.0
+// `taskswap plan CONFIG`: the planner's predictions for the model and policies of a configuration.
+
+#include "commands.hpp"
+#include "embedded_configs.hpp"
+
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+
+namespace taskswap::tools {
+
+multitask::configuration load_or_default(const std::string& file, std::string& name)
+{
+  if (!file.empty()) {
+    name = file;
+    return multitask::load_configuration(file);
+  }
+  const bool gpu = cuda_device_count() > 0;
+  name = gpu ? "the embedded samples/configs/cuda.toml" : "the embedded samples/configs/emulated.toml";
+  return multitask::parse_configuration(gpu ? embedded_cuda_config : embedded_emulated_config, name);
+}
+
+std::size_t device_memory_for(const multitask::configuration& cfg, const std::optional<std::string>& cap)
+{
+  const runtime_options& o = cfg.runtime;
+  std::size_t memory = 0;
+  if (o.device.backend == backend_kind::emulated) {
+    memory = o.device.emulated.memory_bytes != 0 ? o.device.emulated.memory_bytes : o.device.budget;
+  } else if (cuda_device_count() > o.device.index) {
+    memory = cuda_device(o.device.index).memory().free;
+  }
+  const std::size_t limit = cap ? parse_size(*cap) : cfg.headroom_device_memory;
+  if (limit != 0) { memory = memory == 0 ? limit : std::min(memory, limit); }
+  return memory;
+}
+
+plan_input model_plan_input(const multitask::configuration& cfg, int steps, std::size_t device_memory)
+{
+  plan_input in;
+  in.options = cfg.runtime;
+  in.units = multitask::model_units(cfg.model);
+  const std::size_t trunk = static_cast<std::size_t>(cfg.model.trunk_layers);
+  for (int s = 0; s < steps; ++s) {
+    std::vector<std::size_t> step;
+    for (std::size_t l = 0; l < trunk; ++l) { step.push_back(l); }
+    step.push_back(trunk + static_cast<std::size_t>(multitask::task_of_step(cfg.model, 0, s)));
+    in.steps.push_back(std::move(step));
+  }
+  in.device_memory = device_memory;
+  const multitask::workspace_size w = multitask::model_workspace(cfg.model, steps);
+  in.fixed_bytes = w.fixed;
+  in.bytes_per_sample = w.per_sample;
+  if (cfg.runtime.device.backend == backend_kind::emulated && cfg.runtime.device.emulated.link.enabled()) {
+    in.link_bytes_per_second = cfg.runtime.device.emulated.link.bytes_per_second;
+    in.link_source = "[device] link_bandwidth";
+  }
+  return in;
+}
+
+void write_json(const nlohmann::json& j, const std::string& file)
+{
+  if (file == "-") {
+    std::cout << j.dump(2) << "\n";
+    return;
+  }
+  const std::string tmp = file + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::trunc);
+    if (!out) { throw invalid_argument("cannot write '" + file + "'; check the directory"); }
+    out << j.dump(2) << "\n";
+    if (!out.flush()) { throw invalid_argument("writing '" + file + "' failed"); }
+  }
+  std::filesystem::rename(tmp, file);
+}
+
+namespace {
+
+std::string batch_text(const std::optional<std::int64_t>& b, bool memory_known)
+{
+  if (!memory_known) { return "unknown (give --device-memory)"; }
+  return b ? std::to_string(*b) : "-";
+}
+
+}  // namespace
+
+int run_plan(const plan_args& args)
+{
+  std::string name;
+  const multitask::configuration cfg = load_or_default(args.config, name);
+  const int steps = args.steps > 0 ? args.steps : cfg.model.steps;
+  plan_input in = model_plan_input(cfg, steps, device_memory_for(cfg, args.device_memory));
+  if (args.bytes_per_sample) { in.bytes_per_sample = *args.bytes_per_sample; }
+  if (args.link_rate) {
+    in.link_bytes_per_second = parse_rate(*args.link_rate);
+    in.link_source = "--link-rate";
+  } else if (args.measure_link || (in.link_bytes_per_second == 0 && cfg.runtime.device.backend == backend_kind::cuda &&
+                                   cuda_device_count() > cfg.runtime.device.index)) {
+    const device dev = make_device(cfg.runtime.device);
+    in.link_bytes_per_second = measure_copies(dev, -1, std::size_t{256} << 20U, 3).h2d;
+    in.link_source = "measured host→device on " + dev.name();
+  }
+  const plan_report r = make_plan(in);
+
+  const auto b = [](double v) { return bytes_text(v); };
+  std::printf("taskswap plan %s: %zu units (%zu pinned), %zu steps of the sample model's schedule\n",
+              name.c_str(), r.units, r.pinned_units, r.steps);
+  std::printf("  %-34s %s\n", "budget", b(static_cast<double>(r.budget)).c_str());
+  std::printf("  %-34s %s (pinned units %s)\n", "peak device bytes", b(static_cast<double>(r.peak_device_bytes)).c_str(),
+              b(static_cast<double>(r.pinned_device_bytes)).c_str());
+  std::printf("  %-34s %s\n", "all units resident would need", b(static_cast<double>(r.all_resident_bytes)).c_str());
+  std::printf("  %-34s %s\n", "pinned host bytes (home arena)", b(static_cast<double>(r.pinned_host_bytes)).c_str());
+  std::printf("  %-34s %s h2d, %s d2h, %.2f swap-ins\n", "moved per step", b(r.h2d_bytes_per_step).c_str(),
+              b(r.d2h_bytes_per_step).c_str(), r.swap_ins_per_step);
+  if (r.link_bytes_per_second > 0) {
+    std::printf("  %-34s %.3f ms at %.2f GB/s (%s)\n", "transfer time per step", r.transfer_ms_per_step,
+                r.link_bytes_per_second / 1e9, r.link_source.c_str());
+  } else {
+    std::printf("  %-34s unknown (give --link-rate or --measure-link)\n", "transfer time per step");
+  }
+  const bool known = r.device_memory > 0;
+  std::printf("  %-34s %s, %s + %s per sample beside the budget\n", "device memory",
+              known ? b(static_cast<double>(r.device_memory)).c_str() : "unknown", b(static_cast<double>(r.fixed_bytes)).c_str(),
+              b(static_cast<double>(r.bytes_per_sample)).c_str());
+  std::printf("  %-34s %s\n", "largest batch (these policies)", batch_text(r.max_batch, known).c_str());
+  std::printf("  %-34s %s\n", "largest batch (all resident)", batch_text(r.max_batch_all_resident, known).c_str());
+  if (r.budget > r.peak_device_bytes) {
+    std::printf("  note: this plan peaks at %s; a budget that size leaves %s more for activations\n",
+                b(static_cast<double>(r.peak_device_bytes)).c_str(), b(static_cast<double>(r.budget - r.peak_device_bytes)).c_str());
+  }
+  if (!args.json.empty()) {
+    nlohmann::json j{{"config", name},
+                     {"units", r.units},
+                     {"pinned_units", r.pinned_units},
+                     {"steps", r.steps},
+                     {"budget", r.budget},
+                     {"peak_device_bytes", r.peak_device_bytes},
+                     {"pinned_device_bytes", r.pinned_device_bytes},
+                     {"all_resident_bytes", r.all_resident_bytes},
+                     {"pinned_host_bytes", r.pinned_host_bytes},
+                     {"h2d_bytes_per_step", r.h2d_bytes_per_step},
+                     {"d2h_bytes_per_step", r.d2h_bytes_per_step},
+                     {"swap_ins_per_step", r.swap_ins_per_step},
+                     {"link_bytes_per_second", r.link_bytes_per_second},
+                     {"link_source", r.link_source},
+                     {"transfer_ms_per_step", r.transfer_ms_per_step},
+                     {"device_memory", r.device_memory},
+                     {"fixed_bytes", r.fixed_bytes},
+                     {"bytes_per_sample", r.bytes_per_sample},
+                     {"max_batch", r.max_batch ? nlohmann::json(*r.max_batch) : nlohmann::json(nullptr)},
+                     {"max_batch_all_resident",
+                      r.max_batch_all_resident ? nlohmann::json(*r.max_batch_all_resident) : nlohmann::json(nullptr)}};
+    write_json(j, args.json);
+  }
+  return 0;
+}
+
+}  // namespace taskswap::tools

@@ -1,0 +1,206 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "planner.hpp"
+
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+#include <map>
+#include <sstream>
+
+namespace taskswap::tools {
+namespace {
+
+constexpr std::size_t page = 4096;
+constexpr std::size_t never = std::numeric_limits<std::size_t>::max();
+
+struct planned_unit {
+  unit_policy policy;
+  unit_footprint fp;
+  std::vector<std::size_t> uses;  // steps that acquire it, ascending
+  [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
+  [[nodiscard]] bool host() const noexcept { return policy.optimizer == optimizer_placement::host; }
+  [[nodiscard]] std::size_t next_use_after(std::size_t step) const
+  {
+    const auto it = std::upper_bound(uses.begin(), uses.end(), step);
+    return it == uses.end() ? never : *it;
+  }
+};
+
+void check_rules(const plan_input& in)
+{
+  for (const unit_rule& rule : in.options.units) {
+    const bool used = std::any_of(in.units.begin(), in.units.end(), [&](const unit_spec& u) {
+      return !u.policy && fnmatch(rule.match.c_str(), u.name.c_str(), 0) == 0;
+    });
+    if (!used) {
+      throw config_error((rule.origin.empty() ? in.options.source : rule.origin) + ": [[units]] match = \"" + rule.match +
+                         "\" matches no unit of the model; fix the pattern or remove the rule");
+    }
+  }
+}
+
+}  // namespace
+
+std::string bytes_text(double bytes)
+{
+  static constexpr std::array<const char*, 5> units{"B", "KiB", "MiB", "GiB", "TiB"};
+  std::size_t i = 0;
+  while (std::fabs(bytes) >= 1024.0 && i + 1 < units.size()) {
+    bytes /= 1024.0;
+    ++i;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof buf, i == 0 ? "%.0f %s" : "%.1f %s", bytes, units[i]);
+  return buf;
+}
+
+double parse_rate(std::string_view text)
+{
+  std::string t(text);
+  const auto slash = t.rfind("/s");
+  if (slash == std::string::npos || slash + 2 != t.size()) {
+    throw config_error("\"" + t + "\" is not a rate; write e.g. \"25 GB/s\"");
+  }
+  return static_cast<double>(parse_size(t.substr(0, slash)));
+}
+
+std::int64_t largest_batch(std::size_t device_memory, std::size_t reserved, std::size_t fixed, std::size_t per_sample)
+{
+  if (per_sample == 0 || device_memory <= reserved + fixed) { return 0; }
+  return static_cast<std::int64_t>((device_memory - reserved - fixed) / per_sample);
+}
+
+plan_report make_plan(const plan_input& in)
+{
+  check_rules(in);
+  plan_report r;
+  r.units = in.units.size();
+  r.budget = in.options.device.budget;
+  r.steps = in.steps.size();
+  std::vector<planned_unit> units;
+  for (const unit_spec& spec : in.units) {
+    planned_unit p;
+    p.policy = policy_for(spec, in.options);
+    p.fp = footprint(spec, p.policy.optimizer);
+    r.all_resident_bytes += footprint(spec, optimizer_placement::device).device_bytes;
+    r.pinned_host_bytes += p.fp.home_bytes;
+    if (p.pinned()) {
+      ++r.pinned_units;
+      r.pinned_device_bytes += p.fp.device_bytes;
+    }
+    units.push_back(std::move(p));
+  }
+  r.pinned_host_bytes = (r.pinned_host_bytes + page - 1) / page * page;
+  for (std::size_t s = 0; s < in.steps.size(); ++s) {
+    for (std::size_t u : in.steps[s]) {
+      if (units.at(u).uses.empty() || units[u].uses.back() != s) { units[u].uses.push_back(s); }
+    }
+  }
+
+  // What the runtime refuses at registration and at plan().
+  if (r.pinned_device_bytes > r.budget) {
+    throw config_error("the pinned units need " + bytes_text(static_cast<double>(r.pinned_device_bytes)) +
+                       " of device memory but the budget is " + bytes_text(static_cast<double>(r.budget)) +
+                       "; raise [device] budget or pin fewer units");
+  }
+  const std::size_t room = r.budget - r.pinned_device_bytes;
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    if (!units[i].pinned() && units[i].fp.device_bytes > room) {
+      throw config_error("unit '" + in.units[i].name + "' needs " + bytes_text(static_cast<double>(units[i].fp.device_bytes)) +
+                         " of device memory but the budget leaves " + bytes_text(static_cast<double>(room)) +
+                         " after pinned units; raise [device] budget");
+    }
+  }
+  std::size_t most_held = 0;
+  for (std::size_t s = 0; s < in.steps.size(); ++s) {
+    std::size_t held = 0;
+    for (std::size_t u : in.steps[s]) { held += units[u].pinned() ? 0 : units[u].fp.device_bytes; }
+    if (held > room) {
+      throw config_error("plan step " + std::to_string(s) + ": the units held at once need " +
+                         bytes_text(static_cast<double>(r.pinned_device_bytes + held)) + " of a " +
+                         bytes_text(static_cast<double>(r.budget)) + " budget; raise [device] budget");
+    }
+    most_held = std::max(most_held, held);
+  }
+  r.peak_device_bytes = r.pinned_device_bytes + most_held;
+
+  // Replay: Belady over the swapped units in the room the pinned ones leave.
+  std::map<std::size_t, bool> resident;  // unit -> dirty
+  std::size_t used = 0;
+  double h2d = 0;
+  double d2h = 0;
+  double swap_ins = 0;
+  for (std::size_t s = 0; s < in.steps.size(); ++s) {
+    const std::vector<std::size_t>& need = in.steps[s];
+    for (std::size_t u : need) {
+      const planned_unit& p = units[u];
+      if (p.pinned() || resident.contains(u)) { continue; }
+      // A prefetched unit's copy (and the eviction that makes its room) happens up to its
+      // lookahead earlier: the runtime counts it in that step's figures, so the replay does too.
+      const std::size_t issued =
+          p.policy.residency == residency::prefetch ? s - std::min(s, static_cast<std::size_t>(std::max(p.policy.lookahead, 0))) : s;
+      const double counted = issued >= in.warmup_steps ? 1.0 : 0.0;
+      while (used + p.fp.device_bytes > room) {
+        std::size_t victim = never;
+        std::size_t furthest = 0;
+        for (const auto& [v, dirty] : resident) {
+          if (std::find(need.begin(), need.end(), v) != need.end()) { continue; }
+          const std::size_t next = units[v].next_use_after(s);
+          if (victim == never || next > furthest) {
+            victim = v;
+            furthest = next;
+          }
+        }
+        if (victim == never) { break; }  // cannot happen after the checks above
+        if (resident[victim]) { d2h += counted * static_cast<double>(units[victim].fp.write_back_bytes); }
+        used -= units[victim].fp.device_bytes;
+        resident.erase(victim);
+      }
+      h2d += counted * static_cast<double>(p.fp.swap_in_bytes);
+      swap_ins += counted;
+      used += p.fp.device_bytes;
+      resident[u] = false;
+    }
+    const double counted = s >= in.warmup_steps ? 1.0 : 0.0;
+    for (std::size_t u : need) {
+      const planned_unit& p = units[u];
+      if (!p.host()) {
+        if (!p.pinned()) { resident[u] = true; }
+        continue;
+      }
+      // Host AdamW: gradients go home; new parameters come back if the unit is used again soon.
+      d2h += counted * static_cast<double>(p.fp.grad_bytes);
+      const std::size_t next = p.next_use_after(s);
+      const bool soon = next != never && next - s <= static_cast<std::size_t>(std::max(p.policy.lookahead, 0));
+      if (p.pinned() || soon) {
+        h2d += counted * static_cast<double>(p.fp.param_bytes);
+      } else {
+        used -= p.fp.device_bytes;
+        resident.erase(u);
+      }
+    }
+  }
+  const double n = std::max<double>(1.0, static_cast<double>(in.steps.size() - std::min(in.warmup_steps, in.steps.size())));
+  r.h2d_bytes_per_step = h2d / n;
+  r.d2h_bytes_per_step = d2h / n;
+  r.swap_ins_per_step = swap_ins / n;
+  r.link_bytes_per_second = in.link_bytes_per_second;
+  r.link_source = in.link_source;
+  if (in.link_bytes_per_second > 0) {
+    r.transfer_ms_per_step = std::max(r.h2d_bytes_per_step, r.d2h_bytes_per_step) / in.link_bytes_per_second * 1e3;
+  }
+  r.device_memory = in.device_memory;
+  r.bytes_per_sample = in.bytes_per_sample;
+  r.fixed_bytes = in.fixed_bytes;
+  if (in.device_memory > 0 && in.bytes_per_sample > 0) {
+    r.max_batch = largest_batch(in.device_memory, r.budget, in.fixed_bytes, in.bytes_per_sample);
+    r.max_batch_all_resident = largest_batch(in.device_memory, r.all_resident_bytes, in.fixed_bytes, in.bytes_per_sample);
+  }
+  return r;
+}
+
+}  // namespace taskswap::tools

@@ -1,0 +1,68 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The planner behind `taskswap plan` and the prediction column of `taskswap headroom`: from the
+// units, their policies, the budget and a schedule of steps it predicts device and host bytes, the
+// traffic per step (a replay of the runtime's rules: Belady eviction over the swapped units,
+// write-back of dirty units, host-placed units' gradients home and parameters back), the transfer
+// time, and the largest batch that fits beside the budget. No device is needed.
+
+#include <taskswap/taskswap.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace taskswap::tools {
+
+struct plan_input {
+  runtime_options options;
+  std::vector<unit_spec> units;
+  std::vector<std::vector<std::size_t>> steps;  ///< the units (indexes) each step acquires, held to its end
+  std::size_t warmup_steps = 0;                 ///< leading steps replayed but not counted in the traffic
+  std::size_t device_memory = 0;                ///< the device bytes the budget and activations share (0: unknown)
+  double link_bytes_per_second = 0;             ///< 0: unknown
+  std::string link_source;                      ///< where the rate came from
+  std::size_t fixed_bytes = 0;                  ///< trainer's device bytes beside the budget, whatever the batch
+  std::size_t bytes_per_sample = 0;             ///< and per sample of the batch
+};
+
+struct plan_report {
+  std::size_t units = 0;
+  std::size_t pinned_units = 0;
+  std::size_t budget = 0;
+  std::size_t pinned_device_bytes = 0;
+  std::size_t peak_device_bytes = 0;     ///< pinned + the most held at once: the least budget the plan runs in
+  std::size_t all_resident_bytes = 0;    ///< every unit resident with its AdamW on the device
+  std::size_t pinned_host_bytes = 0;     ///< the home arena (page-rounded)
+  std::size_t steps = 0;
+  double h2d_bytes_per_step = 0;
+  double d2h_bytes_per_step = 0;
+  double swap_ins_per_step = 0;
+  double link_bytes_per_second = 0;
+  std::string link_source;
+  double transfer_ms_per_step = 0;       ///< the busier direction at the link rate (0 when unknown)
+  std::size_t device_memory = 0;
+  std::size_t bytes_per_sample = 0;
+  std::size_t fixed_bytes = 0;
+  std::optional<std::int64_t> max_batch;               ///< beside the budget
+  std::optional<std::int64_t> max_batch_all_resident;  ///< beside every unit resident
+};
+
+/// Predicts. Checks what the runtime would refuse, with the same words.
+/// @throws config_error for a rule that matches no unit, a unit or step that cannot fit the budget
+[[nodiscard]] plan_report make_plan(const plan_input& in);
+
+/// The largest batch beside `reserved` device bytes, or 0 when none fits.
+[[nodiscard]] std::int64_t largest_batch(std::size_t device_memory, std::size_t reserved, std::size_t fixed,
+                                         std::size_t per_sample);
+
+/// "4.0 MiB", "1.2 GiB".
+[[nodiscard]] std::string bytes_text(double bytes);
+/// "25 GB/s" → bytes per second.
+/// @throws config_error for text that is not a rate
+[[nodiscard]] double parse_rate(std::string_view text);
+
+}  // namespace taskswap::tools
