@@ -102,6 +102,13 @@ void reducer::check_digests()
   }
 }
 
+void reducer::sum(std::span<std::int64_t> values, std::string_view what)
+{
+  control_->allreduce_counts(values, control_stream_, what);
+  control_done_.record(control_stream_);
+  wait_control(control_done_, what);
+}
+
 std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint32_t>> local, std::uint64_t first_step)
 {
   const std::size_t n = units_.size();

@@ -77,6 +77,12 @@ class reducer {
   /// Ends the step; every bucket must have been launched.
   void end();
 
+  /// Collective: sums `values` over the ranks in place on the agreement's channel; blocks until
+  /// done (within the timeout). For the runtime's own agreements (checkpoints).
+  void sum(std::span<std::int64_t> values, std::string_view what);
+  [[nodiscard]] int rank() const noexcept { return comm_->rank(); }
+  [[nodiscard]] int world() const noexcept { return comm_->size(); }
+
   /// Bytes this step reduces, and the bytes a reduce-everything reducer would move.
   [[nodiscard]] std::size_t step_bytes() const noexcept { return step_bytes_; }
   [[nodiscard]] std::size_t all_bytes() const noexcept { return all_bytes_; }

@@ -26,6 +26,7 @@
 #include "host/cpu_adamw.hpp"
 #include "host/host_task_arena.hpp"
 #include "kernels/kernels.hpp"
+#include "runtime/checkpoint.hpp"
 #include "runtime/device_pool.hpp"
 #include "runtime/plan_queue.hpp"
 #include "runtime/trace.hpp"
@@ -243,6 +244,9 @@ struct runtime::impl {
   {
     if (reducer_) { reducer_->comm().check(); }
   }
+
+  // Checkpoints
+  [[nodiscard]] std::vector<detail::checkpoint_source> checkpoint_sources();
 
   // Stats
   void resolve_stalls(bool wait);
@@ -1230,6 +1234,124 @@ void runtime::flush()
   m.host_opt_.synchronize();
   m.resolve_stalls(true);
   m.check_comm();
+}
+
+// ---- checkpoints -----------------------------------------------------------------------------
+
+std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
+{
+  std::vector<detail::checkpoint_source> out;
+  for (unit_record& r : units_) {
+    const detail::unit_layout& l = r.layout;
+    const std::size_t f32_bytes = l.v - l.m;
+    detail::checkpoint_source c;
+    c.name = r.name;
+    c.compute = l.compute;
+    c.tensors = l.tensors;
+    c.step = r.step;
+    c.params = {r.home + l.params, (l.compute == dtype::f32 ? l.m : l.master) - l.params};
+    if (l.compute != dtype::f32) { c.master = {r.home + l.master, f32_bytes}; }
+    c.m = {r.home + l.m, f32_bytes};
+    c.v = {r.home + l.v, f32_bytes};
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+void runtime::save_checkpoint(const std::filesystem::path& dir, const std::map<std::string, std::string>& user)
+{
+  impl& m = *impl_;
+  flush();  // the home copies current; refuses held units
+  const std::vector<detail::checkpoint_source> sources = m.checkpoint_sources();
+  checkpoint_manifest manifest = detail::describe_checkpoint(sources);
+  manifest.steps_done = m.steps_done_;
+  manifest.optimizer = m.options_.optimizer;
+  manifest.user = user;
+  if (!m.reducer_) {
+    detail::write_checkpoint(dir, manifest, sources);
+    return;
+  }
+  // Every rank holds a replica: check that they agree (position and checksums), then rank 0 writes.
+  detail::reducer& red = *m.reducer_;
+  const int world = red.world();
+  manifest.world = world;
+  std::vector<std::int64_t> mine{static_cast<std::int64_t>(m.steps_done_)};
+  std::vector<std::string> names;
+  for (const checkpoint_unit& u : manifest.units) {
+    for (const checkpoint_slab* s : {&u.params, u.master ? &*u.master : nullptr, &u.m, &u.v}) {
+      if (s == nullptr) { continue; }
+      mine.push_back(s->crc32c);
+      names.push_back(u.name);
+    }
+  }
+  std::vector<std::int64_t> sums = mine;
+  red.sum(sums, message("checkpoint '", dir.string(), "': comparison of the replicas"));
+  if (sums[0] != world * mine[0]) {
+    throw checkpoint_error(message("checkpoint '", dir.string(), "': rank ", red.rank(), " is at step ", m.steps_done_,
+                                   " but not every rank is; save at the same point on every rank"));
+  }
+  for (std::size_t i = 1; i < mine.size(); ++i) {
+    if (sums[i] != world * mine[i]) {
+      throw checkpoint_error(message("checkpoint '", dir.string(), "': rank ", red.rank(), "'s replica of unit '",
+                                     names[i - 1], "' differs from the other ranks' (checksums); nothing was written"));
+    }
+  }
+  std::string failure;
+  if (red.rank() == 0) {
+    try {
+      detail::write_checkpoint(dir, manifest, sources);
+    } catch (const error& e) {
+      failure = e.what();
+    }
+  }
+  std::vector<std::int64_t> status{failure.empty() ? 0 : 1};
+  red.sum(status, message("checkpoint '", dir.string(), "': rank 0's result"));
+  if (status[0] != 0) {
+    throw checkpoint_error(red.rank() == 0 ? failure
+                                           : message("rank 0 could not write the checkpoint '", dir.string(),
+                                                     "'; its error says why"));
+  }
+}
+
+checkpoint_manifest runtime::load_checkpoint(const std::filesystem::path& dir)
+{
+  impl& m = *impl_;
+  TASKSWAP_EXPECTS(!m.started_, message("load_checkpoint('", dir.string(),
+                                        "'): call it before the first plan, acquire or flush, as initial values are written"));
+  const std::vector<detail::checkpoint_source> sources = m.checkpoint_sources();
+  checkpoint_manifest manifest;
+  std::vector<std::size_t> where;
+  std::string failure;
+  try {
+    verify_checkpoint(dir);
+    manifest = read_checkpoint_manifest(dir);
+    where = detail::match_units(dir, manifest, sources);
+  } catch (const checkpoint_error& e) {
+    if (!m.reducer_) { throw; }
+    failure = e.what();
+  }
+  if (m.reducer_) {  // every rank loads, or none does
+    detail::reducer& red = *m.reducer_;
+    std::vector<std::int64_t> failed(static_cast<std::size_t>(red.world()), 0);
+    failed[static_cast<std::size_t>(red.rank())] = failure.empty() ? 0 : 1;
+    red.sum(failed, message("checkpoint '", dir.string(), "': the ranks' checks"));
+    if (!failure.empty()) { throw checkpoint_error(failure); }
+    std::string ranks;
+    for (std::size_t r = 0; r < failed.size(); ++r) {
+      if (failed[r] != 0) { ranks += (ranks.empty() ? "" : ", ") + std::to_string(r); }
+    }
+    if (!ranks.empty()) {
+      throw checkpoint_error(message("rank(s) ", ranks, " could not load the checkpoint '", dir.string(),
+                                     "'; their errors say why. Nothing was loaded"));
+    }
+  }
+  detail::read_checkpoint(dir, manifest, sources, where);
+  for (std::size_t i = 0; i < m.units_.size(); ++i) { m.units_[i].step = manifest.units[where[i]].step; }
+  m.steps_done_ = manifest.steps_done;
+  m.planned_steps_ = manifest.steps_done;
+  m.current_.step = manifest.steps_done;
+  m.options_.optimizer = manifest.optimizer;
+  return manifest;
 }
 
 void runtime::set_optimizer(const adamw_options& options) { impl_->options_.optimizer = options; }

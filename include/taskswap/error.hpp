@@ -76,4 +76,11 @@ class timeout_error : public error {
   using error::error;
 };
 
+/// @brief A checkpoint could not be written, or is not one this runtime can load (incomplete,
+/// corrupted, or of other units); the message names the file, the unit and what differs.
+class checkpoint_error : public error {
+ public:
+  using error::error;
+};
+
 }  // namespace taskswap

@@ -5,6 +5,7 @@
 /// @brief The runtime: units, residency policies, the plan, and the step protocol
 /// (acquire → grads_ready → step → release, then end_step).
 
+#include <taskswap/checkpoint.hpp>
 #include <taskswap/device.hpp>
 #include <taskswap/dtype.hpp>
 #include <taskswap/optimizer.hpp>
@@ -14,6 +15,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <initializer_list>
+#include <map>
 #include <memory>
 #include <optional>
 #include <span>
@@ -325,6 +327,29 @@ class runtime {
   /// @brief Writes dirty units back and waits until every home copy is current. Synchronises.
   /// @throws invalid_argument if a unit is held
   void flush();
+
+  /// @brief Writes a checkpoint of every unit's home state, the plan position (steps ended) and
+  /// the optimizer settings to the directory `dir` (see checkpoint.hpp), with the trainer's own
+  /// entries: writes dirty units back first, writes into a temporary directory, flushes it to the
+  /// disk and renames it into place (an existing checkpoint there is replaced only once the new
+  /// one is complete). With a communicator: collective; each rank's replica is checked against
+  /// the others (checksums), rank 0 writes, and every rank learns whether it succeeded.
+  /// Synchronises.
+  /// @throws invalid_argument if a unit is held
+  /// @throws checkpoint_error if it cannot be written (nothing at `dir` is changed then), or the
+  /// ranks' replicas differ
+  void save_checkpoint(const std::filesystem::path& dir, const std::map<std::string, std::string>& user = {});
+
+  /// @brief Restores every unit's home state, the plan position and the optimizer settings from
+  /// the checkpoint in `dir`, before the first plan or acquire (as initial values are written).
+  /// Everything is checked before anything is changed: the manifest, that it has exactly this
+  /// runtime's units with the same compute dtypes and tensor shapes (policies and placements may
+  /// differ), the size of data.bin and every slab's checksum. With a communicator: collective;
+  /// every rank loads and every rank learns whether all did.
+  /// @returns the manifest (steps_done: where the trainer's schedule resumes; user: its entries)
+  /// @throws checkpoint_error naming the unit and what differs, or the slab that is corrupted
+  /// @throws invalid_argument after the first plan or acquire
+  checkpoint_manifest load_checkpoint(const std::filesystem::path& dir);
 
   /// @brief Replaces the AdamW hyperparameters for the following steps (learning-rate schedules).
   void set_optimizer(const adamw_options& options);

@@ -5,6 +5,7 @@
 /// @brief The one header a user includes.
 
 #include <taskswap/build_info.hpp>
+#include <taskswap/checkpoint.hpp>
 #include <taskswap/comm.hpp>
 #include <taskswap/config.hpp>
 #include <taskswap/device.hpp>

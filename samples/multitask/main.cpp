@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdio>
 #include <exception>
 #include <string>
@@ -31,6 +32,15 @@ int train(int argc, char** argv)
   app.add_flag("--all-resident", resident, "every unit pinned on the device, budget = their bytes (the baseline)");
   app.add_option("--steps", steps, "override [model] steps")->check(CLI::PositiveNumber);
   app.add_option("--batch", batch, "override [model] batch")->check(CLI::PositiveNumber);
+  std::string checkpoint;
+  std::string resume;
+  int checkpoint_every = 0;
+  std::int64_t stop_after = -1;
+  app.add_option("--checkpoint", checkpoint, "save a checkpoint to this directory at the end (and every --checkpoint-every steps)");
+  app.add_option("--checkpoint-every", checkpoint_every, "steps between checkpoints")->check(CLI::PositiveNumber);
+  app.add_option("--resume", resume, "continue from the checkpoint in this directory");
+  app.add_option("--stop-after", stop_after, "end after this many steps in all, as an interrupted run would")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--save-params", save, "write every unit's final home slabs (params, master, m, v) to this file (FILE.rankN under mpirun)");
   CLI11_PARSE(app, argc, argv);
 
@@ -39,9 +49,12 @@ int train(int argc, char** argv)
   if (batch > 0) { cfg.model.batch = batch; }
   const auto units = multitask::model_units(cfg.model);
   taskswap::runtime_options options = resident ? multitask::all_resident(cfg.runtime, units) : cfg.runtime;
-  if (resident && options.device.backend == taskswap::backend_kind::emulated &&
-      options.device.emulated.memory_bytes != 0 && options.device.emulated.memory_bytes < options.device.budget) {
-    options.device.emulated.memory_bytes = 0;  // the device is as large as the budget then
+  if (options.device.backend == taskswap::backend_kind::emulated) {
+    // An emulated device at least as large as the budget and the trainer's workspace (the
+    // all-resident budget may exceed the configured memory: the baseline still trains).
+    const std::size_t needed =
+        options.device.budget + multitask::model_workspace(cfg.model, cfg.model.steps).bytes(static_cast<std::size_t>(cfg.model.batch));
+    options.device.emulated.memory_bytes = std::max(options.device.emulated.memory_bytes, needed);
   }
   const taskswap::device dev = taskswap::make_device(options.device);
   multitask::trainer t(dev, options, cfg.model, cfg.model.batch, cfg.model.steps);
@@ -55,9 +68,18 @@ int train(int argc, char** argv)
     std::printf("device %s, budget %s%s\n", dev.name().c_str(), mib(options.device.budget).c_str(),
                 resident ? " (all resident)" : "");
   }
-  const multitask::run_result r = t.run([&](const std::string& line) {
-    if (lead) { std::printf("  %s\n", line.c_str()); }
-  });
+  if (!resume.empty()) {
+    const std::int64_t at = t.resume(resume);
+    if (lead) { std::printf("resumed from '%s' at step %lld\n", resume.c_str(), static_cast<long long>(at)); }
+  }
+  multitask::run_options run{.on_log = [&](const std::string& line) {
+                               if (lead) { std::printf("  %s\n", line.c_str()); }
+                             },
+                             .checkpoint = checkpoint,
+                             .checkpoint_every = checkpoint_every,
+                             .stop_after = stop_after};
+  const multitask::run_result r = t.run(run);
+  if (lead && !checkpoint.empty()) { std::printf("checkpoint saved to '%s'\n", checkpoint.c_str()); }
   if (!save.empty()) { t.save_parameters(t.world() > 1 ? save + ".rank" + std::to_string(t.rank()) : save); }
   if (lead) {
     std::printf("summary: %.2f ms/step; swap-ins %zu, write-backs %zu, h2d %s, d2h %s, stall %.1f ms; reduced %s\n",

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -12,19 +13,15 @@
 #include <fstream>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 namespace multitask {
-
-std::unique_ptr<ops> make_cpu_ops(taskswap::stream_view s);
-#if MULTITASK_WITH_CUDA
-std::unique_ptr<ops> make_cuda_ops(taskswap::stream_view s);
-#endif
 
 std::unique_ptr<ops> make_ops(const taskswap::device& dev, taskswap::stream_view s)
 {
   if (dev.kind() == taskswap::backend_kind::emulated) { return make_cpu_ops(s); }
 #if MULTITASK_WITH_CUDA
-  return make_cuda_ops(s);
+  return make_cuda_ops(dev.index(), s);
 #else
   throw taskswap::invalid_argument("the sample was built without CUDA; use [device] backend = \"emulated\"");
 #endif
@@ -177,6 +174,16 @@ int task_of_step(const model_config& m, int rank, std::int64_t step)
                           static_cast<std::uint64_t>(m.tasks));
 }
 
+int plan_margin(const model_config& m, const taskswap::runtime_options& options)
+{
+  int lookahead = 0;
+  for (const taskswap::unit_spec& u : model_units(m)) {
+    const taskswap::unit_policy p = taskswap::policy_for(u, options);
+    if (p.residency == taskswap::residency::prefetch) { lookahead = std::max(lookahead, p.lookahead); }
+  }
+  return std::min(m.plan_window, lookahead + 1);
+}
+
 namespace {
 
 // The buffers of one batch: activations (per sample) first, then the fixed ones.
@@ -199,6 +206,7 @@ buffer_sizes buffers_of(const model_config& m, int steps)
   b.per_sample.push_back(std::max(d, h));                                    // backward, pong
   b.fixed.push_back(d * o);                                                  // the teacher of the step
   b.fixed.push_back(std::max<std::size_t>(static_cast<std::size_t>(steps), 64));  // losses (at least 256 bytes)
+  b.fixed.push_back(scratch_floats(std::max({d, h, o})));                        // the reductions' partial sums
   if (m.compute != dtype::f32) {
     const std::size_t largest = std::max({d * d, d * h, h * o});
     b.fixed.push_back(largest);  // a weight widened to f32
@@ -252,6 +260,7 @@ struct trainer::impl {
         workspace(dev, workspace_bytes()),
         losses_home(dev, static_cast<std::size_t>(steps) * sizeof(float))
   {
+    margin = plan_margin(model, options);
     for (int l = 0; l < model.trunk_layers; ++l) { trunk.push_back(rt.find("trunk/" + std::to_string(l))); }
     for (int t = 0; t < model.tasks; ++t) { tasks.push_back(rt.find("task/" + std::to_string(t))); }
     carve();
@@ -288,6 +297,7 @@ struct trainer::impl {
     back[1] = out[i++];
     teacher = out[i++];
     losses = out[i++];
+    scratch = out[i++];
     if (model.compute != dtype::f32) {
       wide_weight = out[i++];
       wide_grad = out[i++];
@@ -299,9 +309,23 @@ struct trainer::impl {
   // He-uniform weights from the seed, zero biases and output layers, written to every unit's master before the first plan.
   void initialise()
   {
-    for (std::size_t u = 0; u < rt.unit_count(); ++u) {
-      const taskswap::unit_id id{static_cast<std::uint32_t>(u)};
-      const taskswap::home_view home = rt.home(id);
+    // Units on all the host's threads (a GPU configuration holds hundreds of millions of weights).
+    const std::size_t n = rt.unit_count();
+    std::vector<taskswap::home_view> homes;
+    for (std::size_t u = 0; u < n; ++u) { homes.push_back(rt.home({static_cast<std::uint32_t>(u)})); }
+    const std::size_t workers = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 64);
+    std::atomic<std::size_t> next{0};
+    const auto work = [&] {
+      for (std::size_t u = next++; u < n; u = next++) { initialise_unit(homes[u], u); }
+    };
+    std::vector<std::jthread> threads;
+    for (std::size_t w = 1; w < workers; ++w) { threads.emplace_back(work); }
+    work();
+  }
+
+  void initialise_unit(const taskswap::home_view& home, std::size_t u) const
+  {
+    {
       auto* master = static_cast<float*>(home.master.data);
       for (std::size_t ti = 0; ti < home.tensors.size(); ++ti) {
         const taskswap::tensor_info& t = home.tensors[ti];
@@ -372,18 +396,18 @@ struct trainer::impl {
     kernels->bias_activation(hidden, weight(av, 1, wide_bias), b, hd, true);
     kernels->gemm(false, false, b, o, hd, 1.0F, hidden, weight(av, 2, wide_weight), 0.0F, y);
     kernels->bias_activation(y, weight(av, 3, wide_bias), b, o, false);
-    kernels->mse(y, target, b, o, losses + step);
+    kernels->mse(y, target, b, o, losses + step, scratch);
 
     // Backward through the adapter (y now holds dLoss/dy).
     kernels->gemm(true, false, hd, o, b, 1.0F, hidden, y, 0.0F, grad_target(av, 2, wide_grad));
     store_grad(av, 2, wide_grad);
-    kernels->column_sums(grad_target(av, 3, wide_bias_grad), y, b, o);
+    kernels->column_sums(grad_target(av, 3, wide_bias_grad), y, b, o, scratch);
     store_grad(av, 3, wide_bias_grad);
     kernels->gemm(false, true, b, hd, o, 1.0F, y, weight(av, 2, wide_weight), 0.0F, back[0]);
     kernels->relu_backward(back[0], hidden, static_cast<std::size_t>(b) * static_cast<std::size_t>(hd));
     kernels->gemm(true, false, d, hd, b, 1.0F, act(layers), back[0], 0.0F, grad_target(av, 0, wide_grad));
     store_grad(av, 0, wide_grad);
-    kernels->column_sums(grad_target(av, 1, wide_bias_grad), back[0], b, hd);
+    kernels->column_sums(grad_target(av, 1, wide_bias_grad), back[0], b, hd, scratch);
     store_grad(av, 1, wide_bias_grad);
     kernels->gemm(false, true, b, d, hd, 1.0F, back[0], weight(av, 0, wide_weight), 0.0F, back[1]);
     finish(av.id);
@@ -396,7 +420,7 @@ struct trainer::impl {
       kernels->relu_backward(dh, act(l + 1), static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
       kernels->gemm(true, false, d, d, b, 1.0F, act(l), dh, 0.0F, grad_target(v, 0, wide_grad));
       store_grad(v, 0, wide_grad);
-      kernels->column_sums(grad_target(v, 1, wide_bias_grad), dh, b, d);
+      kernels->column_sums(grad_target(v, 1, wide_bias_grad), dh, b, d, scratch);
       store_grad(v, 1, wide_bias_grad);
       if (l > 0) {
         kernels->gemm(false, true, b, d, d, 1.0F, dh, weight(v, 0, wide_weight), 0.0F, next);
@@ -414,9 +438,18 @@ struct trainer::impl {
     rt.release(u, compute);
   }
 
+  // Plans the next window when the steps planned ahead fall to the margin (all ranks alike).
+  void plan_ahead(std::int64_t step)
+  {
+    if (planned_until < steps && planned_until - step <= (planned_until == first_step ? 0 : margin)) {
+      plan_from(planned_until);
+    }
+  }
+
   void plan_from(std::int64_t first)
   {
     const std::int64_t end = std::min<std::int64_t>(first + model.plan_window, steps);
+    planned_until = end;
     std::vector<taskswap::step_plan> plans;
     for (std::int64_t s = first; s < end; ++s) {
       taskswap::step_plan p;
@@ -449,11 +482,15 @@ struct trainer::impl {
   std::array<float*, 2> back{};
   float* teacher = nullptr;
   float* losses = nullptr;
+  float* scratch = nullptr;
   float* wide_weight = nullptr;
   float* wide_grad = nullptr;
   float* wide_bias = nullptr;
   float* wide_bias_grad = nullptr;
   taskswap::step_stats last_stats{};
+  int margin = 1;
+  std::int64_t first_step = 0;     // where run() starts (a resumed checkpoint's position)
+  std::int64_t planned_until = 0;  // steps planned so far
 };
 
 trainer::trainer(const taskswap::device& dev, const taskswap::runtime_options& options, const model_config& model,
@@ -468,9 +505,31 @@ taskswap::runtime& trainer::get_runtime() noexcept { return impl_->rt; }
 int trainer::rank() const noexcept { return impl_->rank(); }
 int trainer::world() const noexcept { return impl_->world(); }
 
-run_result trainer::run(const std::function<void(const std::string&)>& on_log)
+std::int64_t trainer::resume(const std::filesystem::path& checkpoint)
 {
   impl& m = *impl_;
+  const taskswap::checkpoint_manifest c = m.rt.load_checkpoint(checkpoint);
+  const auto entry = [&](const std::string& key) {
+    const auto it = c.user.find(key);
+    return it == c.user.end() ? std::string("(none)") : it->second;
+  };
+  if (entry("model.seed") != std::to_string(m.model.seed)) {
+    throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' was trained with [model] seed = " +
+                                     entry("model.seed") + ", this run has " + std::to_string(m.model.seed) +
+                                     "; resume with the same seed (the task schedule depends on it)");
+  }
+  m.first_step = static_cast<std::int64_t>(c.steps_done);
+  if (m.first_step > m.steps) {
+    throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' is at step " + std::to_string(c.steps_done) +
+                                     ", beyond this run's " + std::to_string(m.steps) + " steps; raise --steps");
+  }
+  return m.first_step;
+}
+
+run_result trainer::run(const run_options& options)
+{
+  impl& m = *impl_;
+  const auto& on_log = options.on_log;
   auto* host_losses = reinterpret_cast<float*>(m.losses_home.data());  // NOLINT: f32 array
   const auto copy_losses = [&](std::int64_t first, std::int64_t end) {
     const std::size_t off = static_cast<std::size_t>(first) * sizeof(float);
@@ -512,18 +571,30 @@ run_result trainer::run(const std::function<void(const std::string&)>& on_log)
     if (on_log) { on_log(line.str()); }
   };
 
+  const std::int64_t begin = m.first_step;
+  const std::int64_t end_at = options.stop_after >= 0 ? std::clamp<std::int64_t>(options.stop_after, begin, m.steps) : m.steps;
+  const auto save = [&](std::int64_t done) {
+    m.rt.save_checkpoint(options.checkpoint, {{"model.seed", std::to_string(m.model.seed)},
+                                              {"model.tasks", std::to_string(m.model.tasks)},
+                                              {"steps_done", std::to_string(done)}});
+  };
+  m.planned_until = std::max(m.planned_until, begin);
   run_result r;
-  std::chrono::steady_clock::time_point start;
-  for (std::int64_t s = 0; s < m.steps; ++s) {
-    if (s % m.model.plan_window == 0) { m.plan_from(s); }
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  for (std::int64_t s = begin; s < end_at; ++s) {
+    m.plan_ahead(s);
     m.train_step(s);
-    if (s == 0) {
+    if (s == begin) {
       m.compute.synchronize();
       start = std::chrono::steady_clock::now();
     }
+    if (!options.checkpoint.empty() && options.checkpoint_every > 0 && (s + 1) % options.checkpoint_every == 0 &&
+        s + 1 < end_at) {
+      save(s + 1);
+    }
     const int every = m.model.log_every;
-    if (every > 0 && on_log && ((s + 1) % every == 0 || s + 1 == m.steps)) {
-      const std::int64_t first = s + 1 - ((s + 1) % every == 0 ? every : (s + 1) % every);
+    if (every > 0 && on_log && ((s + 1) % every == 0 || s + 1 == end_at)) {
+      const std::int64_t first = std::max(begin, s + 1 - ((s + 1) % every == 0 ? every : (s + 1) % every));
       copy_losses(first, s + 1);
       pending p{first, s + 1, taskswap::event(m.dev)};
       p.done.record(m.compute);
@@ -535,12 +606,17 @@ run_result trainer::run(const std::function<void(const std::string&)>& on_log)
   const auto end = std::chrono::steady_clock::now();
   if (waiting) { print(*waiting); }
   r.seconds = std::chrono::duration<double>(end - start).count();
-  r.timed_steps = m.steps - 1;
-  m.rt.flush();
-  copy_losses(0, m.steps);
-  m.compute.synchronize();
+  r.timed_steps = std::max<std::int64_t>(0, end_at - begin - 1);
+  if (!options.checkpoint.empty()) {
+    save(end_at);
+  } else {
+    m.rt.flush();
+  }
   r.tasks.resize(static_cast<std::size_t>(m.model.tasks));
-  for (std::int64_t s = 0; s < m.steps; ++s) {
+  if (end_at == begin) { return r; }
+  copy_losses(begin, end_at);
+  m.compute.synchronize();
+  for (std::int64_t s = begin; s < end_at; ++s) {
     task_losses& t = r.tasks[static_cast<std::size_t>(task_of_step(m.model, m.rank(), s))];
     t.all.push_back(host_losses[s]);
     ++t.steps;
@@ -559,8 +635,8 @@ run_result trainer::run(const std::function<void(const std::string&)>& on_log)
   }
   const taskswap::runtime_stats stats = m.rt.stats();
   r.total = stats.total;
-  for (std::size_t i = 1; i < stats.steps.size(); ++i) {  // the steps after the warm-up
-    const taskswap::step_stats& st = stats.steps[i];
+  for (const taskswap::step_stats& st : stats.steps) {  // the steps after the warm-up (the last 4096)
+    if (st.step <= static_cast<std::uint64_t>(begin)) { continue; }
     r.timed.h2d_bytes += st.h2d_bytes;
     r.timed.d2h_bytes += st.d2h_bytes;
     r.timed.swap_ins += st.swap_ins;
@@ -569,6 +645,9 @@ run_result trainer::run(const std::function<void(const std::string&)>& on_log)
     r.timed.misses += st.misses;
     r.timed.stall_ms += st.stall_ms;
     r.timed.reduced_bytes += st.reduced_bytes;
+    r.timed.evictions += st.evictions;
+    r.timed.unplanned += st.unplanned;
+    r.timed.peak_device_bytes = std::max(r.timed.peak_device_bytes, st.peak_device_bytes);
   }
   return r;
 }
@@ -580,19 +659,25 @@ void trainer::save_parameters(const std::filesystem::path& file)
   const std::filesystem::path tmp = file.string() + ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) { throw taskswap::invalid_argument("cannot write '" + tmp.string() + "'; check the directory"); }
+    if (!out) { throw std::runtime_error("cannot write '" + tmp.string() + "'; check the directory"); }
     for (std::size_t u = 0; u < m.rt.unit_count(); ++u) {
       const taskswap::home_view h = m.rt.home({static_cast<std::uint32_t>(u)});
       const std::string name(m.rt.name(h.id));
       out << name << '\n';
-      for (const taskswap::slab_view& s : {h.params, h.master, h.m, h.v}) {
+      const auto write = [&](const taskswap::slab_view& s) {
         out.write(static_cast<const char*>(s.data), static_cast<std::streamsize>(s.bytes()));
-      }
+      };
+      write(h.params);
+      if (h.master.data != h.params.data) { write(h.master); }  // f32: the params are the master
+      write(h.m);
+      write(h.v);
       out.write(reinterpret_cast<const char*>(&h.step), sizeof h.step);  // NOLINT: raw bytes
     }
-    if (!out.flush()) { throw taskswap::invalid_argument("writing '" + tmp.string() + "' failed"); }
+    if (!out.flush()) { throw std::runtime_error("writing '" + tmp.string() + "' failed"); }
   }
-  std::filesystem::rename(tmp, file);
+  std::error_code ec;
+  std::filesystem::rename(tmp, file, ec);
+  if (ec) { throw std::runtime_error("cannot rename '" + tmp.string() + "' to '" + file.string() + "': " + ec.message()); }
 }
 
 }  // namespace multitask

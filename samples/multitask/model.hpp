@@ -90,6 +90,19 @@ struct run_result {
   [[nodiscard]] double step_ms() const { return timed_steps == 0 ? 0 : seconds * 1e3 / static_cast<double>(timed_steps); }
 };
 
+/// How many steps before the end of the planned window the trainer plans the next one: the
+/// largest prefetch lookahead of the units plus one (at most the window), so that prefetching
+/// never stops at a window's end. Every rank computes the same.
+[[nodiscard]] int plan_margin(const model_config& m, const taskswap::runtime_options& options);
+
+/// What run() does besides training.
+struct run_options {
+  std::function<void(const std::string&)> on_log;  ///< a line every log_every steps
+  std::filesystem::path checkpoint;                ///< where to save checkpoints (empty: none)
+  int checkpoint_every = 0;                        ///< steps between checkpoints (0: only at the end)
+  std::int64_t stop_after = -1;                    ///< end after this step count in all (an interruption)
+};
+
 /// The trainer: the runtime, the model's workspace for one batch size, and the step.
 class trainer {
  public:
@@ -101,9 +114,20 @@ class trainer {
   trainer(const trainer&) = delete;
   trainer& operator=(const trainer&) = delete;
 
-  /// Runs `steps` steps; `on_log` gets a line every log_every steps (the losses lag by one
-  /// interval, so that reading them never waits for the device).
-  run_result run(const std::function<void(const std::string&)>& on_log = {});
+  /// Restores a checkpoint (before run()): the units' state and the step to continue from.
+  /// @throws taskswap::checkpoint_error when it is not a checkpoint of this model and seed
+  std::int64_t resume(const std::filesystem::path& checkpoint);
+
+  /// Runs the steps from the first not done (0, or the resumed position) to `steps`; `on_log`
+  /// gets a line every log_every steps (the losses lag by one interval, so that reading them never
+  /// waits for the device).
+  run_result run(const run_options& options);
+  run_result run(const std::function<void(const std::string&)>& on_log = {})
+  {
+    run_options o;
+    o.on_log = on_log;
+    return run(o);
+  }
 
   /// Flushes and writes every unit's home slabs (params, master, m, v) to `file`.
   void save_parameters(const std::filesystem::path& file);

@@ -17,6 +17,11 @@ namespace {
 
 using taskswap::dtype;
 
+void refuse_f16(dtype type)
+{
+  if (type == dtype::f16) { throw taskswap::invalid_argument("the sample computes in f32 or bf16, not f16"); }
+}
+
 float to_float(const void* src, dtype type, std::size_t i)
 {
   if (type == dtype::f32) { return static_cast<const float*>(src)[i]; }
@@ -74,7 +79,7 @@ class cpu_ops final : public ops {
     });
   }
 
-  void column_sums(float* out, const float* x, int rows, int cols) override
+  void column_sums(float* out, const float* x, int rows, int cols, float* /*scratch*/) override
   {
     enqueue([=] {
       std::fill(out, out + cols, 0.0F);
@@ -85,7 +90,7 @@ class cpu_ops final : public ops {
     });
   }
 
-  void mse(float* y, const float* target, int rows, int cols, float* loss) override
+  void mse(float* y, const float* target, int rows, int cols, float* loss, float* /*scratch*/) override
   {
     enqueue([=] {
       const std::size_t n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols);
@@ -102,6 +107,7 @@ class cpu_ops final : public ops {
 
   void widen(float* dst, const void* src, dtype type, std::size_t n) override
   {
+    refuse_f16(type);
     enqueue([=] {
       for (std::size_t i = 0; i < n; ++i) { dst[i] = to_float(src, type, i); }
     });
@@ -109,7 +115,7 @@ class cpu_ops final : public ops {
 
   void narrow(void* dst, dtype type, const float* src, std::size_t n) override
   {
-    if (type == dtype::f16) { throw taskswap::invalid_argument("the sample computes in f32 or bf16, not f16"); }
+    refuse_f16(type);
     enqueue([=] {
       if (type == dtype::f32) {
         std::memcpy(dst, src, n * sizeof(float));

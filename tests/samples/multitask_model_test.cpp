@@ -118,7 +118,7 @@ TEST(multitask_model, the_workspace_is_what_the_accounting_says)
   EXPECT_THROW(multitask::trainer(dev, c.runtime, c.model, batch, c.model.steps), taskswap::out_of_memory);
 }
 
-TEST(multitask_model, a_short_run_trains_and_saves_every_unit)
+TEST(multitask_model, a_short_run_trains_every_unit)
 {
   auto c = parse("[model]\ntasks = 4\nsteps = 40\nbatch = 32\n");
   c.runtime.device.emulated.memory_bytes = std::size_t{64} << 20U;

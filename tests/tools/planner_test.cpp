@@ -70,12 +70,14 @@ TEST(planner, warm_up_steps_hold_the_copies_prefetch_issues_before_them)
   EXPECT_GT(tools::make_plan(in).h2d_bytes_per_step, 0.0);
 }
 
-// The replay against the runtime: same swap-ins and write-backs over random schedules.
+// The replay against the runtime: same swap-ins and write-backs over random schedules, planned
+// all at once or, as the sample trainer does, a window at a time.
 TEST(planner, counts_what_the_runtime_does)
 {
   std::mt19937 rng(5);
   for (residency policy : {residency::on_demand, residency::prefetch}) {
-    for (int trial = 0; trial < 4; ++trial) {
+    for (int trial = 0; trial < 24; ++trial) {
+      const bool windows = trial >= 8;
       std::vector<unit_spec> units;
       for (int i = 0; i < 6; ++i) { units.push_back(unit("u" + std::to_string(i), 2048)); }
       const std::size_t room = 3 * footprint(units[0], optimizer_placement::device).device_bytes;
@@ -88,6 +90,10 @@ TEST(planner, counts_what_the_runtime_does)
         }
         in.steps.push_back(step);
       }
+      const std::size_t window = windows ? 16 : 0;
+      const std::size_t margin = policy == residency::prefetch ? static_cast<std::size_t>(in.options.defaults.lookahead) + 1 : 1;
+      in.plan_window = window;
+      in.plan_margin = margin;
       const tools::plan_report r = tools::make_plan(in);
 
       const device dev = emulated_device({.memory_bytes = room, .link = {}});
@@ -98,11 +104,25 @@ TEST(planner, counts_what_the_runtime_does)
         for (std::size_t u : step) { p.acquire(unit_id{static_cast<std::uint32_t>(u)}); }
         plans.push_back(p);
       }
-      rt.plan(plans);
+      std::size_t planned = 0;
+      const auto plan_ahead = [&](std::size_t step) {
+        if (window == 0) {
+          if (planned == 0) { rt.plan(plans); }
+          planned = plans.size();
+          return;
+        }
+        if (planned < plans.size() && planned - step <= (planned == 0 ? 0 : margin)) {
+          const std::size_t end = std::min(plans.size(), planned + window);
+          rt.plan(std::span<const step_plan>(plans.data() + planned, end - planned));
+          planned = end;
+        }
+      };
       const stream s(dev);
       std::size_t swap_ins = 0;
       std::size_t write_backs = 0;
+      std::size_t index = 0;
       for (const auto& step : in.steps) {
+        plan_ahead(index++);
         for (std::size_t u : step) { (void)rt.acquire(unit_id{static_cast<std::uint32_t>(u)}, s); }
         for (std::size_t u : step) {
           rt.step(unit_id{static_cast<std::uint32_t>(u)}, s);
@@ -113,10 +133,19 @@ TEST(planner, counts_what_the_runtime_does)
         write_backs += st.write_backs;
       }
       const auto n = static_cast<double>(in.steps.size());
-      EXPECT_DOUBLE_EQ(r.swap_ins_per_step * n, static_cast<double>(swap_ins)) << "policy " << to_string(policy);
       const unit_footprint fp = footprint(units[0], optimizer_placement::device);
-      EXPECT_DOUBLE_EQ(r.d2h_bytes_per_step * n, static_cast<double>(write_backs * fp.write_back_bytes))
-          << "policy " << to_string(policy);
+      const double planned_swaps = r.swap_ins_per_step * n;
+      const double planned_writes = r.d2h_bytes_per_step * n / static_cast<double>(fp.write_back_bytes);
+      const std::string what = std::string("policy ") + std::string(to_string(policy)) + (windows ? ", windows of 16" : ", all planned");
+      if (windows && policy == residency::prefetch) {
+        // A prefetch decides its eviction lookahead steps early, knowing only the windows planned
+        // then; the replay decides at the step. Within a few percent, not exact.
+        EXPECT_NEAR(planned_swaps, static_cast<double>(swap_ins), 0.05 * static_cast<double>(swap_ins)) << what;
+        EXPECT_NEAR(planned_writes, static_cast<double>(write_backs), 0.05 * static_cast<double>(write_backs) + 1) << what;
+      } else {
+        EXPECT_DOUBLE_EQ(planned_swaps, static_cast<double>(swap_ins)) << what;
+        EXPECT_DOUBLE_EQ(planned_writes, static_cast<double>(write_backs)) << what;
+      }
       rt.flush();
     }
   }

@@ -50,7 +50,8 @@ class headroom_search {
       multitask::run_result r = t.run();
       if (!trace.empty()) { t.get_runtime().write_trace(trace); }
       return r;
-    } catch (const out_of_memory&) {
+    } catch (const out_of_memory& e) {
+      last_oom_ = e.what();
       return std::nullopt;
     }
   }
@@ -79,17 +80,18 @@ class headroom_search {
       }
     }
     if (fails < 0) { throw invalid_argument("batch " + std::to_string(fits) + " still fits; the search stops there"); }
-    if (fits == 0) {
-      // Below the first guess: bisect down to 1.
-      fails = std::min<std::int64_t>(fails, 64);
-    }
-    while (fails - fits > 1) {
+    // Exact to one sample, or to 0.1 % where the batches are large (each probe at a GPU's batch
+    // sizes re-pins the home arena and runs real steps).
+    while (fails - fits > std::max<std::int64_t>(1, fits / 1000)) {
       const std::int64_t mid = fits + (fails - fits) / 2;
       if (probe(mid)) {
         fits = mid;
       } else {
         fails = mid;
       }
+    }
+    if (fits == 0) {
+      throw out_of_memory(a.name + ": not even a batch of 1 fits: " + last_oom_, 0, 0, memory_);
     }
     a.max_batch = fits;
   }
@@ -107,6 +109,7 @@ class headroom_search {
   const headroom_args& args_;
   multitask::configuration cfg_;
   std::size_t memory_;
+  std::string last_oom_;
 };
 
 std::string ms_text(double ms)
@@ -124,6 +127,11 @@ int run_headroom(const headroom_args& args)
 {
   std::string name;
   const multitask::configuration cfg = load_or_default(args.config, name);
+  if (cfg.runtime.device.backend == backend_kind::cuda && cuda_device_count() <= cfg.runtime.device.index) {
+    throw invalid_argument(name + " names CUDA device " + std::to_string(cfg.runtime.device.index) + " but " +
+                           std::to_string(cuda_device_count()) +
+                           " are usable here; run on a GPU machine, or use [device] backend = \"emulated\"");
+  }
   const std::size_t memory = device_memory_for(cfg, args.device_memory);
   if (memory == 0) {
     throw invalid_argument("no CUDA device is usable here; run on a GPU machine, or use [device] backend = \"emulated\"");

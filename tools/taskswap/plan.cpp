@@ -47,6 +47,8 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
     step.push_back(trunk + static_cast<std::size_t>(multitask::task_of_step(cfg.model, 0, s)));
     in.steps.push_back(std::move(step));
   }
+  in.plan_window = static_cast<std::size_t>(cfg.model.plan_window);
+  in.plan_margin = static_cast<std::size_t>(multitask::plan_margin(cfg.model, cfg.runtime));
   in.device_memory = device_memory;
   const multitask::workspace_size w = multitask::model_workspace(cfg.model, steps);
   in.fixed_bytes = w.fixed;
@@ -97,7 +99,8 @@ int run_plan(const plan_args& args)
   } else if (args.measure_link || (in.link_bytes_per_second == 0 && cfg.runtime.device.backend == backend_kind::cuda &&
                                    cuda_device_count() > cfg.runtime.device.index)) {
     const device dev = make_device(cfg.runtime.device);
-    in.link_bytes_per_second = measure_copies(dev, -1, std::size_t{256} << 20U, 3).h2d;
+    const std::size_t bytes = std::min(std::size_t{256} << 20U, dev.memory().free / 4 / 4096 * 4096);
+    in.link_bytes_per_second = measure_copies(dev, -1, bytes, 3).h2d;
     in.link_source = "measured host→device on " + dev.name();
   }
   const plan_report r = make_plan(in);

@@ -85,6 +85,10 @@ plan_report make_plan(const plan_input& in)
   for (const unit_spec& spec : in.units) {
     planned_unit p;
     p.policy = policy_for(spec, in.options);
+    if (p.policy.lookahead < 0) {
+      throw config_error("unit '" + spec.name + "': lookahead " + std::to_string(p.policy.lookahead) +
+                         " is negative; use 0 or more");
+    }
     p.fp = footprint(spec, p.policy.optimizer);
     r.all_resident_bytes += footprint(spec, optimizer_placement::device).device_bytes;
     r.pinned_host_bytes += p.fp.home_bytes;
@@ -112,7 +116,8 @@ plan_report make_plan(const plan_input& in)
     if (!units[i].pinned() && units[i].fp.device_bytes > room) {
       throw config_error("unit '" + in.units[i].name + "' needs " + bytes_text(static_cast<double>(units[i].fp.device_bytes)) +
                          " of device memory but the budget leaves " + bytes_text(static_cast<double>(room)) +
-                         " after pinned units; raise [device] budget");
+                         " after pinned units; " +
+                         (units[i].host() ? "raise [device] budget" : "raise [device] budget or choose optimizer = \"host\" for it"));
     }
   }
   std::size_t most_held = 0;
@@ -128,7 +133,18 @@ plan_report make_plan(const plan_input& in)
   }
   r.peak_device_bytes = r.pinned_device_bytes + most_held;
 
-  // Replay: Belady over the swapped units in the room the pinned ones leave.
+  // Replay: Belady over the swapped units in the room the pinned ones leave, seeing only the
+  // steps planned so far (the runtime knows nothing beyond), least recently used among equals.
+  const auto horizon = [&](std::size_t s) {
+    if (in.plan_window == 0) { return never; }
+    return in.plan_window * (1 + (s + in.plan_margin) / in.plan_window);
+  };
+  const auto next_use = [&](const planned_unit& p, std::size_t s) {
+    const std::size_t next = p.next_use_after(s);
+    return next >= horizon(s) ? never : next;
+  };
+  std::vector<std::size_t> last_use(units.size(), 0);  // release order: a tick per release
+  std::size_t tick = 0;
   std::map<std::size_t, bool> resident;  // unit -> dirty
   std::size_t used = 0;
   double h2d = 0;
@@ -149,8 +165,8 @@ plan_report make_plan(const plan_input& in)
         std::size_t furthest = 0;
         for (const auto& [v, dirty] : resident) {
           if (std::find(need.begin(), need.end(), v) != need.end()) { continue; }
-          const std::size_t next = units[v].next_use_after(s);
-          if (victim == never || next > furthest) {
+          const std::size_t next = next_use(units[v], s);
+          if (victim == never || next > furthest || (next == furthest && last_use[v] < last_use[victim])) {
             victim = v;
             furthest = next;
           }
@@ -168,13 +184,14 @@ plan_report make_plan(const plan_input& in)
     const double counted = s >= in.warmup_steps ? 1.0 : 0.0;
     for (std::size_t u : need) {
       const planned_unit& p = units[u];
+      last_use[u] = ++tick;
       if (!p.host()) {
         if (!p.pinned()) { resident[u] = true; }
         continue;
       }
       // Host AdamW: gradients go home; new parameters come back if the unit is used again soon.
       d2h += counted * static_cast<double>(p.fp.grad_bytes);
-      const std::size_t next = p.next_use_after(s);
+      const std::size_t next = next_use(p, s);
       const bool soon = next != never && next - s <= static_cast<std::size_t>(std::max(p.policy.lookahead, 0));
       if (p.pinned() || soon) {
         h2d += counted * static_cast<double>(p.fp.param_bytes);

@@ -22,6 +22,8 @@ struct plan_input {
   std::vector<unit_spec> units;
   std::vector<std::vector<std::size_t>> steps;  ///< the units (indexes) each step acquires, held to its end
   std::size_t warmup_steps = 0;                 ///< leading steps replayed but not counted in the traffic
+  std::size_t plan_window = 0;                  ///< the trainer plans this many steps at a time (0: all at once)
+  std::size_t plan_margin = 0;                  ///< … the next window when this many planned steps remain
   std::size_t device_memory = 0;                ///< the device bytes the budget and activations share (0: unknown)
   double link_bytes_per_second = 0;             ///< 0: unknown
   std::string link_source;                      ///< where the rate came from

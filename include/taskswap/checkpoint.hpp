@@ -1,0 +1,72 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+/// @file
+/// @brief Checkpoints: what runtime::save_checkpoint writes and runtime::load_checkpoint reads.
+///
+/// A checkpoint is a directory holding `data.bin` (every unit's home slabs: params, the f32 master
+/// where the compute dtype is not f32, m, v) and `manifest.toml` (the units, their tensors, dtypes
+/// and AdamW step counts; each slab's offset, size and CRC-32C; the plan position; the optimizer
+/// settings; the trainer's own entries). It is written into a temporary directory, flushed to the
+/// disk, and renamed into place, so a directory named as the checkpoint is either the complete
+/// old one or the complete new one; a partial one is refused at load.
+
+#include <taskswap/dtype.hpp>
+#include <taskswap/optimizer.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace taskswap {
+
+/// @brief Where a slab lies in data.bin, and its checksum.
+struct checkpoint_slab {
+  std::uint64_t offset = 0;
+  std::uint64_t bytes = 0;
+  std::uint32_t crc32c = 0;
+};
+
+/// @brief One unit of a checkpoint.
+struct checkpoint_unit {
+  std::string name;
+  dtype compute = dtype::f32;
+  std::vector<std::pair<std::string, std::vector<std::size_t>>> tensors;  ///< name, shape
+  std::int64_t step = 0;  ///< AdamW steps taken
+  checkpoint_slab params;
+  std::optional<checkpoint_slab> master;  ///< only when the compute dtype is not f32
+  checkpoint_slab m;
+  checkpoint_slab v;
+};
+
+/// @brief The manifest of a checkpoint.
+struct checkpoint_manifest {
+  static constexpr std::int64_t format_version = 1;
+  std::string taskswap_version;
+  std::uint64_t steps_done = 0;  ///< steps ended when it was saved: where the plan resumes
+  int world = 1;                 ///< ranks training together when it was saved
+  std::uint64_t data_bytes = 0;  ///< the size of data.bin
+  adamw_options optimizer{};     ///< the settings then (restored exactly: stored as hex floats)
+  std::map<std::string, std::string> user;  ///< the trainer's entries
+  std::vector<checkpoint_unit> units;
+};
+
+/// @brief Parses manifest text; `source` names it in errors. Checks its structure (every key,
+/// type and range, slabs inside data.bin and not overlapping), not the data.
+/// @throws checkpoint_error naming the source, the line and what is wrong
+[[nodiscard]] checkpoint_manifest parse_checkpoint_manifest(std::string_view text, std::string_view source);
+
+/// @brief Reads `dir`/manifest.toml.
+/// @throws checkpoint_error when it is missing (an incomplete checkpoint) or invalid
+[[nodiscard]] checkpoint_manifest read_checkpoint_manifest(const std::filesystem::path& dir);
+
+/// @brief Checks `dir` completely: the manifest, the size of data.bin, every slab's checksum.
+/// @throws checkpoint_error naming the first unit and slab that does not match
+void verify_checkpoint(const std::filesystem::path& dir);
+
+}  // namespace taskswap

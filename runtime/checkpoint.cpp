@@ -1,0 +1,623 @@
+// SPDX-License-Identifier: Apache-2.0
+#include "runtime/checkpoint.hpp"
+
+#include "device/log.hpp"
+#include "device/message.hpp"
+#include "runtime/crc32c.hpp"
+#include "runtime/unit_layout.hpp"
+
+#include <taskswap/build_info.hpp>
+#include <taskswap/error.hpp>
+
+#include <fcntl.h>
+#include <stdio.h>  // NOLINT: renameat2
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <toml++/toml.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+namespace taskswap {
+namespace {
+
+using detail::message;
+
+constexpr std::string_view format_name = "taskswap-checkpoint";
+constexpr std::string_view manifest_file = "manifest.toml";
+constexpr std::string_view data_file = "data.bin";
+constexpr std::size_t io_chunk = std::size_t{8} << 20U;
+
+std::string hex(std::uint32_t crc)
+{
+  char buf[16];
+  std::snprintf(buf, sizeof buf, "0x%08" PRIx32, crc);
+  return buf;
+}
+
+std::string hex_float(double v)
+{
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%a", v);
+  return buf;
+}
+
+// ---- the manifest's reader: every key known, every type and range checked ------------------
+
+class reader {
+ public:
+  reader(const toml::table& t, std::string_view source, std::string where)
+      : t_(t), source_(source), where_(std::move(where))
+  {
+  }
+
+  [[noreturn]] void fail(const toml::node* n, std::string_view what) const
+  {
+    throw checkpoint_error(message(source_, ":", n != nullptr ? n->source().begin.line : t_.source().begin.line, ": ",
+                                   where_, what));
+  }
+
+  const toml::node& need(std::string_view key)
+  {
+    used_.emplace_back(key);
+    const toml::node* n = t_.get(key);
+    if (n == nullptr) { fail(nullptr, message(" has no '", key, "'")); }
+    return *n;
+  }
+  const toml::node* maybe(std::string_view key)
+  {
+    used_.emplace_back(key);
+    return t_.get(key);
+  }
+
+  std::int64_t integer(std::string_view key, std::int64_t least, std::int64_t most)
+  {
+    const toml::node& n = need(key);
+    const auto v = n.value_exact<std::int64_t>();
+    if (!v || *v < least || *v > most) { fail(&n, message(" ", key, ": give an integer in [", least, ", ", most, "]")); }
+    return *v;
+  }
+  std::string string(std::string_view key)
+  {
+    const toml::node& n = need(key);
+    const auto v = n.value_exact<std::string>();
+    if (!v) { fail(&n, message(" ", key, ": give a string")); }
+    return *v;
+  }
+  double hex_double(std::string_view key)
+  {
+    const toml::node& n = need(key);
+    const auto v = n.value_exact<std::string>();
+    if (v && !v->empty()) {
+      char* end = nullptr;
+      const double d = std::strtod(v->c_str(), &end);
+      if (end == v->c_str() + v->size() && std::isfinite(d)) { return d; }
+    }
+    fail(&n, message(" ", key, ": give a finite number as a string (a hex float, as written)"));
+  }
+  const toml::table& table(std::string_view key)
+  {
+    const toml::node& n = need(key);
+    const toml::table* t = n.as_table();
+    if (t == nullptr) { fail(&n, message(" ", key, ": give a table")); }
+    return *t;
+  }
+  const toml::array& array(std::string_view key)
+  {
+    const toml::node& n = need(key);
+    const toml::array* a = n.as_array();
+    if (a == nullptr) { fail(&n, message(" ", key, ": give an array")); }
+    return *a;
+  }
+  void reject_unknown() const
+  {
+    for (const auto& [key, node] : t_) {
+      if (std::find(used_.begin(), used_.end(), key.str()) == used_.end()) {
+        fail(&node, message(" has an unknown key '", key.str(), "'"));
+      }
+    }
+  }
+  [[nodiscard]] std::string_view source() const noexcept { return source_; }
+  [[nodiscard]] const std::string& where() const noexcept { return where_; }
+
+ private:
+  const toml::table& t_;
+  std::string_view source_;
+  std::string where_;
+  std::vector<std::string> used_;
+};
+
+constexpr std::int64_t max_bytes = std::int64_t{1} << 50;  // 1 PiB: far beyond any host
+
+dtype read_dtype(reader& r, std::string_view key)
+{
+  const std::string s = r.string(key);
+  if (s == "f32") { return dtype::f32; }
+  if (s == "bf16") { return dtype::bf16; }
+  if (s == "f16") { return dtype::f16; }
+  r.fail(nullptr, message(" ", key, ": \"", s, "\" is not f32, bf16 or f16"));
+}
+
+checkpoint_slab read_slab(reader& parent, std::string_view key)
+{
+  reader r(parent.table(key), parent.source(), parent.where() + " " + std::string(key));
+  checkpoint_slab s;
+  s.offset = static_cast<std::uint64_t>(r.integer("offset", 0, max_bytes));
+  s.bytes = static_cast<std::uint64_t>(r.integer("bytes", 0, max_bytes));
+  s.crc32c = static_cast<std::uint32_t>(r.integer("crc32c", 0, 0xffffffffLL));
+  r.reject_unknown();
+  return s;
+}
+
+checkpoint_unit read_unit(const toml::node& node, std::string_view source, std::size_t index)
+{
+  const toml::table* t = node.as_table();
+  if (t == nullptr) {
+    throw checkpoint_error(message(source, ":", node.source().begin.line, ": units[", index, "] is not a table"));
+  }
+  checkpoint_unit u;
+  {
+    reader first(*t, source, message("units[", index, "]"));
+    u.name = first.string("name");
+  }
+  reader r(*t, source, message("unit '", u.name, "'"));
+  (void)r.string("name");
+  u.compute = read_dtype(r, "compute");
+  u.step = r.integer("step", 0, std::int64_t{1} << 62);
+  const toml::array& tensors = r.array("tensors");
+  for (const toml::node& tn : tensors) {
+    const toml::table* tt = tn.as_table();
+    if (tt == nullptr) { r.fail(&tn, " tensors: each tensor is a table { name, shape }"); }
+    reader tr(*tt, source, message("unit '", u.name, "' tensor"));
+    std::string name = tr.string("name");
+    std::vector<std::size_t> shape;
+    std::uint64_t count = 1;
+    for (const toml::node& dn : tr.array("shape")) {
+      const auto d = dn.value_exact<std::int64_t>();
+      if (!d || *d < 1 || *d > max_bytes) { tr.fail(&dn, message(" '", name, "' shape: give dimensions of at least 1")); }
+      count *= static_cast<std::uint64_t>(*d);
+      if (count > static_cast<std::uint64_t>(max_bytes)) { tr.fail(&dn, message(" '", name, "' shape: too many elements")); }
+      shape.push_back(static_cast<std::size_t>(*d));
+    }
+    if (shape.empty()) { tr.fail(tt, message(" '", name, "' shape: give at least one dimension")); }
+    tr.reject_unknown();
+    u.tensors.emplace_back(std::move(name), std::move(shape));
+  }
+  if (u.tensors.empty()) { r.fail(&tensors, " tensors: a unit has at least one tensor"); }
+  u.params = read_slab(r, "params");
+  if (r.maybe("master") != nullptr) { u.master = read_slab(r, "master"); }
+  if (u.master.has_value() != (u.compute != dtype::f32)) {
+    r.fail(nullptr, u.compute == dtype::f32 ? " has a master slab, which f32 units do not"
+                                            : " has no master slab, which non-f32 units need");
+  }
+  u.m = read_slab(r, "m");
+  u.v = read_slab(r, "v");
+  r.reject_unknown();
+  return u;
+}
+
+// Every slab inside data.bin, none overlapping another.
+void check_slabs(const checkpoint_manifest& m, std::string_view source)
+{
+  struct extent {
+    std::uint64_t offset;
+    std::uint64_t end;
+    std::string what;
+  };
+  std::vector<extent> all;
+  for (const checkpoint_unit& u : m.units) {
+    const auto add = [&](const checkpoint_slab& s, std::string_view what) {
+      if (s.offset + s.bytes > m.data_bytes) {
+        throw checkpoint_error(message(source, ": unit '", u.name, "' slab ", what, " (", s.bytes, " bytes at ", s.offset,
+                                       ") reaches beyond data.bin's ", m.data_bytes, " bytes"));
+      }
+      all.push_back({s.offset, s.offset + s.bytes, message("unit '", u.name, "' slab ", what)});
+    };
+    add(u.params, "params");
+    if (u.master) { add(*u.master, "master"); }
+    add(u.m, "m");
+    add(u.v, "v");
+  }
+  std::sort(all.begin(), all.end(), [](const extent& a, const extent& b) { return a.offset < b.offset; });
+  for (std::size_t i = 1; i < all.size(); ++i) {
+    if (all[i].offset < all[i - 1].end) {
+      throw checkpoint_error(message(source, ": ", all[i].what, " overlaps ", all[i - 1].what));
+    }
+  }
+}
+
+// ---- files ----------------------------------------------------------------------------------
+
+std::string system_reason() { return std::strerror(errno); }
+
+class fd_file {
+ public:
+  fd_file(const std::filesystem::path& path, int flags, mode_t mode = 0644) : path_(path)
+  {
+    fd_ = ::open(path.c_str(), flags | O_CLOEXEC, mode);
+    if (fd_ < 0) { throw checkpoint_error(message("cannot open '", path.string(), "': ", system_reason())); }
+  }
+  ~fd_file()
+  {
+    if (fd_ >= 0) { ::close(fd_); }
+  }
+  fd_file(const fd_file&) = delete;
+  fd_file& operator=(const fd_file&) = delete;
+
+  void write_all(std::span<const std::byte> data)
+  {
+    while (!data.empty()) {
+      const ssize_t n = ::write(fd_, data.data(), std::min(data.size(), io_chunk));
+      if (n < 0 && errno == EINTR) { continue; }
+      if (n <= 0) { throw checkpoint_error(message("writing '", path_.string(), "' failed: ", system_reason())); }
+      data = data.subspan(static_cast<std::size_t>(n));
+    }
+  }
+  /// Reads exactly data.size() bytes at `offset`.
+  void read_at(std::span<std::byte> data, std::uint64_t offset)
+  {
+    while (!data.empty()) {
+      const ssize_t n = ::pread(fd_, data.data(), std::min(data.size(), io_chunk), static_cast<off_t>(offset));
+      if (n < 0 && errno == EINTR) { continue; }
+      if (n <= 0) {
+        throw checkpoint_error(message("reading '", path_.string(), "' at ", offset, " failed: ",
+                                       n == 0 ? "it ends there" : system_reason()));
+      }
+      data = data.subspan(static_cast<std::size_t>(n));
+      offset += static_cast<std::uint64_t>(n);
+    }
+  }
+  void sync()
+  {
+    if (::fsync(fd_) != 0) { throw checkpoint_error(message("flushing '", path_.string(), "' failed: ", system_reason())); }
+  }
+  [[nodiscard]] std::uint64_t size() const
+  {
+    struct stat st {};
+    if (::fstat(fd_, &st) != 0) { throw checkpoint_error(message("cannot stat '", path_.string(), "': ", system_reason())); }
+    return static_cast<std::uint64_t>(st.st_size);
+  }
+
+ private:
+  std::filesystem::path path_;
+  int fd_ = -1;
+};
+
+void sync_directory(const std::filesystem::path& dir)
+{
+  fd_file d(dir, O_RDONLY | O_DIRECTORY);
+  d.sync();
+}
+
+std::uint32_t slab_crc(fd_file& f, const checkpoint_slab& s, std::vector<std::byte>& buffer)
+{
+  std::uint32_t crc = 0;
+  for (std::uint64_t done = 0; done < s.bytes;) {
+    const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(io_chunk, s.bytes - done));
+    buffer.resize(n);
+    f.read_at(buffer, s.offset + done);
+    crc = detail::crc32c(buffer, crc);
+    done += n;
+  }
+  return crc;
+}
+
+template <typename Fn>
+void for_each_slab(const checkpoint_unit& u, Fn&& fn)
+{
+  fn(u.params, "params");
+  if (u.master) { fn(*u.master, "master"); }
+  fn(u.m, "m");
+  fn(u.v, "v");
+}
+
+}  // namespace
+
+checkpoint_manifest parse_checkpoint_manifest(std::string_view text, std::string_view source)
+{
+  toml::table root;
+  try {
+    root = toml::parse(text, source);
+  } catch (const toml::parse_error& e) {
+    throw checkpoint_error(message(source, ":", e.source().begin.line, ": ", e.description()));
+  }
+  reader r(root, source, "the manifest");
+  if (r.string("format") != format_name) {
+    r.fail(root.get("format"), message(" format: not \"", format_name, "\"; this is not a taskswap checkpoint"));
+  }
+  const std::int64_t version = r.integer("version", 1, 1'000'000);
+  if (version != checkpoint_manifest::format_version) {
+    r.fail(root.get("version"), message(" version ", version, ": this taskswap reads version ",
+                                        checkpoint_manifest::format_version));
+  }
+  checkpoint_manifest m;
+  m.taskswap_version = r.string("taskswap");
+  m.steps_done = static_cast<std::uint64_t>(r.integer("steps_done", 0, std::int64_t{1} << 62));
+  m.world = static_cast<int>(r.integer("world", 1, 1 << 24));
+  m.data_bytes = static_cast<std::uint64_t>(r.integer("data_bytes", 0, max_bytes));
+  {
+    reader o(r.table("optimizer"), source, "[optimizer]");
+    m.optimizer.lr = o.hex_double("lr");
+    m.optimizer.beta1 = o.hex_double("beta1");
+    m.optimizer.beta2 = o.hex_double("beta2");
+    m.optimizer.eps = o.hex_double("eps");
+    m.optimizer.weight_decay = o.hex_double("weight_decay");
+    o.reject_unknown();
+  }
+  if (const toml::node* user = r.maybe("user")) {
+    const toml::table* t = user->as_table();
+    if (t == nullptr) { r.fail(user, " user: give a table of strings"); }
+    for (const auto& [key, value] : *t) {
+      const auto v = value.value_exact<std::string>();
+      if (!v) { r.fail(&value, message(" user.", key.str(), ": give a string")); }
+      m.user.emplace(std::string(key.str()), *v);
+    }
+  }
+  std::size_t index = 0;
+  for (const toml::node& n : r.array("units")) { m.units.push_back(read_unit(n, source, index++)); }
+  r.reject_unknown();
+  std::vector<std::string_view> names;
+  for (const checkpoint_unit& u : m.units) { names.push_back(u.name); }
+  std::sort(names.begin(), names.end());
+  if (const auto dup = std::adjacent_find(names.begin(), names.end()); dup != names.end()) {
+    throw checkpoint_error(message(source, ": unit '", *dup, "' appears twice"));
+  }
+  check_slabs(m, source);
+  return m;
+}
+
+checkpoint_manifest read_checkpoint_manifest(const std::filesystem::path& dir)
+{
+  const std::filesystem::path file = dir / manifest_file;
+  std::ifstream in(file, std::ios::binary);
+  if (!in) {
+    throw checkpoint_error(message("'", dir.string(), "' is not a complete checkpoint: it has no ", manifest_file,
+                                   " (a save that did not finish leaves none); use another checkpoint"));
+  }
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_checkpoint_manifest(text.str(), file.string());
+}
+
+void verify_checkpoint(const std::filesystem::path& dir)
+{
+  const checkpoint_manifest m = read_checkpoint_manifest(dir);
+  fd_file f(dir / data_file, O_RDONLY);
+  const std::uint64_t size = f.size();
+  if (size != m.data_bytes) {
+    throw checkpoint_error(message("checkpoint '", dir.string(), "': ", data_file, " has ", size, " bytes but the manifest says ",
+                                   m.data_bytes, ": it is incomplete or was changed; use another checkpoint"));
+  }
+  std::vector<std::byte> buffer;
+  for (const checkpoint_unit& u : m.units) {
+    for_each_slab(u, [&](const checkpoint_slab& s, std::string_view what) {
+      const std::uint32_t crc = slab_crc(f, s, buffer);
+      if (crc != s.crc32c) {
+        throw checkpoint_error(message("checkpoint '", dir.string(), "': unit '", u.name, "' slab ", what, " (", s.bytes,
+                                       " bytes at ", s.offset, ") has CRC-32C ", hex(crc), " but the manifest says ",
+                                       hex(s.crc32c), ": the checkpoint is corrupted; use another one"));
+      }
+    });
+  }
+}
+
+namespace detail {
+
+checkpoint_manifest describe_checkpoint(std::span<const checkpoint_source> units)
+{
+  checkpoint_manifest m;
+  m.taskswap_version = get_build_info().version;
+  std::uint64_t at = 0;
+  const auto slab = [&](std::span<const std::byte> s) {
+    checkpoint_slab c{.offset = at, .bytes = s.size(), .crc32c = crc32c(s)};
+    at += s.size();
+    return c;
+  };
+  for (const checkpoint_source& u : units) {
+    checkpoint_unit c;
+    c.name = u.name;
+    c.compute = u.compute;
+    for (const tensor_info& t : u.tensors) { c.tensors.emplace_back(t.name, t.shape); }
+    c.step = u.step;
+    c.params = slab(u.params);
+    if (!u.master.empty()) { c.master = slab(u.master); }
+    c.m = slab(u.m);
+    c.v = slab(u.v);
+    m.units.push_back(std::move(c));
+  }
+  m.data_bytes = at;
+  return m;
+}
+
+std::string manifest_text(const checkpoint_manifest& m)
+{
+  const auto slab = [](const checkpoint_slab& s) {
+    return toml::table{{"offset", static_cast<std::int64_t>(s.offset)},
+                       {"bytes", static_cast<std::int64_t>(s.bytes)},
+                       {"crc32c", static_cast<std::int64_t>(s.crc32c)}};
+  };
+  toml::array units;
+  for (const checkpoint_unit& u : m.units) {
+    toml::array tensors;
+    for (const auto& [name, shape] : u.tensors) {
+      toml::array dims;
+      for (std::size_t d : shape) { dims.push_back(static_cast<std::int64_t>(d)); }
+      tensors.push_back(toml::table{{"name", name}, {"shape", dims}});
+    }
+    toml::table t{{"name", u.name},
+                  {"compute", std::string(to_string(u.compute))},
+                  {"step", u.step},
+                  {"tensors", tensors},
+                  {"params", slab(u.params)},
+                  {"m", slab(u.m)},
+                  {"v", slab(u.v)}};
+    if (u.master) { t.insert("master", slab(*u.master)); }
+    units.push_back(std::move(t));
+  }
+  toml::table user;
+  for (const auto& [k, v] : m.user) { user.insert(k, v); }
+  toml::table root{{"format", std::string(format_name)},
+                   {"version", checkpoint_manifest::format_version},
+                   {"taskswap", m.taskswap_version},
+                   {"steps_done", static_cast<std::int64_t>(m.steps_done)},
+                   {"world", static_cast<std::int64_t>(m.world)},
+                   {"data_bytes", static_cast<std::int64_t>(m.data_bytes)},
+                   {"optimizer", toml::table{{"lr", hex_float(m.optimizer.lr)},
+                                             {"beta1", hex_float(m.optimizer.beta1)},
+                                             {"beta2", hex_float(m.optimizer.beta2)},
+                                             {"eps", hex_float(m.optimizer.eps)},
+                                             {"weight_decay", hex_float(m.optimizer.weight_decay)}}},
+                   {"user", user},
+                   {"units", units}};
+  std::ostringstream out;
+  out << "# taskswap checkpoint manifest: slab offsets and sizes are bytes in data.bin; crc32c is CRC-32C.\n"
+      << root << "\n";
+  return out.str();
+}
+
+void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
+                      std::span<const checkpoint_source> units)
+{
+  namespace fs = std::filesystem;
+  const fs::path target = fs::absolute(dir).lexically_normal();
+  const fs::path parent = target.parent_path();
+  std::error_code ec;
+  if (fs::exists(target, ec)) {
+    if (!fs::is_directory(target, ec) || (!fs::is_empty(target, ec) && !fs::exists(target / manifest_file, ec))) {
+      throw checkpoint_error(message("'", target.string(), "' exists and is not a checkpoint (no ", manifest_file,
+                                     "); choose another path or move it away"));
+    }
+  }
+  if (!fs::is_directory(parent, ec)) {
+    throw checkpoint_error(message("cannot write the checkpoint '", target.string(), "': the directory '", parent.string(),
+                                   "' does not exist"));
+  }
+  const fs::path tmp = parent / message(".", target.filename().string(), ".tmp-", ::getpid());
+  fs::remove_all(tmp, ec);  // a leftover of this process's earlier failure
+  if (::mkdir(tmp.c_str(), 0755) != 0) {
+    throw checkpoint_error(message("cannot create '", tmp.string(), "': ", system_reason()));
+  }
+  try {
+    {
+      fd_file data(tmp / data_file, O_WRONLY | O_CREAT | O_EXCL);
+      for (const checkpoint_source& u : units) {
+        data.write_all(u.params);
+        if (!u.master.empty()) { data.write_all(u.master); }
+        data.write_all(u.m);
+        data.write_all(u.v);
+      }
+      data.sync();
+    }
+    {
+      const std::string text = manifest_text(manifest);
+      fd_file f(tmp / manifest_file, O_WRONLY | O_CREAT | O_EXCL);
+      f.write_all(std::as_bytes(std::span(text.data(), text.size())));
+      f.sync();
+    }
+    sync_directory(tmp);
+    if (!fs::exists(target, ec)) {
+      if (::rename(tmp.c_str(), target.c_str()) != 0) {
+        throw checkpoint_error(message("cannot rename '", tmp.string(), "' to '", target.string(), "': ", system_reason()));
+      }
+    } else if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
+      throw checkpoint_error(message("cannot put the new checkpoint in place of '", target.string(),
+                                     "' (an atomic exchange of the two directories): ", system_reason()));
+    }
+    sync_directory(parent);
+  } catch (...) {
+    fs::remove_all(tmp, ec);
+    throw;
+  }
+  fs::remove_all(tmp, ec);  // after an exchange: the old checkpoint
+  if (ec) { detail::log(log_level::warning, message("checkpoint: could not remove '", tmp.string(), "': ", ec.message())); }
+}
+
+std::vector<std::size_t> match_units(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
+                                     std::span<const checkpoint_source> units)
+{
+  const std::string where = message("checkpoint '", dir.string(), "'");
+  std::vector<std::size_t> out;
+  std::vector<bool> used(manifest.units.size(), false);
+  for (const checkpoint_source& u : units) {
+    const auto it = std::find_if(manifest.units.begin(), manifest.units.end(),
+                                 [&](const checkpoint_unit& c) { return c.name == u.name; });
+    if (it == manifest.units.end()) {
+      throw checkpoint_error(message(where, " has no unit '", u.name, "', which this runtime registers; it holds ",
+                                     manifest.units.size(), " units of another model"));
+    }
+    const checkpoint_unit& c = *it;
+    if (c.compute != u.compute) {
+      throw checkpoint_error(message(where, ": unit '", u.name, "' is ", to_string(c.compute), " in the checkpoint but ",
+                                     to_string(u.compute), " in this runtime"));
+    }
+    if (c.tensors.size() != u.tensors.size()) {
+      throw checkpoint_error(message(where, ": unit '", u.name, "' has ", c.tensors.size(), " tensors in the checkpoint but ",
+                                     u.tensors.size(), " in this runtime"));
+    }
+    for (std::size_t i = 0; i < u.tensors.size(); ++i) {
+      const auto& [name, shape] = c.tensors[i];
+      if (name != u.tensors[i].name || shape != u.tensors[i].shape) {
+        const auto text = [](const std::vector<std::size_t>& s) {
+          std::string t = "[";
+          for (std::size_t k = 0; k < s.size(); ++k) { t += (k == 0 ? "" : ", ") + std::to_string(s[k]); }
+          return t + "]";
+        };
+        throw checkpoint_error(message(where, ": unit '", u.name, "' tensor ", i, " is '", name, "' ", text(shape),
+                                       " in the checkpoint but '", u.tensors[i].name, "' ", text(u.tensors[i].shape),
+                                       " in this runtime"));
+      }
+    }
+    const auto sizes_match = [&](const checkpoint_slab& s, std::span<const std::byte> mine, std::string_view what) {
+      if (s.bytes != mine.size()) {
+        throw checkpoint_error(message(where, ": unit '", u.name, "' slab ", what, " has ", s.bytes,
+                                       " bytes in the checkpoint but ", mine.size(), " in this runtime"));
+      }
+    };
+    sizes_match(c.params, u.params, "params");
+    if (c.master) { sizes_match(*c.master, u.master, "master"); }
+    sizes_match(c.m, u.m, "m");
+    sizes_match(c.v, u.v, "v");
+    used[static_cast<std::size_t>(it - manifest.units.begin())] = true;
+    out.push_back(static_cast<std::size_t>(it - manifest.units.begin()));
+  }
+  for (std::size_t i = 0; i < used.size(); ++i) {
+    if (!used[i]) {
+      throw checkpoint_error(message(where, " has unit '", manifest.units[i].name,
+                                     "', which this runtime does not register; register it or use a checkpoint of this model"));
+    }
+  }
+  return out;
+}
+
+void read_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
+                     std::span<const checkpoint_source> units, std::span<const std::size_t> where)
+{
+  fd_file f(dir / data_file, O_RDONLY);
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    const checkpoint_unit& c = manifest.units[where[i]];
+    const checkpoint_source& u = units[i];
+    const auto read = [&](const checkpoint_slab& s, std::span<std::byte> into, std::string_view what) {
+      f.read_at(into, s.offset);
+      if (crc32c(into) != s.crc32c) {
+        throw checkpoint_error(message("checkpoint '", dir.string(), "': unit '", u.name, "' slab ", what,
+                                       " changed while it was being loaded; the runtime's home copies are partly "
+                                       "overwritten: load a checkpoint again before training"));
+      }
+    };
+    read(c.params, u.params, "params");
+    if (c.master) { read(*c.master, u.master, "master"); }
+    read(c.m, u.m, "m");
+    read(c.v, u.v, "v");
+  }
+}
+
+}  // namespace detail
+}  // namespace taskswap
