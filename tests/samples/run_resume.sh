@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Usage: run_resume.sh WORKDIR [mpiexec NP] -- TRAINER CONFIG STEPS STOP
+# Trains STEPS steps uninterrupted; then STOP steps with a checkpoint (every STOP/2 steps too) and a
+# run that resumes from it. Passes when the resumed run's final home slabs are bitwise those of the
+# uninterrupted run (on every rank under mpiexec).
+set -euo pipefail
+work=$1; shift
+launch=()
+if [ "$1" != "--" ]; then
+  launch=("$1" --allow-run-as-root --oversubscribe --bind-to none -np "$2"); shift 2
+fi
+shift  # --
+trainer=$1 config=$2 steps=$3 stop=$4
+rm -rf "$work" && mkdir -p "$work"
+"${launch[@]}" "$trainer" "$config" --steps "$steps" --save-params "$work/uninterrupted.bin" | tail -n 1
+"${launch[@]}" "$trainer" "$config" --steps "$steps" --stop-after "$stop" --checkpoint "$work/ck" \
+  --checkpoint-every $((stop / 2)) | tail -n 1
+"${launch[@]}" "$trainer" "$config" --steps "$steps" --resume "$work/ck" --save-params "$work/resumed.bin" | grep resumed
+for f in "$work"/uninterrupted.bin*; do
+  r=${f/uninterrupted/resumed}
+  cmp "$f" "$r" || { echo "run_resume: $r differs from $f"; exit 1; }
+done
+echo "run_resume: resumed at step $stop of $steps: bitwise equal to the uninterrupted run"
