@@ -9,7 +9,7 @@ PRESET ?= default
 BUILD  := build/$(PRESET)
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all setup configure build test demo bench test-asan test-tsan gpu-check clean
+.PHONY: all setup configure build test demo bench test-asan test-tsan fuzz gpu-check clean
 
 all: build
 
@@ -44,6 +44,13 @@ test-asan:
 
 test-tsan:
 	$(MAKE) test PRESET=tsan
+
+# The libFuzzer harnesses (config loader, checkpoint manifest reader), FUZZ_SECONDS each.
+FUZZ_SECONDS ?= 60
+fuzz: setup
+	cmake --preset fuzz
+	cmake --build --preset fuzz -j $(JOBS)
+	bash fuzz/run $(FUZZ_SECONDS)
 
 gpu-check:
 	bash tools/gpu-check

@@ -35,7 +35,9 @@ int cuda_device_count() noexcept { return detail::cuda_device_count(); }
 
 device cuda_device(int index) { return device{detail::cuda_backend_for(index)}; }
 
-device emulated_device(const emulated_options& options)
+device emulated_device(const emulated_options& options) { return emulated_device(options, emulated_faults{}); }
+
+device emulated_device(const emulated_options& options, const emulated_faults& faults)
 {
   TASKSWAP_EXPECTS(options.memory_bytes > 0,
                    "emulated device needs memory_bytes > 0; give it the device memory to emulate");
@@ -43,7 +45,7 @@ device emulated_device(const emulated_options& options)
                    detail::message("emulated link model needs non-negative numbers, got ",
                                    options.link.bytes_per_second, " B/s and ",
                                    options.link.latency_seconds, " s latency"));
-  return device{std::make_shared<detail::emulated_backend>(options)};
+  return device{std::make_shared<detail::emulated_backend>(options, faults)};
 }
 
 namespace {

@@ -4,6 +4,8 @@
 #include "device/expects.hpp"
 #include "device/message.hpp"
 
+#include <cpuid.h>
+
 #include <algorithm>
 #include <cmath>
 
@@ -40,10 +42,19 @@ std::string_view to_string(cpu_isa isa) noexcept
 }
 
 namespace {
+// F16C from CPUID leaf 1 (ECX bit 29): clang's __builtin_cpu_supports does not know "f16c".
+bool has_f16c() noexcept
+{
+  unsigned eax = 0;
+  unsigned ebx = 0;
+  unsigned ecx = 0;
+  unsigned edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & (1U << 29U)) != 0;
+}
+
 bool supports(cpu_isa isa) noexcept
 {
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                    __builtin_cpu_supports("f16c");
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
   switch (isa) {
     case cpu_isa::avx512: return avx2 && __builtin_cpu_supports("avx512f");
     case cpu_isa::avx2: return avx2;

@@ -139,6 +139,9 @@ class table_reader {
     const std::string& text = n->as_string()->get();
     const auto v = scaled_number(text, units);
     if (!v) { fail(*n, key, message("\"", text, "\" is not a quantity with a unit; write e.g. \"", example, "\"")); }
+    // Every quantity becomes a 64-bit count (bytes, bytes per second, milliseconds): 1e18 is far
+    // beyond any real one and keeps the conversions defined (found by the config fuzzer).
+    if (*v > 1e18) { fail(*n, key, message("\"", text, "\" is too large; write e.g. \"", example, "\"")); }
     return v;
   }
 
@@ -306,6 +309,9 @@ void read_runtime(const toml::table& t, std::string_view source, runtime_options
   table_reader r(t, source, "[runtime]");
   if (auto b = r.boolean("measure_stall")) { o.measure_stall = *b; }
   if (auto b = r.boolean("trace")) { o.trace = *b; }
+  if (auto d = r.quantity("timeout", time_units, "300 s")) {
+    o.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(*d * 1000.0)));
+  }
   r.reject_unknown();
 }
 

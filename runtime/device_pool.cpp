@@ -18,7 +18,7 @@ device_buffer take_budget(const device& dev, std::size_t budget)
   } catch (const out_of_memory& e) {
     throw out_of_memory(message("the device budget of ", bytes_text(budget), " does not fit on ", dev.name(),
                                 ", which has ", bytes_text(e.available()), " free of ", bytes_text(e.budget()),
-                                "; lower [device] budget"),
+                                "; lower [device] budget (", e.what(), ")"),
                         budget, e.available(), e.budget());
   }
 }

@@ -248,6 +248,33 @@ struct runtime::impl {
   // Checkpoints
   [[nodiscard]] std::vector<detail::checkpoint_source> checkpoint_sources();
 
+  // Failures. After the device failed, a wait timed out or a collective failed, every later call
+  // throws that first error again, and the runtime writes nothing home any more: a unit on the
+  // device may hold work that never finished, or an update from gradients that never arrived.
+  template <typename Body>
+  decltype(auto) guarded(Body&& body)
+  {
+    if (failed_) { std::rethrow_exception(failed_); }
+    try {
+      return body();
+    } catch (const device_error&) {
+      failed_ = std::current_exception();
+      throw;
+    } catch (const timeout_error&) {
+      failed_ = std::current_exception();
+      throw;
+    } catch (const comm_error&) {
+      failed_ = std::current_exception();
+      throw;
+    } catch (const cuda_error&) {  // a sticky CUDA error surfaces as the first call's failure
+      failed_ = std::current_exception();
+      throw;
+    }
+  }
+  // Waits (bounded by the timeout) until the runtime's streams have done their work.
+  void wait_streams(std::string_view what);
+  std::exception_ptr failed_;
+
   // Stats
   void resolve_stalls(bool wait);
   step_stats* stats_of(std::uint64_t step);
@@ -358,9 +385,15 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
 
 runtime::impl::~impl()
 {
-  // Keep the home copies current and let no copy outlive the memory it touches.
+  // Keep the home copies current (unless something failed: then nothing more is written home)
+  // and let no copy outlive the memory it touches.
+  const bool failed = failed_ || (reducer_ && reducer_->comm().failed());
+  if (failed) {
+    detail::log(log_level::warning, "runtime teardown after a failure: dirty units are not written back; the home "
+                                    "copies hold the states last written back");
+  }
   try {
-    if (held_count_ == 0 && started_) {
+    if (held_count_ == 0 && started_ && !failed) {
       for (unit_record& r : units_) {
         if (r.resident() && r.dirty) { write_back(r); }
       }
@@ -368,23 +401,17 @@ runtime::impl::~impl()
   } catch (const std::exception& e) {
     detail::log(log_level::warning, message("runtime teardown: writing dirty units back failed: ", e.what()));
   }
-  if (aux_) {
-    try {
-      aux_->synchronize();
-    } catch (const std::exception& e) {
-      detail::log(log_level::warning, message("runtime teardown: ", e.what()));
-    }
-  }
-  for (stream* s : {&h2d_, &d2h_, &host_opt_}) {
-    try {
-      s->synchronize();
-    } catch (const std::exception& e) {
-      detail::log(log_level::warning, message("runtime teardown: ", e.what()));
-    }
+  try {
+    wait_streams("runtime teardown");
+  } catch (const std::exception& e) {
+    detail::log(log_level::warning, e.what());
   }
   for (unit_record& r : units_) {
     try {
-      if (r.released.recorded()) { r.released.synchronize(); }
+      if (r.released.recorded() && !r.released.synchronize_for(options_.timeout)) {
+        detail::log(log_level::warning, message("runtime teardown: unit '", r.name, "' was not released on the device within ",
+                                                options_.timeout.count(), " ms; the trainer's stream is stalled"));
+      }
     } catch (const std::exception& e) {
       detail::log(log_level::warning, message("runtime teardown: unit '", r.name, "': ", e.what()));
     }
@@ -946,35 +973,39 @@ home_view runtime::home(unit_id u)
 
 void runtime::plan(std::span<const step_plan> steps)
 {
-  impl& m = *impl_;
-  m.check_comm();
-  for (std::size_t k = 0; k < steps.size(); ++k) { m.check_step(steps[k], m.steps_done_ + m.plan_.planned_steps() + k); }
-  if (m.reducer_) {
-    m.plan_together(steps);
-  } else {
-    for (const step_plan& s : steps) { m.plan_.append(s); }
-  }
-  m.planned_steps_ += steps.size();
-  m.start();
-  m.prefetch();
+  return impl_->guarded([&] {
+    impl& m = *impl_;
+    m.check_comm();
+    for (std::size_t k = 0; k < steps.size(); ++k) { m.check_step(steps[k], m.steps_done_ + m.plan_.planned_steps() + k); }
+    if (m.reducer_) {
+      m.plan_together(steps);
+    } else {
+      for (const step_plan& s : steps) { m.plan_.append(s); }
+    }
+    m.planned_steps_ += steps.size();
+    m.start();
+    m.prefetch();
+  });
 }
 
 unit_view runtime::acquire(unit_id u, stream_view s)
 {
-  impl& m = *impl_;
-  unit_record& r = m.record(u);
-  TASKSWAP_EXPECTS(!r.held, message("acquire('", r.name, "'): the unit is already held; release it first"));
-  m.check_comm();
-  m.start();
-  m.begin_step();
-  m.acquire(r, s);
-  const detail::unit_layout& l = r.layout;
-  unit_view v;
-  v.id = u;
-  v.tensors = l.tensors;
-  v.params = {r.slot->data() + l.params, l.compute, l.count};
-  v.grads = {r.slot->data() + l.device_grads, l.grad, l.count};
-  return v;
+  return impl_->guarded([&] {
+    impl& m = *impl_;
+    unit_record& r = m.record(u);
+    TASKSWAP_EXPECTS(!r.held, message("acquire('", r.name, "'): the unit is already held; release it first"));
+    m.check_comm();
+    m.start();
+    m.begin_step();
+    m.acquire(r, s);
+    const detail::unit_layout& l = r.layout;
+    unit_view v;
+    v.id = u;
+    v.tensors = l.tensors;
+    v.params = {r.slot->data() + l.params, l.compute, l.count};
+    v.grads = {r.slot->data() + l.device_grads, l.grad, l.count};
+    return v;
+  });
 }
 
 void runtime::impl::acquire(unit_record& r, stream_view s)
@@ -1034,37 +1065,41 @@ void runtime::impl::acquire(unit_record& r, stream_view s)
 
 void runtime::grads_ready(unit_id u, stream_view s)
 {
-  impl& m = *impl_;
-  m.check_comm();
-  unit_record& r = m.held_record(u, "grads_ready");
-  if (m.reducer_) {
-    m.mark_ready(r, s);
-    return;
-  }
-  ensure(r.grads_ready_event, m.device_).record(s);
+  return impl_->guarded([&] {
+    impl& m = *impl_;
+    m.check_comm();
+    unit_record& r = m.held_record(u, "grads_ready");
+    if (m.reducer_) {
+      m.mark_ready(r, s);
+      return;
+    }
+    ensure(r.grads_ready_event, m.device_).record(s);
+  });
 }
 
 void runtime::step(unit_id u, stream_view s)
 {
-  impl& m = *impl_;
-  m.check_comm();
-  unit_record& r = m.held_record(u, "step");
-  if (!m.reducer_) {
-    if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
-    m.apply_step(r, s);
-    return;
-  }
-  TASKSWAP_EXPECTS(!r.step_requested, message("step('", r.name, "'): the unit was stepped already in this step"));
-  m.mark_ready(r, s);  // a step implies the gradients are complete
-  r.step_requested = true;
-  if (const event* reduced = m.reducer_->reduced(r.index)) {
-    if (!reduced->query()) { reduced->wait(s); }
-    m.apply_step(r, s);
-    return;
-  }
-  // Its bucket waits for units not ready yet: the update runs on aux once it is launched.
-  ensure(r.step_point, m.device_).record(s);
-  r.step_deferred = true;
+  return impl_->guarded([&] {
+    impl& m = *impl_;
+    m.check_comm();
+    unit_record& r = m.held_record(u, "step");
+    if (!m.reducer_) {
+      if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
+      m.apply_step(r, s);
+      return;
+    }
+    TASKSWAP_EXPECTS(!r.step_requested, message("step('", r.name, "'): the unit was stepped already in this step"));
+    m.mark_ready(r, s);  // a step implies the gradients are complete
+    r.step_requested = true;
+    if (const event* reduced = m.reducer_->reduced(r.index)) {
+      if (!reduced->query()) { reduced->wait(s); }
+      m.apply_step(r, s);
+      return;
+    }
+    // Its bucket waits for units not ready yet: the update runs on aux once it is launched.
+    ensure(r.step_point, m.device_).record(s);
+    r.step_deferred = true;
+  });
 }
 
 void runtime::impl::apply_step(unit_record& r, stream_view s)
@@ -1110,34 +1145,36 @@ void runtime::impl::apply_step(unit_record& r, stream_view s)
 
 void runtime::release(unit_id u, stream_view s)
 {
-  impl& m = *impl_;
-  m.check_comm();
-  unit_record& r = m.held_record(u, "release");
-  if (!m.reducer_) {
+  return impl_->guarded([&] {
+    impl& m = *impl_;
+    m.check_comm();
+    unit_record& r = m.held_record(u, "release");
+    if (!m.reducer_) {
+      m.release(r, s);
+      return;
+    }
+    TASKSWAP_EXPECTS(!r.release_deferred, message("release('", r.name, "'): the unit was released already"));
+    if (!r.step_requested) {
+      detail::log_once("release without step", log_level::warning,
+                       message("release('", r.name, "'): the unit was not stepped; with a communicator the runtime "
+                               "steps it so that every rank applies the same update. Call step() before release()"));
+      step(u, s);
+    }
+    if (r.step_deferred) {  // the update has not run yet; the release follows it
+      ensure(r.trainer_released, m.device_).record(s);
+      r.release_deferred = true;
+      --m.held_count_;  // the trainer no longer holds it; the runtime does until the update ran
+      if (!r.pinned()) { m.held_bytes_ -= r.layout.device_bytes; }
+      return;
+    }
+    if (r.updated_on_aux) {
+      ensure(r.trainer_released, m.device_).record(s);
+      r.trainer_released->wait(*m.aux_);
+      m.release(r, *m.aux_);
+      return;
+    }
     m.release(r, s);
-    return;
-  }
-  TASKSWAP_EXPECTS(!r.release_deferred, message("release('", r.name, "'): the unit was released already"));
-  if (!r.step_requested) {
-    detail::log_once("release without step", log_level::warning,
-                     message("release('", r.name, "'): the unit was not stepped; with a communicator the runtime "
-                             "steps it so that every rank applies the same update. Call step() before release()"));
-    step(u, s);
-  }
-  if (r.step_deferred) {  // the update has not run yet; the release follows it
-    ensure(r.trainer_released, m.device_).record(s);
-    r.release_deferred = true;
-    --m.held_count_;  // the trainer no longer holds it; the runtime does until the update ran
-    if (!r.pinned()) { m.held_bytes_ -= r.layout.device_bytes; }
-    return;
-  }
-  if (r.updated_on_aux) {
-    ensure(r.trainer_released, m.device_).record(s);
-    r.trainer_released->wait(*m.aux_);
-    m.release(r, *m.aux_);
-    return;
-  }
-  m.release(r, s);
+  });
 }
 
 void runtime::impl::release(unit_record& r, stream_view s)
@@ -1169,71 +1206,92 @@ void runtime::impl::release(unit_record& r, stream_view s)
 
 step_stats runtime::end_step()
 {
-  impl& m = *impl_;
-  m.check_comm();
-  if (m.reducer_) {
-    m.begin_step();  // a rank that trained nothing in the step still takes its updates
-    if (m.step_begun_) { m.complete_step(); }
-  }
-  if (m.held_count_ != 0) {
-    for (const unit_record& r : m.units_) {
-      TASKSWAP_EXPECTS(!r.held || r.release_deferred || r.update_only,
-                       message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
+  return impl_->guarded([&] {
+    impl& m = *impl_;
+    m.check_comm();
+    if (m.reducer_) {
+      m.begin_step();  // a rank that trained nothing in the step still takes its updates
+      if (m.step_begun_) { m.complete_step(); }
     }
-  }
-  if (m.reducer_ && m.step_begun_) {
-    m.reducer_->end();
-    m.current_.reduced_bytes = m.reducer_->step_bytes();
-    m.current_.reduce_all_bytes = m.reducer_->all_bytes();
-    m.agreed_.pop_front();
-    m.step_begun_ = false;
-    for (const std::uint32_t u : m.step_units_) { m.reset_step_flags(m.units_[u]); }
-    m.step_units_.clear();
-  }
-  m.plan_.end_step();
-  m.resolve_stalls(false);
-  m.current_.step = m.steps_done_;
-  step_stats done = m.current_;
-  step_stats& t = m.total_;
-  t.h2d_bytes += done.h2d_bytes;
-  t.d2h_bytes += done.d2h_bytes;
-  t.hits += done.hits;
-  t.misses += done.misses;
-  t.unplanned += done.unplanned;
-  t.swap_ins += done.swap_ins;
-  t.write_backs += done.write_backs;
-  t.evictions += done.evictions;
-  t.stall_ms += done.stall_ms;
-  t.peak_device_bytes = std::max(t.peak_device_bytes, done.peak_device_bytes);
-  t.reduced_bytes += done.reduced_bytes;
-  t.reduce_all_bytes += done.reduce_all_bytes;
-  m.history_.push_back(done);
-  if (m.history_.size() > stats_history) { m.history_.pop_front(); }
-  ++m.steps_done_;
-  m.current_ = step_stats{};
-  m.current_.peak_device_bytes = m.pool_->stats().used;
-  m.prefetch();
-  return done;
+    if (m.held_count_ != 0) {
+      for (const unit_record& r : m.units_) {
+        TASKSWAP_EXPECTS(!r.held || r.release_deferred || r.update_only,
+                         message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
+      }
+    }
+    if (m.reducer_ && m.step_begun_) {
+      m.reducer_->end();
+      m.current_.reduced_bytes = m.reducer_->step_bytes();
+      m.current_.reduce_all_bytes = m.reducer_->all_bytes();
+      m.agreed_.pop_front();
+      m.step_begun_ = false;
+      for (const std::uint32_t u : m.step_units_) { m.reset_step_flags(m.units_[u]); }
+      m.step_units_.clear();
+    }
+    m.plan_.end_step();
+    m.resolve_stalls(false);
+    m.current_.step = m.steps_done_;
+    step_stats done = m.current_;
+    step_stats& t = m.total_;
+    t.h2d_bytes += done.h2d_bytes;
+    t.d2h_bytes += done.d2h_bytes;
+    t.hits += done.hits;
+    t.misses += done.misses;
+    t.unplanned += done.unplanned;
+    t.swap_ins += done.swap_ins;
+    t.write_backs += done.write_backs;
+    t.evictions += done.evictions;
+    t.stall_ms += done.stall_ms;
+    t.peak_device_bytes = std::max(t.peak_device_bytes, done.peak_device_bytes);
+    t.reduced_bytes += done.reduced_bytes;
+    t.reduce_all_bytes += done.reduce_all_bytes;
+    m.history_.push_back(done);
+    if (m.history_.size() > stats_history) { m.history_.pop_front(); }
+    ++m.steps_done_;
+    m.current_ = step_stats{};
+    m.current_.peak_device_bytes = m.pool_->stats().used;
+    m.prefetch();
+    return done;
+  });
 }
 
 void runtime::flush()
 {
-  impl& m = *impl_;
-  // Units the runtime holds for the next step's updates (with a communicator) are no obstacle.
-  for (const unit_record& r : m.units_) {
-    TASKSWAP_EXPECTS(!r.held || r.update_only,
-                     message("flush: unit '", r.name, "' is held; release it first"));
+  return impl_->guarded([&] {
+    impl& m = *impl_;
+    // Units the runtime holds for the next step's updates (with a communicator) are no obstacle.
+    for (const unit_record& r : m.units_) {
+      TASKSWAP_EXPECTS(!r.held || r.update_only,
+                       message("flush: unit '", r.name, "' is held; release it first"));
+    }
+    m.start();
+    for (unit_record& r : m.units_) {
+      if (r.resident() && r.dirty) { m.write_back(r); }
+    }
+    m.wait_streams("flush");
+    m.resolve_stalls(true);
+    m.check_comm();
+  });
+}
+
+void runtime::impl::wait_streams(std::string_view what)
+{
+  const auto limit = options_.timeout;
+  const std::array<std::pair<stream*, const char*>, 4> streams{{{aux_ ? &*aux_ : nullptr, "aux (updates)"},
+                                                                {&h2d_, "h2d (swap-in)"},
+                                                                {&d2h_, "d2h (write-back)"},
+                                                                {&host_opt_, "host optimizer"}}};
+  for (const auto& [s, name] : streams) {
+    if (s == nullptr) { continue; }
+    event done(device_);
+    done.record(*s);
+    if (!done.synchronize_for(limit)) {
+      throw timeout_error(message(what, ": the runtime's ", name, " stream has not finished within ", limit.count(),
+                                  " ms ([runtime] timeout): a copy, or the trainer's work it waits for, is stalled. "
+                                  "The home copies hold the states last written back; nothing more will be written"));
+    }
+    s->synchronize();  // done: returns at once, rethrowing a host function's error
   }
-  m.start();
-  for (unit_record& r : m.units_) {
-    if (r.resident() && r.dirty) { m.write_back(r); }
-  }
-  if (m.aux_) { m.aux_->synchronize(); }
-  m.h2d_.synchronize();
-  m.d2h_.synchronize();
-  m.host_opt_.synchronize();
-  m.resolve_stalls(true);
-  m.check_comm();
 }
 
 // ---- checkpoints -----------------------------------------------------------------------------
@@ -1260,57 +1318,59 @@ std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
 
 void runtime::save_checkpoint(const std::filesystem::path& dir, const std::map<std::string, std::string>& user)
 {
-  impl& m = *impl_;
-  flush();  // the home copies current; refuses held units
-  const std::vector<detail::checkpoint_source> sources = m.checkpoint_sources();
-  checkpoint_manifest manifest = detail::describe_checkpoint(sources);
-  manifest.steps_done = m.steps_done_;
-  manifest.optimizer = m.options_.optimizer;
-  manifest.user = user;
-  if (!m.reducer_) {
-    detail::write_checkpoint(dir, manifest, sources);
-    return;
-  }
-  // Every rank holds a replica: check that they agree (position and checksums), then rank 0 writes.
-  detail::reducer& red = *m.reducer_;
-  const int world = red.world();
-  manifest.world = world;
-  std::vector<std::int64_t> mine{static_cast<std::int64_t>(m.steps_done_)};
-  std::vector<std::string> names;
-  for (const checkpoint_unit& u : manifest.units) {
-    for (const checkpoint_slab* s : {&u.params, u.master ? &*u.master : nullptr, &u.m, &u.v}) {
-      if (s == nullptr) { continue; }
-      mine.push_back(s->crc32c);
-      names.push_back(u.name);
-    }
-  }
-  std::vector<std::int64_t> sums = mine;
-  red.sum(sums, message("checkpoint '", dir.string(), "': comparison of the replicas"));
-  if (sums[0] != world * mine[0]) {
-    throw checkpoint_error(message("checkpoint '", dir.string(), "': rank ", red.rank(), " is at step ", m.steps_done_,
-                                   " but not every rank is; save at the same point on every rank"));
-  }
-  for (std::size_t i = 1; i < mine.size(); ++i) {
-    if (sums[i] != world * mine[i]) {
-      throw checkpoint_error(message("checkpoint '", dir.string(), "': rank ", red.rank(), "'s replica of unit '",
-                                     names[i - 1], "' differs from the other ranks' (checksums); nothing was written"));
-    }
-  }
-  std::string failure;
-  if (red.rank() == 0) {
-    try {
+  return impl_->guarded([&] {
+    impl& m = *impl_;
+    flush();  // the home copies current; refuses held units
+    const std::vector<detail::checkpoint_source> sources = m.checkpoint_sources();
+    checkpoint_manifest manifest = detail::describe_checkpoint(sources);
+    manifest.steps_done = m.steps_done_;
+    manifest.optimizer = m.options_.optimizer;
+    manifest.user = user;
+    if (!m.reducer_) {
       detail::write_checkpoint(dir, manifest, sources);
-    } catch (const error& e) {
-      failure = e.what();
+      return;
     }
-  }
-  std::vector<std::int64_t> status{failure.empty() ? 0 : 1};
-  red.sum(status, message("checkpoint '", dir.string(), "': rank 0's result"));
-  if (status[0] != 0) {
-    throw checkpoint_error(red.rank() == 0 ? failure
-                                           : message("rank 0 could not write the checkpoint '", dir.string(),
-                                                     "'; its error says why"));
-  }
+    // Every rank holds a replica: check that they agree (position and checksums), then rank 0 writes.
+    detail::reducer& red = *m.reducer_;
+    const int world = red.world();
+    manifest.world = world;
+    std::vector<std::int64_t> mine{static_cast<std::int64_t>(m.steps_done_)};
+    std::vector<std::string> names;
+    for (const checkpoint_unit& u : manifest.units) {
+      for (const checkpoint_slab* s : {&u.params, u.master ? &*u.master : nullptr, &u.m, &u.v}) {
+        if (s == nullptr) { continue; }
+        mine.push_back(s->crc32c);
+        names.push_back(u.name);
+      }
+    }
+    std::vector<std::int64_t> sums = mine;
+    red.sum(sums, message("checkpoint '", dir.string(), "': comparison of the replicas"));
+    if (sums[0] != world * mine[0]) {
+      throw checkpoint_error(message("checkpoint '", dir.string(), "': rank ", red.rank(), " is at step ", m.steps_done_,
+                                     " but not every rank is; save at the same point on every rank"));
+    }
+    for (std::size_t i = 1; i < mine.size(); ++i) {
+      if (sums[i] != world * mine[i]) {
+        throw checkpoint_error(message("checkpoint '", dir.string(), "': rank ", red.rank(), "'s replica of unit '",
+                                       names[i - 1], "' differs from the other ranks' (checksums); nothing was written"));
+      }
+    }
+    std::string failure;
+    if (red.rank() == 0) {
+      try {
+        detail::write_checkpoint(dir, manifest, sources);
+      } catch (const error& e) {
+        failure = e.what();
+      }
+    }
+    std::vector<std::int64_t> status{failure.empty() ? 0 : 1};
+    red.sum(status, message("checkpoint '", dir.string(), "': rank 0's result"));
+    if (status[0] != 0) {
+      throw checkpoint_error(red.rank() == 0 ? failure
+                                             : message("rank 0 could not write the checkpoint '", dir.string(),
+                                                       "'; its error says why"));
+    }
+  });
 }
 
 checkpoint_manifest runtime::load_checkpoint(const std::filesystem::path& dir)
@@ -1381,12 +1441,12 @@ runtime_stats runtime::stats() const
 
 void runtime::write_trace(const std::filesystem::path& file)
 {
-  impl& m = *impl_;
-  TASKSWAP_EXPECTS(m.trace_.has_value(), "write_trace: the trace is off; set trace = true in the runtime options");
-  m.h2d_.synchronize();
-  m.d2h_.synchronize();
-  m.host_opt_.synchronize();
-  m.trace_->write(file);
+  return impl_->guarded([&] {
+    impl& m = *impl_;
+    TASKSWAP_EXPECTS(m.trace_.has_value(), "write_trace: the trace is off; set trace = true in the runtime options");
+    m.wait_streams("write_trace");
+    m.trace_->write(file);
+  });
 }
 
 const device& runtime::get_device() const noexcept { return impl_->device_; }

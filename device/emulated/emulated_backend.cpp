@@ -179,9 +179,26 @@ namespace {
 emulated_queue& queue_of(void* s) { return *static_cast<emulated_queue*>(s); }
 }  // namespace
 
-emulated_backend::emulated_backend(const emulated_options& options)
-    : options_(options), index_(next_emulated_index.fetch_add(1))
+emulated_backend::emulated_backend(const emulated_options& options, const emulated_faults& faults)
+    : options_(options), faults_(faults), index_(next_emulated_index.fetch_add(1))
 {
+}
+
+void emulated_backend::fault(std::string reason)
+{
+  {
+    const std::lock_guard lock(fault_mutex_);
+    if (faulted_.load()) { return; }
+    fault_reason_ = std::move(reason);
+  }
+  faulted_.store(true, std::memory_order_release);
+}
+
+void emulated_backend::check_fault() const
+{
+  if (!faulted()) { return; }
+  const std::lock_guard lock(fault_mutex_);
+  throw device_error(fault_reason_);
 }
 
 emulated_backend::~emulated_backend() = default;
@@ -196,12 +213,21 @@ memory_info emulated_backend::memory() const
 
 void emulated_backend::synchronize()
 {
-  const std::lock_guard lock(queues_mutex_);
-  for (auto* queue : queues_) { queue->synchronize(); }
+  {
+    const std::lock_guard lock(queues_mutex_);
+    for (auto* queue : queues_) { queue->synchronize(); }
+  }
+  check_fault();
 }
 
 std::byte* emulated_backend::allocate(std::size_t bytes)
 {
+  check_fault();
+  if (faults_.fail_allocation != 0 && allocations_.fetch_add(1) + 1 == faults_.fail_allocation) {
+    throw out_of_memory(message("emulated:", index_, ": allocation ", faults_.fail_allocation, " of ", bytes_text(bytes),
+                                " failed (an injected fault)"),
+                        bytes, 0, options_.memory_bytes);
+  }
   {
     const std::lock_guard lock(memory_mutex_);
     const std::size_t available = options_.memory_bytes - used_bytes_;
@@ -296,9 +322,17 @@ void emulated_backend::destroy_stream(void* s) noexcept
   delete queue;  // NOLINT: the handle owns the queue; its destructor finishes the queued work
 }
 
-void emulated_backend::synchronize_stream(void* s) { queue_of(s).synchronize(); }
+void emulated_backend::synchronize_stream(void* s)
+{
+  queue_of(s).synchronize();
+  check_fault();
+}
 
-bool emulated_backend::query_stream(void* s) { return queue_of(s).query(); }
+bool emulated_backend::query_stream(void* s)
+{
+  check_fault();
+  return queue_of(s).query();
+}
 
 void emulated_backend::transfer(link_channel& channel, void* dst, const void* src, std::size_t bytes)
 {
@@ -323,10 +357,23 @@ void emulated_backend::transfer(link_channel& channel, void* dst, const void* sr
 void emulated_backend::copy_async(void* dst, const void* src, std::size_t bytes,
                                   copy_direction direction, void* s)
 {
+  check_fault();
   link_channel* channel = nullptr;
   if (direction == copy_direction::host_to_device) { channel = &host_to_device_; }
   if (direction == copy_direction::device_to_host) { channel = &device_to_host_; }
-  queue_of(s).push([this, channel, dst, src, bytes] {
+  std::uint64_t number = 0;
+  if (channel != nullptr && (faults_.fail_copy != 0 || faults_.stall_copy != 0)) { number = copies_.fetch_add(1) + 1; }
+  const bool fails = number != 0 && number == faults_.fail_copy;
+  const bool stalls = number != 0 && number == faults_.stall_copy;
+  const char* way = direction == copy_direction::host_to_device ? "host→device" : "device→host";
+  queue_of(s).push([this, channel, dst, src, bytes, fails, stalls, number, way] {
+    if (faulted()) { return; }  // work after a failure is not done
+    if (stalls) { std::this_thread::sleep_for(faults_.stall); }
+    if (fails) {
+      fault(message("emulated:", index_, ": copy ", number, " (", way, ", ", bytes_text(bytes),
+                    ") failed (an injected fault); the device is unusable, and work queued after the copy was not done"));
+      return;
+    }
     if (channel != nullptr) {
       transfer(*channel, dst, src, bytes);
     } else {
@@ -337,12 +384,18 @@ void emulated_backend::copy_async(void* dst, const void* src, std::size_t bytes,
 
 void emulated_backend::fill_async(void* dst, std::byte value, std::size_t bytes, void* s)
 {
-  queue_of(s).push([dst, value, bytes] { std::memset(dst, std::to_integer<int>(value), bytes); });
+  check_fault();
+  queue_of(s).push([this, dst, value, bytes] {
+    if (!faulted()) { std::memset(dst, std::to_integer<int>(value), bytes); }
+  });
 }
 
 void emulated_backend::launch_host_func(void* s, std::function<void()> fn)
 {
-  queue_of(s).push([slot = error_slot(s), fn = std::move(fn)] { run_host_func(*slot, fn); });
+  check_fault();
+  queue_of(s).push([this, slot = error_slot(s), fn = std::move(fn)] {
+    if (!faulted()) { run_host_func(*slot, fn); }
+  });
 }
 
 void* emulated_backend::create_event(bool timing)
@@ -357,6 +410,7 @@ void emulated_backend::destroy_event(void* e) noexcept
 
 void emulated_backend::record_event(void* e, void* s)
 {
+  check_fault();
   event_ref state = event_of(e);
   const std::uint64_t generation = state->record();
   queue_of(s).push([state = std::move(state), generation] { state->complete(generation); });
@@ -364,6 +418,7 @@ void emulated_backend::record_event(void* e, void* s)
 
 void emulated_backend::wait_event(void* s, void* e)
 {
+  check_fault();
   event_ref state = event_of(e);
   const std::uint64_t generation = state->current();
   if (generation == 0) { return; }  // never recorded: nothing to wait for
@@ -374,16 +429,20 @@ void emulated_backend::synchronize_event(void* e)
 {
   const auto& state = event_of(e);
   state->wait(state->current());
+  check_fault();
 }
 
 bool emulated_backend::synchronize_event_for(void* e, std::chrono::nanoseconds timeout)
 {
   const auto& state = event_of(e);
-  return state->wait_for(state->current(), timeout);
+  const bool done = state->wait_for(state->current(), timeout);
+  check_fault();
+  return done;
 }
 
 bool emulated_backend::query_event(void* e)
 {
+  check_fault();
   const auto& state = event_of(e);
   const std::lock_guard lock(state->mutex);
   return state->done(state->recorded);

@@ -7,7 +7,9 @@
 
 #include "device/backend.hpp"
 
+#include <atomic>
 #include <chrono>
+#include <string>
 #include <cstddef>
 #include <mutex>
 #include <set>
@@ -18,7 +20,7 @@ class emulated_queue;
 
 class emulated_backend final : public backend {
  public:
-  explicit emulated_backend(const emulated_options& options);
+  emulated_backend(const emulated_options& options, const emulated_faults& faults);
   ~emulated_backend() override;
   emulated_backend(const emulated_backend&) = delete;
   emulated_backend& operator=(const emulated_backend&) = delete;
@@ -67,9 +69,19 @@ class emulated_backend final : public backend {
     std::chrono::steady_clock::time_point free_at{};
   };
   void transfer(link_channel& channel, void* dst, const void* src, std::size_t bytes);
+  // Injected faults: the device's state after a failed copy, and the check every call makes.
+  [[nodiscard]] bool faulted() const noexcept { return faulted_.load(std::memory_order_acquire); }
+  void fault(std::string reason);
+  void check_fault() const;
 
   const emulated_options options_;
+  const emulated_faults faults_;
   const int index_;
+  std::atomic<std::uint64_t> copies_{0};
+  std::atomic<std::uint64_t> allocations_{0};
+  std::atomic<bool> faulted_{false};
+  mutable std::mutex fault_mutex_;
+  std::string fault_reason_;
 
   mutable std::mutex memory_mutex_;
   std::size_t used_bytes_ = 0;

@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <span>
@@ -46,6 +47,21 @@ struct link_model {
 struct emulated_options {
   std::size_t memory_bytes = std::size_t{1} << 30;  ///< device memory: allocations beyond it fail
   link_model link{};                                ///< host<->device copy timing
+};
+
+/// @brief Faults an emulated device injects, to test what fails how. Host↔device copies are
+/// counted in the order they are enqueued over all the device's streams, from 1; allocations of
+/// device memory likewise; 0 injects nothing.
+struct emulated_faults {
+  /// This copy fails: nothing is copied and the device turns faulty, as after a CUDA sticky
+  /// error: the copies, fills and host functions queued after it are skipped, and every later
+  /// call that enqueues, waits or queries throws device_error (waits return first).
+  std::uint64_t fail_copy = 0;
+  /// This copy stalls its stream for `stall` before it runs (a hung transfer).
+  std::uint64_t stall_copy = 0;
+  std::chrono::milliseconds stall{10'000};
+  /// This allocation throws out_of_memory.
+  std::uint64_t fail_allocation = 0;
 };
 
 /// @brief Free and total device memory, in bytes.
@@ -103,6 +119,9 @@ class device {
 /// @brief A new emulated device (each call makes a distinct one with its own memory).
 /// @throws invalid_argument if memory_bytes is 0 or the link model has a negative field
 [[nodiscard]] device emulated_device(const emulated_options& options = {});
+
+/// @brief A new emulated device that injects `faults`.
+[[nodiscard]] device emulated_device(const emulated_options& options, const emulated_faults& faults);
 
 /// @brief A non-owning reference to a stream. Copyable, never null.
 class stream_view {

@@ -76,6 +76,14 @@ class timeout_error : public error {
   using error::error;
 };
 
+/// @brief The device failed and cannot be used any more (as after a CUDA sticky error): an
+/// asynchronous operation failed; work queued after it was not done. On the emulated device, an
+/// injected fault (emulated_faults).
+class device_error : public error {
+ public:
+  using error::error;
+};
+
 /// @brief A checkpoint could not be written, or is not one this runtime can load (incomplete,
 /// corrupted, or of other units); the message names the file, the unit and what differs.
 class checkpoint_error : public error {

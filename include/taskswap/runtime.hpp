@@ -99,6 +99,9 @@ struct runtime_options {
   comm_options comm{};
   bool measure_stall = true;        ///< time the compute stream's waits on swap-ins (events)
   bool trace = false;               ///< record spans for write_trace()
+  /// How long flush(), save_checkpoint() and the destructor wait for the device before they give
+  /// up with timeout_error (a stalled copy or trainer stream); the runtime then writes nothing home.
+  std::chrono::milliseconds timeout{300'000};
   std::string source = "options";   ///< where these options came from, for error messages
 };
 

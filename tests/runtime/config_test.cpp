@@ -96,6 +96,17 @@ TEST(config, sizes_need_a_unit)
   expect_error_mentioning<config_error>([] { (void)parse_size("4 parsecs"); }, "not a size with a unit");
 }
 
+// Found by fuzz/config_fuzzer: a size beyond 64 bits was converted with undefined behaviour.
+TEST(config, quantities_too_large_for_64_bits_are_refused)
+{
+  expect_error_mentioning<config_error>(
+      [] { (void)parse_config("[device]\nbudget = \"5222222222222222212 MiB\"\n", "big.toml"); },
+      "big.toml:2: [device] budget: \"5222222222222222212 MiB\" is too large");
+  expect_error_mentioning<config_error>(
+      [] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[comm]\ntimeout = \"1e300 min\"\n", "big.toml"); },
+      "is too large");
+}
+
 TEST(config, errors_name_the_file_the_line_and_the_key)
 {
   const auto fails = [](const std::string& text, const std::string& needle) {
