@@ -282,7 +282,11 @@ class mpi_communicator final : public communicator {
   [[noreturn]] void fail(E e)
   {
     any_failed.store(true);
-    failure_.fail(std::make_exception_ptr(e));
+    if (failure_.fail(std::make_exception_ptr(e))) {
+      // Work queued behind this collective (updates from gradients that never arrived, their
+      // write-backs) must not take effect.
+      device_.backend().abandon_work(std::make_exception_ptr(e));
+    }
     failure_.rethrow();
     throw e;  // not reached: rethrow throws the first failure
   }

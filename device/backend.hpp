@@ -52,6 +52,13 @@ class backend {
   [[nodiscard]] virtual std::string pci_bus_id() const = 0;
   virtual void synchronize() = 0;
 
+  // After a failure whose queued consequences must not take effect (a collective that never
+  // completed: the gradients it was to produce are not there), the device abandons its queued
+  // work: the emulated backend skips every later copy, fill and host function, and every later
+  // call rethrows `why` (as after its injected faults). CUDA has no such switch: there the runtime
+  // stops writing home once it sees the failure.
+  virtual void abandon_work(std::exception_ptr /*why*/) noexcept {}
+
   // Device memory: 256-byte aligned. deallocate waits for the device's queued work.
   [[nodiscard]] virtual std::byte* allocate(std::size_t bytes) = 0;
   virtual void deallocate(std::byte* p, std::size_t bytes) noexcept = 0;

@@ -184,21 +184,23 @@ emulated_backend::emulated_backend(const emulated_options& options, const emulat
 {
 }
 
-void emulated_backend::fault(std::string reason)
+void emulated_backend::fault(std::exception_ptr why) noexcept
 {
   {
     const std::lock_guard lock(fault_mutex_);
     if (faulted_.load()) { return; }
-    fault_reason_ = std::move(reason);
+    fault_ = std::move(why);
   }
   faulted_.store(true, std::memory_order_release);
 }
+
+void emulated_backend::abandon_work(std::exception_ptr why) noexcept { fault(std::move(why)); }
 
 void emulated_backend::check_fault() const
 {
   if (!faulted()) { return; }
   const std::lock_guard lock(fault_mutex_);
-  throw device_error(fault_reason_);
+  std::rethrow_exception(fault_);
 }
 
 emulated_backend::~emulated_backend() = default;
@@ -370,8 +372,10 @@ void emulated_backend::copy_async(void* dst, const void* src, std::size_t bytes,
     if (faulted()) { return; }  // work after a failure is not done
     if (stalls) { std::this_thread::sleep_for(faults_.stall); }
     if (fails) {
-      fault(message("emulated:", index_, ": copy ", number, " (", way, ", ", bytes_text(bytes),
-                    ") failed (an injected fault); the device is unusable, and work queued after the copy was not done"));
+      fault(std::make_exception_ptr(device_error(message("emulated:", index_, ": copy ", number, " (", way, ", ",
+                                                         bytes_text(bytes),
+                                                         ") failed (an injected fault); the device is unusable, and work "
+                                                         "queued after the copy was not done"))));
       return;
     }
     if (channel != nullptr) {

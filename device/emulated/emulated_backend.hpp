@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <exception>
 #include <string>
 #include <cstddef>
 #include <mutex>
@@ -34,6 +35,7 @@ class emulated_backend final : public backend {
   [[nodiscard]] std::pair<int, int> stream_priority_range() const override { return {0, 0}; }
   [[nodiscard]] std::string pci_bus_id() const override { return {}; }
   void synchronize() override;
+  void abandon_work(std::exception_ptr why) noexcept override;
 
   [[nodiscard]] std::byte* allocate(std::size_t bytes) override;
   void deallocate(std::byte* p, std::size_t bytes) noexcept override;
@@ -71,7 +73,7 @@ class emulated_backend final : public backend {
   void transfer(link_channel& channel, void* dst, const void* src, std::size_t bytes);
   // Injected faults: the device's state after a failed copy, and the check every call makes.
   [[nodiscard]] bool faulted() const noexcept { return faulted_.load(std::memory_order_acquire); }
-  void fault(std::string reason);
+  void fault(std::exception_ptr why) noexcept;
   void check_fault() const;
 
   const emulated_options options_;
@@ -81,7 +83,7 @@ class emulated_backend final : public backend {
   std::atomic<std::uint64_t> allocations_{0};
   std::atomic<bool> faulted_{false};
   mutable std::mutex fault_mutex_;
-  std::string fault_reason_;
+  std::exception_ptr fault_;
 
   mutable std::mutex memory_mutex_;
   std::size_t used_bytes_ = 0;
