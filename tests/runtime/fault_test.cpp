@@ -71,9 +71,13 @@ struct trainer {
       auto* m = static_cast<float*>(h.master.data);
       for (std::size_t k = 0; k < h.master.count; ++k) { m[k] = 0.001F * static_cast<float>((k * 3 + i * 7) % 97) - 0.05F; }
     }
-    std::vector<step_plan> plan;
-    for (int step = 0; step < steps; ++step) { plan.push_back(step_plan{rt.find("trunk"), task(step)}); }
-    rt.plan(plan);
+  }
+  // The whole run's plan (its first copies start here).
+  void plan()
+  {
+    std::vector<step_plan> p;
+    for (int step = 0; step < steps; ++step) { p.push_back(step_plan{rt.find("trunk"), task(step)}); }
+    rt.plan(p);
   }
   [[nodiscard]] unit_id task(int step) const { return rt.find("task/" + std::to_string((step * 5) % 6)); }
 
@@ -117,6 +121,7 @@ const std::vector<std::set<std::uint32_t>>& reference_states()
       const auto sums = home_sums(t.rt);
       for (std::size_t i = 0; i < sums.size(); ++i) { out[i].insert(sums[i]); }
     };
+    t.plan();  // derives the bf16 parameters from the masters: the first state
     note();
     for (int step = 0; step < steps; ++step) {
       t.step(step);
@@ -149,6 +154,7 @@ TEST(faults, a_failed_copy_ends_in_a_device_error_and_every_home_copy_stays_a_va
     trainer t(dev, options());
     std::string error;
     try {
+      t.plan();
       for (int step = 0; step < steps; ++step) { t.step(step); }
       t.rt.flush();
     } catch (const device_error& e) {
@@ -156,8 +162,13 @@ TEST(faults, a_failed_copy_ends_in_a_device_error_and_every_home_copy_stays_a_va
     }
     ASSERT_NE(error.find("copy " + std::to_string(copy)), std::string::npos) << "expected the injected failure, got: " << error;
     EXPECT_NE(error.find("failed (an injected fault)"), std::string::npos) << error;
-    // Every later call says the same, at once.
-    expect_error_mentioning<device_error>([&] { t.rt.flush(); }, "copy " + std::to_string(copy));
+    // Every later call that reaches the device says the same, at once (the failure may have
+    // surfaced in the trainer's own call, with units still held: acquire one that is not).
+    unit_id free_unit{0};
+    for (std::uint32_t u = 0; u < t.rt.unit_count(); ++u) {
+      if (t.rt.state({u}) != unit_state::held) { free_unit = {u}; }
+    }
+    expect_error_mentioning<device_error>([&] { (void)t.rt.acquire(free_unit, t.s); }, "copy " + std::to_string(copy));
     try {
       dev.synchronize();  // the queued work is skipped; wait until it has drained
     } catch (const device_error&) {
@@ -172,6 +183,7 @@ TEST(faults, an_allocation_that_fails_mid_step_loses_nothing_and_training_goes_o
   // Allocation 1 is the runtime's pool; the trainer's scratch at step 9 is allocation 2.
   const device dev = emulated_device({.memory_bytes = std::size_t{8} << 20U, .link = {}}, {.fail_allocation = 2});
   trainer t(dev, options());
+  t.plan();
   for (int step = 0; step < 9; ++step) { t.step(step); }
   expect_error_mentioning<out_of_memory>([&] { t.step(9, [&] { device_buffer scratch(dev, 4096); }); },
                                          "allocation 2 of 4.0 KiB (4096 bytes) failed (an injected fault)");
@@ -182,6 +194,7 @@ TEST(faults, an_allocation_that_fails_mid_step_loses_nothing_and_training_goes_o
   t.rt.flush();
   const auto sums = home_sums(t.rt);
   trainer clean(emulated_device({.memory_bytes = std::size_t{8} << 20U, .link = {}}), options());
+  clean.plan();
   for (int step = 0; step < steps; ++step) { clean.step(step); }
   clean.rt.flush();
   EXPECT_EQ(sums, home_sums(clean.rt));
@@ -200,6 +213,7 @@ TEST(faults, a_stalled_copy_ends_in_a_timeout_within_the_configured_time)
     const device dev = emulated_device({.memory_bytes = std::size_t{8} << 20U, .link = {}},
                                        {.stall_copy = copy, .stall = std::chrono::milliseconds{2'500}});
     auto t = std::make_unique<trainer>(dev, options(timeout));
+    t->plan();
     for (int step = 0; step < steps; ++step) { t->step(step); }  // nothing in the protocol waits
     const auto start = clock_type::now();
     expect_error_mentioning<timeout_error>([&] { t->rt.flush(); }, "has not finished within 400 ms ([runtime] timeout)");
