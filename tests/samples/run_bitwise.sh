@@ -4,13 +4,8 @@
 # Trains CONFIG as configured and again with --all-resident, and passes when the final home slabs
 # (params, master, m, v, step of every unit) are bitwise equal; under mpiexec, also equal on every rank.
 set -euo pipefail
-work=$1; shift
-launch=()
-if [ "$1" != "--" ]; then
-  launch=("$1" --allow-run-as-root --oversubscribe --bind-to none -np "$2"); shift 2
-fi
-shift  # --
-rm -rf "$work" && mkdir -p "$work"
+source "$(dirname "$0")/launch.sh" "$@"
+set -- "${rest[@]}"
 "${launch[@]}" "$@" --save-params "$work/swapped.bin" | tail -n 3
 "${launch[@]}" "$@" --all-resident --save-params "$work/resident.bin" | tail -n 1
 files=("$work"/swapped.bin*)

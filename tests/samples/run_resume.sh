@@ -5,14 +5,9 @@
 # run that resumes from it. Passes when the resumed run's final home slabs are bitwise those of the
 # uninterrupted run (on every rank under mpiexec).
 set -euo pipefail
-work=$1; shift
-launch=()
-if [ "$1" != "--" ]; then
-  launch=("$1" --allow-run-as-root --oversubscribe --bind-to none -np "$2"); shift 2
-fi
-shift  # --
+source "$(dirname "$0")/launch.sh" "$@"
+set -- "${rest[@]}"
 trainer=$1 config=$2 steps=$3 stop=$4
-rm -rf "$work" && mkdir -p "$work"
 "${launch[@]}" "$trainer" "$config" --steps "$steps" --save-params "$work/uninterrupted.bin" | tail -n 1
 "${launch[@]}" "$trainer" "$config" --steps "$steps" --stop-after "$stop" --checkpoint "$work/ck" \
   --checkpoint-every $((stop / 2)) | tail -n 1
