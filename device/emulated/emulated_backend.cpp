@@ -363,13 +363,23 @@ void emulated_backend::copy_async(void* dst, const void* src, std::size_t bytes,
   link_channel* channel = nullptr;
   if (direction == copy_direction::host_to_device) { channel = &host_to_device_; }
   if (direction == copy_direction::device_to_host) { channel = &device_to_host_; }
-  std::uint64_t number = 0;
-  if (channel != nullptr && (faults_.fail_copy != 0 || faults_.stall_copy != 0)) { number = copies_.fetch_add(1) + 1; }
-  const bool fails = number != 0 && number == faults_.fail_copy;
-  const bool stalls = number != 0 && number == faults_.stall_copy;
+  if (channel == nullptr || (faults_.fail_copy == 0 && faults_.stall_copy == 0)) {  // no fault to inject
+    queue_of(s).push([this, channel, dst, src, bytes] {
+      if (faulted()) { return; }  // work after a failure is not done
+      if (channel != nullptr) {
+        transfer(*channel, dst, src, bytes);
+      } else {
+        std::memcpy(dst, src, bytes);  // device memory bandwidth is not modelled
+      }
+    });
+    return;
+  }
+  const std::uint64_t number = copies_.fetch_add(1) + 1;
+  const bool fails = number == faults_.fail_copy;
+  const bool stalls = number == faults_.stall_copy;
   const char* way = direction == copy_direction::host_to_device ? "host→device" : "device→host";
   queue_of(s).push([this, channel, dst, src, bytes, fails, stalls, number, way] {
-    if (faulted()) { return; }  // work after a failure is not done
+    if (faulted()) { return; }
     if (stalls) { std::this_thread::sleep_for(faults_.stall); }
     if (fails) {
       fault(std::make_exception_ptr(device_error(message("emulated:", index_, ": copy ", number, " (", way, ", ",
@@ -378,11 +388,7 @@ void emulated_backend::copy_async(void* dst, const void* src, std::size_t bytes,
                                                          "queued after the copy was not done"))));
       return;
     }
-    if (channel != nullptr) {
-      transfer(*channel, dst, src, bytes);
-    } else {
-      std::memcpy(dst, src, bytes);  // device memory bandwidth is not modelled
-    }
+    transfer(*channel, dst, src, bytes);
   });
 }
 
