@@ -104,9 +104,13 @@ void reducer::check_digests()
 
 void reducer::sum(std::span<std::int64_t> values, std::string_view what)
 {
-  control_->allreduce_counts(values, control_stream_, what);
+  // The collective works on a member buffer: after a timeout it may still complete, and must not
+  // write into the caller's (by then freed) memory.
+  sum_buffer_.assign(values.begin(), values.end());
+  control_->allreduce_counts(sum_buffer_, control_stream_, what);
   control_done_.record(control_stream_);
   wait_control(control_done_, what);
+  std::copy(sum_buffer_.begin(), sum_buffer_.end(), values.begin());
 }
 
 std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint32_t>> local, std::uint64_t first_step)

@@ -101,6 +101,7 @@ class reducer {
   stream control_stream_;  // agreements
   event control_done_;
   std::vector<std::int64_t> counts_;  // the agreement's buffer
+  std::vector<std::int64_t> sum_buffer_;  // sum()'s buffer
   std::size_t all_bytes_ = 0;
 
   // The current step

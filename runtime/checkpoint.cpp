@@ -10,6 +10,7 @@
 #include <taskswap/error.hpp>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>  // NOLINT: renameat2
 #include <sys/stat.h>
 #include <unistd.h>
@@ -18,12 +19,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cinttypes>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 namespace taskswap {
@@ -35,6 +38,7 @@ constexpr std::string_view format_name = "taskswap-checkpoint";
 constexpr std::string_view manifest_file = "manifest.toml";
 constexpr std::string_view data_file = "data.bin";
 constexpr std::size_t io_chunk = std::size_t{8} << 20U;
+constexpr std::uintmax_t max_manifest_bytes = std::uintmax_t{256} << 20U;  // 2 MiB per 10,000 units: room to spare
 
 std::string hex(std::uint32_t crc)
 {
@@ -43,11 +47,25 @@ std::string hex(std::uint32_t crc)
   return buf;
 }
 
+// Hex floats, exact and independent of the locale: "0x" + to_chars(hex).
 std::string hex_float(double v)
 {
   char buf[64];
-  std::snprintf(buf, sizeof buf, "%a", v);
-  return buf;
+  const bool negative = std::signbit(v);
+  const auto [end, ec] = std::to_chars(buf, buf + sizeof buf, std::fabs(v), std::chars_format::hex);
+  return std::string(negative ? "-0x" : "0x") + std::string(buf, ec == std::errc{} ? end : buf);
+}
+
+std::optional<double> parse_hex_float(std::string_view text)
+{
+  const bool negative = !text.empty() && text.front() == '-';
+  if (negative) { text.remove_prefix(1); }
+  if (text.size() < 3 || text.substr(0, 2) != "0x") { return std::nullopt; }
+  text.remove_prefix(2);
+  double v = 0;
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v, std::chars_format::hex);
+  if (ec != std::errc{} || end != text.data() + text.size() || !std::isfinite(v)) { return std::nullopt; }
+  return negative ? -v : v;
 }
 
 // ---- the manifest's reader: every key known, every type and range checked ------------------
@@ -96,12 +114,10 @@ class reader {
   {
     const toml::node& n = need(key);
     const auto v = n.value_exact<std::string>();
-    if (v && !v->empty()) {
-      char* end = nullptr;
-      const double d = std::strtod(v->c_str(), &end);
-      if (end == v->c_str() + v->size() && std::isfinite(d)) { return d; }
+    if (v) {
+      if (const auto d = parse_hex_float(*v)) { return *d; }
     }
-    fail(&n, message(" ", key, ": give a finite number as a string (a hex float, as written)"));
+    fail(&n, message(" ", key, ": give a finite number as a hex float string, e.g. '0x1p-10' (as written)"));
   }
   const toml::table& table(std::string_view key)
   {
@@ -183,8 +199,10 @@ checkpoint_unit read_unit(const toml::node& node, std::string_view source, std::
     for (const toml::node& dn : tr.array("shape")) {
       const auto d = dn.value_exact<std::int64_t>();
       if (!d || *d < 1 || *d > max_bytes) { tr.fail(&dn, message(" '", name, "' shape: give dimensions of at least 1")); }
+      if (static_cast<std::uint64_t>(*d) > static_cast<std::uint64_t>(max_bytes) / count) {
+        tr.fail(&dn, message(" '", name, "' shape: too many elements"));
+      }
       count *= static_cast<std::uint64_t>(*d);
-      if (count > static_cast<std::uint64_t>(max_bytes)) { tr.fail(&dn, message(" '", name, "' shape: too many elements")); }
       shape.push_back(static_cast<std::size_t>(*d));
     }
     if (shape.empty()) { tr.fail(tt, message(" '", name, "' shape: give at least one dimension")); }
@@ -377,19 +395,29 @@ checkpoint_manifest parse_checkpoint_manifest(std::string_view text, std::string
 checkpoint_manifest read_checkpoint_manifest(const std::filesystem::path& dir)
 {
   const std::filesystem::path file = dir / manifest_file;
+  std::error_code ec;
+  if (!std::filesystem::is_directory(dir, ec)) {
+    throw checkpoint_error(message("there is no checkpoint at '", dir.string(), "' (no such directory); check the path"));
+  }
   std::ifstream in(file, std::ios::binary);
   if (!in) {
-    throw checkpoint_error(message("'", dir.string(), "' is not a complete checkpoint: it has no ", manifest_file,
+    throw checkpoint_error(message("'", dir.string(), "' is not a complete checkpoint: it has no readable ", manifest_file,
                                    " (a save that did not finish leaves none); use another checkpoint"));
+  }
+  const auto size = std::filesystem::file_size(file, ec);
+  if (ec || size > max_manifest_bytes) {
+    throw checkpoint_error(message(file.string(), " is ", ec ? std::string("unreadable") : detail::bytes_text(size),
+                                   "; a manifest is at most ", detail::bytes_text(max_manifest_bytes), ": this is not a taskswap checkpoint"));
   }
   std::ostringstream text;
   text << in.rdbuf();
   return parse_checkpoint_manifest(text.str(), file.string());
 }
 
-void verify_checkpoint(const std::filesystem::path& dir)
+void verify_checkpoint(const std::filesystem::path& dir) { detail::verify_data(dir, read_checkpoint_manifest(dir)); }
+
+void detail::verify_data(const std::filesystem::path& dir, const checkpoint_manifest& m)
 {
-  const checkpoint_manifest m = read_checkpoint_manifest(dir);
   fd_file f(dir / data_file, O_RDONLY);
   const std::uint64_t size = f.size();
   if (size != m.data_bytes) {
@@ -483,28 +511,68 @@ std::string manifest_text(const checkpoint_manifest& m)
   return out.str();
 }
 
+namespace {
+
+// Whether `dir` holds a taskswap checkpoint's manifest (whatever the state of its data).
+bool holds_a_checkpoint(const std::filesystem::path& dir)
+{
+  std::ifstream in(dir / manifest_file, std::ios::binary);
+  if (!in) { return false; }
+  try {
+    const toml::table t = toml::parse(in, (dir / manifest_file).string());
+    return t["format"].value<std::string>() == format_name;
+  } catch (const toml::parse_error&) {
+    return false;
+  }
+}
+
+// Temporary directories a save left when its process died (".ck.tmp-<pid>" of a pid not alive).
+void remove_stale_temporaries(const std::filesystem::path& parent, const std::string& prefix)
+{
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(parent, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(prefix, 0) != 0) { continue; }
+    const std::string pid = name.substr(prefix.size());
+    char* end = nullptr;
+    const long value = std::strtol(pid.c_str(), &end, 10);
+    if (pid.empty() || *end != '\0' || value <= 0 || value == ::getpid()) { continue; }
+    if (::kill(static_cast<pid_t>(value), 0) != 0 && errno == ESRCH) {
+      std::filesystem::remove_all(entry.path(), ec);
+      detail::log(log_level::info, message("checkpoint: removed '", entry.path().string(), "', left by a save that died"));
+    }
+  }
+}
+
+}  // namespace
+
 void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
                       std::span<const checkpoint_source> units)
 {
   namespace fs = std::filesystem;
-  const fs::path target = fs::absolute(dir).lexically_normal();
+  fs::path target = fs::absolute(dir).lexically_normal();
+  if (target.filename().empty()) { target = target.parent_path(); }  // "ck/" names "ck"
   const fs::path parent = target.parent_path();
   std::error_code ec;
-  if (fs::exists(target, ec)) {
-    if (!fs::is_directory(target, ec) || (!fs::is_empty(target, ec) && !fs::exists(target / manifest_file, ec))) {
-      throw checkpoint_error(message("'", target.string(), "' exists and is not a checkpoint (no ", manifest_file,
-                                     "); choose another path or move it away"));
-    }
+  if (fs::exists(target, ec) && (!fs::is_directory(target, ec) || (!fs::is_empty(target, ec) && !holds_a_checkpoint(target)))) {
+    throw checkpoint_error(message("'", target.string(), "' exists and is not a taskswap checkpoint; choose another path "
+                                   "or move it away"));
   }
   if (!fs::is_directory(parent, ec)) {
     throw checkpoint_error(message("cannot write the checkpoint '", target.string(), "': the directory '", parent.string(),
-                                   "' does not exist"));
+                                   "' does not exist; create it first"));
   }
-  const fs::path tmp = parent / message(".", target.filename().string(), ".tmp-", ::getpid());
+  const std::string temporary = message(".", target.filename().string(), ".tmp-");
+  remove_stale_temporaries(parent, temporary);
+  const fs::path tmp = parent / message(temporary, ::getpid());
+  const fs::path old = parent / message(".", target.filename().string(), ".old-", ::getpid());
   fs::remove_all(tmp, ec);  // a leftover of this process's earlier failure
   if (::mkdir(tmp.c_str(), 0755) != 0) {
-    throw checkpoint_error(message("cannot create '", tmp.string(), "': ", system_reason()));
+    throw checkpoint_error(message("cannot create '", tmp.string(), "': ", system_reason(), "; check that '", parent.string(),
+                                   "' is writable"));
   }
+  bool placed = false;  // the new checkpoint is at `target`
+  fs::path leftover = tmp;
   try {
     {
       fd_file data(tmp / data_file, O_WRONLY | O_CREAT | O_EXCL);
@@ -527,17 +595,39 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
       if (::rename(tmp.c_str(), target.c_str()) != 0) {
         throw checkpoint_error(message("cannot rename '", tmp.string(), "' to '", target.string(), "': ", system_reason()));
       }
-    } else if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) != 0) {
-      throw checkpoint_error(message("cannot put the new checkpoint in place of '", target.string(),
-                                     "' (an atomic exchange of the two directories): ", system_reason()));
+      leftover.clear();
+    } else if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
+      leftover = tmp;  // now the old checkpoint
+    } else if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) {
+      // No atomic exchange on this filesystem (NFS, Lustre, …): move the old checkpoint aside, put
+      // the new one in place, then remove the old. A crash between the two renames leaves the old
+      // checkpoint complete at `old`.
+      if (::rename(target.c_str(), old.c_str()) != 0) {
+        throw checkpoint_error(message("cannot move the old checkpoint '", target.string(), "' aside: ", system_reason()));
+      }
+      if (::rename(tmp.c_str(), target.c_str()) != 0) {
+        const std::string reason = system_reason();
+        static_cast<void>(::rename(old.c_str(), target.c_str()));  // put the old one back
+        throw checkpoint_error(message("cannot rename '", tmp.string(), "' to '", target.string(), "': ", reason));
+      }
+      leftover = old;
+    } else {
+      throw checkpoint_error(message("cannot put the new checkpoint in place of '", target.string(), "': ", system_reason()));
     }
+    placed = true;
     sync_directory(parent);
-  } catch (...) {
-    fs::remove_all(tmp, ec);
-    throw;
+  } catch (const checkpoint_error& e) {
+    if (!placed) {
+      fs::remove_all(tmp, ec);
+      throw;
+    }
+    // In place, but the directory's new entry may not be on the disk yet.
+    fs::remove_all(leftover, ec);
+    throw checkpoint_error(message("the checkpoint '", target.string(), "' is in place, but flushing its directory failed (",
+                                   e.what(), "); after a crash the old one may come back"));
   }
-  fs::remove_all(tmp, ec);  // after an exchange: the old checkpoint
-  if (ec) { detail::log(log_level::warning, message("checkpoint: could not remove '", tmp.string(), "': ", ec.message())); }
+  if (!leftover.empty()) { fs::remove_all(leftover, ec); }
+  if (ec) { detail::log(log_level::warning, message("checkpoint: could not remove '", leftover.string(), "': ", ec.message())); }
 }
 
 std::vector<std::size_t> match_units(const std::filesystem::path& dir, const checkpoint_manifest& manifest,

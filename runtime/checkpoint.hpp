@@ -41,6 +41,10 @@ struct checkpoint_source {
 void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
                       std::span<const checkpoint_source> units);
 
+/// Checks data.bin against `manifest` (its size and every slab's checksum).
+/// @throws checkpoint_error naming the first unit and slab that does not match
+void verify_data(const std::filesystem::path& dir, const checkpoint_manifest& manifest);
+
 /// Checks that the manifest's units are exactly `units` (names, compute dtypes, tensor names and
 /// shapes, slab sizes), in any order; returns, for each of `units`, its index in the manifest.
 /// @throws checkpoint_error naming the unit and what differs

@@ -20,6 +20,7 @@
 
 #include "comm/reducer.hpp"
 
+#include "device/backend.hpp"
 #include "device/expects.hpp"
 #include "device/log.hpp"
 #include "device/message.hpp"
@@ -27,6 +28,7 @@
 #include "host/host_task_arena.hpp"
 #include "kernels/kernels.hpp"
 #include "runtime/checkpoint.hpp"
+#include "runtime/crc32c.hpp"
 #include "runtime/device_pool.hpp"
 #include "runtime/plan_queue.hpp"
 #include "runtime/trace.hpp"
@@ -111,6 +113,7 @@ struct unit_record {
   bool dirty = false;         // the device copy is newer than home (device placement)
   bool params_stale = false;  // home is newer than the device copy (host placement, after a step)
   bool stepped_here = false;  // a host step read this residency's gradients
+  bool stepped = false;       // step() since its acquire (without a communicator)
   std::int64_t step = 0;
   std::uint64_t last_release = 0;
   std::size_t resident_index = 0;  // in runtime::impl::resident_
@@ -247,6 +250,7 @@ struct runtime::impl {
 
   // Checkpoints
   [[nodiscard]] std::vector<detail::checkpoint_source> checkpoint_sources();
+  [[nodiscard]] checkpoint_manifest describe(const std::map<std::string, std::string>& user);
 
   // Failures. After the device failed, a wait timed out or a collective failed, every later call
   // throws that first error again, and the runtime writes nothing home any more: a unit on the
@@ -274,6 +278,7 @@ struct runtime::impl {
   // Waits (bounded by the timeout) until the runtime's streams have done their work.
   void wait_streams(std::string_view what);
   std::exception_ptr failed_;
+  bool load_failed_ = false;  // failed_ is a load that overwrote part of the home copies
 
   // Stats
   void resolve_stalls(bool wait);
@@ -300,10 +305,13 @@ struct runtime::impl {
   std::size_t largest_swapped_ = 0;
   std::optional<pinned_arena> arena_;
   std::optional<detail::device_pool> pool_;  // taken once the units are known to be valid
+  // What queued work touches is declared before the streams, so it is destroyed after them (a
+  // stream's destruction lets its queued work finish).
+  std::optional<detail::host_task_arena> cpu_;
+  std::optional<detail::trace_recorder> trace_;
   stream h2d_;
   stream d2h_;
   stream host_opt_;
-  std::optional<detail::host_task_arena> cpu_;
   detail::plan_queue plan_;
   std::size_t max_lookahead_ = 0;
   std::vector<std::uint32_t> resident_;  // non-pinned resident units
@@ -326,7 +334,6 @@ struct runtime::impl {
   std::vector<stall_timer> stalls_pending_;
   std::vector<stall_timer> stalls_free_;
 
-  std::optional<detail::trace_recorder> trace_;
   int h2d_track_ = 0;
   int d2h_track_ = 0;
   int host_track_ = 0;
@@ -406,16 +413,21 @@ runtime::impl::~impl()
   } catch (const std::exception& e) {
     detail::log(log_level::warning, e.what());
   }
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
   for (unit_record& r : units_) {
     try {
-      if (r.released.recorded() && !r.released.synchronize_for(options_.timeout)) {
+      const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
+      if (r.released.recorded() && !r.released.synchronize_for(left)) {
         detail::log(log_level::warning, message("runtime teardown: unit '", r.name, "' was not released on the device within ",
                                                 options_.timeout.count(), " ms; the trainer's stream is stalled"));
+        break;
       }
     } catch (const std::exception& e) {
       detail::log(log_level::warning, message("runtime teardown: unit '", r.name, "': ", e.what()));
     }
   }
+  // The device memory and the home arena are freed next, and queued work may still touch them:
+  // freeing waits for the device (as cudaFree does), after a stall until the stalled work ends.
 }
 
 void runtime::impl::register_units(const runtime_options& options, std::vector<unit_spec> specs)
@@ -902,7 +914,10 @@ void runtime::impl::resolve_stalls(bool wait)
 {
   auto it = stalls_pending_.begin();
   while (it != stalls_pending_.end()) {
-    if (wait) { it->end.synchronize(); }
+    if (wait && !it->end.synchronize_for(options_.timeout)) {
+      throw timeout_error(message("flush: a swap-in's stall timer on the trainer's stream has not completed within ",
+                                  options_.timeout.count(), " ms ([runtime] timeout): the trainer's stream is stalled"));
+    }
     if (!it->end.query()) {
       ++it;
       continue;
@@ -1011,6 +1026,7 @@ unit_view runtime::acquire(unit_id u, stream_view s)
 void runtime::impl::acquire(unit_record& r, stream_view s)
 {
   const unit_id u{r.index};
+  r.stepped = false;
   const std::optional<std::uint64_t> position = plan_.match(u);
   if (!position) {
     TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "'): step ", steps_done_,
@@ -1086,6 +1102,7 @@ void runtime::step(unit_id u, stream_view s)
     if (!m.reducer_) {
       if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
       m.apply_step(r, s);
+      r.stepped = true;
       return;
     }
     TASKSWAP_EXPECTS(!r.step_requested, message("step('", r.name, "'): the unit was stepped already in this step"));
@@ -1150,6 +1167,10 @@ void runtime::release(unit_id u, stream_view s)
     m.check_comm();
     unit_record& r = m.held_record(u, "release");
     if (!m.reducer_) {
+      if (!r.stepped) {  // given up without a step: its gradients are zero again for the next use
+        const detail::unit_layout& l = r.layout;
+        fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
+      }
       m.release(r, s);
       return;
     }
@@ -1276,22 +1297,39 @@ void runtime::flush()
 
 void runtime::impl::wait_streams(std::string_view what)
 {
-  const auto limit = options_.timeout;
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
   const std::array<std::pair<stream*, const char*>, 4> streams{{{aux_ ? &*aux_ : nullptr, "aux (updates)"},
                                                                 {&h2d_, "h2d (swap-in)"},
                                                                 {&d2h_, "d2h (write-back)"},
                                                                 {&host_opt_, "host optimizer"}}};
+  std::exception_ptr first;  // every stream is waited for; the first failure is thrown at the end
   for (const auto& [s, name] : streams) {
     if (s == nullptr) { continue; }
-    event done(device_);
-    done.record(*s);
-    if (!done.synchronize_for(limit)) {
-      throw timeout_error(message(what, ": the runtime's ", name, " stream has not finished within ", limit.count(),
-                                  " ms ([runtime] timeout): a copy, or the trainer's work it waits for, is stalled. "
-                                  "The home copies hold the states last written back; nothing more will be written"));
+    try {
+      event done(device_);
+      done.record(*s);
+      const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
+      if (!done.synchronize_for(left)) {
+        const timeout_error e(message(what, ": the runtime's ", name, " stream has not finished within ",
+                                      options_.timeout.count(),
+                                      " ms ([runtime] timeout): a copy, or the trainer's work it waits for, is stalled. "
+                                      "The runtime writes nothing more home; the home copies hold the states last "
+                                      "written back"));
+        device_.backend().abandon_work(std::make_exception_ptr(e));  // the emulated device drops what is queued
+        throw e;
+      }
+      try {
+        s->synchronize();  // done: returns at once, rethrowing a host function's error
+      } catch (const error&) {
+        throw;
+      } catch (const std::exception& e) {  // a host function (the CPU AdamW) failed: the update is incomplete
+        throw device_error(message(what, ": work on the runtime's ", name, " stream failed: ", e.what()));
+      }
+    } catch (...) {
+      if (!first) { first = std::current_exception(); }
     }
-    s->synchronize();  // done: returns at once, rethrowing a host function's error
   }
+  if (first) { std::rethrow_exception(first); }
 }
 
 // ---- checkpoints -----------------------------------------------------------------------------
@@ -1320,81 +1358,89 @@ void runtime::save_checkpoint(const std::filesystem::path& dir, const std::map<s
 {
   return impl_->guarded([&] {
     impl& m = *impl_;
-    flush();  // the home copies current; refuses held units
-    const std::vector<detail::checkpoint_source> sources = m.checkpoint_sources();
-    checkpoint_manifest manifest = detail::describe_checkpoint(sources);
-    manifest.steps_done = m.steps_done_;
-    manifest.optimizer = m.options_.optimizer;
-    manifest.user = user;
     if (!m.reducer_) {
-      detail::write_checkpoint(dir, manifest, sources);
+      flush();  // the home copies current; refuses held units
+      detail::write_checkpoint(dir, m.describe(user), m.checkpoint_sources());
       return;
     }
-    // Every rank holds a replica: check that they agree (position and checksums), then rank 0 writes.
+    // Every rank holds a replica. Each rank puts a digest of its position and checksums (or -1
+    // when it could not get that far) in its own slot; rank 0 writes only when all slots agree,
+    // and a second collective tells every rank how that went. No rank throws between the two.
     detail::reducer& red = *m.reducer_;
-    const int world = red.world();
-    manifest.world = world;
-    std::vector<std::int64_t> mine{static_cast<std::int64_t>(m.steps_done_)};
-    std::vector<std::string> names;
-    for (const checkpoint_unit& u : manifest.units) {
-      for (const checkpoint_slab* s : {&u.params, u.master ? &*u.master : nullptr, &u.m, &u.v}) {
-        if (s == nullptr) { continue; }
-        mine.push_back(s->crc32c);
-        names.push_back(u.name);
-      }
-    }
-    std::vector<std::int64_t> sums = mine;
-    red.sum(sums, message("checkpoint '", dir.string(), "': comparison of the replicas"));
-    if (sums[0] != world * mine[0]) {
-      throw checkpoint_error(message("checkpoint '", dir.string(), "': rank ", red.rank(), " is at step ", m.steps_done_,
-                                     " but not every rank is; save at the same point on every rank"));
-    }
-    for (std::size_t i = 1; i < mine.size(); ++i) {
-      if (sums[i] != world * mine[i]) {
-        throw checkpoint_error(message("checkpoint '", dir.string(), "': rank ", red.rank(), "'s replica of unit '",
-                                       names[i - 1], "' differs from the other ranks' (checksums); nothing was written"));
-      }
-    }
+    const auto world = static_cast<std::size_t>(red.world());
+    const auto rank = static_cast<std::size_t>(red.rank());
     std::string failure;
-    if (red.rank() == 0) {
+    checkpoint_manifest manifest;
+    std::vector<std::int64_t> digests(world, 0);
+    try {
+      flush();
+      manifest = m.describe(user);
+      manifest.world = red.world();
+      std::uint32_t digest = detail::crc32c(std::as_bytes(std::span(&manifest.steps_done, 1)));
+      for (const checkpoint_unit& u : manifest.units) {
+        for (const checkpoint_slab* sl : {&u.params, u.master ? &*u.master : nullptr, &u.m, &u.v}) {
+          if (sl != nullptr) { digest = detail::crc32c(std::as_bytes(std::span(&sl->crc32c, 1)), digest); }
+        }
+      }
+      digests[rank] = digest;
+    } catch (const std::exception& e) {
+      failure = e.what();
+      digests[rank] = -1;
+    }
+    red.sum(digests, message("checkpoint '", dir.string(), "': comparison of the replicas"));
+    std::string differ;
+    for (std::size_t r = 0; r < world; ++r) {
+      if (digests[r] != digests[0] || digests[r] < 0) { differ += (differ.empty() ? "" : ", ") + std::to_string(r); }
+    }
+    if (failure.empty() && !differ.empty()) {
+      failure = message("checkpoint '", dir.string(), "': the replicas of rank(s) ", differ,
+                        " are not at the same step with the same checksums as rank 0's (or those ranks failed "
+                        "before saving); nothing was written. Save at the same point on every rank");
+    }
+    if (rank == 0 && differ.empty()) {
       try {
-        detail::write_checkpoint(dir, manifest, sources);
-      } catch (const error& e) {
+        detail::write_checkpoint(dir, manifest, m.checkpoint_sources());
+      } catch (const std::exception& e) {
         failure = e.what();
       }
     }
-    std::vector<std::int64_t> status{failure.empty() ? 0 : 1};
-    red.sum(status, message("checkpoint '", dir.string(), "': rank 0's result"));
+    std::vector<std::int64_t> status{differ.empty() && rank == 0 && !failure.empty() ? 1 : 0};
+    red.sum(status, message("checkpoint '", dir.string(),
+                            "': rank 0's result (rank 0 writes while the others wait: [comm] timeout must exceed the "
+                            "time a save takes)"));
+    if (!failure.empty()) { throw checkpoint_error(failure); }
     if (status[0] != 0) {
-      throw checkpoint_error(red.rank() == 0 ? failure
-                                             : message("rank 0 could not write the checkpoint '", dir.string(),
-                                                       "'; its error says why"));
+      throw checkpoint_error(message("rank 0 could not write the checkpoint '", dir.string(), "'; its error says why"));
     }
   });
+}
+
+checkpoint_manifest runtime::impl::describe(const std::map<std::string, std::string>& user)
+{
+  checkpoint_manifest manifest = detail::describe_checkpoint(checkpoint_sources());
+  manifest.steps_done = steps_done_;
+  manifest.optimizer = options_.optimizer;
+  manifest.user = user;
+  return manifest;
 }
 
 checkpoint_manifest runtime::load_checkpoint(const std::filesystem::path& dir)
 {
   impl& m = *impl_;
+  if (m.failed_ && !m.load_failed_) { std::rethrow_exception(m.failed_); }  // after a failed load: load again
   TASKSWAP_EXPECTS(!m.started_, message("load_checkpoint('", dir.string(),
                                         "'): call it before the first plan, acquire or flush, as initial values are written"));
   const std::vector<detail::checkpoint_source> sources = m.checkpoint_sources();
-  checkpoint_manifest manifest;
-  std::vector<std::size_t> where;
-  std::string failure;
-  try {
-    verify_checkpoint(dir);
-    manifest = read_checkpoint_manifest(dir);
-    where = detail::match_units(dir, manifest, sources);
-  } catch (const checkpoint_error& e) {
-    if (!m.reducer_) { throw; }
-    failure = e.what();
-  }
-  if (m.reducer_) {  // every rank loads, or none does
+  // With a communicator: every rank loads, or none does; each learns which ranks could not.
+  const auto agree = [&](const std::string& failure, std::string_view stage) {
+    if (!m.reducer_) {
+      if (!failure.empty()) { throw checkpoint_error(failure); }
+      return;
+    }
     detail::reducer& red = *m.reducer_;
     std::vector<std::int64_t> failed(static_cast<std::size_t>(red.world()), 0);
     failed[static_cast<std::size_t>(red.rank())] = failure.empty() ? 0 : 1;
-    red.sum(failed, message("checkpoint '", dir.string(), "': the ranks' checks"));
+    red.sum(failed, message("checkpoint '", dir.string(), "': the ranks' ", stage));
     if (!failure.empty()) { throw checkpoint_error(failure); }
     std::string ranks;
     for (std::size_t r = 0; r < failed.size(); ++r) {
@@ -1402,10 +1448,33 @@ checkpoint_manifest runtime::load_checkpoint(const std::filesystem::path& dir)
     }
     if (!ranks.empty()) {
       throw checkpoint_error(message("rank(s) ", ranks, " could not load the checkpoint '", dir.string(),
-                                     "'; their errors say why. Nothing was loaded"));
+                                     "' (", stage, "); their errors say why"));
     }
+  };
+  checkpoint_manifest manifest;
+  std::vector<std::size_t> where;
+  std::string failure;
+  try {
+    manifest = read_checkpoint_manifest(dir);
+    detail::verify_data(dir, manifest);
+    where = detail::match_units(dir, manifest, sources);
+  } catch (const std::exception& e) {
+    failure = e.what();
   }
-  detail::read_checkpoint(dir, manifest, sources, where);
+  agree(failure, "checks; nothing was loaded");
+  try {
+    detail::read_checkpoint(dir, manifest, sources, where);
+  } catch (const std::exception& e) {
+    // The home copies are partly overwritten: nothing may train on them.
+    failure = message(e.what(), " (load again before training: this runtime refuses every call until then)");
+  }
+  if (!failure.empty()) {
+    m.failed_ = std::make_exception_ptr(checkpoint_error(failure));
+    m.load_failed_ = true;
+  }
+  agree(failure, "reads");
+  m.failed_ = nullptr;
+  m.load_failed_ = false;
   for (std::size_t i = 0; i < m.units_.size(); ++i) { m.units_[i].step = manifest.units[where[i]].step; }
   m.steps_done_ = manifest.steps_done;
   m.planned_steps_ = manifest.steps_done;

@@ -186,11 +186,9 @@ emulated_backend::emulated_backend(const emulated_options& options, const emulat
 
 void emulated_backend::fault(std::exception_ptr why) noexcept
 {
-  {
-    const std::lock_guard lock(fault_mutex_);
-    if (faulted_.load()) { return; }
-    fault_ = std::move(why);
-  }
+  const std::lock_guard lock(fault_mutex_);
+  if (fault_) { return; }  // the first failure is the one every call reports
+  fault_ = std::move(why);
   faulted_.store(true, std::memory_order_release);
 }
 
@@ -380,7 +378,10 @@ void emulated_backend::copy_async(void* dst, const void* src, std::size_t bytes,
   const char* way = direction == copy_direction::host_to_device ? "host→device" : "device→host";
   queue_of(s).push([this, channel, dst, src, bytes, fails, stalls, number, way] {
     if (faulted()) { return; }
-    if (stalls) { std::this_thread::sleep_for(faults_.stall); }
+    if (stalls) {
+      std::this_thread::sleep_for(faults_.stall);
+      if (faulted()) { return; }  // abandoned while it stalled
+    }
     if (fails) {
       fault(std::make_exception_ptr(device_error(message("emulated:", index_, ": copy ", number, " (", way, ", ",
                                                          bytes_text(bytes),

@@ -508,7 +508,13 @@ int trainer::world() const noexcept { return impl_->world(); }
 std::int64_t trainer::resume(const std::filesystem::path& checkpoint)
 {
   impl& m = *impl_;
-  const taskswap::checkpoint_manifest c = m.rt.load_checkpoint(checkpoint);
+  // Checked before anything is loaded: the schedule depends on the seed and on the ranks.
+  const taskswap::checkpoint_manifest c = taskswap::read_checkpoint_manifest(checkpoint);
+  if (c.world != m.world()) {
+    throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' was saved by " + std::to_string(c.world) +
+                                     " rank(s), this run has " + std::to_string(m.world()) +
+                                     "; resume with as many ranks (each rank's task schedule depends on it)");
+  }
   const auto entry = [&](const std::string& key) {
     const auto it = c.user.find(key);
     return it == c.user.end() ? std::string("(none)") : it->second;
@@ -518,11 +524,11 @@ std::int64_t trainer::resume(const std::filesystem::path& checkpoint)
                                      entry("model.seed") + ", this run has " + std::to_string(m.model.seed) +
                                      "; resume with the same seed (the task schedule depends on it)");
   }
-  m.first_step = static_cast<std::int64_t>(c.steps_done);
-  if (m.first_step > m.steps) {
+  if (static_cast<std::int64_t>(c.steps_done) > m.steps) {
     throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' is at step " + std::to_string(c.steps_done) +
                                      ", beyond this run's " + std::to_string(m.steps) + " steps; raise --steps");
   }
+  m.first_step = static_cast<std::int64_t>(m.rt.load_checkpoint(checkpoint).steps_done);
   return m.first_step;
 }
 
@@ -590,7 +596,11 @@ run_result trainer::run(const run_options& options)
     }
     if (!options.checkpoint.empty() && options.checkpoint_every > 0 && (s + 1) % options.checkpoint_every == 0 &&
         s + 1 < end_at) {
-      save(s + 1);
+      try {
+        save(s + 1);
+      } catch (const taskswap::checkpoint_error& e) {  // the previous checkpoint is still there: go on
+        if (on_log) { on_log(std::string("checkpoint at step ") + std::to_string(s + 1) + " failed: " + e.what()); }
+      }
     }
     const int every = m.model.log_every;
     if (every > 0 && on_log && ((s + 1) % every == 0 || s + 1 == end_at)) {

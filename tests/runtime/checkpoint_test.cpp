@@ -151,10 +151,10 @@ TEST(checkpoint, resuming_gives_bitwise_the_parameters_of_an_uninterrupted_run)
   {
     model first;
     first.train(0, 11);
-    first.rt.set_optimizer({.lr = 1e-2, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01});
     first.rt.save_checkpoint(dir, {{"sampler", "step 11"}});
   }
   model resumed;
+  resumed.rt.set_optimizer({.lr = 0.5, .beta1 = 0.5, .beta2 = 0.5, .eps = 1.0, .weight_decay = 0.5});  // the load restores them
   const checkpoint_manifest m = resumed.rt.load_checkpoint(dir);
   EXPECT_EQ(m.steps_done, 11U);
   EXPECT_EQ(m.user.at("sampler"), "step 11");
@@ -191,11 +191,25 @@ TEST(checkpoint, saving_again_replaces_the_checkpoint_only_when_complete_and_a_f
   EXPECT_EQ(read_checkpoint_manifest(dir).steps_done, 9U);
   EXPECT_EQ(std::distance(fs::directory_iterator(dir.parent_path()), fs::directory_iterator{}), 1);
 
+  // "ck/" names "ck"; a temporary directory of a save that died (its pid is gone) is cleared away.
+  const fs::path stale = dir.parent_path() / ".ck.tmp-999999999";
+  fs::create_directories(stale);
+  a.rt.save_checkpoint(dir.string() + "/");
+  EXPECT_EQ(read_checkpoint_manifest(dir).steps_done, 12U);
+  EXPECT_FALSE(fs::exists(stale));
+
+  // A directory that is not a checkpoint is never replaced, even if it has a manifest.toml.
+  const fs::path lookalike = fresh_dir("lookalike");
+  fs::create_directories(lookalike);
+  write_text(lookalike / "manifest.toml", "title = 'my notes'\n");
+  expect_error_mentioning<checkpoint_error>([&] { a.rt.save_checkpoint(lookalike); }, "is not a taskswap checkpoint");
+  EXPECT_EQ(read_text(lookalike / "manifest.toml"), "title = 'my notes'\n");
+
   // A directory that is not a checkpoint is never replaced.
   const fs::path other = fresh_dir("not-a-checkpoint");
   fs::create_directories(other);
   write_text(other / "notes.txt", "mine");
-  expect_error_mentioning<checkpoint_error>([&] { a.rt.save_checkpoint(other); }, "is not a checkpoint");
+  expect_error_mentioning<checkpoint_error>([&] { a.rt.save_checkpoint(other); }, "is not a taskswap checkpoint");
   EXPECT_EQ(read_text(other / "notes.txt"), "mine");
 }
 
