@@ -56,16 +56,20 @@ struct checkpoint_manifest {
   std::vector<checkpoint_unit> units;
 };
 
-/// @brief Parses manifest text; `source` names it in errors. Checks its structure (every key,
+/// @brief Parses manifest text.
+/// @param text the manifest (TOML)
+/// @param source names it in errors Checks its structure (every key,
 /// type and range, slabs inside data.bin and not overlapping), not the data.
 /// @throws checkpoint_error naming the source, the line and what is wrong
 [[nodiscard]] checkpoint_manifest parse_checkpoint_manifest(std::string_view text, std::string_view source);
 
 /// @brief Reads `dir`/manifest.toml.
+/// @param dir the checkpoint directory
 /// @throws checkpoint_error when it is missing (an incomplete checkpoint) or invalid
 [[nodiscard]] checkpoint_manifest read_checkpoint_manifest(const std::filesystem::path& dir);
 
 /// @brief Checks `dir` completely: the manifest, the size of data.bin, every slab's checksum.
+/// @param dir the checkpoint directory
 /// @throws checkpoint_error naming the first unit and slab that does not match
 void verify_checkpoint(const std::filesystem::path& dir);
 

@@ -55,7 +55,8 @@ struct emulated_options {
 struct emulated_faults {
   /// This copy fails: nothing is copied and the device turns faulty, as after a CUDA sticky
   /// error: the copies, fills and host functions queued after it are skipped, and every later
-  /// call that enqueues, waits or queries throws device_error (waits return first).
+  /// call that enqueues, waits or queries throws device_error (waits return first). (A failed
+  /// collective or a runtime timeout turns the device faulty the same way, with its own error.)
   std::uint64_t fail_copy = 0;
   /// This copy stalls its stream for `stall` before it runs (a hung transfer).
   std::uint64_t stall_copy = 0;
@@ -121,6 +122,8 @@ class device {
 [[nodiscard]] device emulated_device(const emulated_options& options = {});
 
 /// @brief A new emulated device that injects `faults`.
+/// @param options its memory and link model
+/// @param faults what to inject (tests of failure handling)
 [[nodiscard]] device emulated_device(const emulated_options& options, const emulated_faults& faults);
 
 /// @brief A non-owning reference to a stream. Copyable, never null.
