@@ -336,8 +336,10 @@ class runtime {
   /// entries: writes dirty units back first, writes into a temporary directory, flushes it to the
   /// disk and renames it into place (an existing checkpoint there is replaced only once the new
   /// one is complete). With a communicator: collective; each rank's replica is checked against
-  /// the others (checksums), rank 0 writes, and every rank learns whether it succeeded.
-  /// Synchronises.
+  /// the others (checksums), rank 0 writes while the others wait (within [comm] timeout), and
+  /// every rank learns whether it succeeded. Synchronises (docs/reliability.md).
+  /// @param dir the checkpoint directory ("ck" and "ck/" are the same); its parent must exist
+  /// @param user the trainer's own entries, returned by load_checkpoint
   /// @throws invalid_argument if a unit is held
   /// @throws checkpoint_error if it cannot be written (nothing at `dir` is changed then), or the
   /// ranks' replicas differ
@@ -348,7 +350,10 @@ class runtime {
   /// Everything is checked before anything is changed: the manifest, that it has exactly this
   /// runtime's units with the same compute dtypes and tensor shapes (policies and placements may
   /// differ), the size of data.bin and every slab's checksum. With a communicator: collective;
-  /// every rank loads and every rank learns whether all did.
+  /// every rank loads and every rank learns whether all did. If reading the slabs fails after the
+  /// checks passed, the home copies are partly overwritten and every call but load_checkpoint
+  /// throws until one succeeds.
+  /// @param dir the checkpoint directory
   /// @returns the manifest (steps_done: where the trainer's schedule resumes; user: its entries)
   /// @throws checkpoint_error naming the unit and what differs, or the slab that is corrupted
   /// @throws invalid_argument after the first plan or acquire
