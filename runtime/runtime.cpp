@@ -250,7 +250,8 @@ struct runtime::impl {
 
   // Checkpoints
   [[nodiscard]] std::vector<detail::checkpoint_source> checkpoint_sources();
-  [[nodiscard]] checkpoint_manifest describe(const std::map<std::string, std::string>& user);
+  [[nodiscard]] checkpoint_manifest describe(std::span<const detail::checkpoint_source> sources,
+                                             const std::map<std::string, std::string>& user);
 
   // Failures. After the device failed, a wait timed out or a collective failed, every later call
   // throws that first error again, and the runtime writes nothing home any more: a unit on the
@@ -1360,7 +1361,8 @@ void runtime::save_checkpoint(const std::filesystem::path& dir, const std::map<s
     impl& m = *impl_;
     if (!m.reducer_) {
       flush();  // the home copies current; refuses held units
-      detail::write_checkpoint(dir, m.describe(user), m.checkpoint_sources());
+      const std::vector<detail::checkpoint_source> sources = m.checkpoint_sources();
+      detail::write_checkpoint(dir, m.describe(sources, user), sources);
       return;
     }
     // Every rank holds a replica. Each rank puts a digest of its position and checksums (or -1
@@ -1371,10 +1373,12 @@ void runtime::save_checkpoint(const std::filesystem::path& dir, const std::map<s
     const auto rank = static_cast<std::size_t>(red.rank());
     std::string failure;
     checkpoint_manifest manifest;
+    std::vector<detail::checkpoint_source> sources;
     std::vector<std::int64_t> digests(world, 0);
     try {
       flush();
-      manifest = m.describe(user);
+      sources = m.checkpoint_sources();
+      manifest = m.describe(sources, user);
       manifest.world = red.world();
       std::uint32_t digest = detail::crc32c(std::as_bytes(std::span(&manifest.steps_done, 1)));
       for (const checkpoint_unit& u : manifest.units) {
@@ -1399,7 +1403,7 @@ void runtime::save_checkpoint(const std::filesystem::path& dir, const std::map<s
     }
     if (rank == 0 && differ.empty()) {
       try {
-        detail::write_checkpoint(dir, manifest, m.checkpoint_sources());
+        detail::write_checkpoint(dir, manifest, sources);
       } catch (const std::exception& e) {
         failure = e.what();
       }
@@ -1415,9 +1419,10 @@ void runtime::save_checkpoint(const std::filesystem::path& dir, const std::map<s
   });
 }
 
-checkpoint_manifest runtime::impl::describe(const std::map<std::string, std::string>& user)
+checkpoint_manifest runtime::impl::describe(std::span<const detail::checkpoint_source> sources,
+                                            const std::map<std::string, std::string>& user)
 {
-  checkpoint_manifest manifest = detail::describe_checkpoint(checkpoint_sources());
+  checkpoint_manifest manifest = detail::describe_checkpoint(sources);
   manifest.steps_done = steps_done_;
   manifest.optimizer = options_.optimizer;
   manifest.user = user;

@@ -5,6 +5,7 @@
 // nothing loaded anywhere. Every failure ends in an error on every rank, none in a hang.
 
 #include "expect_error.hpp"
+#include "mpi_test.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -21,13 +22,6 @@ namespace taskswap::test {
 namespace {
 
 namespace fs = std::filesystem;
-
-int world_rank()
-{
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
 
 // One directory for the whole job: rank 0's pid, shared.
 fs::path job_dir()
@@ -88,6 +82,17 @@ struct ranks_model {
     }
   }
 };
+
+// Rank 0 removes the job's directory once every rank is done with it.
+class remove_job_dir : public ::testing::Environment {
+ public:
+  void TearDown() override
+  {
+    MPI_Barrier(MPI_COMM_WORLD);
+    if (world_rank() == 0) { fs::remove_all(job_dir()); }
+  }
+};
+[[maybe_unused]] ::testing::Environment* const cleanup = ::testing::AddGlobalTestEnvironment(new remove_job_dir);
 
 TEST(checkpoint_mpi, a_save_and_a_load_on_every_rank)
 {
@@ -153,22 +158,3 @@ TEST(checkpoint_mpi, a_load_one_rank_cannot_do_is_refused_on_every_rank)
 
 }  // namespace
 }  // namespace taskswap::test
-
-int main(int argc, char** argv)
-{
-  ::testing::InitGoogleTest(&argc, argv);
-  int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  if (taskswap::test::world_rank() != 0) {  // one report; failures on other ranks still fail the run
-    ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int result = RUN_ALL_TESTS();
-  int worst = 0;
-  MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (result != 0) { std::fprintf(stderr, "rank %d: tests failed\n", taskswap::test::world_rank()); }
-  MPI_Barrier(MPI_COMM_WORLD);
-  if (taskswap::test::world_rank() == 0) { std::filesystem::remove_all(taskswap::test::job_dir()); }
-  MPI_Finalize();
-  return worst;
-}

@@ -7,6 +7,7 @@
 // their home copies with each other bitwise.
 
 #include "host/adamw_formula.hpp"
+#include "mpi_test.hpp"
 #include "test_scale.hpp"
 
 #include <taskswap/comm.hpp>
@@ -26,19 +27,6 @@ namespace {
 
 constexpr std::chrono::milliseconds test_timeout{60'000};
 
-int world_rank()
-{
-  int r = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &r);
-  return r;
-}
-
-int world_size()
-{
-  int n = 0;
-  MPI_Comm_size(MPI_COMM_WORLD, &n);
-  return n;
-}
 
 std::vector<unit_spec> model(std::size_t head_rows = 16)
 {
@@ -456,20 +444,3 @@ TEST(communicator_mpi, allreduce_ops_and_counts)
 
 }  // namespace
 }  // namespace taskswap::test
-
-int main(int argc, char** argv)
-{
-  ::testing::InitGoogleTest(&argc, argv);
-  int provided = 0;
-  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
-  if (taskswap::test::world_rank() != 0) {  // one report; failures on other ranks still fail the run
-    ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
-    delete listeners.Release(listeners.default_result_printer());
-  }
-  const int result = RUN_ALL_TESTS();
-  int worst = 0;
-  MPI_Allreduce(&result, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  if (result != 0) { std::fprintf(stderr, "rank %d: tests failed\n", taskswap::test::world_rank()); }
-  MPI_Finalize();
-  return worst;
-}
