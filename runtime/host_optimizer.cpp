@@ -1,0 +1,59 @@
+// SPDX-License-Identifier: Apache-2.0
+// Host placement: gradients home, the CPU AdamW on the host-optimizer stream, parameters back up.
+
+#include "runtime/runtime_impl.hpp"
+
+#include "host/cpu_adamw.hpp"
+#include "kernels/kernels.hpp"
+
+namespace taskswap {
+
+using detail::ensure;
+
+// After a host step: the new parameters go up once the CPU AdamW wrote them and the trainer let
+// go of the old ones.
+void runtime::impl::upload_params(unit_record& r)
+{
+  const detail::unit_layout& l = r.layout;
+  flush_h2d_waits();
+  r.released.wait(h2d_);
+  r.host_updated->wait(h2d_);
+  const std::size_t span = trace_ ? trace_->open(h2d_track_, "params " + r.name, h2d_) : 0;
+  copy_async(r.slot->subspan(0, l.travel_bytes), std::span<const std::byte>(r.home, l.travel_bytes), h2d_);
+  r.arrived.record(h2d_);
+  if (trace_) { trace_->close(span, h2d_); }
+  r.params_stale = false;
+  current_.h2d_bytes += l.travel_bytes;
+}
+
+// Gradients home on d2h (after the previous CPU step let go of them), then the CPU AdamW on
+// host_opt; the device parameters are stale until uploaded again. Does not synchronise.
+void runtime::impl::host_step(unit_record& r, const detail::adamw_scalars& scalars, stream_view s)
+{
+  const detail::unit_layout& l = r.layout;
+  ensure(r.grads_done, device_).record(s);
+  r.grads_done->wait(d2h_);
+  if (r.host_updated && r.host_updated->recorded()) { r.host_updated->wait(d2h_); }
+  const std::size_t grad_bytes = l.device_grad_bytes();
+  const std::size_t span = trace_ ? trace_->open(d2h_track_, "grads " + r.name, d2h_) : 0;
+  copy_async(std::span<std::byte>(r.home + l.home_grads, grad_bytes),
+             const_device_span(r.slot->subspan(r.grads_at(), grad_bytes)), d2h_);
+  fill_async(r.slot->subspan(r.grads_at(), grad_bytes), std::byte{0}, d2h_);
+  ensure(r.grads_copied, device_).record(d2h_);
+  if (trace_) { trace_->close(span, d2h_); }
+  current_.d2h_bytes += grad_bytes;
+  r.grads_copied->wait(host_opt_);
+  const detail::adamw_slabs slabs = l.slabs_at(r.home, l.home_grads);
+  detail::host_task_arena* cpu = &*cpu_;
+  detail::trace_recorder* trace = trace_ ? &*trace_ : nullptr;
+  launch_host_func(host_opt_, [slabs, scalars, cpu, trace, track = host_track_, name = r.name] {
+    const auto begin = detail::trace_recorder::clock::now();
+    detail::cpu_adamw_step(slabs, scalars, *cpu);
+    if (trace != nullptr) { trace->host_span(track, "adamw " + name, begin, detail::trace_recorder::clock::now()); }
+  });
+  ensure(r.host_updated, device_).record(host_opt_);
+  r.params_stale = true;
+  r.stepped_here = true;
+}
+
+}  // namespace taskswap

@@ -1,0 +1,138 @@
+// SPDX-License-Identifier: Apache-2.0
+// The runtime's construction (units, homes, pool, trace, reducer), waiting for its streams, teardown.
+
+#include "runtime/runtime_impl.hpp"
+
+#include "device/backend.hpp"
+#include "device/log.hpp"
+
+#include <algorithm>
+#include <array>
+#include <chrono>
+
+namespace taskswap {
+
+using detail::message;
+
+runtime::impl::impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs,
+                    std::shared_ptr<communicator> comm)
+    : device_(dev),
+      options_(options),
+      h2d_(dev),
+      d2h_(dev),
+      host_opt_(dev),
+      plan_(specs.size())
+{
+  register_units(options, std::move(specs));
+  pool_.emplace(dev, options.device.budget);
+  place_homes();
+  if (options_.trace) {
+    trace_.emplace(device_, h2d_.view());
+    h2d_track_ = trace_->track("h2d (swap-in)");
+    d2h_track_ = trace_->track("d2h (write-back)");
+    host_track_ = trace_->track("host optimizer");
+  }
+  if (!comm) { comm = make_communicator(dev, options.comm); }
+  if (comm) {
+    std::vector<detail::reducer_unit> units;
+    units.reserve(units_.size());
+    for (const unit_record& r : units_) {
+      const detail::unit_layout& l = r.layout;
+      std::uint64_t digest = 0xcbf29ce484222325ULL;
+      for (const tensor_info& t : l.tensors) {
+        digest = detail::fnv1a(digest, t.name);
+        for (const std::size_t d : t.shape) { digest = detail::fnv1a(digest, message(",", d)); }
+      }
+      digest = detail::fnv1a(digest, message(to_string(l.compute), "/", to_string(l.grad)));
+      units.push_back({r.name, l.count * size_of(l.grad), l.grad, digest});
+    }
+    aux_.emplace(dev);
+    reducer_.emplace(dev, std::move(comm), options.comm, std::move(units));
+  }
+}
+
+runtime::impl::~impl()
+{
+  // Keep the home copies current (unless something failed: then nothing more is written home)
+  // and let no copy outlive the memory it touches.
+  const bool failed = failed_ || (reducer_ && reducer_->comm().failed());
+  if (failed) {
+    detail::log(log_level::warning, "runtime teardown after a failure: dirty units are not written back; the home "
+                                    "copies hold the states last written back");
+  }
+  try {
+    if (held_count_ == 0 && started_ && !failed) {
+      for (unit_record& r : units_) {
+        if (r.resident() && r.dirty) { write_back(r); }
+      }
+    }
+  } catch (const std::exception& e) {
+    detail::log(log_level::warning, message("runtime teardown: writing dirty units back failed: ", e.what()));
+  }
+  try {
+    wait_streams("runtime teardown");
+  } catch (const std::exception& e) {
+    detail::log(log_level::warning, e.what());
+  }
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  for (unit_record& r : units_) {
+    try {
+      const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
+      if (r.released.recorded() && !r.released.synchronize_for(left)) {
+        detail::log(log_level::warning, message("runtime teardown: unit '", r.name, "' was not released on the device within ",
+                                                options_.timeout.count(), " ms; the trainer's stream is stalled"));
+        break;
+      }
+    } catch (const std::exception& e) {
+      detail::log(log_level::warning, message("runtime teardown: unit '", r.name, "': ", e.what()));
+    }
+  }
+  // The device memory and the home arena are freed next, and queued work may still touch them:
+  // freeing waits for the device (as cudaFree does), after a stall until the stalled work ends.
+}
+
+void runtime::impl::wait_streams(std::string_view what)
+{
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  const std::array<std::pair<stream*, const char*>, 4> streams{{{aux_ ? &*aux_ : nullptr, "aux (updates)"},
+                                                                {&h2d_, "h2d (swap-in)"},
+                                                                {&d2h_, "d2h (write-back)"},
+                                                                {&host_opt_, "host optimizer"}}};
+  std::exception_ptr first;  // every stream is waited for; the first failure is thrown at the end
+  for (const auto& [s, name] : streams) {
+    if (s == nullptr) { continue; }
+    try {
+      event done(device_);
+      done.record(*s);
+      const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
+      if (!done.synchronize_for(left)) {
+        const timeout_error e(message(what, ": the runtime's ", name, " stream has not finished within ",
+                                      options_.timeout.count(),
+                                      " ms ([runtime] timeout): a copy, or the trainer's work it waits for, is stalled. "
+                                      "The runtime writes nothing more home; the home copies hold the states last "
+                                      "written back"));
+        device_.backend().abandon_work(std::make_exception_ptr(e));  // the emulated device drops what is queued
+        throw e;
+      }
+      try {
+        s->synchronize();  // done: returns at once, rethrowing a host function's error
+      } catch (const error&) {
+        throw;
+      } catch (const std::exception& e) {  // a host function (the CPU AdamW) failed: the update is incomplete
+        throw device_error(message(what, ": work on the runtime's ", name, " stream failed: ", e.what()));
+      }
+    } catch (...) {
+      if (!first) { first = std::current_exception(); }
+    }
+  }
+  if (first) { std::rethrow_exception(first); }
+}
+
+void runtime::impl::write_trace(const std::filesystem::path& file)
+{
+  TASKSWAP_EXPECTS(trace_.has_value(), "write_trace: the trace is off; set trace = true in the runtime options");
+  wait_streams("write_trace");
+  trace_->write(file);
+}
+
+}  // namespace taskswap

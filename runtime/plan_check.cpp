@@ -1,0 +1,150 @@
+// SPDX-License-Identifier: Apache-2.0
+// The plan: each step's budget check, and agreeing the steps' units with the other ranks.
+
+#include "runtime/runtime_impl.hpp"
+
+#include "device/log.hpp"
+
+#include <algorithm>
+
+namespace taskswap {
+
+using detail::bytes_text;
+using detail::message;
+
+void runtime::impl::plan(std::span<const step_plan> steps)
+{
+  check_comm();
+  for (std::size_t k = 0; k < steps.size(); ++k) { check_step(steps[k], steps_done_ + plan_.planned_steps() + k); }
+  if (reducer_) {
+    plan_together(steps);
+  } else {
+    for (const step_plan& s : steps) { plan_.append(s); }
+  }
+  planned_steps_ += steps.size();
+  start();
+  prefetch();
+}
+
+void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number) const
+{
+  std::vector<std::uint32_t> held;
+  std::size_t held_bytes = 0;
+  const std::size_t budget = options_.device.budget;
+  const auto held_names = [&] {
+    std::string s;
+    for (const std::uint32_t i : held) { s += (s.empty() ? "'" : ", '") + units_[i].name + "'"; }
+    return s;
+  };
+  for (const step_plan::entry& e : step.entries()) {
+    if (e.unit.value >= units_.size()) {
+      throw config_error(message("plan step ", step_number, ": unit id ", e.unit.value, " is not registered (",
+                                 units_.size(), " units)"));
+    }
+    const unit_record& r = units_[e.unit.value];
+    const auto it = std::find(held.begin(), held.end(), e.unit.value);
+    if (!e.acquire) {
+      if (it == held.end()) {
+        throw config_error(message("plan step ", step_number, ": releases '", r.name,
+                                   "', which the step has not acquired; acquire it earlier in the step"));
+      }
+      held.erase(it);
+      // With a communicator a released unit may keep its room until its bucket is reduced, which
+      // can wait for units acquired later in the step: count it to the end of the step.
+      if (!r.pinned() && !reducer_) { held_bytes -= r.layout.device_bytes; }
+      continue;
+    }
+    if (it != held.end()) {
+      throw config_error(message("plan step ", step_number, ": acquires '", r.name,
+                                 "' while it is still held; release it in between"));
+    }
+    if (r.pinned()) {
+      held.push_back(e.unit.value);
+      continue;
+    }
+    // Free room splits into at most one hole more than there are held units; when the largest
+    // hole is sure to hold the unit, no placement of the held units can make the acquire fail.
+    const std::size_t swapped_held = static_cast<std::size_t>(
+      std::count_if(held.begin(), held.end(), [&](std::uint32_t i) { return !units_[i].pinned(); }));
+    const std::size_t free = budget - pinned_bytes_ - std::min(held_bytes, budget - pinned_bytes_);
+    if (free >= r.layout.device_bytes && free / (swapped_held + 1) < r.layout.device_bytes) {
+      detail::log_once("plan fragmentation margin", log_level::warning,
+                       message("plan step ", step_number, ": acquiring '", r.name, "' (", bytes_text(r.layout.device_bytes),
+                               ") next to ", swapped_held, " held units leaves ", bytes_text(free),
+                               " free; if the held units split it, the acquire fails with out_of_memory. A budget "
+                               "with ", bytes_text((swapped_held + 1) * r.layout.device_bytes - free),
+                               " more is safe whatever the placement"));
+    }
+    held.push_back(e.unit.value);
+    held_bytes += r.layout.device_bytes;
+    if (pinned_bytes_ + held_bytes > budget) {
+      throw config_error(message("plan step ", step_number, ": after acquiring '", r.name, "' the units held at once (",
+                                 held_names(), ") need ", bytes_text(held_bytes), " and the pinned units ",
+                                 bytes_text(pinned_bytes_), ", together ", bytes_text(pinned_bytes_ + held_bytes),
+                                 " of a ", bytes_text(budget),
+                                 " budget; release units earlier in the step, raise [device] budget or choose "
+                                 "optimizer = \"host\"",
+                                 reducer_ ? " (with a communicator, units released within a step count until it ends)"
+                                          : ""));
+    }
+  }
+}
+
+// ---- with a communicator ----------------------------------------------------------------------
+
+// Agrees with the other ranks on the steps' units, then plans each step with the units other
+// ranks train and this one does not acquired first (this rank applies their update too) and
+// released at its end, and checks the budget again with them.
+void runtime::impl::plan_together(std::span<const step_plan> steps)
+{
+  const std::uint64_t first = steps_done_ + plan_.planned_steps();
+  std::vector<std::vector<std::uint32_t>> local(steps.size());
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    for (const step_plan::entry& e : steps[k].entries()) {
+      if (!e.acquire) { continue; }
+      if (std::find(local[k].begin(), local[k].end(), e.unit.value) != local[k].end()) {
+        throw config_error(message("plan step ", first + k, ": acquires '", units_[e.unit.value].name,
+                                   "' twice. With a communicator a unit is acquired once per step and held from "
+                                   "forward through backward (its release is the end of its gradients); release "
+                                   "and re-acquire within a step only without a communicator"));
+      }
+      local[k].push_back(e.unit.value);
+    }
+  }
+  std::vector<detail::step_agreement> agreed = reducer_->agree(local, first);
+  std::vector<step_plan> full_steps(steps.size());
+  std::vector<agreed_step> agreed_steps;
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    agreed_step a{std::move(agreed[k]), {}};
+    for (const std::uint32_t u : a.agreement.order) {
+      if (std::find(local[k].begin(), local[k].end(), u) == local[k].end()) { a.update_only.push_back(u); }
+    }
+    std::sort(a.update_only.begin(), a.update_only.end());
+    step_plan full;
+    for (const std::uint32_t u : a.update_only) { full.acquire(unit_id{u}); }
+    for (const step_plan::entry& e : steps[k].entries()) {
+      if (e.acquire) {
+        full.acquire(e.unit);
+      } else {
+        full.release(e.unit);
+      }
+    }
+    for (const std::uint32_t u : a.update_only) { full.release(unit_id{u}); }
+    try {
+      if (!a.update_only.empty()) { check_step(full, first + k); }  // else plan() checked it as given
+    } catch (const config_error& e) {
+      std::string others;
+      for (const std::uint32_t u : a.update_only) { others += (others.empty() ? "'" : ", '") + units_[u].name + "'"; }
+      throw config_error(message(e.what(), others.empty() ? "" : ". The step includes units other ranks train (",
+                                 others, others.empty() ? "" : "), which this rank holds for their update"));
+    }
+    full_steps[k] = std::move(full);
+    agreed_steps.push_back(std::move(a));
+  }
+  for (std::size_t k = 0; k < steps.size(); ++k) {  // all checked: nothing is planned half
+    plan_.append(full_steps[k]);
+    agreed_.push_back(std::move(agreed_steps[k]));
+  }
+}
+
+}  // namespace taskswap

@@ -1,0 +1,140 @@
+// SPDX-License-Identifier: Apache-2.0
+// The unit registry: policies from the rules, registration with the budget checks, home blocks, start.
+
+#include "runtime/runtime_impl.hpp"
+
+#include "kernels/kernels.hpp"
+
+#include <fnmatch.h>
+
+#include <algorithm>
+
+namespace taskswap {
+
+using detail::bytes_text;
+using detail::message;
+
+namespace {
+
+unit_policy resolve_policy(const unit_spec& spec, const runtime_options& options, std::vector<bool>& rule_used)
+{
+  if (spec.policy) { return *spec.policy; }
+  unit_policy p = options.defaults;
+  for (std::size_t i = 0; i < options.units.size(); ++i) {
+    const unit_rule& r = options.units[i];
+    if (fnmatch(r.match.c_str(), spec.name.c_str(), 0) != 0) { continue; }
+    rule_used[i] = true;
+    if (r.residency) { p.residency = *r.residency; }
+    if (r.lookahead) { p.lookahead = *r.lookahead; }
+    if (r.optimizer) { p.optimizer = *r.optimizer; }
+  }
+  return p;
+}
+
+std::string policy_hint(const detail::unit_record& r)
+{
+  return r.policy.optimizer == optimizer_placement::device
+           ? "raise [device] budget or choose optimizer = \"host\" for it"
+           : "raise [device] budget";
+}
+
+}  // namespace
+
+unit_policy policy_for(const unit_spec& spec, const runtime_options& options)
+{
+  std::vector<bool> rule_used(options.units.size(), false);
+  return resolve_policy(spec, options, rule_used);
+}
+
+unit_footprint footprint(const unit_spec& spec, optimizer_placement placement)
+{
+  const detail::unit_layout l = detail::make_unit_layout(spec, placement);
+  return unit_footprint{.device_bytes = l.device_bytes,
+                        .home_bytes = l.home_bytes,
+                        .swap_in_bytes = l.travel_bytes,
+                        .write_back_bytes = l.writeback_bytes,
+                        .grad_bytes = l.device_grad_bytes(),
+                        .param_bytes = l.master == l.params ? l.m - l.params : l.master - l.params};
+}
+
+void runtime::impl::register_units(const runtime_options& options, std::vector<unit_spec> specs)
+{
+  if (specs.empty()) { throw config_error("taskswap runtime: no units given; register at least one unit"); }
+  std::vector<bool> rule_used(options.units.size(), false);
+  for (unit_spec& spec : specs) {
+    if (spec.name.empty()) { throw config_error("taskswap runtime: a unit has an empty name; name every unit"); }
+    const unit_policy policy = resolve_policy(spec, options, rule_used);
+    if (policy.lookahead < 0) {
+      throw config_error(message("unit '", spec.name, "': lookahead ", policy.lookahead, " is negative; use 0 or more"));
+    }
+    if (!by_name_.emplace(spec.name, static_cast<std::uint32_t>(units_.size())).second) {
+      throw config_error(message("unit '", spec.name, "' is registered twice; unit names must be unique"));
+    }
+    units_.emplace_back(device_, static_cast<std::uint32_t>(units_.size()), spec.name, policy, detail::make_unit_layout(spec, policy.optimizer));
+    unit_record& r = units_.back();
+    if (r.pinned()) {
+      pinned_bytes_ += r.layout.device_bytes;
+    } else {
+      largest_swapped_ = std::max(largest_swapped_, r.layout.device_bytes);
+      if (policy.residency == residency::prefetch) {
+        max_lookahead_ = std::max(max_lookahead_, static_cast<std::size_t>(policy.lookahead));
+      }
+    }
+  }
+  for (std::size_t i = 0; i < rule_used.size(); ++i) {
+    if (!rule_used[i]) {
+      const unit_rule& rule = options.units[i];
+      throw config_error(message(rule.origin.empty() ? options.source : rule.origin, ": [[units]] match = \"",
+                                 rule.match, "\" matches no registered unit; fix the pattern or remove the rule"));
+    }
+  }
+  const std::size_t budget = options.device.budget;
+  if (pinned_bytes_ > budget) {
+    throw config_error(message("the pinned units need ", bytes_text(pinned_bytes_), " of device memory but the budget is ",
+                               bytes_text(budget), "; raise [device] budget or pin fewer units"));
+  }
+  for (const unit_record& r : units_) {
+    if (!r.pinned() && r.layout.device_bytes > budget - pinned_bytes_) {
+      throw config_error(message("unit '", r.name, "' needs ", bytes_text(r.layout.device_bytes),
+                                 " of device memory but the budget leaves ", bytes_text(budget - pinned_bytes_),
+                                 " after pinned units; ", policy_hint(r)));
+    }
+  }
+}
+
+void runtime::impl::place_homes()
+{
+  std::size_t total = 0;
+  bool any_host = false;
+  for (const unit_record& r : units_) {
+    total += r.layout.home_bytes;
+    any_host = any_host || r.policy.optimizer == optimizer_placement::host;
+  }
+  pinned_arena_options o;
+  o.bytes = total;
+  o.numa_node = options_.host.numa_node;
+  o.huge_pages = options_.host.huge_pages;
+  arena_.emplace(device_, o);
+  for (unit_record& r : units_) { r.home = arena_->allocate(r.layout.home_bytes, detail::slab_alignment).data(); }
+  if (any_host) { cpu_.emplace(static_cast<int>(arena_->numa_node()), options_.host.optimizer_threads); }
+  // Pinned units take the bottom of the pool, where they never fragment what swaps.
+  for (unit_record& r : units_) {
+    if (r.pinned()) { r.slot = pool_->allocate(r.layout.device_bytes, detail::slab_alignment); }
+  }
+}
+
+// Runs before the first plan or acquire, so the trainer can initialise the home copies first.
+void runtime::impl::start()
+{
+  if (started_) { return; }
+  started_ = true;
+  for (unit_record& r : units_) {
+    const detail::unit_layout& l = r.layout;
+    if (l.compute != dtype::f32) {  // the master is the source of truth; derive the params from it
+      detail::host_cast(r.home + l.params, l.compute, r.home + l.master, dtype::f32, l.count);
+    }
+    if (r.pinned()) { fill_slot(r); }
+  }
+}
+
+}  // namespace taskswap

@@ -1,0 +1,161 @@
+// SPDX-License-Identifier: Apache-2.0
+// The runtime's side of checkpoints: its home slabs as sources, save and load, agreed by the ranks.
+
+#include "runtime/runtime_impl.hpp"
+
+#include "runtime/crc32c.hpp"
+
+namespace taskswap {
+
+using detail::message;
+
+std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
+{
+  std::vector<detail::checkpoint_source> out;
+  for (unit_record& r : units_) {
+    const detail::unit_layout& l = r.layout;
+    const std::size_t f32_bytes = l.v - l.m;
+    detail::checkpoint_source c;
+    c.name = r.name;
+    c.compute = l.compute;
+    c.tensors = l.tensors;
+    c.step = r.step;
+    c.params = {r.home + l.params, (l.compute == dtype::f32 ? l.m : l.master) - l.params};
+    if (l.compute != dtype::f32) { c.master = {r.home + l.master, f32_bytes}; }
+    c.m = {r.home + l.m, f32_bytes};
+    c.v = {r.home + l.v, f32_bytes};
+    out.push_back(std::move(c));
+  }
+  return out;
+}
+
+void runtime::impl::save_checkpoint(const std::filesystem::path& dir, const std::map<std::string, std::string>& user)
+{
+  if (!reducer_) {
+    flush();  // the home copies current; refuses held units
+    const std::vector<detail::checkpoint_source> sources = checkpoint_sources();
+    detail::write_checkpoint(dir, describe(sources, user), sources);
+    return;
+  }
+  // Every rank holds a replica. Each rank puts a digest of its position and checksums (or -1
+  // when it could not get that far) in its own slot; rank 0 writes only when all slots agree,
+  // and a second collective tells every rank how that went. No rank throws between the two.
+  detail::reducer& red = *reducer_;
+  const auto world = static_cast<std::size_t>(red.world());
+  const auto rank = static_cast<std::size_t>(red.rank());
+  std::string failure;
+  checkpoint_manifest manifest;
+  std::vector<detail::checkpoint_source> sources;
+  std::vector<std::int64_t> digests(world, 0);
+  try {
+    guarded([&] { flush(); });  // as the public flush: a device failure is kept
+    sources = checkpoint_sources();
+    manifest = describe(sources, user);
+    manifest.world = red.world();
+    std::uint32_t digest = detail::crc32c(std::as_bytes(std::span(&manifest.steps_done, 1)));
+    for (const checkpoint_unit& u : manifest.units) {
+      for (const checkpoint_slab* sl : {&u.params, u.master ? &*u.master : nullptr, &u.m, &u.v}) {
+        if (sl != nullptr) { digest = detail::crc32c(std::as_bytes(std::span(&sl->crc32c, 1)), digest); }
+      }
+    }
+    digests[rank] = digest;
+  } catch (const std::exception& e) {
+    failure = e.what();
+    digests[rank] = -1;
+  }
+  red.sum(digests, message("checkpoint '", dir.string(), "': comparison of the replicas"));
+  std::string differ;
+  for (std::size_t r = 0; r < world; ++r) {
+    if (digests[r] != digests[0] || digests[r] < 0) { differ += (differ.empty() ? "" : ", ") + std::to_string(r); }
+  }
+  if (failure.empty() && !differ.empty()) {
+    failure = message("checkpoint '", dir.string(), "': the replicas of rank(s) ", differ,
+                      " are not at the same step with the same checksums as rank 0's (or those ranks failed "
+                      "before saving); nothing was written. Save at the same point on every rank");
+  }
+  if (rank == 0 && differ.empty()) {
+    try {
+      detail::write_checkpoint(dir, manifest, sources);
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+  }
+  std::vector<std::int64_t> status{differ.empty() && rank == 0 && !failure.empty() ? 1 : 0};
+  red.sum(status, message("checkpoint '", dir.string(),
+                          "': rank 0's result (rank 0 writes while the others wait: [comm] timeout must exceed the "
+                          "time a save takes)"));
+  if (!failure.empty()) { throw checkpoint_error(failure); }
+  if (status[0] != 0) {
+    throw checkpoint_error(message("rank 0 could not write the checkpoint '", dir.string(), "'; its error says why"));
+  }
+}
+
+checkpoint_manifest runtime::impl::describe(std::span<const detail::checkpoint_source> sources,
+                                            const std::map<std::string, std::string>& user)
+{
+  checkpoint_manifest manifest = detail::describe_checkpoint(sources);
+  manifest.steps_done = steps_done_;
+  manifest.optimizer = options_.optimizer;
+  manifest.user = user;
+  return manifest;
+}
+
+checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& dir)
+{
+  if (failed_ && !load_failed_) { std::rethrow_exception(failed_); }  // after a failed load: load again
+  TASKSWAP_EXPECTS(!started_, message("load_checkpoint('", dir.string(),
+                                      "'): call it before the first plan, acquire or flush, as initial values are written"));
+  const std::vector<detail::checkpoint_source> sources = checkpoint_sources();
+  // With a communicator: every rank loads, or none does; each learns which ranks could not.
+  const auto agree = [&](const std::string& failure, std::string_view stage) {
+    if (!reducer_) {
+      if (!failure.empty()) { throw checkpoint_error(failure); }
+      return;
+    }
+    detail::reducer& red = *reducer_;
+    std::vector<std::int64_t> failed(static_cast<std::size_t>(red.world()), 0);
+    failed[static_cast<std::size_t>(red.rank())] = failure.empty() ? 0 : 1;
+    red.sum(failed, message("checkpoint '", dir.string(), "': the ranks' ", stage));
+    if (!failure.empty()) { throw checkpoint_error(failure); }
+    std::string ranks;
+    for (std::size_t r = 0; r < failed.size(); ++r) {
+      if (failed[r] != 0) { ranks += (ranks.empty() ? "" : ", ") + std::to_string(r); }
+    }
+    if (!ranks.empty()) {
+      throw checkpoint_error(message("rank(s) ", ranks, " could not load the checkpoint '", dir.string(),
+                                     "' (", stage, "); their errors say why"));
+    }
+  };
+  checkpoint_manifest manifest;
+  std::vector<std::size_t> where;
+  std::string failure;
+  try {
+    manifest = read_checkpoint_manifest(dir);
+    detail::verify_data(dir, manifest);
+    where = detail::match_units(dir, manifest, sources);
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  agree(failure, "checks; nothing was loaded");
+  try {
+    detail::read_checkpoint(dir, manifest, sources, where);
+  } catch (const std::exception& e) {
+    // The home copies are partly overwritten: nothing may train on them.
+    failure = message(e.what(), " (load again before training: this runtime refuses every call until then)");
+  }
+  if (!failure.empty()) {
+    failed_ = std::make_exception_ptr(checkpoint_error(failure));
+    load_failed_ = true;
+  }
+  agree(failure, "reads");
+  failed_ = nullptr;
+  load_failed_ = false;
+  for (std::size_t i = 0; i < units_.size(); ++i) { units_[i].step = manifest.units[where[i]].step; }
+  steps_done_ = manifest.steps_done;
+  planned_steps_ = manifest.steps_done;
+  current_.step = manifest.steps_done;
+  options_.optimizer = manifest.optimizer;
+  return manifest;
+}
+
+}  // namespace taskswap

@@ -1,0 +1,242 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The runtime's state (runtime::impl), shared by the files that implement it. Who does what:
+//   registry.cpp            policies from the rules, registration and its budget checks, homes, start
+//   lifetime.cpp            construction (pool, trace, reducer), waiting for the streams, teardown
+//   swap_engine.cpp         residency: fill, write-back, evict, make_room, prefetch (Belady)
+//   plan_check.cpp          the plan: per-step budget check, agreement with the other ranks
+//   step_protocol.cpp       acquire, grads_ready, step, release, end_step
+//   step_reduction.cpp      the step with a communicator: updates the runtime owns, deferrals
+//   host_optimizer.cpp      host placement: gradients home, the CPU AdamW, parameters back up
+//   step_stats.cpp          per-step stats, stall timers, trace tracks, runtime::stats
+//   runtime_checkpoint.cpp  checkpoint sources, save and load (agreed by the ranks)
+//   runtime.cpp             the public methods, forwarding here through guarded()
+//
+// Streams: the trainer's compute stream(s); `h2d_` for swap-ins and parameter uploads; `d2h_` for
+// write-backs and, for host placement, gradients coming home; `host_opt_` whose host functions
+// run the CPU AdamW. Every dependency between them is an event:
+//   swap-in:    h2d waits for the events of the units whose memory it reuses (their release, and
+//               their write-back or gradient copy), and for the unit's own pending write-back or
+//               CPU step (its home copy is being written); then copies and records `arrived`.
+//   acquire:    the compute stream waits on `arrived`.
+//   release:    records `released` on the compute stream.
+//   write-back: d2h waits on `released`, copies home, records `written_back`.
+//   host step:  d2h waits on the step's point in the compute stream (`grads_done`), copies the
+//               gradients home, zeroes them, records `grads_copied`; host_opt waits, runs the CPU
+//               AdamW, records `host_updated`; the next upload of the parameters waits for it.
+// Decisions (what to bring in, what to evict, where it goes) are made on the host from the plan
+// and never wait for the device.
+
+#include <taskswap/runtime.hpp>
+
+#include "comm/reducer.hpp"
+#include "device/expects.hpp"
+#include "device/message.hpp"
+#include "host/adamw_formula.hpp"
+#include "host/host_task_arena.hpp"
+#include "runtime/checkpoint.hpp"
+#include "runtime/device_pool.hpp"
+#include "runtime/plan_queue.hpp"
+#include "runtime/trace.hpp"
+#include "runtime/unit_record.hpp"
+
+#include <taskswap/comm.hpp>
+#include <taskswap/host.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace taskswap {
+
+namespace detail {
+
+/// Steps whose stats runtime::stats() keeps.
+inline constexpr std::size_t stats_history = 4096;
+
+}  // namespace detail
+
+struct runtime::impl {
+  using unit_record = detail::unit_record;
+
+  impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs,
+       std::shared_ptr<communicator> comm);
+  ~impl();
+
+  // What the public methods do (runtime.cpp forwards each one through guarded()).
+  void plan(std::span<const step_plan> steps);
+  unit_view trainer_acquire(unit_id u, stream_view s);
+  void trainer_grads_ready(unit_id u, stream_view s);
+  void trainer_step(unit_id u, stream_view s);
+  void trainer_release(unit_id u, stream_view s);
+  step_stats end_step();
+  void flush();
+  void save_checkpoint(const std::filesystem::path& dir, const std::map<std::string, std::string>& user);
+  checkpoint_manifest load_checkpoint(const std::filesystem::path& dir);
+  runtime_stats stats();
+  void write_trace(const std::filesystem::path& file);
+
+  // Registration (lifetime.cpp)
+  void register_units(const runtime_options& options, std::vector<unit_spec> specs);
+  void place_homes();
+  void start();
+
+  // Residency: the swap engine (swap_engine.cpp)
+  bool swap_in(unit_record& r, std::uint64_t use, bool for_acquire);
+  void fill_slot(unit_record& r);
+  std::optional<device_span> make_room(std::size_t bytes, std::uint64_t use, bool for_acquire);
+  unit_record* pick_victim(std::uint64_t use, bool for_acquire);
+  void evict(unit_record& r);
+  void write_back(unit_record& r);
+  void flush_h2d_waits();
+  void prefetch();
+  void add_resident(unit_record& r);
+  void remove_resident(unit_record& r);
+  void note_device_bytes();
+
+  // Plan checks (plan_check.cpp)
+  void check_step(const step_plan& step, std::uint64_t step_number) const;
+
+  // The step protocol's bodies, shared by the trainer's calls and the reducer's updates
+  // (step_protocol.cpp)
+  void acquire(unit_record& r, stream_view s);
+  void apply_step(unit_record& r, stream_view s);
+  void release(unit_record& r, stream_view s);
+
+  // The host optimizer's path (host_optimizer.cpp)
+  void host_step(unit_record& r, const detail::adamw_scalars& scalars, stream_view s);
+  void upload_params(unit_record& r);
+
+  // With a communicator (plan_check.cpp: plan_together; step_reduction.cpp: the rest)
+  void plan_together(std::span<const step_plan> steps);
+  void begin_step();
+  void mark_ready(unit_record& r, stream_view s);
+  void on_launched(const std::vector<std::uint32_t>& units);
+  void update_on_aux(unit_record& r);
+  void hold_for_update(unit_record& r);
+  void hold_gradients_only(unit_record& r);
+  void complete_step();
+  void reset_step_flags(unit_record& r);
+  void check_comm() const
+  {
+    if (reducer_) { reducer_->comm().check(); }
+  }
+
+  // Checkpoints (runtime_checkpoint.cpp)
+  [[nodiscard]] std::vector<detail::checkpoint_source> checkpoint_sources();
+  [[nodiscard]] checkpoint_manifest describe(std::span<const detail::checkpoint_source> sources,
+                                             const std::map<std::string, std::string>& user);
+
+  // Failures. After the device failed, a wait timed out or a collective failed, every later call
+  // throws that first error again, and the runtime writes nothing home any more: a unit on the
+  // device may hold work that never finished, or an update from gradients that never arrived.
+  template <typename Body>
+  decltype(auto) guarded(Body&& body)
+  {
+    if (failed_) { std::rethrow_exception(failed_); }
+    try {
+      return body();
+    } catch (const device_error&) {
+      failed_ = std::current_exception();
+      throw;
+    } catch (const timeout_error&) {
+      failed_ = std::current_exception();
+      throw;
+    } catch (const comm_error&) {
+      failed_ = std::current_exception();
+      throw;
+    } catch (const cuda_error&) {  // a sticky CUDA error surfaces as the first call's failure
+      failed_ = std::current_exception();
+      throw;
+    }
+  }
+  // Waits (bounded by the timeout) until the runtime's streams have done their work (lifetime.cpp).
+  void wait_streams(std::string_view what);
+  std::exception_ptr failed_;
+  bool load_failed_ = false;  // failed_ is a load that overwrote part of the home copies
+
+  // Stats and stall accounting (step_stats.cpp)
+  void resolve_stalls(bool wait);
+  step_stats* stats_of(std::uint64_t step);
+  step_stats close_step_stats();
+
+  unit_record& record(unit_id u)
+  {
+    TASKSWAP_EXPECTS(u.value < units_.size(), detail::message("unit id ", u.value, " of ", units_.size(), " units"));
+    return units_[u.value];
+  }
+  unit_record& held_record(unit_id u, const char* what)
+  {
+    unit_record& r = record(u);
+    TASKSWAP_EXPECTS(r.held, detail::message(what, "('", r.name, "'): the unit is not acquired; call acquire first"));
+    return r;
+  }
+  int compute_track(stream_view s);
+
+  device device_;
+  runtime_options options_;
+  std::deque<unit_record> units_;  // stable addresses: events are referenced from pending waits
+  std::unordered_map<std::string, std::uint32_t> by_name_;
+  std::size_t pinned_bytes_ = 0;
+  std::size_t largest_swapped_ = 0;
+  std::optional<pinned_arena> arena_;
+  std::optional<detail::device_pool> pool_;  // taken once the units are known to be valid
+  // What queued work touches is declared before the streams, so it is destroyed after them (a
+  // stream's destruction lets its queued work finish).
+  std::optional<detail::host_task_arena> cpu_;
+  std::optional<detail::trace_recorder> trace_;
+  stream h2d_;
+  stream d2h_;
+  stream host_opt_;
+  detail::plan_queue plan_;
+  std::size_t max_lookahead_ = 0;
+  std::vector<std::uint32_t> resident_;  // non-pinned resident units
+  std::vector<const event*> h2d_waits_;  // must precede the next write into pool memory
+  std::size_t held_count_ = 0;
+  std::size_t held_bytes_ = 0;
+  std::uint64_t tick_ = 0;
+  std::uint64_t steps_done_ = 0;
+  std::uint64_t planned_steps_ = 0;  // steps appended to the plan, over all time
+  bool started_ = false;
+
+  step_stats current_{};
+  step_stats total_{};
+  std::deque<step_stats> history_;
+  struct stall_timer {
+    event begin;
+    event end;
+    std::uint64_t step = 0;
+  };
+  std::vector<stall_timer> stalls_pending_;
+  std::vector<stall_timer> stalls_free_;
+
+  int h2d_track_ = 0;
+  int d2h_track_ = 0;
+  int host_track_ = 0;
+  std::unordered_map<void*, int> compute_tracks_;
+
+  // With a communicator: the reducer, the agreed upcoming steps (front: the current one) and the
+  // stream on which the runtime applies the updates it owns.
+  struct agreed_step {
+    detail::step_agreement agreement;
+    std::vector<std::uint32_t> update_only;  // active elsewhere, not trained here
+  };
+  std::optional<stream> aux_;
+  std::deque<agreed_step> agreed_;
+  bool step_begun_ = false;
+  adamw_options step_optimizer_{};  // the optimizer settings of the current step
+  std::vector<std::uint32_t> step_units_;  // units with per-step flags set, to reset at end_step
+  std::optional<detail::reducer> reducer_;
+};
+
+}  // namespace taskswap

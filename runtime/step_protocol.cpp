@@ -1,0 +1,246 @@
+// SPDX-License-Identifier: Apache-2.0
+// The step protocol: acquire, grads_ready, step, release, end_step, flush.
+
+#include "runtime/runtime_impl.hpp"
+
+#include "device/log.hpp"
+#include "kernels/kernels.hpp"
+
+#include <algorithm>
+
+namespace taskswap {
+
+using detail::bytes_text;
+using detail::ensure;
+using detail::message;
+
+unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s)
+{
+  unit_record& r = record(u);
+  TASKSWAP_EXPECTS(!r.held, message("acquire('", r.name, "'): the unit is already held; release it first"));
+  check_comm();
+  start();
+  begin_step();
+  acquire(r, s);
+  const detail::unit_layout& l = r.layout;
+  unit_view v;
+  v.id = u;
+  v.tensors = l.tensors;
+  v.params = {r.slot->data() + l.params, l.compute, l.count};
+  v.grads = {r.slot->data() + l.device_grads, l.grad, l.count};
+  return v;
+}
+
+void runtime::impl::acquire(unit_record& r, stream_view s)
+{
+  const unit_id u{r.index};
+  r.stepped = false;
+  const std::optional<std::uint64_t> position = plan_.match(u);
+  if (!position) {
+    TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "'): step ", steps_done_,
+                                        " did not plan it. With a communicator every acquisition must be planned "
+                                        "(runtime::plan), since the ranks agree on each step's units when it is planned"));
+    ++current_.unplanned;
+  }
+  if (r.resident()) {
+    ++current_.hits;
+  } else {
+    ++current_.misses;
+    if (!swap_in(r, position.value_or(0), true)) {
+      const std::size_t budget = options_.device.budget;
+      const std::size_t free = budget - pool_->stats().used;
+      throw out_of_memory(
+        message("acquire('", r.name, "') needs ", bytes_text(r.layout.device_bytes), " of device memory; ",
+                held_count_, " units held now use ", bytes_text(held_bytes_), " and the pinned units ",
+                bytes_text(pinned_bytes_), " of the ", bytes_text(budget), " budget (",
+                free >= r.layout.device_bytes ? "enough in total, but no free block is large enough"
+                                              : "not enough left",
+                "); release units earlier or plan the step so the runtime checks it ahead"),
+        r.layout.device_bytes, free, budget);
+    }
+  }
+  r.held = true;
+  ++held_count_;
+  if (!r.pinned()) { held_bytes_ += r.layout.device_bytes; }
+  if (reducer_) { step_units_.push_back(r.index); }
+  // The previous use ended on another stream (the trainer's, or aux after an update): wait for it.
+  if (r.released_on != nullptr && r.released_on != s.native_handle()) {
+    if (!r.released.query()) { r.released.wait(s); }
+    r.released_on = nullptr;
+  }
+  const bool pending = !r.arrived.query();  // a finished swap-in needs no wait enqueued
+  if (pending && options_.measure_stall) {
+    if (stalls_free_.empty()) {
+      stalls_free_.push_back({event(device_, {.timing = true}), event(device_, {.timing = true}), 0});
+    }
+    stall_timer t = std::move(stalls_free_.back());
+    stalls_free_.pop_back();
+    t.step = steps_done_;
+    t.begin.record(s);
+    r.arrived.wait(s);
+    t.end.record(s);
+    stalls_pending_.push_back(std::move(t));
+  } else if (pending) {
+    r.arrived.wait(s);
+  }
+  if (trace_) { r.trace_span = trace_->open(compute_track(s), r.name, s); }
+  prefetch();
+}
+
+void runtime::impl::trainer_grads_ready(unit_id u, stream_view s)
+{
+  check_comm();
+  unit_record& r = held_record(u, "grads_ready");
+  if (reducer_) {
+    mark_ready(r, s);
+    return;
+  }
+  ensure(r.grads_ready_event, device_).record(s);
+}
+
+void runtime::impl::trainer_step(unit_id u, stream_view s)
+{
+  check_comm();
+  unit_record& r = held_record(u, "step");
+  if (!reducer_) {
+    if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
+    apply_step(r, s);
+    r.stepped = true;
+    return;
+  }
+  TASKSWAP_EXPECTS(!r.step_requested, message("step('", r.name, "'): the unit was stepped already in this step"));
+  mark_ready(r, s);  // a step implies the gradients are complete
+  r.step_requested = true;
+  if (const event* reduced = reducer_->reduced(r.index)) {
+    if (!reduced->query()) { reduced->wait(s); }
+    apply_step(r, s);
+    return;
+  }
+  // Its bucket waits for units not ready yet: the update runs on aux once it is launched.
+  ensure(r.step_point, device_).record(s);
+  r.step_deferred = true;
+}
+
+void runtime::impl::apply_step(unit_record& r, stream_view s)
+{
+  ++r.step;
+  // With a communicator every update of a step uses the settings the step began with, whichever
+  // rank's call order enqueues it: replicas stay identical when set_optimizer changes them.
+  const detail::adamw_scalars scalars =
+    detail::make_adamw_scalars(reducer_ && step_begun_ ? step_optimizer_ : options_.optimizer, r.step);
+  if (r.policy.optimizer == optimizer_placement::host) {
+    host_step(r, scalars, s);
+    return;
+  }
+  const detail::unit_layout& l = r.layout;
+  detail::adamw_async(l.slabs_at(r.slot->data(), l.device_grads), scalars, s);
+  fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
+  r.dirty = true;
+}
+
+void runtime::impl::trainer_release(unit_id u, stream_view s)
+{
+  check_comm();
+  unit_record& r = held_record(u, "release");
+  if (!reducer_) {
+    if (!r.stepped) {  // given up without a step: its gradients are zero again for the next use
+      const detail::unit_layout& l = r.layout;
+      fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
+    }
+    release(r, s);
+    return;
+  }
+  TASKSWAP_EXPECTS(!r.release_deferred, message("release('", r.name, "'): the unit was released already"));
+  if (!r.step_requested) {
+    detail::log_once("release without step", log_level::warning,
+                     message("release('", r.name, "'): the unit was not stepped; with a communicator the runtime "
+                             "steps it so that every rank applies the same update. Call step() before release()"));
+    trainer_step(u, s);
+  }
+  if (r.step_deferred) {  // the update has not run yet; the release follows it
+    ensure(r.trainer_released, device_).record(s);
+    r.release_deferred = true;
+    --held_count_;  // the trainer no longer holds it; the runtime does until the update ran
+    if (!r.pinned()) { held_bytes_ -= r.layout.device_bytes; }
+    return;
+  }
+  if (r.updated_on_aux) {
+    ensure(r.trainer_released, device_).record(s);
+    r.trainer_released->wait(*aux_);
+    release(r, *aux_);
+    return;
+  }
+  release(r, s);
+}
+
+void runtime::impl::release(unit_record& r, stream_view s)
+{
+  const unit_id u{r.index};
+  r.released.record(s);
+  r.released_on = s.native_handle();
+  if (trace_) { trace_->close(r.trace_span, s); }
+  r.held = false;
+  if (!r.release_deferred) {  // a deferred release left the trainer's count when the trainer called it
+    --held_count_;
+    if (!r.pinned()) { held_bytes_ -= r.layout.device_bytes; }
+  }
+  r.release_deferred = false;
+  r.last_release = ++tick_;
+  if (r.params_stale) {
+    // Upload the new parameters if the unit stays or is needed soon; otherwise free its room.
+    const std::uint64_t next = plan_.next_use(u);
+    const bool soon = next != detail::never &&
+                      plan_.step_distance(next) <= static_cast<std::size_t>(std::max(r.policy.lookahead, 0));
+    if (!r.grads_only && (r.pinned() || soon)) {
+      upload_params(r);
+    } else {
+      evict(r);
+    }
+  }
+  prefetch();
+}
+
+step_stats runtime::impl::end_step()
+{
+  check_comm();
+  if (reducer_) {
+    begin_step();  // a rank that trained nothing in the step still takes its updates
+    if (step_begun_) { complete_step(); }
+  }
+  if (held_count_ != 0) {
+    for (const unit_record& r : units_) {
+      TASKSWAP_EXPECTS(!r.held || r.release_deferred || r.update_only,
+                       message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
+    }
+  }
+  if (reducer_ && step_begun_) {
+    reducer_->end();
+    current_.reduced_bytes = reducer_->step_bytes();
+    current_.reduce_all_bytes = reducer_->all_bytes();
+    agreed_.pop_front();
+    step_begun_ = false;
+    for (const std::uint32_t u : step_units_) { reset_step_flags(units_[u]); }
+    step_units_.clear();
+  }
+  plan_.end_step();
+  const step_stats done = close_step_stats();
+  prefetch();
+  return done;
+}
+
+void runtime::impl::flush()
+{
+  // Units the runtime holds for the next step's updates (with a communicator) are no obstacle.
+  for (const unit_record& r : units_) {
+    TASKSWAP_EXPECTS(!r.held || r.update_only, message("flush: unit '", r.name, "' is held; release it first"));
+  }
+  start();
+  for (unit_record& r : units_) {
+    if (r.resident() && r.dirty) { write_back(r); }
+  }
+  wait_streams("flush");
+  resolve_stalls(true);
+  check_comm();
+}
+
+}  // namespace taskswap

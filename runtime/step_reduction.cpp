@@ -1,0 +1,124 @@
+// SPDX-License-Identifier: Apache-2.0
+// The step with a communicator: units held for updates other ranks train, readiness, deferred updates.
+
+#include "runtime/runtime_impl.hpp"
+
+#include "kernels/kernels.hpp"
+
+#include <algorithm>
+
+namespace taskswap {
+
+using detail::bytes_text;
+using detail::ensure;
+using detail::message;
+
+// The current step's reduction starts once it is planned: the units this rank only updates are
+// acquired on aux with zero gradients, ready for their buckets.
+void runtime::impl::begin_step()
+{
+  if (!reducer_ || step_begun_ || agreed_.empty()) { return; }
+  step_begun_ = true;
+  step_optimizer_ = options_.optimizer;
+  reducer_->begin(agreed_.front().agreement, steps_done_);
+  for (const std::uint32_t u : agreed_.front().update_only) { hold_for_update(units_[u]); }
+}
+
+// A unit this rank updates without training it: it contributes zero gradients and applies the
+// reduced ones. With host placement, unless it is resident anyway, only a zeroed gradient slab
+// exists on the device: the gradient goes home and the CPU updates it; no parameters travel.
+void runtime::impl::hold_for_update(unit_record& r)
+{
+  if (r.policy.optimizer == optimizer_placement::host && !r.resident()) {
+    hold_gradients_only(r);
+  } else {
+    acquire(r, *aux_);
+    fill_async(r.slot->subspan(r.grads_at(), r.layout.device_grad_bytes()), std::byte{0}, *aux_);
+  }
+  r.update_only = true;
+  r.step_requested = true;
+  mark_ready(r, *aux_);
+}
+
+void runtime::impl::hold_gradients_only(unit_record& r)
+{
+  const std::optional<std::uint64_t> position = plan_.match(unit_id{r.index});
+  const std::size_t bytes = r.layout.device_grad_bytes();
+  const auto range = make_room(bytes, position.value_or(0), true);
+  if (!range) {
+    throw out_of_memory(message("step ", steps_done_, ": the zeroed gradient slab of '", r.name, "' (",
+                                bytes_text(bytes), "), which other ranks train, does not fit in the ",
+                                bytes_text(options_.device.budget), " budget beside the units held; raise [device] budget"),
+                        bytes, options_.device.budget - pool_->stats().used, options_.device.budget);
+  }
+  r.slot = *range;
+  r.grads_only = true;
+  add_resident(r);
+  flush_h2d_waits();  // the pool memory's previous users are done with it
+  fill_async(*r.slot, std::byte{0}, h2d_);
+  r.arrived.record(h2d_);
+  r.arrived.wait(*aux_);
+  r.held = true;
+  ++held_count_;
+  held_bytes_ += r.layout.device_bytes;
+  step_units_.push_back(r.index);
+  note_device_bytes();
+}
+
+void runtime::impl::mark_ready(unit_record& r, stream_view s)
+{
+  if (reducer_->is_ready(r.index)) { return; }  // the reduction waits for the first ready point
+  ensure(r.grads_ready_event, device_).record(s);
+  // The tensors' elements only: the slab's alignment padding is never sent.
+  const std::size_t bytes = r.layout.count * size_of(r.layout.grad);
+  on_launched(reducer_->ready(r.index, r.slot->subspan(r.grads_at(), bytes), *r.grads_ready_event));
+}
+
+void runtime::impl::on_launched(const std::vector<std::uint32_t>& units)
+{
+  for (const std::uint32_t u : units) {
+    unit_record& r = units_[u];
+    if (r.update_only || r.step_deferred) { update_on_aux(r); }
+  }
+}
+
+// The update of a unit whose reduction was launched after the trainer's step() (or that only
+// this runtime holds): on aux, after the trainer's stream reached step() and the reduction.
+void runtime::impl::update_on_aux(unit_record& r)
+{
+  stream& aux = *aux_;
+  if (r.step_deferred && !r.step_point->query()) { r.step_point->wait(aux); }
+  const event* reduced = reducer_->reduced(r.index);
+  if (!reduced->query()) { reduced->wait(aux); }
+  apply_step(r, aux);
+  r.step_deferred = false;
+  r.updated_on_aux = true;
+  if (r.release_deferred) {
+    if (!r.trainer_released->query()) { r.trainer_released->wait(aux); }
+    release(r, aux);
+  } else if (r.update_only) {
+    release(r, aux);
+  }
+}
+
+// Units planned here but never acquired still count as trained by this rank: they contribute
+// zeros and take the update, as units only other ranks trained do.
+void runtime::impl::complete_step()
+{
+  for (const std::uint32_t u : reducer_->not_ready()) {
+    unit_record& r = units_[u];
+    if (r.held) { continue; }  // the trainer still holds it: end_step reports that
+    hold_for_update(r);
+  }
+}
+
+void runtime::impl::reset_step_flags(unit_record& r)
+{
+  r.update_only = false;
+  r.step_requested = false;
+  r.step_deferred = false;
+  r.updated_on_aux = false;
+  r.release_deferred = false;
+}
+
+}  // namespace taskswap

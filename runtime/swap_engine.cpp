@@ -1,0 +1,155 @@
+// SPDX-License-Identifier: Apache-2.0
+// Residency: filling and writing back slots, eviction by Belady's rule, making room, prefetch.
+
+#include "runtime/runtime_impl.hpp"
+
+#include "kernels/kernels.hpp"
+
+#include <algorithm>
+
+namespace taskswap {
+
+using detail::ensure;
+
+void runtime::impl::flush_h2d_waits()
+{
+  for (const event* e : h2d_waits_) {
+    if (!e->query()) { e->wait(h2d_); }  // a finished event orders nothing: skip the enqueue
+  }
+  h2d_waits_.clear();
+}
+
+void runtime::impl::note_device_bytes()
+{
+  const std::size_t used = pool_->stats().used;
+  current_.peak_device_bytes = std::max(current_.peak_device_bytes, used);
+  if (trace_) { trace_->counter("device bytes", static_cast<double>(used)); }
+}
+
+void runtime::impl::add_resident(unit_record& r)
+{
+  r.resident_index = resident_.size();
+  resident_.push_back(r.index);
+}
+
+void runtime::impl::remove_resident(unit_record& r)
+{
+  const std::uint32_t last = resident_.back();
+  resident_[r.resident_index] = last;
+  units_[last].resident_index = r.resident_index;
+  resident_.pop_back();
+}
+
+// Copies the travelling prefix of the home block into the unit's slot and zeroes its gradients,
+// on h2d, after every pending reuse of pool memory and every pending write of this home block.
+void runtime::impl::fill_slot(unit_record& r)
+{
+  const detail::unit_layout& l = r.layout;
+  flush_h2d_waits();
+  for (const std::optional<event>* e : {&r.written_back, &r.host_updated}) {
+    if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(h2d_); }
+  }
+  const std::size_t span = trace_ ? trace_->open(h2d_track_, "swap-in " + r.name, h2d_) : 0;
+  copy_async(r.slot->subspan(0, l.travel_bytes), std::span<const std::byte>(r.home, l.travel_bytes), h2d_);
+  fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, h2d_);
+  r.arrived.record(h2d_);
+  if (trace_) { trace_->close(span, h2d_); }
+  r.dirty = false;
+  r.params_stale = false;
+  r.stepped_here = false;
+  ++r.swap_ins;
+  ++current_.swap_ins;
+  current_.h2d_bytes += l.travel_bytes;
+}
+
+void runtime::impl::write_back(unit_record& r)
+{
+  const detail::unit_layout& l = r.layout;
+  if (r.released.recorded() && !r.released.query()) { r.released.wait(d2h_); }
+  const std::size_t span = trace_ ? trace_->open(d2h_track_, "write-back " + r.name, d2h_) : 0;
+  copy_async(std::span<std::byte>(r.home, l.writeback_bytes), const_device_span(r.slot->subspan(0, l.writeback_bytes)),
+             d2h_);
+  ensure(r.written_back, device_).record(d2h_);
+  if (trace_) { trace_->close(span, d2h_); }
+  r.dirty = false;
+  ++r.write_backs;
+  ++current_.write_backs;
+  current_.d2h_bytes += l.writeback_bytes;
+}
+
+void runtime::impl::evict(unit_record& r)
+{
+  if (r.dirty) {
+    write_back(r);
+    h2d_waits_.push_back(&*r.written_back);  // recorded after d2h waited for the release
+  } else {
+    if (r.released.recorded()) { h2d_waits_.push_back(&r.released); }
+    if (r.stepped_here) { h2d_waits_.push_back(&*r.grads_copied); }
+  }
+  pool_->deallocate(*r.slot);
+  r.slot.reset();
+  r.grads_only = false;
+  r.params_stale = false;
+  remove_resident(r);
+  ++current_.evictions;
+  note_device_bytes();
+}
+
+// Belady: the unit used furthest in the future, least recently released among equals.
+// An acquire (a use now) may take any unit not held. A prefetch for the use at `use` is
+// conservative (Cao et al., 1995): it displaces the unit that Belady would displace when `use`
+// comes, and only if that unit is neither held nor needed before then; otherwise it waits. So
+// prefetching moves fetches earlier but never adds one.
+runtime::impl::unit_record* runtime::impl::pick_victim(std::uint64_t use, bool for_acquire)
+{
+  unit_record* best = nullptr;
+  std::uint64_t best_use = 0;
+  for (const std::uint32_t i : resident_) {
+    unit_record& r = units_[i];
+    if (for_acquire && r.held) { continue; }
+    const std::uint64_t next = for_acquire ? plan_.next_use(unit_id{i}) : plan_.next_use_after(unit_id{i}, use);
+    if (best == nullptr || next > best_use || (next == best_use && r.last_release < best->last_release)) {
+      best = &r;
+      best_use = next;
+    }
+  }
+  if (best != nullptr && !for_acquire && (best->held || plan_.next_use(unit_id{best->index}) < use)) {
+    return nullptr;
+  }
+  return best;
+}
+
+std::optional<device_span> runtime::impl::make_room(std::size_t bytes, std::uint64_t use, bool for_acquire)
+{
+  while (true) {
+    if (auto range = pool_->try_allocate(bytes, detail::slab_alignment)) { return range; }
+    unit_record* victim = pick_victim(use, for_acquire);
+    if (victim == nullptr) { return std::nullopt; }
+    evict(*victim);
+  }
+}
+
+bool runtime::impl::swap_in(unit_record& r, std::uint64_t use, bool for_acquire)
+{
+  auto range = make_room(r.layout.device_bytes, use, for_acquire);
+  if (!range) { return false; }
+  r.slot = *range;
+  add_resident(r);
+  fill_slot(r);
+  note_device_bytes();
+  return true;
+}
+
+// Brings in the upcoming units in the order of their use, as far as each one's lookahead and the
+// budget allow; stops at the first that does not fit, so no later unit takes its room.
+void runtime::impl::prefetch()
+{
+  plan_.for_each_upcoming(max_lookahead_, [&](unit_id u, std::uint64_t position, std::size_t distance) {
+    unit_record& r = units_[u.value];
+    if (r.resident() || r.policy.residency != residency::prefetch) { return true; }
+    if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }
+    return swap_in(r, position, false);
+  });
+}
+
+}  // namespace taskswap

@@ -1,0 +1,77 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// A registered unit as the runtime tracks it: its layout, home block and slot, its residency
+// state, and the events that order its swaps, updates and releases across streams.
+
+#include "runtime/unit_layout.hpp"
+
+#include <taskswap/device.hpp>
+#include <taskswap/runtime.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace taskswap::detail {
+
+struct unit_record {
+  std::string name;
+  unit_policy policy;
+  unit_layout layout;
+  std::byte* home = nullptr;  // the unit's block in the pinned arena
+  std::optional<device_span> slot;
+  bool held = false;
+  bool dirty = false;         // the device copy is newer than home (device placement)
+  bool params_stale = false;  // home is newer than the device copy (host placement, after a step)
+  bool stepped_here = false;  // a host step read this residency's gradients
+  bool stepped = false;       // step() since its acquire (without a communicator)
+  std::int64_t step = 0;
+  std::uint64_t last_release = 0;
+  std::size_t resident_index = 0;  // in runtime::impl::resident_
+  std::size_t swap_ins = 0;
+  std::size_t write_backs = 0;
+  event arrived;
+  event released;
+  std::optional<event> grads_ready_event;
+  std::optional<event> written_back;
+  std::optional<event> grads_done;
+  std::optional<event> grads_copied;
+  std::optional<event> host_updated;
+  std::size_t trace_span = 0;
+  std::uint32_t index = 0;  // its unit_id
+  // With a communicator, within the current step:
+  bool update_only = false;     // acquired by the runtime to apply an update other ranks trained
+  bool step_requested = false;  // step() was called (or the runtime stepped it)
+  bool step_deferred = false;   // step() came before its reduction was launched; the update waits
+  bool updated_on_aux = false;  // its update ran on the runtime's aux stream
+  bool release_deferred = false;  // the trainer released it before the deferred update ran
+  void* released_on = nullptr;    // the stream of its last release: a user on another one waits for it
+  bool grads_only = false;        // its slot holds only a gradient slab (host placement, update only)
+  std::optional<event> step_point;        // the trainer's stream at step()
+  std::optional<event> trainer_released;  // the trainer's stream at release()
+
+  unit_record(const device& dev, std::uint32_t i, std::string n, unit_policy p, unit_layout l)
+      : name(std::move(n)), policy(p), layout(std::move(l)), arrived(dev), released(dev), index(i)
+  {
+  }
+  [[nodiscard]] bool resident() const noexcept { return slot.has_value(); }
+  [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
+  /// Where the gradients start in its slot.
+  [[nodiscard]] std::size_t grads_at() const noexcept { return grads_only ? 0 : layout.device_grads; }
+};
+
+inline unit_state state_of(const unit_record& r) noexcept
+{
+  return r.held ? unit_state::held : r.resident() ? unit_state::resident : unit_state::home;
+}
+
+/// The event in `e`, made on first use.
+inline event& ensure(std::optional<event>& e, const device& dev)
+{
+  if (!e) { e.emplace(dev); }
+  return *e;
+}
+
+}  // namespace taskswap::detail
