@@ -16,7 +16,7 @@
 #include "device/backend.hpp"
 #include "device/expects.hpp"
 #include "device/message.hpp"
-#include "host/adamw_formula.hpp"
+#include "numeric/dtype_conversion.hpp"
 
 #include <mpi.h>
 

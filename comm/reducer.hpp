@@ -16,7 +16,6 @@
 // The runtime owns the units' memory and their updates; the reducer only orders and launches.
 
 #include <taskswap/comm.hpp>
-#include <taskswap/runtime.hpp>
 
 #include <cstddef>
 #include <cstdint>

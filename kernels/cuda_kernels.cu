@@ -5,6 +5,8 @@
 // occupancy.
 
 #include "kernels/cuda_kernels.hpp"
+#include "numeric/dtype_conversion.hpp"
+#include "numeric/rounding.hpp"
 
 #include "device/cuda/cuda_device_guard.hpp"
 #include "device/cuda/cuda_try.hpp"

@@ -6,6 +6,8 @@
 #include "device/message.hpp"
 #include "host/cpu_adamw.hpp"
 #include "kernels/cuda_kernels.hpp"
+#include "numeric/dtype_conversion.hpp"
+#include "numeric/rounding.hpp"
 
 #include <cstdint>
 #include <cstring>

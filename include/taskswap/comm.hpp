@@ -11,16 +11,30 @@
 
 #include <taskswap/device.hpp>
 #include <taskswap/dtype.hpp>
-#include <taskswap/runtime.hpp>
 
 #include <array>
 #include <chrono>
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <span>
 #include <string_view>
 
 namespace taskswap {
+
+/// @brief How gradients are averaged across ranks (the runtime's reducer).
+enum class average_mode : std::uint8_t { contributors, world };
+/// @brief The communicator backend (the runtime's reducer).
+enum class comm_backend : std::uint8_t { none, nccl, mpi };
+
+/// @brief Communicator and reducer options.
+struct comm_options {
+  comm_backend backend = comm_backend::none;
+  std::size_t bucket_cap = std::size_t{25} << 20;
+  average_mode average = average_mode::contributors;
+  std::chrono::milliseconds timeout{300'000};
+  bool reduce_all = false;  ///< reduce every unit every step, zeros included (DDP's behaviour; for comparison)
+};
 
 /// @brief How the ranks' values are combined.
 enum class reduce_op : std::uint8_t {

@@ -6,6 +6,7 @@
 /// (acquire → grads_ready → step → release, then end_step).
 
 #include <taskswap/checkpoint.hpp>
+#include <taskswap/comm.hpp>
 #include <taskswap/device.hpp>
 #include <taskswap/dtype.hpp>
 #include <taskswap/optimizer.hpp>
@@ -24,8 +25,6 @@
 #include <vector>
 
 namespace taskswap {
-
-class communicator;
 
 /// @brief Where a unit lives between uses.
 enum class residency : std::uint8_t {
@@ -73,20 +72,6 @@ struct host_options {
   int numa_node = -1;        ///< -1: the device's local node
   bool huge_pages = false;
   int optimizer_threads = 0; ///< CPU AdamW threads; 0: the node's CPUs
-};
-
-/// @brief How gradients are averaged across ranks (used by the reducer).
-enum class average_mode : std::uint8_t { contributors, world };
-/// @brief The communicator backend (used by the reducer).
-enum class comm_backend : std::uint8_t { none, nccl, mpi };
-
-/// @brief Communicator and reducer options.
-struct comm_options {
-  comm_backend backend = comm_backend::none;
-  std::size_t bucket_cap = std::size_t{25} << 20;
-  average_mode average = average_mode::contributors;
-  std::chrono::milliseconds timeout{300'000};
-  bool reduce_all = false;  ///< reduce every unit every step, zeros included (DDP's behaviour; for comparison)
 };
 
 /// @brief Everything the TOML configuration holds (see load_config in config.hpp).

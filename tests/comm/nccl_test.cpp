@@ -3,7 +3,7 @@
 // and the runtime reducing through it. Multi-GPU runs are not possible on the machines lent here.
 
 #include "cuda_skip.hpp"
-#include "host/adamw_formula.hpp"
+#include "numeric/dtype_conversion.hpp"
 
 #include <taskswap/comm.hpp>
 #include <taskswap/taskswap.hpp>
