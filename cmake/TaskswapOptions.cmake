@@ -59,7 +59,7 @@ macro(taskswap_resolve_mpi)
   endif()
 endmacro()
 
-# Warnings are errors for C++ and CUDA alike (TASKSWAP_WERROR=OFF only for local experiments).
+# The warning set, for C++ and CUDA alike; errors with TASKSWAP_WERROR (the presets and CI).
 function(taskswap_warnings target)
   set(cxx_flags -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wold-style-cast -Wcast-align
                 -Woverloaded-virtual -Wconversion -Wsign-conversion -Wnull-dereference)
