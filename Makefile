@@ -9,7 +9,7 @@ PRESET ?= default
 BUILD  := build/$(PRESET)
 JOBS   ?= $(shell nproc 2>/dev/null || echo 2)
 
-.PHONY: all setup configure build test demo bench test-asan test-tsan fuzz gpu-check clean
+.PHONY: all setup configure build test demo smoke bench test-asan test-tsan fuzz gpu-check clean
 
 all: build
 
@@ -32,6 +32,12 @@ DEMO_CONFIG ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo samples/configs/cud
 demo: build
 	$(BUILD)/samples/multitask/multitask_train $(DEMO_CONFIG)
 	$(BUILD)/tools/taskswap headroom
+
+# A smoke run of a build without its tests (CI runs it on the release preset): the sample trains a
+# few steps on the emulated device and the planner plans the demo configuration.
+smoke: build
+	$(BUILD)/samples/multitask/multitask_train samples/configs/emulated.toml --steps 100
+	$(BUILD)/tools/taskswap plan samples/configs/emulated.toml
 
 MPIRUN ?= mpirun --allow-run-as-root --oversubscribe --bind-to none
 

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The host layer on a CUDA device: PCI locality and cudaHostRegister in chunks.
 #include "cuda_skip.hpp"
+#include "round_trip.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -46,15 +47,7 @@ TEST_F(host_on_cuda, ArenaIsRegisteredInChunksAndCopiesCrossChunkBoundaries)
   auto filler = arena.allocate(12 * MiB);
   auto home = arena.allocate(10 * MiB + 3);
   auto back = arena.allocate(10 * MiB + 3);
-  std::mt19937 gen{7};
-  for (auto& b : home) { b = static_cast<std::byte>(gen()); }
-  std::fill(back.begin(), back.end(), std::byte{0xEE});
-  device_buffer slot(dev, home.size());
-  stream s(dev);
-  copy_async(slot.span(), home, s);
-  copy_async(back, slot.span(), s);
-  s.synchronize();
-  EXPECT_TRUE(std::equal(home.begin(), home.end(), back.begin()));
+  expect_round_trip(dev, home, back, 7);
   arena.deallocate(filler);
 }
 

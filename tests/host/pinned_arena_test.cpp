@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "host/topology.hpp"
 #include "expect_error.hpp"
+#include "round_trip.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -188,14 +189,7 @@ TEST(pinned_arena, SlabsServeAsyncCopies)
   pinned_arena arena(dev, {.bytes = 8 * MiB});
   auto home = arena.allocate(3 * MiB + 7);
   auto back = arena.allocate(3 * MiB + 7);
-  std::mt19937 gen{42};
-  for (auto& b : home) { b = static_cast<std::byte>(gen()); }
-  device_buffer slot(dev, home.size());
-  stream s(dev);
-  copy_async(slot.span(), home, s);
-  copy_async(back, slot.span(), s);
-  s.synchronize();
-  EXPECT_TRUE(std::equal(home.begin(), home.end(), back.begin()));
+  expect_round_trip(dev, home, back, 42);
 }
 
 }  // namespace

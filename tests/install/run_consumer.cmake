@@ -3,22 +3,7 @@
 # that does find_package(taskswap CONFIG REQUIRED), as a user's project would: the consumer of
 # tests/install, or the sample trainer.
 
-file(REMOVE_RECURSE "${WORK_DIR}")
-set(prefix "${WORK_DIR}/prefix")
-
-function(run_step what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
-  endif()
-  message(STATUS "${what}: ok\n${out}")
-endfunction()
-
-set(config_args)
-if(CONFIG)
-  set(config_args --config ${CONFIG})
-endif()
-run_step("install" ${CMAKE_COMMAND} --install "${TASKSWAP_BUILD_DIR}" --prefix "${prefix}" ${config_args})
+include(${CMAKE_CURRENT_LIST_DIR}/install_prefix.cmake)
 run_step("configure consumer" ${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/build"
   -G "${GENERATOR}" "-DCMAKE_PREFIX_PATH=${prefix}" -DCMAKE_BUILD_TYPE=Release
   # the same instrumentation as the library (sanitizer presets)

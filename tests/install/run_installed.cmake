@@ -4,22 +4,7 @@
 # libtaskswap and its other libraries by itself. PROGRAMS is a '|'-separated list of
 # "name args..." entries (args separated by spaces).
 
-file(REMOVE_RECURSE "${WORK_DIR}")
-set(prefix "${WORK_DIR}/prefix")
-
-function(run_step what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
-  endif()
-  message(STATUS "${what}: ok\n${out}")
-endfunction()
-
-set(config_args)
-if(CONFIG)
-  set(config_args --config ${CONFIG})
-endif()
-run_step("install" ${CMAKE_COMMAND} --install "${TASKSWAP_BUILD_DIR}" --prefix "${prefix}" ${config_args})
+include(${CMAKE_CURRENT_LIST_DIR}/install_prefix.cmake)
 string(REPLACE "|" ";" programs "${PROGRAMS}")
 foreach(entry IN LISTS programs)
   separate_arguments(command UNIX_COMMAND "${entry}")

@@ -96,7 +96,9 @@ inline scenario random_scenario(std::uint64_t seed, bool all_resident = false)
     for (std::size_t t = 0; t < tensors; ++t) {
       std::vector<std::size_t> shape{1 + pick(40)};
       if (pick(2) == 0) { shape.push_back(1 + pick(60)); }
-      u.tensors.push_back({"w" + std::to_string(t), shape});
+      std::string tensor = "w";  // not "w" + std::to_string(t): a false -Wrestrict at -O3 (GCC bug 105651)
+      tensor += std::to_string(t);
+      u.tensors.push_back({tensor, shape});
     }
     u.compute = dtypes[pick(3)];
     if (u.compute != dtype::f32 && pick(2) == 0) { u.grad = dtype::f32; }
