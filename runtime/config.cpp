@@ -128,8 +128,11 @@ class table_reader {
     return n->as_boolean()->get();
   }
 
+  enum class positive : bool { no, yes };
+
   template <std::size_t N>
-  std::optional<double> quantity(std::string_view key, const std::array<unit_suffix, N>& units, std::string_view example)
+  std::optional<double> quantity(std::string_view key, const std::array<unit_suffix, N>& units, std::string_view example,
+                                 positive must_be_positive = positive::no)
   {
     const toml::node* n = get(key);
     if (n == nullptr) { return std::nullopt; }
@@ -142,6 +145,10 @@ class table_reader {
     // Every quantity becomes a 64-bit count (bytes, bytes per second, milliseconds): 1e18 is far
     // beyond any real one and keeps the conversions defined (found by the config fuzzer).
     if (*v > 1e18) { fail(*n, key, message("\"", text, "\" is too large; write e.g. \"", example, "\"")); }
+    if (must_be_positive == positive::yes && *v <= 0) {
+      fail(*n, key, message("\"", text, "\" must be more than zero; write e.g. \"", example,
+                            "\", or leave the key out for no limit"));
+    }
     return v;
   }
 
@@ -214,7 +221,7 @@ void read_device(const toml::table& t, std::string_view source, device_options& 
   if (auto i = r.integer("index", 0, 1023)) { d.index = static_cast<int>(*i); }
   if (auto b = r.quantity("budget", size_units, "40 GiB")) { d.budget = static_cast<std::size_t>(*b); }
   if (auto m = r.quantity("memory", size_units, "80 GiB")) { d.emulated.memory_bytes = static_cast<std::size_t>(*m); }
-  if (auto l = r.quantity("link_bandwidth", rate_units, "25 GB/s")) { d.emulated.link.bytes_per_second = *l; }
+  if (auto l = r.quantity("link_bandwidth", rate_units, "25 GB/s", table_reader::positive::yes)) { d.emulated.link.bytes_per_second = *l; }
   if (auto l = r.quantity("link_latency", time_units, "10 us")) { d.emulated.link.latency_seconds = *l; }
   r.reject_unknown();
 }
@@ -379,15 +386,35 @@ runtime_options load_config(const std::filesystem::path& file)
   return load_config(file, {});
 }
 
-runtime_options load_config(const std::filesystem::path& file, std::span<const std::string_view> own_tables)
+std::string read_config_file(const std::filesystem::path& file)
 {
+  std::error_code ec;
+  const std::filesystem::file_status st = std::filesystem::status(file, ec);
+  if (st.type() == std::filesystem::file_type::not_found) {
+    throw config_error(message("the configuration '", file.string(), "' does not exist; check the path"));
+  }
+  if (st.type() == std::filesystem::file_type::directory) {
+    throw config_error(message("the configuration '", file.string(),
+                               "' is a directory; give the path of a TOML file (e.g. samples/configs/emulated.toml)"));
+  }
+  if (!ec && st.type() != std::filesystem::file_type::regular) {
+    throw config_error(message("the configuration '", file.string(),
+                               "' is not a regular file (a FIFO, socket or device); give the path of a TOML file"));
+  }
   std::ifstream in(file, std::ios::binary);
   if (!in) {
-    throw config_error(message("cannot read the configuration '", file.string(), "'; check the path"));
+    throw config_error(message("cannot read the configuration '", file.string(), "'",
+                               ec ? message(" (", ec.message(), ")") : std::string(), "; check its permissions"));
   }
   std::ostringstream text;
   text << in.rdbuf();
-  return parse_config(text.str(), file.string(), own_tables);
+  if (in.bad()) { throw config_error(message("reading the configuration '", file.string(), "' failed")); }
+  return text.str();
+}
+
+runtime_options load_config(const std::filesystem::path& file, std::span<const std::string_view> own_tables)
+{
+  return parse_config(read_config_file(file), file.string(), own_tables);
 }
 
 device make_device(const device_options& options)

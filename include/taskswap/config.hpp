@@ -10,6 +10,7 @@
 #include <cstddef>
 #include <filesystem>
 #include <span>
+#include <string>
 #include <string_view>
 
 namespace taskswap {
@@ -23,6 +24,11 @@ namespace taskswap {
 /// reads itself (the sample trainer's [model]); any other unknown table is still an error.
 [[nodiscard]] runtime_options load_config(const std::filesystem::path& file,
                                           std::span<const std::string_view> own_tables);
+
+/// @brief The text of a configuration file, for applications that parse it themselves.
+/// @throws config_error when the path does not exist, is a directory or another non-regular file
+/// (a FIFO, a device), or cannot be read, saying which
+[[nodiscard]] std::string read_config_file(const std::filesystem::path& file);
 
 /// @brief Parses configuration text; `source` names it in error messages.
 /// @throws config_error as load_config

@@ -92,8 +92,12 @@ model_config read_model(const toml::table& root, std::string_view source)
                          "seed, log_every, plan_window");
     }
     const auto v = value.value<std::int64_t>();
-    if (!v || *v < ik->least || *v > (std::int64_t{1} << 30)) {
+    constexpr std::int64_t most = std::int64_t{1} << 30;
+    if (!v || *v < ik->least) {
       throw config_error(where + ": give an integer of at least " + std::to_string(ik->least));
+    }
+    if (*v > most) {
+      throw config_error(where + ": " + std::to_string(*v) + " is too large; give at most " + std::to_string(most));
     }
     *ik->value = static_cast<int>(*v);
   }
@@ -142,11 +146,7 @@ configuration parse_configuration(std::string_view text, std::string_view source
 
 configuration load_configuration(const std::filesystem::path& file)
 {
-  std::ifstream in(file, std::ios::binary);
-  if (!in) { throw config_error("cannot read the configuration '" + file.string() + "'; check the path"); }
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parse_configuration(text.str(), file.string());
+  return parse_configuration(taskswap::read_config_file(file), file.string());
 }
 
 std::vector<taskswap::unit_spec> model_units(const model_config& m)

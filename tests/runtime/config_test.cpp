@@ -7,6 +7,9 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
+#include <filesystem>
 #include <fstream>
 
 namespace taskswap::test {
@@ -125,12 +128,36 @@ TEST(config, errors_name_the_file_the_line_and_the_key)
   fails("[device]\nbudget = \"1 GiB\"\n[optimizer]\nlr = -1.0\n", "my.toml:4: [optimizer] lr: must be a positive");
   fails("[device]\nbackend = \"emulated\"\n", "[device] budget is missing");
   fails("[device\nbudget = 1\n", "my.toml:1:");
+  fails("[device]\nbackend = \"emulated\"\nbudget = \"1 GiB\"\nlink_bandwidth = \"0 GB/s\"\n",
+        "my.toml:4: [device] link_bandwidth: \"0 GB/s\" must be more than zero");
+  fails("[device]\nbackend = \"emulated\"\nbudget = \"1 GiB\"\nlink_bandwidth = \"-1 GB/s\"\n",
+        "my.toml:4: [device] link_bandwidth: \"-1 GB/s\" is not a quantity");
+}
+
+TEST(config, a_directory_or_a_fifo_is_named_as_such)
+{
+  const std::string dir = ::testing::TempDir() + "taskswap_config_dir";
+  std::filesystem::create_directories(dir);
+  expect_error_mentioning<config_error>([&] { (void)load_config(dir); }, "' is a directory; give the path of a TOML file");
+  const std::string fifo = ::testing::TempDir() + "taskswap_config_fifo";
+  std::filesystem::remove(fifo);
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  expect_error_mentioning<config_error>([&] { (void)load_config(fifo); }, "' is not a regular file");
+  std::filesystem::remove(fifo);
+}
+
+TEST(config, error_texts_name_source_locations_inside_the_project)
+{
+  // A precondition failure names the file:line of its check relative to the project tree, never
+  // the build machine's absolute path.
+  expect_error_mentioning<invalid_argument>([] { (void)emulated_device({.memory_bytes = 0, .link = {}}); },
+                                            " [device/device.cpp:");
 }
 
 TEST(config, a_missing_file_is_named)
 {
   expect_error_mentioning<config_error>([] { (void)load_config("/nonexistent/taskswap.toml"); },
-                                        "cannot read the configuration '/nonexistent/taskswap.toml'");
+                                        "the configuration '/nonexistent/taskswap.toml' does not exist");
   const std::string file = ::testing::TempDir() + "taskswap_config_test.toml";
   std::ofstream(file) << "[device]\nbackend = \"emulated\"\nbudget = \"64 MiB\"\n";
   EXPECT_EQ(load_config(file).device.budget, std::size_t{64} << 20);

@@ -49,7 +49,9 @@ TEST(multitask_config, errors_name_the_line_and_the_key)
                                                   "[model] batch: give an integer of at least 1");
   expect_error_mentioning<taskswap::config_error>([] { (void)parse("[modle]\n"); }, "unknown key 'modle'");
   expect_error_mentioning<taskswap::config_error>([] { (void)multitask::load_configuration("/nonexistent.toml"); },
-                                                  "cannot read the configuration '/nonexistent.toml'");
+                                                  "the configuration '/nonexistent.toml' does not exist");
+  expect_error_mentioning<taskswap::config_error>([] { (void)parse("[model]\nwidth = 99999999999\n"); },
+                                                  "[model] width: 99999999999 is too large; give at most 1073741824");
 }
 
 TEST(multitask_model, units_are_the_trunk_layers_then_the_adapters)
