@@ -113,6 +113,40 @@ void reducer::sum(std::span<std::int64_t> values, std::string_view what)
   std::copy(sum_buffer_.begin(), sum_buffer_.end(), values.begin());
 }
 
+int reducer::stop_vote(int local)
+{
+  if (!stop_) {
+    stop_ = control_->split();  // the host thread has no agreement in flight: every one is waited for
+    stop_stream_.emplace(device_);
+    for (auto& e : stop_done_) { e.emplace(device_); }
+  }
+  int agreed = 0;
+  const std::size_t now = stop_votes_ % 2;
+  if (stop_votes_ > 0) {
+    const std::size_t previous = 1 - now;
+    const auto limit = comm_->timeout() + std::chrono::seconds(10);
+    const bool finished = stop_done_[previous]->synchronize_for(limit);
+    stop_->check();
+    if (!finished) {
+      throw timeout_error(message("taskswap: the ranks' stop agreement ", stop_votes_ - 1, " did not finish within ",
+                                  std::chrono::duration_cast<std::chrono::milliseconds>(limit).count(), " ms"));
+    }
+    for (const std::int64_t code : stop_slots_[previous]) {
+      if (code != 0) {
+        agreed = static_cast<int>(code);
+        break;
+      }
+    }
+  }
+  std::vector<std::int64_t>& slots = stop_slots_[now];
+  slots.assign(static_cast<std::size_t>(comm_->size()), 0);
+  slots[static_cast<std::size_t>(comm_->rank())] = local;
+  stop_->allreduce_counts(slots, *stop_stream_, message("stop agreement ", stop_votes_));
+  stop_done_[now]->record(*stop_stream_);
+  ++stop_votes_;
+  return agreed;
+}
+
 std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint32_t>> local, std::uint64_t first_step)
 {
   const std::size_t n = units_.size();

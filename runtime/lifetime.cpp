@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <string>
+#include <vector>
 
 namespace taskswap {
 
@@ -54,38 +56,63 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
 runtime::impl::~impl()
 {
   // Keep the home copies current (unless something failed: then nothing more is written home)
-  // and let no copy outlive the memory it touches.
+  // and let no copy outlive the memory it touches. Whatever goes wrong is reported in one line at
+  // the end: after a failure the trainer has seen its text already, and every unit would repeat it.
   const bool failed = failed_ || (reducer_ && reducer_->comm().failed());
-  if (failed) {
-    detail::log(log_level::warning, "runtime teardown after a failure: dirty units are not written back; the home "
-                                    "copies hold the states last written back");
-  }
+  std::size_t dirty = 0;
+  for (const unit_record& r : units_) { dirty += r.resident() && r.dirty ? 1U : 0U; }
+  std::vector<std::string> problems;
+  const auto note = [&](std::string text) {
+    // A failure the trainer already saw is not repeated; another one is told once.
+    if (failed && failed_ != nullptr) {
+      try {
+        std::rethrow_exception(failed_);
+      } catch (const std::exception& f) {
+        if (text.find(f.what()) != std::string::npos) { return; }
+      } catch (...) {
+      }
+    }
+    if (std::find(problems.begin(), problems.end(), text) == problems.end()) { problems.push_back(std::move(text)); }
+  };
   try {
     if (held_count_ == 0 && started_ && !failed) {
       for (unit_record& r : units_) {
         if (r.resident() && r.dirty) { write_back(r); }
       }
+      dirty = 0;
     }
   } catch (const std::exception& e) {
-    detail::log(log_level::warning, message("runtime teardown: writing dirty units back failed: ", e.what()));
+    note(message("writing dirty units back failed: ", e.what()));
   }
   try {
     wait_streams("runtime teardown");
   } catch (const std::exception& e) {
-    detail::log(log_level::warning, e.what());
+    note(e.what());
   }
   const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  std::size_t unreleased = 0;
   for (unit_record& r : units_) {
     try {
       const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
       if (r.released.recorded() && !r.released.synchronize_for(left)) {
-        detail::log(log_level::warning, message("runtime teardown: unit '", r.name, "' was not released on the device within ",
-                                                options_.timeout.count(), " ms; the trainer's stream is stalled"));
+        note(message("unit '", r.name, "' was not released on the device within ", options_.timeout.count(),
+                     " ms; the trainer's stream is stalled"));
         break;
       }
     } catch (const std::exception& e) {
-      detail::log(log_level::warning, message("runtime teardown: unit '", r.name, "': ", e.what()));
+      ++unreleased;
+      note(e.what());
     }
+  }
+  if (failed || !problems.empty()) {
+    std::string text = "runtime teardown";
+    if (failed) {
+      text += message(" after a failure: ", dirty, " dirty unit(s) of ", units_.size(),
+                      " were not written back; the home copies hold the states last written back");
+    }
+    if (unreleased > 0) { text += message("; the release of ", unreleased, " unit(s) could not be waited for"); }
+    for (const std::string& p : problems) { text += "; " + p; }
+    detail::log(log_level::warning, text);
   }
   // The device memory and the home arena are freed next, and queued work may still touch them:
   // freeing waits for the device (as cudaFree does), after a stall until the stalled work ends.

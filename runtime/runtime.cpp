@@ -135,6 +135,11 @@ step_stats runtime::end_step()
   return impl_->guarded([&] { return impl_->end_step(); });
 }
 
+int runtime::agree_stop(int local)
+{
+  return impl_->guarded([&] { return impl_->reducer_ ? impl_->reducer_->stop_vote(local) : local; });
+}
+
 void runtime::flush()
 {
   impl_->guarded([&] { impl_->flush(); });

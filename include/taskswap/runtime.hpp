@@ -312,6 +312,17 @@ class runtime {
   /// @throws invalid_argument if a unit is still held
   step_stats end_step();
 
+  /// @brief Agrees with the other ranks whether to stop, at a step boundary (after end_step).
+  /// `local` is this rank's reason to stop (a signal number from stop_signals::signal(), or any
+  /// positive code; 0: none). With a communicator the call is collective and must be made at the
+  /// same boundaries on every rank (every step is simplest): it enqueues `local` without waiting
+  /// and returns what the ranks gave at the previous call — the code of the lowest rank that gave
+  /// one — so every rank stops at the same boundary, one step after the first request, whichever
+  /// rank was asked and whenever. Without a communicator it returns `local` and costs nothing.
+  /// @return 0 to go on; else the agreed code
+  /// @throws comm_error or timeout_error if the collective fails
+  [[nodiscard]] int agree_stop(int local);
+
   /// @brief Writes dirty units back and waits until every home copy is current. Synchronises.
   /// @throws invalid_argument if a unit is held
   void flush();

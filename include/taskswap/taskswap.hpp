@@ -15,3 +15,4 @@
 #include <taskswap/log.hpp>
 #include <taskswap/optimizer.hpp>
 #include <taskswap/runtime.hpp>
+#include <taskswap/stop.hpp>

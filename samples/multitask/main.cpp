@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstring>
 #include <exception>
 #include <string>
 
@@ -72,14 +73,34 @@ int train(int argc, char** argv)
     const std::int64_t at = t.resume(resume);
     if (lead) { std::printf("resumed from '%s' at step %lld\n", resume.c_str(), static_cast<long long>(at)); }
   }
+  // The first SIGTERM, SIGINT or SIGUSR1 stops every rank at the same step boundary; a second one
+  // ends the process at once.
+  const taskswap::stop_signals signals;
   multitask::run_options run{.on_log = [&](const std::string& line) {
                                if (lead) { std::printf("  %s\n", line.c_str()); }
                              },
                              .checkpoint = checkpoint,
                              .checkpoint_every = checkpoint_every,
-                             .stop_after = stop_after};
+                             .stop_after = stop_after,
+                             .stop_code = [&] { return signals.signal(); }};
   const multitask::run_result r = t.run(run);
   if (lead && !checkpoint.empty()) { std::printf("checkpoint saved to '%s'\n", checkpoint.c_str()); }
+  if (r.stopped_by != 0) {
+    // Preempted: every rank finished the same step; with --checkpoint the state is saved.
+    if (lead) {
+      std::printf("stopped at step %lld of %d on signal %d (%s)\n", static_cast<long long>(r.steps_done),
+                  cfg.model.steps, r.stopped_by, strsignal(r.stopped_by));
+      if (!checkpoint.empty()) {
+        std::printf("resume with: %s %s --resume %s\n", argv[0], config_file.c_str(), checkpoint.c_str());
+      } else {
+        std::printf("nothing was saved (no --checkpoint): the %lld steps done are lost\n",
+                    static_cast<long long>(r.steps_done));
+      }
+    }
+    std::fflush(stdout);
+    if (checkpoint.empty()) { return taskswap::stop_signals::exit_code(r.stopped_by); }
+    return 0;
+  }
   if (!save.empty()) { t.save_parameters(t.world() > 1 ? save + ".rank" + std::to_string(t.rank()) : save); }
   if (lead) {
     std::printf("summary: %.2f ms/step; swap-ins %zu, write-backs %zu, h2d %s, d2h %s, stall %.1f ms; reduced %s\n",
@@ -108,6 +129,7 @@ int train(int argc, char** argv)
 
 int main(int argc, char** argv)
 {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines reach a log file (a cluster job's) as they come
   try {
     return train(argc, argv);
   } catch (const std::exception& e) {

@@ -578,7 +578,7 @@ run_result trainer::run(const run_options& options)
   };
 
   const std::int64_t begin = m.first_step;
-  const std::int64_t end_at = options.stop_after >= 0 ? std::clamp<std::int64_t>(options.stop_after, begin, m.steps) : m.steps;
+  std::int64_t end_at = options.stop_after >= 0 ? std::clamp<std::int64_t>(options.stop_after, begin, m.steps) : m.steps;
   const auto save = [&](std::int64_t done) {
     m.rt.save_checkpoint(options.checkpoint, {{"model.seed", std::to_string(m.model.seed)},
                                               {"model.tasks", std::to_string(m.model.tasks)},
@@ -602,6 +602,10 @@ run_result trainer::run(const run_options& options)
         if (on_log) { on_log(std::string("checkpoint at step ") + std::to_string(s + 1) + " failed: " + e.what()); }
       }
     }
+    if (options.stop_code) {  // every rank asks at every boundary: they stop at the same one
+      r.stopped_by = m.rt.agree_stop(options.stop_code());
+      if (r.stopped_by != 0) { end_at = s + 1; }
+    }
     const int every = m.model.log_every;
     if (every > 0 && on_log && ((s + 1) % every == 0 || s + 1 == end_at)) {
       const std::int64_t first = std::max(begin, s + 1 - ((s + 1) % every == 0 ? every : (s + 1) % every));
@@ -617,6 +621,7 @@ run_result trainer::run(const run_options& options)
   if (waiting) { print(*waiting); }
   r.seconds = std::chrono::duration<double>(end - start).count();
   r.timed_steps = std::max<std::int64_t>(0, end_at - begin - 1);
+  r.steps_done = end_at;
   if (!options.checkpoint.empty()) {
     save(end_at);
   } else {

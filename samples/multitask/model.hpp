@@ -87,6 +87,8 @@ struct run_result {
   std::int64_t timed_steps = 0;
   taskswap::step_stats total{};  ///< every step
   taskswap::step_stats timed{};  ///< the steps after the first (transfers, stall)
+  int stopped_by = 0;            ///< the agreed stop code when the run stopped early (0: it did not)
+  std::int64_t steps_done = 0;   ///< the steps done in all when run() returned
   [[nodiscard]] double step_ms() const { return timed_steps == 0 ? 0 : seconds * 1e3 / static_cast<double>(timed_steps); }
 };
 
@@ -101,6 +103,9 @@ struct run_options {
   std::filesystem::path checkpoint;                ///< where to save checkpoints (empty: none)
   int checkpoint_every = 0;                        ///< steps between checkpoints (0: only at the end)
   std::int64_t stop_after = -1;                    ///< end after this step count in all (an interruption)
+  /// This rank's reason to stop, asked at every step boundary (e.g. stop_signals::signal(); 0: go
+  /// on). The ranks agree on it (runtime::agree_stop): all stop at the same step and save.
+  std::function<int()> stop_code;
 };
 
 /// The trainer: the runtime, the model's workspace for one batch size, and the step.
