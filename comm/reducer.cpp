@@ -120,15 +120,17 @@ int reducer::stop_vote(int local)
     stop_stream_.emplace(device_);
     for (auto& e : stop_done_) { e.emplace(device_); }
   }
+  const std::uint64_t call = stop_calls_++;
+  if (call % stop_period != 0) { return 0; }
+  const std::uint64_t vote = call / stop_period;
   int agreed = 0;
-  const std::size_t now = stop_votes_ % 2;
-  if (stop_votes_ > 0) {
-    const std::size_t previous = 1 - now;
+  if (vote > 0) {
+    const std::size_t previous = (vote - 1) % 2;
     const auto limit = comm_->timeout() + std::chrono::seconds(10);
-    const bool finished = stop_done_[previous]->synchronize_for(limit);
+    const bool finished = stop_done_[previous]->query() || stop_done_[previous]->synchronize_for(limit);
     stop_->check();
     if (!finished) {
-      throw timeout_error(message("taskswap: the ranks' stop agreement ", stop_votes_ - 1, " did not finish within ",
+      throw timeout_error(message("taskswap: the ranks' stop agreement ", vote - 1, " did not finish within ",
                                   std::chrono::duration_cast<std::chrono::milliseconds>(limit).count(), " ms"));
     }
     for (const std::int64_t code : stop_slots_[previous]) {
@@ -138,12 +140,11 @@ int reducer::stop_vote(int local)
       }
     }
   }
-  std::vector<std::int64_t>& slots = stop_slots_[now];
+  std::vector<std::int64_t>& slots = stop_slots_[vote % 2];
   slots.assign(static_cast<std::size_t>(comm_->size()), 0);
   slots[static_cast<std::size_t>(comm_->rank())] = local;
-  stop_->allreduce_counts(slots, *stop_stream_, message("stop agreement ", stop_votes_));
-  stop_done_[now]->record(*stop_stream_);
-  ++stop_votes_;
+  stop_->allreduce_counts(slots, *stop_stream_, message("stop agreement ", vote));
+  stop_done_[vote % 2]->record(*stop_stream_);
   return agreed;
 }
 

@@ -61,17 +61,18 @@ runtime::impl::~impl()
   const bool failed = failed_ || (reducer_ && reducer_->comm().failed());
   std::size_t dirty = 0;
   for (const unit_record& r : units_) { dirty += r.resident() && r.dirty ? 1U : 0U; }
+  // The failure the trainer has seen (the runtime's first, or the communicator's): not repeated.
+  std::string seen;
+  try {
+    if (failed_) { std::rethrow_exception(failed_); }
+    if (reducer_) { reducer_->comm().check(); }
+  } catch (const std::exception& f) {
+    seen = f.what();
+  } catch (...) {
+  }
   std::vector<std::string> problems;
   const auto note = [&](std::string text) {
-    // A failure the trainer already saw is not repeated; another one is told once.
-    if (failed && failed_ != nullptr) {
-      try {
-        std::rethrow_exception(failed_);
-      } catch (const std::exception& f) {
-        if (text.find(f.what()) != std::string::npos) { return; }
-      } catch (...) {
-      }
-    }
+    if (!seen.empty() && text.find(seen) != std::string::npos) { return; }
     if (std::find(problems.begin(), problems.end(), text) == problems.end()) { problems.push_back(std::move(text)); }
   };
   try {

@@ -315,10 +315,10 @@ class runtime {
   /// @brief Agrees with the other ranks whether to stop, at a step boundary (after end_step).
   /// `local` is this rank's reason to stop (a signal number from stop_signals::signal(), or any
   /// positive code; 0: none). With a communicator the call is collective and must be made at the
-  /// same boundaries on every rank (every step is simplest): it enqueues `local` without waiting
-  /// and returns what the ranks gave at the previous call — the code of the lowest rank that gave
-  /// one — so every rank stops at the same boundary, one step after the first request, whichever
-  /// rank was asked and whenever. Without a communicator it returns `local` and costs nothing.
+  /// same boundaries on every rank (every step is simplest). Every 16th call enqueues a vote of
+  /// `local` without waiting and returns the previous vote's result — the code of the lowest rank
+  /// that gave one — so every rank stops at the same boundary, at most 32 calls after the first
+  /// request, whichever rank was asked and whenever; the calls between cost nothing. Without a communicator it returns `local` and costs nothing.
   /// @return 0 to go on; else the agreed code
   /// @throws comm_error or timeout_error if the collective fails
   [[nodiscard]] int agree_stop(int local);

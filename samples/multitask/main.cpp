@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <optional>
 #include <string>
 
 namespace {
@@ -43,6 +44,9 @@ int train(int argc, char** argv)
   app.add_option("--stop-after", stop_after, "end after this many steps in all, as an interrupted run would")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--save-params", save, "write every unit's final home slabs (params, master, m, v) to this file (FILE.rankN under mpirun)");
+  bool no_stop = false;
+  app.add_flag("--no-stop-agreement", no_stop,
+               "no signal handlers and no agreement on stopping (the default dies on SIGTERM; to measure the agreement's cost)");
   CLI11_PARSE(app, argc, argv);
 
   multitask::configuration cfg = multitask::load_configuration(config_file);
@@ -75,14 +79,16 @@ int train(int argc, char** argv)
   }
   // The first SIGTERM, SIGINT or SIGUSR1 stops every rank at the same step boundary; a second one
   // ends the process at once.
-  const taskswap::stop_signals signals;
+  std::optional<taskswap::stop_signals> signals;
+  if (!no_stop) { signals.emplace(); }
   multitask::run_options run{.on_log = [&](const std::string& line) {
                                if (lead) { std::printf("  %s\n", line.c_str()); }
                              },
                              .checkpoint = checkpoint,
                              .checkpoint_every = checkpoint_every,
                              .stop_after = stop_after,
-                             .stop_code = [&] { return signals.signal(); }};
+                             .stop_code = {}};
+  if (signals) { run.stop_code = [&] { return signals->signal(); }; }
   const multitask::run_result r = t.run(run);
   if (lead && !checkpoint.empty()) { std::printf("checkpoint saved to '%s'\n", checkpoint.c_str()); }
   if (r.stopped_by != 0) {
@@ -106,6 +112,10 @@ int train(int argc, char** argv)
     std::printf("summary: %.2f ms/step; swap-ins %zu, write-backs %zu, h2d %s, d2h %s, stall %.1f ms; reduced %s\n",
                 r.step_ms(), r.total.swap_ins, r.total.write_backs, mib(r.total.h2d_bytes).c_str(),
                 mib(r.total.d2h_bytes).c_str(), r.total.stall_ms, mib(r.total.reduced_bytes).c_str());
+    if (r.timed_steps > 0) {
+      const double us = r.stop_agreement_seconds * 1e6 / static_cast<double>(r.timed_steps);
+      std::printf("  stop agreement: %.1f us/step (%.2f%% of a step)\n", us, us / (r.step_ms() * 10.0));
+    }
     std::printf("  %-8s %6s %10s %10s   (mean loss of each task's first and last 3 steps)\n", "task", "steps", "first",
                 "last");
     int fell = 0;

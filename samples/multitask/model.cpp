@@ -603,7 +603,9 @@ run_result trainer::run(const run_options& options)
       }
     }
     if (options.stop_code) {  // every rank asks at every boundary: they stop at the same one
+      const auto asked = std::chrono::steady_clock::now();
       r.stopped_by = m.rt.agree_stop(options.stop_code());
+      if (s != begin) { r.stop_agreement_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count(); }
       if (r.stopped_by != 0) { end_at = s + 1; }
     }
     const int every = m.model.log_every;

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# Usage: run_stalled_rank.sh WORKDIR MPIEXEC TRAINER CONFIG
+# One rank of two is stopped (SIGSTOP) in the middle of training, with [comm] timeout = "5 s". Passes
+# when the job ends within 90 s (the watchdog ends the other rank's wait) and the failure is told
+# a few times, not once per unit: the text of the timeout appears at most 3 times on the rank
+# that saw it.
+set -uo pipefail
+work=$1 mpiexec=$2 trainer=$3 config=$4
+rm -rf "$work" && mkdir -p "$work"
+sed 's/^timeout = .*/timeout = "5 s"/; s/^steps = .*/steps = 1000000/' "$config" >"$work/stall.toml"
+grep -q '^timeout = "5 s"' "$work/stall.toml" || { echo "run_stalled_rank: the config has no [comm] timeout to set"; exit 1; }
+log="$work/log"
+timeout 90 "$mpiexec" --allow-run-as-root --oversubscribe --bind-to none -np 2 --output-filename "$work/out" \
+  "$trainer" "$work/stall.toml" >"$log" 2>&1 &
+runner=$!
+for _ in $(seq 600); do grep -q "^  step " "$log" && break; sleep 0.1; done
+target=""
+for p in /proc/[0-9]*; do
+  { tr '\0' '\n' <"$p/environ" | grep -qx "OMPI_COMM_WORLD_RANK=1" &&
+    tr '\0' ' ' <"$p/cmdline" | grep -q "$(basename "$trainer")" && target=${p#/proc/}; } 2>/dev/null || true
+done
+[ -n "$target" ] || { cat "$log"; echo "run_stalled_rank: rank 1 not found"; exit 1; }
+kill -STOP "$target"
+rc=0
+wait "$runner" || rc=$?
+kill -KILL "$target" 2>/dev/null || true
+[ "$rc" -ne 124 ] || { echo "run_stalled_rank: the job still ran after 90 s"; exit 1; }
+[ "$rc" -ne 0 ] || { echo "run_stalled_rank: the job ended well although a rank stalled"; exit 1; }
+rank0=$(find "$work/out" -path '*rank.0*' -name 'std*' -exec cat {} +)
+echo "$rank0" | grep -v "^  step " | tail -n 8
+count=$(grep -c "did not finish within" <<<"$rank0")
+[ "$count" -ge 1 ] || { echo "run_stalled_rank: rank 0 never reported the timeout"; exit 1; }
+[ "$count" -le 3 ] || { echo "run_stalled_rank: the timeout's text appears $count times on rank 0 (at most 3)"; exit 1; }
+echo "run_stalled_rank: the job ended (exit $rc); rank 0 told the timeout $count time(s)"
