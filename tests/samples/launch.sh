@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-# Sourced by run_bitwise.sh and run_resume.sh with their arguments: WORKDIR [mpiexec NP] -- ARGS...
-# Sets work (a fresh WORKDIR), launch (empty, or mpiexec with its flags and -np NP) and rest (ARGS).
+# Sourced by the sample's test scripts with their arguments: WORKDIR [mpiexec NP] -- ARGS...
+# Sets work (a fresh WORKDIR), launch (empty, or mpiexec with its flags and -np NP) and rest (ARGS),
+# and defines resume_equals.
 work=$1; shift
 launch=()
 if [ "$1" != "--" ]; then
@@ -9,3 +10,14 @@ fi
 shift  # --
 rest=("$@")
 rm -rf "$work" && mkdir -p "$work"
+
+# resume_equals NAME TRAINER CONFIG STEPS AT: resumes from $work/ck (at step AT) to STEPS steps and
+# compares every rank's final home slabs with $work/uninterrupted.bin*; exits 1 naming NAME if not.
+resume_equals() {
+  local name=$1 trainer=$2 config=$3 steps=$4 at=$5 f
+  "${launch[@]}" "$trainer" "$config" --steps "$steps" --resume "$work/ck" --save-params "$work/resumed.bin" \
+    | grep "resumed from .* at step $at\$" || { echo "$name: the run did not resume at step $at"; exit 1; }
+  for f in "$work"/uninterrupted.bin*; do
+    cmp "$f" "${f/uninterrupted/resumed}" || { echo "$name: ${f/uninterrupted/resumed} differs from $f"; exit 1; }
+  done
+}

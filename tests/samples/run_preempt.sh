@@ -36,10 +36,5 @@ stopped=$(sed -n 's/^steps_done = \([0-9]*\)$/\1/p' "$work/ck/manifest.toml")
 [ -n "$stopped" ] || { echo "run_preempt: the checkpoint has no steps_done"; exit 1; }
 steps=$((stopped + 40))
 "${launch[@]}" "$trainer" "$config" --steps "$steps" --save-params "$work/uninterrupted.bin" | tail -n 1
-"${launch[@]}" "$trainer" "$config" --steps "$steps" --resume "$work/ck" --save-params "$work/resumed.bin" \
-  | grep "resumed from .* at step $stopped\$" || { echo "run_preempt: the run did not resume at step $stopped"; exit 1; }
-for f in "$work"/uninterrupted.bin*; do
-  r=${f/uninterrupted/resumed}
-  cmp "$f" "$r" || { echo "run_preempt: $r differs from $f"; exit 1; }
-done
+resume_equals run_preempt "$trainer" "$config" "$steps" "$stopped"
 echo "run_preempt: SIGTERM at step $stopped, resumed to $steps: bitwise equal to the uninterrupted run"

@@ -12,10 +12,5 @@ trainer=$1 config=$2 steps=$3 stop=$4
 "${launch[@]}" "$trainer" "$config" --steps "$steps" --stop-after "$stop" --checkpoint "$work/ck" \
   --checkpoint-every $((stop / 2)) | tail -n 1
 grep -q "^steps_done = $stop\$" "$work/ck/manifest.toml" || { echo "run_resume: the checkpoint is not at step $stop"; exit 1; }
-"${launch[@]}" "$trainer" "$config" --steps "$steps" --resume "$work/ck" --save-params "$work/resumed.bin" \
-  | grep "resumed from .* at step $stop\$" || { echo "run_resume: the run did not resume at step $stop"; exit 1; }
-for f in "$work"/uninterrupted.bin*; do
-  r=${f/uninterrupted/resumed}
-  cmp "$f" "$r" || { echo "run_resume: $r differs from $f"; exit 1; }
-done
+resume_equals run_resume "$trainer" "$config" "$steps" "$stop"
 echo "run_resume: resumed at step $stop of $steps: bitwise equal to the uninterrupted run"

@@ -37,7 +37,8 @@ headroom)
   python3 -c "import json; t=json.load(open('$work/trace.json')); assert any('swap-in' in e.get('name','') for e in t['traceEvents'])" || fail "trace"
   ;;
 errors)
-  expect_error "cannot read the configuration '$work/missing.toml'" "$taskswap" headroom "$work/missing.toml"
+  expect_error "the configuration '$work/missing.toml' does not exist" "$taskswap" headroom "$work/missing.toml"
+  expect_error "the configuration '$work' is a directory" "$taskswap" plan "$work"
   sed 's/match = "trunk\/\*"/match = "trnk\/*"/' "$configs/emulated.toml" > "$work/unknown-unit.toml"
   expect_error 'match = "trnk/*" matches no unit' "$taskswap" plan "$work/unknown-unit.toml"
   sed 's/^budget = .*/budget = "64 MiB"/' "$configs/emulated.toml" > "$work/no-batch.toml"
