@@ -27,15 +27,25 @@ reducer::reducer(const device& dev, std::shared_ptr<communicator> comm, const co
       comm_(std::move(comm)),
       options_(options),
       units_(std::move(units)),
+      stop_slots_(dev, 2 * sizeof(std::int64_t) * static_cast<std::size_t>(comm_ ? comm_->size() : 1)),
       stream_(dev),
       control_stream_(dev),
+      stop_stream_(dev),
       control_done_(dev),
+      stop_done_{event(dev), event(dev)},
       where_(units_.size(), -1)
 {
   TASKSWAP_EXPECTS(comm_ != nullptr, "the reducer needs a communicator");
   control_ = comm_->split();
   for (const reducer_unit& u : units_) { all_bytes_ += u.grad_bytes; }
   check_digests();
+  stop_ = control_->split();  // after the digests: every rank is there, nothing is in flight
+}
+
+std::span<std::int64_t> reducer::stop_slot(std::size_t i) noexcept
+{
+  const auto world = static_cast<std::size_t>(comm_->size());
+  return {reinterpret_cast<std::int64_t*>(stop_slots_.data()) + i * world, world};  // NOLINT: int64 slots
 }
 
 reducer::~reducer()
@@ -44,6 +54,7 @@ reducer::~reducer()
     if (!comm_->failed()) {
       stream_.synchronize();
       control_stream_.synchronize();
+      stop_stream_.synchronize();  // the last vote, which nobody reads
     }
   } catch (const std::exception&) {  // the failure was reported where it happened
   }
@@ -115,11 +126,6 @@ void reducer::sum(std::span<std::int64_t> values, std::string_view what)
 
 int reducer::stop_vote(int local)
 {
-  if (!stop_) {
-    stop_ = control_->split();  // the host thread has no agreement in flight: every one is waited for
-    stop_stream_.emplace(device_);
-    for (auto& e : stop_done_) { e.emplace(device_); }
-  }
   const std::uint64_t call = stop_calls_++;
   if (call % stop_period != 0) { return 0; }
   const std::uint64_t vote = call / stop_period;
@@ -127,24 +133,25 @@ int reducer::stop_vote(int local)
   if (vote > 0) {
     const std::size_t previous = (vote - 1) % 2;
     const auto limit = comm_->timeout() + std::chrono::seconds(10);
-    const bool finished = stop_done_[previous]->query() || stop_done_[previous]->synchronize_for(limit);
+    const bool finished = stop_done_[previous].query() || stop_done_[previous].synchronize_for(limit);
+    if (stop_->failed()) { comm_->check(); }  // a gradient collective that failed first is the cause
     stop_->check();
     if (!finished) {
       throw timeout_error(message("taskswap: the ranks' stop agreement ", vote - 1, " did not finish within ",
                                   std::chrono::duration_cast<std::chrono::milliseconds>(limit).count(), " ms"));
     }
-    for (const std::int64_t code : stop_slots_[previous]) {
+    for (const std::int64_t code : stop_slot(previous)) {
       if (code != 0) {
         agreed = static_cast<int>(code);
         break;
       }
     }
   }
-  std::vector<std::int64_t>& slots = stop_slots_[vote % 2];
-  slots.assign(static_cast<std::size_t>(comm_->size()), 0);
+  const std::span<std::int64_t> slots = stop_slot(vote % 2);
+  std::fill(slots.begin(), slots.end(), 0);
   slots[static_cast<std::size_t>(comm_->rank())] = local;
-  stop_->allreduce_counts(slots, *stop_stream_, message("stop agreement ", vote));
-  stop_done_[vote % 2]->record(*stop_stream_);
+  stop_->allreduce_counts(slots, stop_stream_, message("stop agreement ", vote));
+  stop_done_[vote % 2].record(stop_stream_);
   return agreed;
 }
 

@@ -87,8 +87,9 @@ class reducer {
   /// a collective that is slow to progress (MPI polling on a loaded host) is not waited for, and
   /// a request is acted on within 2 * stop_period calls. 16: measured on the sample at 2 ranks
   /// (docs/reliability.md), a vote every 4 steps slowed the step by about 5 % on a 2-core host
-  /// (the MPI progress thread's polling), every 16 by nothing measurable. The first call makes the channel (a split
-  /// of the agreement's).
+  /// (the MPI progress thread's polling), every 16 by nothing measurable. The channel is a split
+  /// of the agreement's made at construction: a split is a collective without a timeout, so it is
+  /// made while every rank is known to be there, not at the first vote.
   static constexpr std::uint64_t stop_period = 16;
   int stop_vote(int local);
   [[nodiscard]] int rank() const noexcept { return comm_->rank(); }
@@ -108,18 +109,21 @@ class reducer {
   std::unique_ptr<communicator> control_;  // the agreement's channel
   comm_options options_;
   std::vector<reducer_unit> units_;
-  stream stream_;          // gradients
-  stream control_stream_;  // agreements
-  event control_done_;
+  // What queued collectives write is declared before the streams, so it outlives them (a
+  // stream's destruction lets its queued work finish).
   std::vector<std::int64_t> counts_;  // the agreement's buffer
   std::vector<std::int64_t> sum_buffer_;  // sum()'s buffer
-  // The stop votes' channel, made at the first vote; a ring of the votes in flight (declared before
-  // their stream: destroyed after it, once its queued collectives are done).
-  std::array<std::vector<std::int64_t>, 2> stop_slots_;
+  // The stop votes: two slots of one int64 per rank (the previous vote's and this one's) in pinned
+  // memory: a device-to-host copy into pageable memory would make the host wait for the vote.
+  pinned_buffer stop_slots_;
   std::unique_ptr<communicator> stop_;
-  std::optional<stream> stop_stream_;
-  std::array<std::optional<event>, 2> stop_done_;
+  stream stream_;          // gradients
+  stream control_stream_;  // agreements
+  stream stop_stream_;     // stop votes
+  event control_done_;
+  std::array<event, 2> stop_done_;
   std::uint64_t stop_calls_ = 0;
+  [[nodiscard]] std::span<std::int64_t> stop_slot(std::size_t i) noexcept;
   std::size_t all_bytes_ = 0;
 
   // The current step

@@ -408,7 +408,6 @@ std::string read_config_file(const std::filesystem::path& file)
   }
   std::ostringstream text;
   text << in.rdbuf();
-  if (in.bad()) { throw config_error(message("reading the configuration '", file.string(), "' failed")); }
   return text.str();
 }
 

@@ -71,9 +71,12 @@ runtime::impl::~impl()
   } catch (...) {
   }
   std::vector<std::string> problems;
-  const auto note = [&](std::string text) {
-    if (!seen.empty() && text.find(seen) != std::string::npos) { return; }
-    if (std::find(problems.begin(), problems.end(), text) == problems.end()) { problems.push_back(std::move(text)); }
+  const auto note = [&](std::string_view text) noexcept {
+    try {
+      if (!seen.empty() && text.find(seen) != std::string_view::npos) { return; }
+      if (std::find(problems.begin(), problems.end(), text) == problems.end()) { problems.emplace_back(text); }
+    } catch (...) {  // out of memory while tearing down: the report is shorter
+    }
   };
   try {
     if (held_count_ == 0 && started_ && !failed) {
@@ -83,7 +86,8 @@ runtime::impl::~impl()
       dirty = 0;
     }
   } catch (const std::exception& e) {
-    note(message("writing dirty units back failed: ", e.what()));
+    note("writing dirty units back failed");
+    note(e.what());
   }
   try {
     wait_streams("runtime teardown");
@@ -97,7 +101,7 @@ runtime::impl::~impl()
       const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
       if (r.released.recorded() && !r.released.synchronize_for(left)) {
         note(message("unit '", r.name, "' was not released on the device within ", options_.timeout.count(),
-                     " ms; the trainer's stream is stalled"));
+                     " ms; the trainer's stream is stalled"));  // a throw here is caught below
         break;
       }
     } catch (const std::exception& e) {
@@ -105,15 +109,18 @@ runtime::impl::~impl()
       note(e.what());
     }
   }
-  if (failed || !problems.empty()) {
-    std::string text = "runtime teardown";
-    if (failed) {
-      text += message(" after a failure: ", dirty, " dirty unit(s) of ", units_.size(),
-                      " were not written back; the home copies hold the states last written back");
+  try {  // a destructor never throws: not even a log handler's exception or bad_alloc
+    if (failed || !problems.empty()) {
+      std::string text = "runtime teardown";
+      if (failed) {
+        text += message(" after a failure: ", dirty, " dirty unit(s) of ", units_.size(),
+                        " were not written back; the home copies hold the states last written back");
+      }
+      if (unreleased > 0) { text += message("; the release of ", unreleased, " unit(s) could not be waited for"); }
+      for (const std::string& p : problems) { text += "; " + p; }
+      detail::log(log_level::warning, text);
     }
-    if (unreleased > 0) { text += message("; the release of ", unreleased, " unit(s) could not be waited for"); }
-    for (const std::string& p : problems) { text += "; " + p; }
-    detail::log(log_level::warning, text);
+  } catch (...) {
   }
   // The device memory and the home arena are freed next, and queued work may still touch them:
   // freeing waits for the device (as cudaFree does), after a stall until the stalled work ends.

@@ -137,7 +137,10 @@ step_stats runtime::end_step()
 
 int runtime::agree_stop(int local)
 {
-  return impl_->guarded([&] { return impl_->reducer_ ? impl_->reducer_->stop_vote(local) : local; });
+  return impl_->guarded([&] {
+    impl_->check_comm();  // a failed gradient collective is the failure to report, as on every call
+    return impl_->reducer_ ? impl_->reducer_->stop_vote(local) : local;
+  });
 }
 
 void runtime::flush()

@@ -44,7 +44,7 @@ stop_signals::stop_signals(std::initializer_list<int> signals) : signals_(signal
     struct sigaction old {};
     if (sigaction(sig, &action, &old) != 0) {
       const int err = errno;
-      for (std::size_t i = 0; i < previous_.size(); ++i) { sigaction(signals_[i], &previous_[i], nullptr); }
+      for (std::size_t i = previous_.size(); i-- > 0;) { sigaction(signals_[i], &previous_[i], nullptr); }
       installed.store(false);
       throw invalid_argument(detail::message("stop_signals: cannot handle signal ", sig, ": ", std::strerror(err)));
     }
@@ -54,7 +54,8 @@ stop_signals::stop_signals(std::initializer_list<int> signals) : signals_(signal
 
 stop_signals::~stop_signals()
 {
-  for (std::size_t i = 0; i < previous_.size(); ++i) { sigaction(signals_[i], &previous_[i], nullptr); }
+  // In reverse: a signal named twice gets back the action it had before the first installation.
+  for (std::size_t i = previous_.size(); i-- > 0;) { sigaction(signals_[i], &previous_[i], nullptr); }
   installed.store(false);
 }
 

@@ -17,10 +17,29 @@
 #include <exception>
 #include <optional>
 #include <string>
+#include <string_view>
 
 namespace {
 
 std::string mib(std::size_t bytes) { return std::to_string(bytes >> 20U) + " MiB"; }
+
+// This run's command line with `--resume DIR` in place of any earlier --resume: the same flags
+// (--checkpoint, --steps, …), so a resumed run that is preempted again saves again.
+std::string resume_command(int argc, char** argv, const std::string& dir)
+{
+  std::string command = argv[0];
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "--resume") {
+      ++i;  // and its value
+      continue;
+    }
+    if (a.starts_with("--resume=")) { continue; }
+    command += ' ';
+    command += a;
+  }
+  return command + " --resume " + dir;
+}
 
 int train(int argc, char** argv)
 {
@@ -97,7 +116,7 @@ int train(int argc, char** argv)
       std::printf("stopped at step %lld of %d on signal %d (%s)\n", static_cast<long long>(r.steps_done),
                   cfg.model.steps, r.stopped_by, strsignal(r.stopped_by));
       if (!checkpoint.empty()) {
-        std::printf("resume with: %s %s --resume %s\n", argv[0], config_file.c_str(), checkpoint.c_str());
+        std::printf("resume with: %s\n", resume_command(argc, argv, checkpoint).c_str());
       } else {
         std::printf("nothing was saved (no --checkpoint): the %lld steps done are lost\n",
                     static_cast<long long>(r.steps_done));

@@ -13,6 +13,7 @@ log="$work/preempted.log"
 
 "${launch[@]}" "$trainer" "$config" --steps 1000000 --checkpoint "$work/ck" >"$log" 2>&1 &
 runner=$!
+trap 'kill -KILL "$runner" 2>/dev/null || true' EXIT  # nothing left running if this script fails
 # Wait until it trains (a loss line), then send the signal to one process.
 for _ in $(seq 600); do grep -q "^  step " "$log" && break; sleep 0.1; done
 grep -q "^  step " "$log" || { cat "$log"; echo "run_preempt: the run never started training"; exit 1; }
@@ -20,8 +21,9 @@ target=$runner
 if [ ${#launch[@]} -gt 0 ]; then
   target=""
   for p in /proc/[0-9]*; do
-    { tr '\0' '\n' <"$p/environ" | grep -qx "OMPI_COMM_WORLD_RANK=1" &&
-      tr '\0' ' ' <"$p/cmdline" | grep -q "$(basename "$trainer")" && target=${p#/proc/}; } 2>/dev/null || true
+    # rank 1 of this test's job (its command line names this test's work directory)
+    { grep -qzx "OMPI_COMM_WORLD_RANK=1" "$p/environ" && grep -qzF "$work/ck" "$p/cmdline" &&
+      target=${p#/proc/}; } 2>/dev/null || true
   done
   [ -n "$target" ] || { echo "run_preempt: rank 1 not found"; exit 1; }
 fi

@@ -11,14 +11,16 @@ rm -rf "$work" && mkdir -p "$work"
 sed 's/^timeout = .*/timeout = "5 s"/; s/^steps = .*/steps = 1000000/' "$config" >"$work/stall.toml"
 grep -q '^timeout = "5 s"' "$work/stall.toml" || { echo "run_stalled_rank: the config has no [comm] timeout to set"; exit 1; }
 log="$work/log"
-timeout 90 "$mpiexec" --allow-run-as-root --oversubscribe --bind-to none -np 2 --output-filename "$work/out" \
+timeout -k 10 90 "$mpiexec" --allow-run-as-root --oversubscribe --bind-to none -np 2 --output-filename "$work/out" \
   "$trainer" "$work/stall.toml" >"$log" 2>&1 &
 runner=$!
+trap 'kill -KILL "$runner" 2>/dev/null || true' EXIT
 for _ in $(seq 600); do grep -q "^  step " "$log" && break; sleep 0.1; done
 target=""
 for p in /proc/[0-9]*; do
-  { tr '\0' '\n' <"$p/environ" | grep -qx "OMPI_COMM_WORLD_RANK=1" &&
-    tr '\0' ' ' <"$p/cmdline" | grep -q "$(basename "$trainer")" && target=${p#/proc/}; } 2>/dev/null || true
+  # rank 1 of this test's job (its command line names this test's configuration)
+  { grep -qzx "OMPI_COMM_WORLD_RANK=1" "$p/environ" && grep -qzF "$work/stall.toml" "$p/cmdline" &&
+    target=${p#/proc/}; } 2>/dev/null || true
 done
 [ -n "$target" ] || { cat "$log"; echo "run_stalled_rank: rank 1 not found"; exit 1; }
 kill -STOP "$target"

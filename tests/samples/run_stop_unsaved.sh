@@ -11,7 +11,9 @@ rm -rf "$work" && mkdir -p "$work"
 start() {
   "$trainer" "$config" --steps 1000000 "$@" >"$work/log" 2>&1 &
   pid=$!
+  trap 'kill -KILL "$pid" 2>/dev/null || true' EXIT
   for _ in $(seq 600); do grep -q "^  step " "$work/log" && break; sleep 0.1; done
+  grep -q "^  step " "$work/log" || { cat "$work/log"; echo "run_stop_unsaved: the run never started training"; exit 1; }
 }
 start
 kill -INT "$pid"
