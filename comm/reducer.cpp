@@ -60,14 +60,14 @@ reducer::~reducer()
   }
 }
 
-void reducer::wait_control(const event& done, std::string_view what)
+void reducer::wait_channel(const communicator& channel, stream& s, const event& done, std::string_view what)
 {
   // The collective enforces its own timeout; the margin covers the copies around it.
   const auto limit = comm_->timeout() + std::chrono::seconds(10);
   const bool finished = done.synchronize_for(limit);
-  if (control_->failed()) { comm_->check(); }  // a gradient collective that failed first is the cause
-  control_->check();
-  if (finished) { control_stream_.synchronize(); }  // rethrows a failure of the host functions on it
+  if (channel.failed()) { comm_->check(); }  // a gradient collective that failed first is the cause
+  channel.check();
+  if (finished) { s.synchronize(); }  // rethrows a failure of the host functions on it
   if (!finished) {
     throw timeout_error(message("taskswap: the ranks' ", what, " did not finish within ",
                                 std::chrono::duration_cast<std::chrono::milliseconds>(limit).count(), " ms"));
@@ -96,7 +96,7 @@ void reducer::check_digests()
   slots[at + 2] = static_cast<std::int64_t>(digest & 0xffffffffU);
   control_->allreduce_counts(slots, control_stream_, "unit registration digests");
   control_done_.record(control_stream_);
-  wait_control(control_done_, "comparison of unit registrations");
+  wait_channel(*control_, control_stream_, control_done_, "comparison of unit registrations");
   std::string differing;
   for (int r = 0; r < world; ++r) {
     const std::size_t i = static_cast<std::size_t>(r) * 3;
@@ -120,7 +120,7 @@ void reducer::sum(std::span<std::int64_t> values, std::string_view what)
   sum_buffer_.assign(values.begin(), values.end());
   control_->allreduce_counts(sum_buffer_, control_stream_, what);
   control_done_.record(control_stream_);
-  wait_control(control_done_, what);
+  wait_channel(*control_, control_stream_, control_done_, what);
   std::copy(sum_buffer_.begin(), sum_buffer_.end(), values.begin());
 }
 
@@ -132,14 +132,7 @@ int reducer::stop_vote(int local)
   int agreed = 0;
   if (vote > 0) {
     const std::size_t previous = (vote - 1) % 2;
-    const auto limit = comm_->timeout() + std::chrono::seconds(10);
-    const bool finished = stop_done_[previous].query() || stop_done_[previous].synchronize_for(limit);
-    if (stop_->failed()) { comm_->check(); }  // a gradient collective that failed first is the cause
-    stop_->check();
-    if (!finished) {
-      throw timeout_error(message("taskswap: the ranks' stop agreement ", vote - 1, " did not finish within ",
-                                  std::chrono::duration_cast<std::chrono::milliseconds>(limit).count(), " ms"));
-    }
+    wait_channel(*stop_, stop_stream_, stop_done_[previous], message("stop agreement ", vote - 1));
     for (const std::int64_t code : stop_slot(previous)) {
       if (code != 0) {
         agreed = static_cast<int>(code);
@@ -171,7 +164,7 @@ std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint
     control_->allreduce_counts(counts, control_stream_,
                                message("steps ", first_step, "..", first_step + local.size() - 1, " (plan)"));
     control_done_.record(control_stream_);
-    wait_control(control_done_, message("agreement on the units of steps ", first_step, "..",
+    wait_channel(*control_, control_stream_, control_done_, message("agreement on the units of steps ", first_step, "..",
                                         first_step + local.size() - 1));
   }
   for (std::size_t k = 0; k < local.size(); ++k) {

@@ -102,7 +102,8 @@ class reducer {
  private:
   void check_digests();
   void launch_ready_buckets(std::vector<std::uint32_t>& launched);
-  void wait_control(const event& done, std::string_view what);
+  /// Waits (within the timeout) for `done`, recorded after a collective of `channel` on `s`.
+  void wait_channel(const communicator& channel, stream& s, const event& done, std::string_view what);
 
   device device_;
   std::shared_ptr<communicator> comm_;

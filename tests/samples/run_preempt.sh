@@ -19,12 +19,7 @@ for _ in $(seq 600); do grep -q "^  step " "$log" && break; sleep 0.1; done
 grep -q "^  step " "$log" || { cat "$log"; echo "run_preempt: the run never started training"; exit 1; }
 target=$runner
 if [ ${#launch[@]} -gt 0 ]; then
-  target=""
-  for p in /proc/[0-9]*; do
-    # rank 1 of this test's job (its command line names this test's work directory)
-    { grep -qzx "OMPI_COMM_WORLD_RANK=1" "$p/environ" && grep -qzF "$work/ck" "$p/cmdline" &&
-      target=${p#/proc/}; } 2>/dev/null || true
-  done
+  target=$(rank_pid 1 "$work/ck")  # rank 1 of this test's job
   [ -n "$target" ] || { echo "run_preempt: rank 1 not found"; exit 1; }
 fi
 kill -TERM "$target"

@@ -1,27 +1,22 @@
 #!/usr/bin/env bash
 # SPDX-License-Identifier: Apache-2.0
-# Usage: run_stalled_rank.sh WORKDIR MPIEXEC TRAINER CONFIG
+# Usage: run_stalled_rank.sh WORKDIR mpiexec 2 -- TRAINER CONFIG
 # One rank of two is stopped (SIGSTOP) in the middle of training, with [comm] timeout = "5 s". Passes
 # when the job ends within 90 s (the watchdog ends the other rank's wait) and the failure is told
 # a few times, not once per unit: the text of the timeout appears at most 3 times on the rank
 # that saw it.
 set -uo pipefail
-work=$1 mpiexec=$2 trainer=$3 config=$4
-rm -rf "$work" && mkdir -p "$work"
+source "$(dirname "$0")/launch.sh" "$@"
+set -- "${rest[@]}"
+trainer=$1 config=$2
 sed 's/^timeout = .*/timeout = "5 s"/; s/^steps = .*/steps = 1000000/' "$config" >"$work/stall.toml"
 grep -q '^timeout = "5 s"' "$work/stall.toml" || { echo "run_stalled_rank: the config has no [comm] timeout to set"; exit 1; }
 log="$work/log"
-timeout -k 10 90 "$mpiexec" --allow-run-as-root --oversubscribe --bind-to none -np 2 --output-filename "$work/out" \
-  "$trainer" "$work/stall.toml" >"$log" 2>&1 &
+timeout -k 10 90 "${launch[@]}" --output-filename "$work/out" "$trainer" "$work/stall.toml" >"$log" 2>&1 &
 runner=$!
 trap 'kill -KILL "$runner" 2>/dev/null || true' EXIT
 for _ in $(seq 600); do grep -q "^  step " "$log" && break; sleep 0.1; done
-target=""
-for p in /proc/[0-9]*; do
-  # rank 1 of this test's job (its command line names this test's configuration)
-  { grep -qzx "OMPI_COMM_WORLD_RANK=1" "$p/environ" && grep -qzF "$work/stall.toml" "$p/cmdline" &&
-    target=${p#/proc/}; } 2>/dev/null || true
-done
+target=$(rank_pid 1 "$work/stall.toml")  # rank 1 of this test's job
 [ -n "$target" ] || { cat "$log"; echo "run_stalled_rank: rank 1 not found"; exit 1; }
 kill -STOP "$target"
 rc=0
