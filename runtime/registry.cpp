@@ -54,7 +54,7 @@ unit_footprint footprint(const unit_spec& spec, optimizer_placement placement)
                         .swap_in_bytes = l.travel_bytes,
                         .write_back_bytes = l.writeback_bytes,
                         .grad_bytes = l.device_grad_bytes(),
-                        .param_bytes = l.master == l.params ? l.m - l.params : l.master - l.params};
+                        .param_bytes = l.params_bytes};
 }
 
 void runtime::impl::register_units(const runtime_options& options, std::vector<unit_spec> specs)

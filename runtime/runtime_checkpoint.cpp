@@ -14,13 +14,13 @@ std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
   std::vector<detail::checkpoint_source> out;
   for (unit_record& r : units_) {
     const detail::unit_layout& l = r.layout;
-    const std::size_t f32_bytes = l.v - l.m;
+    const std::size_t f32_bytes = l.state_bytes;
     detail::checkpoint_source c;
     c.name = r.name;
     c.compute = l.compute;
     c.tensors = l.tensors;
     c.step = r.step;
-    c.params = {r.home + l.params, (l.compute == dtype::f32 ? l.m : l.master) - l.params};
+    c.params = {r.home + l.params, l.params_bytes};
     if (l.compute != dtype::f32) { c.master = {r.home + l.master, f32_bytes}; }
     c.m = {r.home + l.m, f32_bytes};
     c.v = {r.home + l.v, f32_bytes};

@@ -2,6 +2,7 @@
 #include "runtime/unit_layout.hpp"
 
 #include "device/message.hpp"
+#include "host/stream_stagger.hpp"
 
 #include <limits>
 
@@ -50,31 +51,58 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
   const std::size_t f32_bytes = slab(dtype::f32);
   const std::size_t grad_bytes = slab(l.grad);
 
-  std::size_t at = 0;
-  l.params = at;
-  at += params_bytes;
-  l.master = l.compute == dtype::f32 ? l.params : at;
-  if (l.compute != dtype::f32) { at += f32_bytes; }
-  l.m = at;
-  at += f32_bytes;
-  l.v = at;
-  at += f32_bytes;
-  const std::size_t state_end = at;
+  l.params_bytes = params_bytes;
+  l.state_bytes = f32_bytes;
+  l.grad_bytes = grad_bytes;
   if (placement == optimizer_placement::host) {
-    l.home_grads = at;
-    l.home_bytes = at + grad_bytes;
+    // The CPU AdamW streams through params, master, m, v and the gradients at home together:
+    // large ones start where no two alias (host/stream_stagger.hpp). Only home offsets move; the
+    // device holds params | grads, and the params (what travels) stay at offset 0.
+    const bool stagger = f32_bytes >= stagger_min_array_bytes;
+    std::vector<std::size_t> starts{0};
+    std::size_t at = params_bytes;
+    const auto place = [&]() {
+      if (stagger) { at = stagger_offset(starts, at, slab_alignment); }
+      starts.push_back(at);
+      return at;
+    };
+    l.params = 0;
+    l.master = l.params;
+    if (l.compute != dtype::f32) {
+      l.master = place();
+      at += f32_bytes;
+    }
+    l.m = place();
+    at += f32_bytes;
+    l.v = place();
+    at += f32_bytes;
+    l.home_grads = place();
+    l.home_bytes = l.home_grads + grad_bytes;
     l.device_grads = params_bytes;
     l.device_bytes = params_bytes + grad_bytes;
     l.travel_bytes = params_bytes;
     l.writeback_bytes = 0;
-  } else {
-    l.home_grads = 0;
-    l.home_bytes = state_end;
-    l.device_grads = state_end;
-    l.device_bytes = state_end + grad_bytes;
-    l.travel_bytes = state_end;
-    l.writeback_bytes = state_end;
+    return l;
   }
+  // Device placement: params | master | m | v | grads on the device, the prefix without the
+  // grads at home; the GPU does not alias like the CPU, so nothing is staggered.
+  std::size_t at = params_bytes;
+  l.params = 0;
+  l.master = l.params;
+  if (l.compute != dtype::f32) {
+    l.master = at;
+    at += f32_bytes;
+  }
+  l.m = at;
+  at += f32_bytes;
+  l.v = at;
+  at += f32_bytes;
+  l.home_grads = 0;
+  l.home_bytes = at;
+  l.device_grads = at;
+  l.device_bytes = at + grad_bytes;
+  l.travel_bytes = at;
+  l.writeback_bytes = at;
   return l;
 }
 

@@ -3,7 +3,9 @@
 
 // Where a unit's slabs lie, at home and on the device. At home: params | master | m | v | grads,
 // the grads only for host placement (their home copy is what the CPU AdamW reads) and the master
-// only when the compute dtype is not f32 (otherwise the params are the master). On the device:
+// only when the compute dtype is not f32 (otherwise the params are the master). For host
+// placement, slabs of 8 MiB and more start at staggered offsets at home, so that the CPU AdamW's
+// streams do not alias (host/stream_stagger.hpp): up to 64 KiB between slabs, counted in home_bytes. On the device:
 // params | master | m | v | grads for device placement, params | grads for host placement. The
 // prefix that travels is the same bytes at the same offsets in both places, so a swap-in and a
 // write-back are one copy each.
@@ -25,6 +27,9 @@ struct unit_layout {
   std::size_t count = 0;       // elements per slab, tensor padding included
   dtype compute = dtype::f32;
   dtype grad = dtype::f32;
+  std::size_t params_bytes = 0;  // slab sizes, alignment padding included
+  std::size_t state_bytes = 0;   // one f32 slab: master, m or v
+  std::size_t grad_bytes = 0;
   std::size_t params = 0;      // byte offsets from the start of the unit's block
   std::size_t master = 0;      // == params when the compute dtype is f32
   std::size_t m = 0;
@@ -36,7 +41,7 @@ struct unit_layout {
   std::size_t travel_bytes = 0;     // home → device on swap-in
   std::size_t writeback_bytes = 0;  // device → home on write-back; 0 for host placement
 
-  [[nodiscard]] std::size_t device_grad_bytes() const noexcept { return device_bytes - device_grads; }
+  [[nodiscard]] std::size_t device_grad_bytes() const noexcept { return grad_bytes; }
   /// The AdamW operands of a copy of this unit whose block starts at `base` (home or device) and
   /// whose gradients lie at `grads` bytes from it.
   [[nodiscard]] adamw_slabs slabs_at(std::byte* base, std::size_t grads) const noexcept

@@ -3,6 +3,7 @@
 
 #include "expect_error.hpp"
 #include "runtime/plan_queue.hpp"
+#include "host/stream_stagger.hpp"
 #include "runtime/unit_layout.hpp"
 #include "test_scale.hpp"
 
@@ -72,6 +73,45 @@ TEST(unit_layout, slabs_are_aligned_and_the_travelling_prefix_is_shared)
   f.compute = dtype::f32;
   f.grad.reset();
   EXPECT_EQ(detail::make_unit_layout(f, optimizer_placement::device).master, 0U);  // params are the master
+}
+
+// The CPU AdamW streams through a host-placed unit's params, master, m, v and home gradients
+// together; large slabs must not start a round distance apart (host/stream_stagger.hpp), small
+// ones stay back to back, and device placement is never staggered.
+TEST(unit_layout, large_host_slabs_start_staggered_and_small_ones_back_to_back)
+{
+  for (const std::size_t n : {std::size_t{2} << 20, std::size_t{64} << 20, (std::size_t{96} << 20) + 12345}) {
+    for (const dtype compute : {dtype::f32, dtype::bf16}) {
+      unit_spec u{.name = "big", .tensors = {{"w", {n}}}, .compute = compute, .grad = compute};
+      const auto h = detail::make_unit_layout(u, optimizer_placement::host);
+      std::vector<std::size_t> starts{h.m, h.v, h.home_grads};
+      if (compute != dtype::f32) { starts.push_back(h.master); }
+      starts.push_back(h.params);
+      for (std::size_t i = 0; i < starts.size(); ++i) {
+        EXPECT_EQ(starts[i] % detail::slab_alignment, 0U);
+        for (std::size_t j = i + 1; j < starts.size(); ++j) {
+          const std::size_t d = starts[i] > starts[j] ? starts[i] - starts[j] : starts[j] - starts[i];
+          EXPECT_GE(detail::stagger_score(d), 1.0) << "n " << n << " slabs " << i << "," << j << " are " << d << " bytes apart";
+        }
+      }
+      // The slabs do not overlap and the padding is at most one window per staggered slab.
+      const std::size_t naive = h.params_bytes + (compute != dtype::f32 ? 3 : 2) * h.state_bytes + h.grad_bytes;
+      EXPECT_GE(h.home_bytes, naive);
+      EXPECT_LE(h.home_bytes, naive + 4 * detail::stagger_window);
+      EXPECT_GE(h.m, h.master + (compute != dtype::f32 ? h.state_bytes : h.params_bytes));
+      EXPECT_GE(h.v, h.m + h.state_bytes);
+      EXPECT_GE(h.home_grads, h.v + h.state_bytes);
+      EXPECT_EQ(h.device_grads, h.params_bytes);  // the device copy is never staggered
+      const auto d = detail::make_unit_layout(u, optimizer_placement::device);
+      EXPECT_EQ(d.v, d.m + d.state_bytes);
+      EXPECT_EQ(d.device_grads, d.v + d.state_bytes);
+    }
+  }
+  unit_spec small{.name = "small", .tensors = {{"w", {std::size_t{1} << 20}}}};  // 4 MiB slabs
+  const auto h = detail::make_unit_layout(small, optimizer_placement::host);
+  EXPECT_EQ(h.m, h.params_bytes);
+  EXPECT_EQ(h.v, h.m + h.state_bytes);
+  EXPECT_EQ(h.home_bytes, h.v + h.state_bytes + h.grad_bytes);
 }
 
 TEST(unit_layout, refuses_units_without_tensors_or_with_empty_dimensions)
