@@ -31,6 +31,15 @@ adamw_scalars make_adamw_scalars(const adamw_options& o, std::int64_t step)
           static_cast<float>(o.eps)};
 }
 
+std::optional<adamw_option_problem> adamw_problem(const adamw_options& o) noexcept
+{
+  if (!(o.lr > 0 && std::isfinite(o.lr))) { return adamw_option_problem{"lr", "must be a positive number"}; }
+  if (!(o.eps > 0 && std::isfinite(o.eps))) { return adamw_option_problem{"eps", "must be a positive number"}; }
+  if (!(o.weight_decay >= 0 && std::isfinite(o.weight_decay))) { return adamw_option_problem{"weight_decay", "must be 0 or more"}; }
+  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) { return adamw_option_problem{"betas", "each beta must be in [0, 1)"}; }
+  return std::nullopt;
+}
+
 std::string_view to_string(cpu_isa isa) noexcept
 {
   switch (isa) {

@@ -11,9 +11,18 @@
 #include "host/host_task_arena.hpp"
 
 #include <cstddef>
+#include <optional>
 #include <string_view>
 
 namespace taskswap::detail {
+
+/// What is wrong with AdamW hyperparameters: the key ("lr", "eps", "weight_decay", "betas") and
+/// what it must be. The config loader and the public cpu_adamw apply these rules.
+struct adamw_option_problem {
+  std::string_view key;
+  std::string_view want;
+};
+[[nodiscard]] std::optional<adamw_option_problem> adamw_problem(const adamw_options& o) noexcept;
 
 enum class cpu_isa { portable, avx2, avx512 };
 

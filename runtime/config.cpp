@@ -5,6 +5,7 @@
 #include <taskswap/config.hpp>
 
 #include "device/message.hpp"
+#include "host/cpu_adamw.hpp"
 
 #include <toml++/toml.h>
 
@@ -282,13 +283,10 @@ void read_optimizer(const toml::table& t, std::string_view source, adamw_options
     o.beta1 = r.number_of(*b1, "betas");
     o.beta2 = r.number_of(*b2, "betas");
   }
-  const auto check = [&](std::string_view key, bool ok, std::string_view want) {
-    if (!ok) { r.fail(t.get(key) != nullptr ? *t.get(key) : static_cast<const toml::node&>(t), key, want); }
-  };
-  check("lr", o.lr > 0 && std::isfinite(o.lr), "must be a positive number");
-  check("eps", o.eps > 0 && std::isfinite(o.eps), "must be a positive number");
-  check("weight_decay", o.weight_decay >= 0 && std::isfinite(o.weight_decay), "must be 0 or more");
-  check("betas", o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1, "each beta must be in [0, 1)");
+  if (const auto problem = detail::adamw_problem(o)) {
+    const toml::node* at = t.get(problem->key);
+    r.fail(at != nullptr ? *at : static_cast<const toml::node&>(t), problem->key, problem->want);
+  }
   r.reject_unknown();
 }
 

@@ -8,6 +8,7 @@
 #include <taskswap/checkpoint.hpp>
 #include <taskswap/comm.hpp>
 #include <taskswap/config.hpp>
+#include <taskswap/cpu_adamw.hpp>
 #include <taskswap/device.hpp>
 #include <taskswap/dtype.hpp>
 #include <taskswap/error.hpp>
