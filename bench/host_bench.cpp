@@ -1,116 +1,196 @@
 // SPDX-License-Identifier: Apache-2.0
 // Host benchmarks.
 //
-// host_adamw: one AdamW step over 64 Mi parameters in the pinned arena (fp32 master and moments;
-//   fp32 gradients, or bf16 gradients with a bf16 parameter copy written in the same pass). The
-//   anchor, measured in the same benchmark, is a STREAM-style kernel with the same access pattern
-//   (the same arrays read and written, one add per element) and the same threads, timed in every
-//   iteration beside AdamW. roofline_ratio = AdamW bytes/s over the anchor's bytes/s (mean over the
-//   iterations), counting 28 bytes per parameter in both cases.
+// host_adamw/<layout>/<params>/<threads>/<grad dtype>: one AdamW step over `params` parameters
+//   (fp32 master and moments; fp32 gradients, or bf16 gradients with a bf16 parameter copy
+//   written in the same pass: 28 bytes per parameter either way), on one of two layouts:
+//     unit    the runtime's own: the home block of one unit of that size as runtime/unit_layout
+//             places it in the pinned arena (slabs of 8 MiB and more staggered);
+//     packed  the arrays back to back, exactly one array apart (the layout before the stagger,
+//             and what a trainer gets cutting them from one block): shown, not a target.
+//   Measured in the same run, on separately mapped arrays, each shifted by a different odd number
+//   of 1088-byte steps (a layout that cannot share an aliasing pathology with the one judged):
+//     anchor_GBps    a STREAM-like kernel with the same 28 B/param of traffic (master, m and v read
+//                    and written, the gradients read, the copy written), 256-bit vectors, the same
+//                    threads and chunks; it keeps the state finite (v += g * g);
+//     AdamW itself on those arrays.
+//   roofline_ratio = AdamW's bytes/s on the layout over the anchor's (both 28 B/param);
+//   layout_ratio   = AdamW on the layout over AdamW on the separate arrays (≥ 0.9 wanted at every
+//                    size: a layout that costs more is a collapse). Both are medians of the
+//                    ratios within each iteration, which times the three in turn.
 // host_pin: building a 1 GiB arena (bind, parallel pre-fault, page-lock), in GiB/s.
+//
+// Sizes and threads: the default rows sweep slabs of 1 MiB to 1 GiB (powers of two and sizes
+// between) at 1 and 2 threads; TASKSWAP_BENCH_PARAMS=n[,n...] and TASKSWAP_BENCH_THREADS=t[,t...]
+// replace the sweep (f32 and bf16 rows at each size then).
 
 #include "host/cpu_adamw.hpp"
 #include "host/host_task_arena.hpp"
+#include "runtime/unit_layout.hpp"
 
 #include <taskswap/taskswap.hpp>
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
-#include <immintrin.h>
+#include <cmath>
+#include <cstdlib>
 #include <cstring>
-#include <random>
+#include <immintrin.h>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <vector>
 
 namespace {
 
 using namespace taskswap;
 using clock_type = std::chrono::steady_clock;
-constexpr std::size_t params = std::size_t{64} << 20;
-constexpr std::size_t chunk = std::size_t{1} << 16;
+constexpr std::size_t chunk = std::size_t{1} << 16;  // cpu_adamw_step's chunk, for the anchor
 
-struct adamw_unit {
-  adamw_unit(pinned_arena& arena, dtype grad) : grad_type(grad)
-  {
-    master = reinterpret_cast<float*>(arena.allocate(params * 4).data());  // NOLINT: slab of floats
-    m = reinterpret_cast<float*>(arena.allocate(params * 4).data());       // NOLINT
-    v = reinterpret_cast<float*>(arena.allocate(params * 4).data());       // NOLINT
-    g = arena.allocate(params * size_of(grad)).data();
-    if (grad == dtype::bf16) { copy = arena.allocate(params * 2).data(); }
-    std::mt19937 gen{5};
-    std::normal_distribution<float> normal(0.0F, 1.0F);
-    for (std::size_t i = 0; i < params; ++i) {
-      master[i] = normal(gen);
-      m[i] = 0.0F;
-      v[i] = 0.0F;
-    }
-    // Gradients as training makes them: normal, about 1e-3 (no subnormals, which would cost
-    // microcode assists in g * g and measure the CPU's slow path instead of the optimizer).
-    std::normal_distribution<float> gradient(0.0F, 1e-3F);
-    for (std::size_t i = 0; i < params; ++i) {
-      const float x = gradient(gen);
-      if (grad == dtype::f32) {
-        std::memcpy(g + 4 * i, &x, 4);
+enum class layout_kind { unit, packed };
+
+std::uint64_t mix(std::uint64_t x)  // splitmix64: a cheap, parallel fill
+{
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+float uniform(std::uint64_t i, std::uint64_t salt)  // in [-1, 1)
+{
+  return static_cast<float>(static_cast<double>(mix(i ^ (salt << 56)) >> 11) * 0x1.0p-52 - 1.0);
+}
+
+// Master values in [-1, 1), zero moments, gradients in [-1e-3, 1e-3) as training makes them (no
+// subnormals, which would cost microcode assists and time the CPU's slow path).
+void fill(const detail::adamw_slabs& s, std::byte* grad, detail::host_task_arena& threads)
+{
+  threads.parallel_for((s.count + chunk - 1) / chunk, [&](std::size_t first, std::size_t last) {
+    for (std::size_t i = first * chunk; i < std::min(s.count, last * chunk); ++i) {
+      s.master[i] = uniform(i, 1);
+      s.m[i] = 0.0F;
+      s.v[i] = 0.0F;
+      const float g = std::max(1e-6F, std::abs(uniform(i, 2))) * (i % 2 == 0 ? 1e-3F : -1e-3F);
+      if (s.grad_type == dtype::f32) {
+        std::memcpy(grad + 4 * i, &g, 4);
       } else {
-        const std::uint16_t h = detail::float_to_bf16(x);
-        std::memcpy(g + 2 * i, &h, 2);
+        const std::uint16_t h = detail::float_to_bf16(g);
+        std::memcpy(grad + 2 * i, &h, 2);
       }
     }
-  }
-  detail::adamw_slabs slabs() const
+  });
+}
+
+// The layout judged: one unit's home block (the runtime's placement), or the arrays back to back.
+struct judged_layout {
+  judged_layout(layout_kind kind, std::size_t n, dtype grad, detail::host_task_arena& threads)
   {
-    return {master, m, v, g, grad_type, copy, dtype::bf16, params};
+    const dtype compute = grad == dtype::f32 ? dtype::f32 : dtype::bf16;
+    if (kind == layout_kind::unit) {
+      const unit_spec spec{.name = "bench", .tensors = {{"w", {n}}}, .compute = compute, .grad = grad};
+      const detail::unit_layout l = detail::make_unit_layout(spec, optimizer_placement::host);
+      arena = std::make_unique<pinned_arena>(dev, pinned_arena_options{.bytes = l.home_bytes});
+      std::byte* home = arena->allocate(l.home_bytes).data();
+      slabs = l.slabs_at(home, l.home_grads);
+      slabs.count = n;
+      grads = home + l.home_grads;
+    } else {
+      const std::size_t f = n * 4;
+      const std::size_t h = n * 2;
+      const std::size_t bytes = 3 * f + (grad == dtype::f32 ? f : 2 * h);
+      arena = std::make_unique<pinned_arena>(dev, pinned_arena_options{.bytes = bytes});
+      std::byte* b = arena->allocate(bytes).data();
+      slabs = {reinterpret_cast<float*>(b), reinterpret_cast<float*>(b + f),  // NOLINT: slabs of floats
+               reinterpret_cast<float*>(b + 2 * f), b + 3 * f, grad,          // NOLINT
+               grad == dtype::f32 ? nullptr : b + 3 * f + h, dtype::bf16, n};
+      grads = b + 3 * f;
+    }
+    fill(slabs, grads, threads);
   }
-  // Bytes one pass moves: master, m, v read and written; gradients read; the copy written.
-  [[nodiscard]] std::size_t bytes() const
-  {
-    return params * (24 + size_of(grad_type) + (copy != nullptr ? 2 : 0));
-  }
-  dtype grad_type;
-  float* master = nullptr;
-  float* m = nullptr;
-  float* v = nullptr;
-  std::byte* g = nullptr;
-  std::byte* copy = nullptr;
+  device dev = emulated_device({.memory_bytes = 1 << 20});
+  std::unique_ptr<pinned_arena> arena;
+  detail::adamw_slabs slabs{};
+  std::byte* grads = nullptr;
 };
 
-// The anchor: the same arrays in the same directions, one add per element, with 256-bit vectors
-// (the optimizer's own vector width or narrower), so that it runs at the memory's speed.
-__attribute__((target("avx2"))) void stream_like_range(const adamw_unit& u, std::size_t begin, std::size_t end)
+// The anchor's memory: every array in its own mapping, shifted by a different odd multiple of
+// 1088 bytes, so that no two start a round distance apart whatever the mappings' addresses.
+struct separate_arrays {
+  separate_arrays(std::size_t n, dtype grad, detail::host_task_arena& threads)
+  {
+    const auto array = [&](std::size_t bytes) {
+      const std::size_t shift = (2 * arenas.size() + 1) * 1088;
+      arenas.push_back(std::make_unique<pinned_arena>(dev, pinned_arena_options{.bytes = bytes + shift}));
+      return arenas.back()->allocate(bytes + shift).data() + shift;
+    };
+    slabs.master = reinterpret_cast<float*>(array(n * 4));  // NOLINT: slabs of floats
+    slabs.m = reinterpret_cast<float*>(array(n * 4));       // NOLINT
+    slabs.v = reinterpret_cast<float*>(array(n * 4));       // NOLINT
+    std::byte* grads = array(n * size_of(grad));
+    slabs.grad = grads;
+    slabs.grad_type = grad;
+    slabs.params = grad == dtype::f32 ? nullptr : array(n * 2);
+    slabs.param_type = dtype::bf16;
+    slabs.count = n;
+    fill(slabs, grads, threads);
+  }
+  device dev = emulated_device({.memory_bytes = 1 << 20});
+  std::vector<std::unique_ptr<pinned_arena>> arenas;
+  detail::adamw_slabs slabs{};
+};
+
+// 28 bytes per parameter either way: master, m, v read and written; gradients read; the copy written.
+std::size_t bytes_per_param(dtype grad) { return 24 + size_of(grad) + (grad == dtype::f32 ? 0 : 2); }
+
+// The anchor kernel: the same arrays in the same directions, a multiply-add or an add per element
+// (256-bit vectors: the optimizer's own width or narrower), so that it runs at the memory's speed.
+// v grows by g * g, so the state stays finite and AdamW, which runs on the same arrays, stays
+// on ordinary numbers.
+__attribute__((target("avx2,fma"))) inline void step8(const detail::adamw_slabs& s, std::size_t i, __m256 x)
+{
+  _mm256_storeu_ps(s.m + i, _mm256_add_ps(_mm256_loadu_ps(s.m + i), x));
+  _mm256_storeu_ps(s.v + i, _mm256_fmadd_ps(x, x, _mm256_loadu_ps(s.v + i)));
+  _mm256_storeu_ps(s.master + i, _mm256_add_ps(_mm256_loadu_ps(s.master + i), x));
+}
+
+__attribute__((target("avx2,fma"))) void stream_like_range(const detail::adamw_slabs& s, std::size_t begin, std::size_t end)
 {
   std::size_t i = begin;
-  if (u.grad_type == dtype::f32) {
-    const auto* g = reinterpret_cast<const float*>(u.g);  // NOLINT: slab of floats
-    for (; i + 8 <= end; i += 8) {
-      const __m256 x = _mm256_loadu_ps(g + i);
-      _mm256_storeu_ps(u.m + i, _mm256_add_ps(_mm256_loadu_ps(u.m + i), x));
-      _mm256_storeu_ps(u.v + i, _mm256_add_ps(_mm256_loadu_ps(u.v + i), x));
-      _mm256_storeu_ps(u.master + i, _mm256_add_ps(_mm256_loadu_ps(u.master + i), x));
-    }
+  if (s.grad_type == dtype::f32) {
+    const auto* g = reinterpret_cast<const float*>(s.grad);  // NOLINT: slab of floats
+    for (; i + 8 <= end; i += 8) { step8(s, i, _mm256_loadu_ps(g + i)); }
   } else {
-    const auto* g = reinterpret_cast<const std::uint16_t*>(u.g);  // NOLINT: slab of bf16
-    auto* copy = reinterpret_cast<std::uint16_t*>(u.copy);        // NOLINT
+    const auto* g = reinterpret_cast<const std::uint16_t*>(s.grad);  // NOLINT: slab of bf16
+    auto* copy = reinterpret_cast<std::uint16_t*>(s.params);         // NOLINT
     for (; i + 8 <= end; i += 8) {
       const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i));  // NOLINT
-      const __m256 x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-      _mm256_storeu_ps(u.m + i, _mm256_add_ps(_mm256_loadu_ps(u.m + i), x));
-      _mm256_storeu_ps(u.v + i, _mm256_add_ps(_mm256_loadu_ps(u.v + i), x));
-      _mm256_storeu_ps(u.master + i, _mm256_add_ps(_mm256_loadu_ps(u.master + i), x));
+      step8(s, i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(copy + i), h);  // NOLINT
     }
   }
-  for (; i < end; ++i) {  // params is a multiple of 8; kept for other sizes
-    u.m[i] += 1.0F;
-    u.v[i] += 1.0F;
-    u.master[i] += 1.0F;
+  for (; i < end; ++i) {
+    s.m[i] += 1e-3F;
+    s.v[i] += 1e-6F;
+    s.master[i] += 1e-3F;
   }
 }
 
-void stream_like(const adamw_unit& u, detail::host_task_arena& arena)
+void stream_like(const detail::adamw_slabs& s, detail::host_task_arena& threads)
 {
   // The same split over the same threads as cpu_adamw_step.
-  arena.parallel_for((params + chunk - 1) / chunk, [&](std::size_t first, std::size_t last) {
-    stream_like_range(u, first * chunk, std::min(params, last * chunk));
+  threads.parallel_for((s.count + chunk - 1) / chunk, [&](std::size_t first, std::size_t last) {
+    stream_like_range(s, first * chunk, std::min(s.count, last * chunk));
   });
+}
+
+double median(std::vector<double> x)
+{
+  std::nth_element(x.begin(), x.begin() + static_cast<std::ptrdiff_t>(x.size() / 2), x.end());
+  return x[x.size() / 2];
 }
 
 template <typename F>
@@ -121,39 +201,100 @@ double seconds_of(F&& f)
   return std::chrono::duration<double>(clock_type::now() - start).count();
 }
 
-void host_adamw(benchmark::State& state)
+void host_adamw(benchmark::State& state, layout_kind kind, std::size_t n, int thread_count, dtype grad)
 {
-  if (!__builtin_cpu_supports("avx2")) {
-    state.SkipWithError("the roofline anchor needs AVX2");
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
+    state.SkipWithError("the roofline anchor needs AVX2 and FMA");
     return;
   }
-  const auto grad = static_cast<dtype>(state.range(0));
-  const device dev = emulated_device({.memory_bytes = 1 << 20});
-  pinned_arena arena(dev, {.bytes = params * 20});
-  detail::host_task_arena threads(static_cast<int>(arena.numa_node()), 0);
-  const adamw_unit unit(arena, grad);
-  const detail::adamw_scalars k = detail::make_adamw_scalars({}, 1);
-  // Warm-up, then AdamW and the anchor in turn in every iteration, so both see the same machine
-  // (this VM's memory bandwidth drifts by several percent over seconds).
-  detail::cpu_adamw_step(unit.slabs(), k, threads);
-  stream_like(unit, threads);
-  double total = 0.0;
-  double anchor_total = 0.0;
+  detail::host_task_arena threads(-1, thread_count);
+  const judged_layout judged(kind, n, grad, threads);
+  const separate_arrays separate(n, grad, threads);
+  const detail::adamw_scalars scalars = detail::make_adamw_scalars({}, 1);
+  detail::cpu_adamw_step(judged.slabs, scalars, threads);  // warm-up of each
+  detail::cpu_adamw_step(separate.slabs, scalars, threads);
+  stream_like(separate.slabs, threads);
+  // Each iteration times the three in turn, starting with a different one each time (an order
+  // effect, e.g. which arrays the previous pass left in the cache, then averages out). The figures
+  // are medians: the ratios of each iteration's adjacent measurements, which this VM's drifting
+  // bandwidth (bursts of +-30 % over a second were seen) affects far less than the means.
+  std::vector<double> own;
+  std::vector<double> layout_ratio;
+  std::vector<double> roofline_ratio;
+  std::size_t turn = 0;
   for (auto _ : state) {
-    const double t = seconds_of([&] { detail::cpu_adamw_step(unit.slabs(), k, threads); });
-    state.SetIterationTime(t);
-    total += t;
-    anchor_total += seconds_of([&] { stream_like(unit, threads); });
+    std::array<double, 3> t{};
+    for (std::size_t k = 0; k < 3; ++k) {
+      switch ((turn + k) % 3) {
+        case 0: t[0] = seconds_of([&] { detail::cpu_adamw_step(judged.slabs, scalars, threads); }); break;
+        case 1: t[1] = seconds_of([&] { detail::cpu_adamw_step(separate.slabs, scalars, threads); }); break;
+        default: t[2] = seconds_of([&] { stream_like(separate.slabs, threads); }); break;
+      }
+    }
+    ++turn;
+    state.SetIterationTime(t[0]);
+    own.push_back(t[0]);
+    layout_ratio.push_back(t[1] / t[0]);
+    roofline_ratio.push_back(t[2] / t[0]);
   }
-  const double anchor = anchor_total / static_cast<double>(state.iterations());
-  const double per_step = total / static_cast<double>(state.iterations());
-  state.SetBytesProcessed(static_cast<std::int64_t>(unit.bytes()) * state.iterations());
-  state.counters["params_per_s"] = static_cast<double>(params) / per_step;
-  state.counters["roofline_ratio"] = anchor / per_step;
-  state.counters["anchor_GBps"] = static_cast<double>(unit.bytes()) / anchor / 1e9;
+  const double per_step = median(own);
+  const double bytes = static_cast<double>(n * bytes_per_param(grad));
+  for (const float x : {separate.slabs.master[n / 3], separate.slabs.v[n / 3], judged.slabs.master[n / 3]}) {
+    if (!std::isfinite(x)) { state.SkipWithError("the state is not finite after the run: the rows would time NaN"); }
+  }
+  state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
+  state.counters["params_per_s"] = static_cast<double>(n) / per_step;
+  state.counters["anchor_GBps"] = bytes / (per_step * median(roofline_ratio)) / 1e9;
+  state.counters["roofline_ratio"] = median(roofline_ratio);
+  state.counters["layout_ratio"] = median(layout_ratio);
   state.counters["threads"] = threads.concurrency();
-  state.SetLabel(std::string(to_string(grad)) + " grads, " + std::string(detail::to_string(detail::best_cpu_isa())));
+  state.SetLabel(std::string(detail::to_string(detail::best_cpu_isa())));
 }
+
+std::vector<std::size_t> list_from_env(const char* name, std::vector<std::size_t> fallback)
+{
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') { return fallback; }
+  std::vector<std::size_t> out;
+  std::stringstream in(text);
+  for (std::string item; std::getline(in, item, ',');) { out.push_back(std::stoull(item)); }
+  return out;
+}
+
+std::string size_name(std::size_t n)
+{
+  if (n % (std::size_t{1} << 20) == 0) { return std::to_string(n >> 20) + "Mi"; }
+  if (n % (std::size_t{1} << 10) == 0) { return std::to_string(n >> 10) + "Ki"; }
+  return std::to_string(n);
+}
+
+// The rows: slabs of 1 MiB to 1 GiB (params = slab bytes / 4), powers of two and the sizes between,
+// on both layouts at 1 and 2 threads with f32 gradients; bf16 rows at 64 Mi. Each row runs about
+// 32 GB of AdamW traffic (at least 9 iterations) (three times that with the separate arrays and the anchor).
+[[maybe_unused]] const bool registered = [] {
+  std::vector<std::size_t> sizes;
+  std::vector<std::size_t> mib{1, 3, 8, 24, 64, 96, 128, 192, 256, 384, 512, 768, 1024};
+  for (const std::size_t m : mib) { sizes.push_back(m << 18); }
+  const bool chosen = std::getenv("TASKSWAP_BENCH_PARAMS") != nullptr;
+  sizes = list_from_env("TASKSWAP_BENCH_PARAMS", sizes);
+  const std::vector<std::size_t> thread_counts = list_from_env("TASKSWAP_BENCH_THREADS", {1, 2});
+  for (const std::size_t n : sizes) {
+    for (const std::size_t t : thread_counts) {
+      for (const dtype grad : {dtype::f32, dtype::bf16}) {
+        if (grad == dtype::bf16 && !chosen && n != (std::size_t{64} << 20)) { continue; }
+        for (const layout_kind kind : {layout_kind::unit, layout_kind::packed}) {
+          const std::string name = std::string("host_adamw/") + (kind == layout_kind::unit ? "unit/" : "packed/") + size_name(n) +
+                                   "/" + std::to_string(t) + "t/" + std::string(to_string(grad));
+          const auto iterations = static_cast<benchmark::IterationCount>(
+            std::clamp<double>(32e9 / static_cast<double>(n * bytes_per_param(grad)), 9, 1000));
+          benchmark::RegisterBenchmark(name.c_str(), host_adamw, kind, n, static_cast<int>(t), grad)
+            ->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(iterations);
+        }
+      }
+    }
+  }
+  return true;
+}();
 
 void host_pin(benchmark::State& state)
 {
@@ -168,6 +309,4 @@ void host_pin(benchmark::State& state)
 
 }  // namespace
 
-BENCHMARK(host_adamw)->Arg(static_cast<int>(dtype::f32))->Arg(static_cast<int>(dtype::bf16))
-  ->UseManualTime()->Unit(benchmark::kMillisecond)->MinTime(2.0);
 BENCHMARK(host_pin)->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(3);
