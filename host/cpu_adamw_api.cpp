@@ -36,8 +36,8 @@ struct operand {
   std::size_t bytes;
 };
 
-// Arrays within 1 KiB of a multiple of 128 MiB apart ran at 0.70-0.87 of the speed on the
-// development VM (host/stream_stagger.hpp); the warning says so once per process.
+// Arrays within 12 KiB of a multiple of 128 MiB apart ran at 0.33-0.87 of the speed of separately
+// mapped ones on the development VM (host/stream_stagger.hpp); the warning says so once per process.
 void warn_if_aliased(const std::array<operand, 5>& ops, std::size_t used)
 {
   constexpr std::size_t period = std::size_t{128} << 20;
@@ -47,11 +47,12 @@ void warn_if_aliased(const std::array<operand, 5>& ops, std::size_t used)
       const std::uintptr_t b = ops[j].begin;
       const std::size_t d = a > b ? a - b : b - a;
       const std::size_t r = std::min(d % period, period - d % period);
-      if (d >= period && r < 1024) {
+      if (d >= period && r < detail::stagger_min_gap) {
         detail::log_once("cpu-adamw-alias", log_level::warning,
                          detail::message("cpu_adamw: ", ops[i].name, " and ", ops[j].name, " start ", detail::bytes_text(d),
-                                         " apart; arrays a multiple of 128 MiB apart can run the step at 0.7 of the memory's "
-                                         "speed. Allocate them separately or stagger them (docs/host.md#cpu-adamw)"));
+                                         " apart; arrays (nearly) a multiple of 128 MiB apart ran the step at 0.33-0.87 of "
+                                         "the speed of separate ones on a test machine. Allocate them separately or start "
+                                         "each 12.75 KiB further into a 64 KiB period (docs/host.md#array-layout)"));
         return;
       }
     }

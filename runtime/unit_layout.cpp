@@ -59,11 +59,11 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
     // large ones start where no two alias (host/stream_stagger.hpp). Only home offsets move; the
     // device holds params | grads, and the params (what travels) stay at offset 0.
     const bool stagger = f32_bytes >= stagger_min_array_bytes;
-    std::vector<std::size_t> starts{0};
     std::size_t at = params_bytes;
+    std::size_t stream = 0;
     const auto place = [&]() {
-      if (stagger) { at = stagger_offset(starts, at, slab_alignment); }
-      starts.push_back(at);
+      ++stream;
+      if (stagger) { at = stagger_offset(0, at, stream); }
       return at;
     };
     l.params = 0;

@@ -145,24 +145,29 @@ TEST(cpu_adamw_public, WarnsOnceAboutArraysARoundDistanceApart)
   EXPECT_NE(warnings[0].find("docs/host.md"), std::string::npos) << warnings[0];
 }
 
-TEST(stream_stagger, ScoresRoundDistancesLowAndFindsCleanOffsets)
+TEST(stream_stagger, ScoresRoundDistancesLowAndSpreadsUpToFiveStreams)
 {
   using detail::stagger_score;
   EXPECT_EQ(stagger_score(std::size_t{256} << 20), 0.0);
-  EXPECT_LT(stagger_score((std::size_t{256} << 20) + 64), 1.0);     // still 64 B off a 64 KiB multiple
-  EXPECT_LT(stagger_score((std::size_t{128} << 20) + 8192), 1.0);   // a multiple of 4 KiB
-  EXPECT_GE(stagger_score((std::size_t{256} << 20) + 8192 + 1024), 1.0);
-  // Four arrays of one round size back to back, each placed after the ones before: all clean.
-  for (const std::size_t size : {std::size_t{8} << 20, std::size_t{64} << 20, std::size_t{256} << 20, std::size_t{3} << 28}) {
+  EXPECT_LT(stagger_score((std::size_t{256} << 20) + 64), 1.0);           // 64 B off a 64 KiB multiple
+  EXPECT_LT(stagger_score((std::size_t{128} << 20) + 4352), 1.0);         // 4.25 KiB: measured slow
+  EXPECT_LT(stagger_score((std::size_t{128} << 20) + (16 << 10)), 1.0);   // a multiple of 4 KiB
+  EXPECT_GE(stagger_score((std::size_t{256} << 20) + (12 << 10) + 1024), 1.0);
+  // Five arrays of sizes round and not, back to back, each placed after the ones before: every
+  // pair clean, each moved less than the window, the slab alignment kept.
+  std::mt19937_64 rng(7);
+  std::vector<std::size_t> sizes{std::size_t{8} << 20, std::size_t{64} << 20, std::size_t{256} << 20, std::size_t{3} << 28};
+  for (int i = 0; i < 200; ++i) { sizes.push_back((rng() % (std::size_t{1} << 30)) / 256 * 256 + 256); }
+  for (const std::size_t size : sizes) {
     std::vector<std::size_t> starts{0};
     std::size_t at = size;
-    for (int i = 0; i < 4; ++i) {
-      at = detail::stagger_offset(starts, at, 256);
-      EXPECT_EQ(at % 256, 0U);
-      for (const std::size_t e : starts) { EXPECT_GE(stagger_score(at - e), 1.0) << size << " " << i; }
-      EXPECT_LT(at - starts.back() - size, detail::stagger_window);
-      starts.push_back(at);
-      at += size;
+    for (std::size_t k = 1; k < detail::stagger_max_streams; ++k) {
+      const std::size_t placed = detail::stagger_offset(0, at, k);
+      EXPECT_EQ(placed % 256, 0U);
+      EXPECT_LT(placed - at, detail::stagger_window);
+      for (const std::size_t e : starts) { EXPECT_GE(stagger_score(placed - e), 1.0) << size << " stream " << k; }
+      starts.push_back(placed);
+      at = placed + size;
     }
   }
 }
