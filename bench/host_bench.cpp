@@ -205,8 +205,9 @@ class cache_evictor {
   void operator()(detail::host_task_arena& threads)
   {
     const std::size_t n = scratch_.size();
-    threads.parallel_for((n + chunk - 1) / chunk, [&](std::size_t first, std::size_t last) {
-      for (std::size_t i = first * chunk; i < std::min(n, last * chunk); ++i) { scratch_[i] += i; }
+    std::uint64_t* const x = scratch_.data();
+    threads.parallel_for((n + chunk - 1) / chunk, [x, n](std::size_t first, std::size_t last) {
+      for (std::size_t i = first * chunk; i < std::min(n, last * chunk); ++i) { x[i] += i; }
     });
   }
 
