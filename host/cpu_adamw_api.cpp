@@ -20,7 +20,10 @@ namespace taskswap {
 std::string adamw_options_problem(const adamw_options& o)
 {
   const auto p = detail::adamw_problem(o);
-  return p ? detail::message(p->key, " ", p->want) : std::string();
+  if (!p) { return {}; }
+  if (p->key == "betas") { return detail::message("betas are (", o.beta1, ", ", o.beta2, "): ", p->want); }
+  const double value = p->key == "lr" ? o.lr : p->key == "eps" ? o.eps : o.weight_decay;
+  return detail::message(p->key, " is ", value, ": ", p->want);
 }
 
 struct cpu_adamw::impl {

@@ -46,7 +46,7 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
         for (const std::size_t d : t.shape) { digest = detail::fnv1a(digest, message(",", d)); }
       }
       digest = detail::fnv1a(digest, message(to_string(l.compute), "/", to_string(l.grad)));
-      units.push_back({r.name, l.count * size_of(l.grad), l.grad, digest});
+      units.push_back({r.name, l.reduce_bytes(), l.grad, digest});
     }
     aux_.emplace(dev);
     reducer_.emplace(dev, std::move(comm), options.comm, std::move(units));

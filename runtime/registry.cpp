@@ -54,6 +54,7 @@ unit_footprint footprint(const unit_spec& spec, optimizer_placement placement)
                         .swap_in_bytes = l.travel_bytes,
                         .write_back_bytes = l.writeback_bytes,
                         .grad_bytes = l.device_grad_bytes(),
+                        .reduce_bytes = l.reduce_bytes(),
                         .param_bytes = l.params_bytes};
 }
 

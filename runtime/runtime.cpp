@@ -4,6 +4,8 @@
 
 #include "runtime/runtime_impl.hpp"
 
+#include <taskswap/cpu_adamw.hpp>
+
 namespace taskswap {
 
 using detail::message;
@@ -156,7 +158,19 @@ void runtime::save_checkpoint(const std::filesystem::path& dir, const std::map<s
 // Not guarded: after a failed load the runtime refuses every call but another load.
 checkpoint_manifest runtime::load_checkpoint(const std::filesystem::path& dir) { return impl_->load_checkpoint(dir); }
 
-void runtime::set_optimizer(const adamw_options& options) { impl_->options_.optimizer = options; }
+void runtime::set_optimizer(const adamw_options& options)
+{
+  if (const std::string problem = adamw_options_problem(options); !problem.empty()) {
+    throw config_error(message("set_optimizer: ", problem, "; nothing was changed"));
+  }
+  impl_->options_.optimizer = options;
+}
+
+const adamw_options& runtime::optimizer() const noexcept { return impl_->options_.optimizer; }
+
+int runtime::rank() const noexcept { return impl_->reducer_ ? impl_->reducer_->rank() : 0; }
+
+int runtime::world_size() const noexcept { return impl_->reducer_ ? impl_->reducer_->world() : 1; }
 
 runtime_stats runtime::stats() const { return impl_->stats(); }
 

@@ -69,9 +69,8 @@ void runtime::impl::mark_ready(unit_record& r, stream_view s)
 {
   if (reducer_->is_ready(r.index)) { return; }  // the reduction waits for the first ready point
   ensure(r.grads_ready_event, device_).record(s);
-  // The tensors' elements only: the slab's alignment padding is never sent.
-  const std::size_t bytes = r.layout.count * size_of(r.layout.grad);
-  on_launched(reducer_->ready(r.index, r.slot->subspan(r.grads_at(), bytes), *r.grads_ready_event));
+  // One contiguous range: the tensors and the gaps between them; the slab's tail padding is not sent.
+  on_launched(reducer_->ready(r.index, r.slot->subspan(r.grads_at(), r.layout.reduce_bytes()), *r.grads_ready_event));
 }
 
 void runtime::impl::on_launched(const std::vector<std::uint32_t>& units)

@@ -42,6 +42,9 @@ struct unit_layout {
   std::size_t writeback_bytes = 0;  // device → home on write-back; 0 for host placement
 
   [[nodiscard]] std::size_t device_grad_bytes() const noexcept { return grad_bytes; }
+  /// What one reduction of the gradients moves: the tensors' elements and the alignment gaps
+  /// between them (one contiguous range), not the slab's tail padding.
+  [[nodiscard]] std::size_t reduce_bytes() const noexcept { return count * size_of(grad); }
   /// The AdamW operands of a copy of this unit whose block starts at `base` (home or device) and
   /// whose gradients lie at `grads` bytes from it.
   [[nodiscard]] adamw_slabs slabs_at(std::byte* base, std::size_t grads) const noexcept

@@ -182,7 +182,11 @@ struct unit_footprint {
   std::size_t home_bytes = 0;        ///< its block in the pinned host arena
   std::size_t swap_in_bytes = 0;     ///< host→device per swap-in
   std::size_t write_back_bytes = 0;  ///< device→host per write-back (0 for host placement)
-  std::size_t grad_bytes = 0;        ///< its gradient slab (reduced; host placement: sent home each step)
+  std::size_t grad_bytes = 0;        ///< its gradient slab, tail padding included (the device memory
+                                     ///< it takes; host placement: what is sent home each step)
+  std::size_t reduce_bytes = 0;      ///< what one allreduce of its gradients moves, as step_stats
+                                     ///< counts it: the tensors' elements and the gaps of < 64
+                                     ///< elements between tensors (one contiguous range), no tail padding
   std::size_t param_bytes = 0;       ///< its parameter slab (host placement: uploaded after each CPU step)
 };
 
@@ -355,8 +359,22 @@ class runtime {
   /// @throws invalid_argument after the first plan or acquire
   checkpoint_manifest load_checkpoint(const std::filesystem::path& dir);
 
-  /// @brief Replaces the AdamW hyperparameters for the following steps (learning-rate schedules).
+  /// @brief Replaces the AdamW hyperparameters (learning-rate schedules), checked as the config
+  /// loader checks them (lr > 0, eps > 0, weight_decay >= 0, betas in [0, 1), all finite).
+  /// Without a communicator every update enqueued after the call uses them, also within a step.
+  /// With one, a step's updates all use the values set when the step began (its first acquire),
+  /// whichever order the ranks enqueue them in; a call within a step takes effect from the next
+  /// one. Every rank must set the same values at the same step boundary (replicas diverge
+  /// otherwise; the checksums of save_checkpoint() would then refuse the checkpoint).
+  /// @throws config_error naming the option and the rule, with nothing changed
   void set_optimizer(const adamw_options& options);
+  /// @brief The hyperparameters the next step begins with.
+  [[nodiscard]] const adamw_options& optimizer() const noexcept;
+
+  /// @brief This process's rank and the number of ranks (0 and 1 without a communicator). A
+  /// trainer launched with mpirun uses them to pick the tasks it trains.
+  [[nodiscard]] int rank() const noexcept;
+  [[nodiscard]] int world_size() const noexcept;
 
   [[nodiscard]] runtime_stats stats() const;
   /// @brief Writes a Chrome trace (JSON; opens in Perfetto) of the spans recorded since

@@ -41,7 +41,7 @@ std::vector<unit_spec> model(std::size_t head_rows = 16)
     return u;
   };
   std::vector<unit_spec> units;
-  units.push_back(unit("trunk0", {{"w", {24, 16}}, {"b", {16}}}, dtype::f32, {}, residency::pinned,
+  units.push_back(unit("trunk0", {{"w", {24, 16}}, {"b", {17}}}, dtype::f32, {}, residency::pinned,
                        optimizer_placement::device));
   units.push_back(unit("trunk1", {{"w", {16, 16}}}, dtype::bf16, dtype::f32, residency::pinned,
                        optimizer_placement::device));
@@ -301,8 +301,14 @@ void expect_matches_reference(const run_options& o)
   EXPECT_TRUE(std::all_of(idle.v.begin(), idle.v.end(), [](float x) { return x == 0.0F; }));
   // Only the active units' gradients travel, against the whole model for a reduce-everything one.
   EXPECT_EQ(got.stats.total.reduced_bytes, want.reduced_bytes);
+  // The counters are what travels: footprint().reduce_bytes, not the slab (trunk0's 401 f32
+  // elements leave 1792 - 1604 bytes of tail padding in its gradient slab).
   std::size_t model_bytes = 0;
-  for (std::uint32_t u = 0; u < counts.size(); ++u) { model_bytes += counts[u] * size_of(grad_types[u]); }
+  for (std::uint32_t u = 0; u < counts.size(); ++u) {
+    model_bytes += counts[u] * size_of(grad_types[u]);
+    EXPECT_EQ(footprint(units[u], optimizer_placement::device).reduce_bytes, counts[u] * size_of(grad_types[u])) << units[u].name;
+  }
+  EXPECT_LT(footprint(units[0], optimizer_placement::device).reduce_bytes, footprint(units[0], optimizer_placement::device).grad_bytes);
   EXPECT_EQ(got.stats.total.reduce_all_bytes, model_bytes * o.steps);
 
   // Replicas: every rank's home copies are bitwise rank 0's.
@@ -346,6 +352,8 @@ TEST(reducer_mpi, a_host_placed_unit_only_others_train_moves_only_its_gradient)
   const runtime_options opt = options_for({}, budget_for(units));
   const device dev = make_device(opt.device);
   runtime rt(dev, opt, units);
+  EXPECT_EQ(rt.rank(), me);
+  EXPECT_EQ(rt.world_size(), world_size());
   init_home(rt);
   stream compute(dev);
   const unit_id a{first_head};

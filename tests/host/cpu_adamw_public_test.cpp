@@ -91,12 +91,12 @@ TEST(cpu_adamw_public, RefusesWhatTheConfigLoaderRefusesAndBadOperands)
     change(h);
     return h;
   };
-  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.lr = 0; }), 1); }, "lr must be a positive number");
-  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.eps = -1; }), 1); }, "eps");
-  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.beta2 = 1.0; }), 1); }, "[0, 1)");
-  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.weight_decay = -0.1; }), 1); }, "weight_decay");
+  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.lr = 0; }), 1); }, "lr is 0: must be a positive number");
+  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.eps = -1; }), 1); }, "eps is -1: must be a positive number");
+  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.beta2 = 1.0; }), 1); }, "betas are (0.9, 1): each beta must be in [0, 1)");
+  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.weight_decay = -0.1; }), 1); }, "weight_decay is -0.1: must be 0 or more");
   EXPECT_EQ(adamw_options_problem({}), "");
-  EXPECT_EQ(adamw_options_problem(with([](adamw_options& h) { h.lr = std::nan(""); })), "lr must be a positive number");
+  EXPECT_EQ(adamw_options_problem(with([](adamw_options& h) { h.lr = std::nan(""); })), "lr is nan: must be a positive number");
 
   expect_error_mentioning<invalid_argument>([&] { opt.step(o.tensors(), {}, 0); }, "first update of a tensor is step 1");
   adamw_tensors t = o.tensors();

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <random>
 #include <sstream>
@@ -272,6 +273,30 @@ TEST(runtime_protocol, protocol_errors_say_what_to_do)
   (void)rt.end_step();
   expect_error_mentioning<invalid_argument>([&] { (void)rt.find("c"); }, "no unit is named 'c'");
   expect_error_mentioning<invalid_argument>([&] { rt.write_trace("/tmp/x.json"); }, "trace = true");
+}
+
+TEST(runtime_optimizer, set_optimizer_refuses_what_the_config_loader_refuses_and_keeps_the_old_values)
+{
+  device dev = emulated(1 * MiB);
+  runtime rt(dev, options_with_budget(1 * MiB), {make_unit("a", 256)});
+  EXPECT_EQ(rt.rank(), 0);
+  EXPECT_EQ(rt.world_size(), 1);
+  rt.set_optimizer({.lr = 2e-3, .beta1 = 0.8, .beta2 = 0.95, .eps = 1e-6, .weight_decay = 0.1});
+  const adamw_options good = rt.optimizer();
+  EXPECT_EQ(good.lr, 2e-3);
+  EXPECT_EQ(good.beta2, 0.95);
+  const auto refused = [&](adamw_options o, const char* text) {
+    expect_error_mentioning<config_error>([&] { rt.set_optimizer(o); }, text);
+    EXPECT_EQ(rt.optimizer().lr, good.lr);
+    EXPECT_EQ(rt.optimizer().weight_decay, good.weight_decay);
+  };
+  refused({.lr = 0}, "set_optimizer: lr is 0: must be a positive number; nothing was changed");
+  refused({.lr = -1e-3}, "lr is -0.001");
+  refused({.eps = 0}, "eps is 0");
+  refused({.beta1 = 1.0}, "betas are (1, 0.999): each beta must be in [0, 1)");
+  refused({.beta2 = -0.5}, "betas");
+  refused({.weight_decay = -0.01}, "weight_decay is -0.01: must be 0 or more");
+  refused({.lr = std::numeric_limits<double>::infinity()}, "lr is inf");
 }
 
 TEST(runtime_registration, a_unit_that_can_never_fit_is_refused_with_the_numbers)
