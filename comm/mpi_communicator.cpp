@@ -127,6 +127,8 @@ std::pair<int, int> mpi_world_rank_size()
 
 namespace {
 
+constexpr std::size_t broadcast_piece = std::size_t{1} << 30;  // MPI counts are ints
+
 class mpi_communicator final : public communicator {
  public:
   mpi_communicator(device dev, MPI_Comm parent, std::chrono::milliseconds timeout)
@@ -195,6 +197,18 @@ class mpi_communicator final : public communicator {
       run("count allreduce of " + name, 1, [&](std::size_t, MPI_Request* r) {
         return MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T, MPI_SUM,
                               comm_, r);
+      });
+    });
+  }
+
+  void broadcast(device_span data, int root, stream_view s, std::string_view what) override
+  {
+    check();
+    check_broadcast(data, root, size_, device_, "MPI", what, "the mpi backend broadcasts emulated-device buffers, use nccl for cuda");
+    enqueue(s, [this, data, root, name = std::string(what)] {
+      run("broadcast of " + name, (data.size() + broadcast_piece - 1) / broadcast_piece, [&](std::size_t k, MPI_Request* r) {
+        const std::size_t n = std::min(broadcast_piece, data.size() - k * broadcast_piece);
+        return MPI_Ibcast(data.data() + k * broadcast_piece, static_cast<int>(n), MPI_BYTE, root, comm_, r);
       });
     });
   }

@@ -139,6 +139,16 @@ class nccl_communicator final : public communicator {
     copy_async(std::as_writable_bytes(values), const_device_span(d), s);
   }
 
+  void broadcast(device_span data, int root, stream_view s, std::string_view what) override
+  {
+    check();
+    check_broadcast(data, root, size_, device_, "NCCL", what, "give a buffer of the communicator's device");
+    if (data.size() == 0) { return; }
+    watched(s, message("broadcast of ", what), [&](cudaStream_t cs) {
+      check_nccl(ncclBroadcast(data.data(), data.data(), data.size(), ncclUint8, root, comm_, cs), "ncclBroadcast", what);
+    });
+  }
+
   void barrier(stream_view s) override
   {
     check();

@@ -25,4 +25,14 @@ inline void check_reduce_item(const reduce_item& it, const device& dev, std::str
                            to_string(it.type), " elements"));
 }
 
+inline void check_broadcast(device_span data, int root, int size, const device& dev, std::string_view backend,
+                            std::string_view what, std::string_view hint)
+{
+  TASKSWAP_EXPECTS(data.size() == 0 || data.owner() == &dev.backend(),
+                   message(backend, " broadcast of ", what, ": the buffer is not on the communicator's device (",
+                           dev.name(), "); ", hint));
+  TASKSWAP_EXPECTS(root >= 0 && root < size,
+                   message(backend, " broadcast of ", what, ": root ", root, " is not a rank of ", size));
+}
+
 }  // namespace taskswap::detail

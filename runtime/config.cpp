@@ -303,6 +303,9 @@ void read_comm(const toml::table& t, std::string_view source, comm_options& c)
   if (auto a = r.choice("average", averages)) { c.average = *a; }
   constexpr std::array reduces{std::pair{std::string_view("active"), false}, std::pair{std::string_view("all"), true}};
   if (auto a = r.choice("reduce", reduces)) { c.reduce_all = *a; }
+  constexpr std::array initials{std::pair{std::string_view("broadcast"), initial_sync::broadcast},
+                                std::pair{std::string_view("verify"), initial_sync::verify}};
+  if (auto i = r.choice("initial", initials)) { c.initial = *i; }
   if (auto s = r.quantity("timeout", time_units, "300 s")) {
     c.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(*s * 1000.0)));
   }

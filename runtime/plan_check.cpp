@@ -17,6 +17,7 @@ void runtime::impl::plan(std::span<const step_plan> steps)
   check_comm();
   for (std::size_t k = 0; k < steps.size(); ++k) { check_step(steps[k], steps_done_ + plan_.planned_steps() + k); }
   if (reducer_) {
+    sync_replicas();
     plan_together(steps);
   } else {
     for (const step_plan& s : steps) { plan_.append(s); }

@@ -119,6 +119,10 @@ struct runtime::impl {
 
   // With a communicator (plan_check.cpp: plan_together; step_reduction.cpp: the rest)
   void plan_together(std::span<const step_plan> steps);
+  // Replicas start equal (replica_sync.cpp)
+  void sync_replicas();
+  void verify_replicas();
+  void broadcast_replicas();
   void begin_step();
   void mark_ready(unit_record& r, stream_view s);
   void on_launched(const std::vector<std::uint32_t>& units);
@@ -208,6 +212,7 @@ struct runtime::impl {
   std::uint64_t steps_done_ = 0;
   std::uint64_t planned_steps_ = 0;  // steps appended to the plan, over all time
   bool started_ = false;
+  bool replicas_synced_ = false;  // with a communicator: at the first plan()
 
   step_stats current_{};
   step_stats total_{};

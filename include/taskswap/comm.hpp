@@ -27,6 +27,11 @@ enum class average_mode : std::uint8_t { contributors, world };
 /// @brief The communicator backend (the runtime's reducer).
 enum class comm_backend : std::uint8_t { none, nccl, mpi };
 
+/// @brief How replicas start equal, at the first plan() with a communicator: rank 0's home
+/// copies are broadcast to every rank (as DDP does at construction), or every rank's are compared
+/// with rank 0's (per-unit checksums) and a difference refused naming the units and ranks.
+enum class initial_sync : std::uint8_t { broadcast, verify };
+
 /// @brief Communicator and reducer options.
 struct comm_options {
   comm_backend backend = comm_backend::none;
@@ -34,6 +39,7 @@ struct comm_options {
   average_mode average = average_mode::contributors;
   std::chrono::milliseconds timeout{300'000};
   bool reduce_all = false;  ///< reduce every unit every step, zeros included (DDP's behaviour; for comparison)
+  initial_sync initial = initial_sync::broadcast;  ///< how replicas start equal ([comm] initial)
 };
 
 /// @brief How the ranks' values are combined.
@@ -87,6 +93,12 @@ class communicator {
   /// @brief In-place sum of a small integer vector in host memory, on `s`: the result is there
   /// once the work queued on `s` so far has completed. `values` stays valid until then.
   virtual void allreduce_counts(std::span<std::int64_t> values, stream_view s, std::string_view what) = 0;
+
+  /// @brief In-place broadcast of `data`'s bytes from rank `root` to every rank, on `s`, after
+  /// the work queued on `s` before it. Does not synchronise.
+  /// @throws invalid_argument if `data` is not this communicator's kind of memory or `root` is
+  /// not a rank
+  virtual void broadcast(device_span data, int root, stream_view s, std::string_view what) = 0;
 
   /// @brief Every rank reaches this point of `s` before any continues past it.
   virtual void barrier(stream_view s) = 0;

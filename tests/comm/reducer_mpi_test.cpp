@@ -6,6 +6,7 @@
 // the ranks' gradients would get, and checks its home copies against it; the ranks then compare
 // their home copies with each other bitwise.
 
+#include "expect_error.hpp"
 #include "host/adamw_formula.hpp"
 #include "mpi_test.hpp"
 #include "test_scale.hpp"
@@ -18,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <string>
 #include <vector>
@@ -407,6 +409,95 @@ TEST(reducer_mpi, mismatched_registrations_are_refused_on_every_rank)
     EXPECT_NE(std::string(e.what()).find("registered different units"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("rank 1"), std::string::npos) << e.what();
   }
+}
+
+// Every rank initialises differently (rank k adds k to unit 3's master and sets its moments), as a
+// trainer with a per-rank seed would.
+void init_home_differently(runtime& rt)
+{
+  init_home(rt);
+  const home_view h = rt.home(unit_id{3});
+  auto* master = static_cast<float*>(h.master.data);
+  auto* m = static_cast<float*>(h.m.data);
+  for (std::size_t i = 0; i < h.master.count; ++i) {
+    master[i] += static_cast<float>(world_rank());
+    m[i] = 0.5F * static_cast<float>(world_rank());
+  }
+}
+
+TEST(reducer_mpi, initial_broadcast_makes_every_replica_rank_0s_at_the_first_plan)
+{
+  const std::vector<unit_spec> units = model();
+  const runtime_options opt = options_for({}, budget_for(units));
+  runtime rt(make_device(opt.device), opt, units);
+  init_home_differently(rt);
+  std::vector<home_state> rank0;
+  {  // rank 0's values, as every rank can compute them
+    runtime_options local = opt;
+    local.comm.backend = comm_backend::none;
+    runtime probe(make_device(local.device), local, units);
+    init_home(probe);
+    for (std::uint32_t u = 0; u < probe.unit_count(); ++u) { rank0.push_back(read_home(probe, unit_id{u})); }
+  }
+  rt.plan(step_plan{unit_id{0}, unit_id{1}});  // the first plan broadcasts
+  stream compute(rt.get_device());
+  for (const std::uint32_t u : {0U, 1U}) { (void)rt.acquire(unit_id{u}, compute); }
+  for (const std::uint32_t u : {1U, 0U}) { rt.release(unit_id{u}, compute); }  // trained on zeros
+  (void)rt.end_step();
+  rt.flush();
+  for (std::uint32_t u = 2; u < rt.unit_count(); ++u) {  // untouched by the step: rank 0's bits
+    const home_state h = read_home(rt, unit_id{u});
+    EXPECT_EQ(0, std::memcmp(h.master.data(), rank0[u].master.data(), h.master.size() * 4)) << "rank " << world_rank() << " unit " << u;
+    EXPECT_EQ(0, std::memcmp(h.m.data(), rank0[u].m.data(), h.m.size() * 4)) << "rank " << world_rank() << " unit " << u;
+  }
+  rt.save_checkpoint(std::filesystem::temp_directory_path() / ("taskswap_initial_broadcast_np" + std::to_string(world_size())));  // its replica check passes
+}
+
+TEST(reducer_mpi, initial_verify_names_the_units_and_ranks_that_differ_and_accepts_equal_replicas)
+{
+  const std::vector<unit_spec> units = model();
+  runtime_options opt = options_for({}, budget_for(units));
+  opt.comm.initial = initial_sync::verify;
+  runtime rt(make_device(opt.device), opt, units);
+  init_home_differently(rt);
+  if (world_size() > 1) {
+    std::string ranks;
+    for (int k = 1; k < world_size(); ++k) { ranks += (k > 1 ? ", " : "") + std::to_string(k); }
+    try {
+      rt.plan(step_plan{unit_id{0}, unit_id{1}});
+      FAIL() << "replicas that start different were trained";
+    } catch (const config_error& e) {
+      const std::string text = e.what();
+      EXPECT_NE(text.find("1 unit(s) start different from rank 0's: 'head1' on rank(s) " + ranks), std::string::npos) << text;
+      EXPECT_NE(text.find("initial = \"broadcast\""), std::string::npos) << text;
+    }
+  }
+  init_home(rt);  // the same on every rank now: the next plan goes through
+  const home_view h = rt.home(unit_id{3});
+  std::memset(h.m.data, 0, h.m.count * 4);
+  rt.plan(step_plan{unit_id{0}, unit_id{1}});
+  stream compute(rt.get_device());
+  for (const std::uint32_t u : {0U, 1U}) { (void)rt.acquire(unit_id{u}, compute); }
+  for (const std::uint32_t u : {1U, 0U}) { rt.release(unit_id{u}, compute); }
+  (void)rt.end_step();
+  rt.flush();
+}
+
+TEST(communicator_mpi, broadcast_copies_the_roots_bytes_and_refuses_a_bad_root)
+{
+  const device dev = emulated_device({.memory_bytes = 1 << 20});
+  const auto comm = make_mpi_communicator(dev, test_timeout);
+  stream s(dev);
+  device_buffer buf(dev, 1000);
+  const int root = world_size() - 1;
+  launch_host_func(s, [&] { std::memset(buf.data(), comm->rank() + 1, 1000); });
+  comm->broadcast(buf.span(0, 999), root, s, "bytes");
+  s.synchronize();
+  const std::byte* b = buf.data();
+  EXPECT_EQ(std::to_integer<int>(b[0]), root + 1);
+  EXPECT_EQ(std::to_integer<int>(b[998]), root + 1);
+  EXPECT_EQ(std::to_integer<int>(b[999]), comm->rank() + 1);  // past the span: untouched
+  expect_error_mentioning<invalid_argument>([&] { comm->broadcast(buf.span(0, 8), world_size(), s, "x"); }, "is not a rank of");
 }
 
 TEST(communicator_mpi, allreduce_ops_and_counts)

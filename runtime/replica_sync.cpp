@@ -1,0 +1,111 @@
+// SPDX-License-Identifier: Apache-2.0
+// Replicas start equal: at the first plan() with a communicator, rank 0's home copies are
+// broadcast to every rank, or every rank's are compared with rank 0's ([comm] initial).
+
+#include "runtime/runtime_impl.hpp"
+
+#include "runtime/crc32c.hpp"
+
+#include <algorithm>
+
+namespace taskswap {
+
+using detail::bytes_text;
+using detail::message;
+
+namespace {
+
+// The part of a home block that is a replica's state: params (derived from the master for
+// bf16/f16 units, equal anyway), master, m and v; never the home gradients of host placement.
+std::size_t state_bytes_of(const detail::unit_layout& l) { return l.v + l.state_bytes; }
+
+}  // namespace
+
+void runtime::impl::sync_replicas()
+{
+  if (!reducer_ || replicas_synced_) { return; }
+  if (options_.comm.initial == initial_sync::verify) {
+    verify_replicas();
+  } else {
+    broadcast_replicas();
+  }
+  replicas_synced_ = true;
+}
+
+// Each rank puts a checksum of every unit's state (and its step count) in its own row; the sum
+// gives every rank every row, and every rank refuses with the same text.
+void runtime::impl::verify_replicas()
+{
+  detail::reducer& red = *reducer_;
+  const auto world = static_cast<std::size_t>(red.world());
+  const auto rank = static_cast<std::size_t>(red.rank());
+  const std::size_t n = units_.size();
+  std::vector<std::int64_t> sums(world * n, 0);
+  for (std::size_t u = 0; u < n; ++u) {
+    const unit_record& r = units_[u];
+    const detail::unit_layout& l = r.layout;
+    std::uint32_t crc = detail::crc32c(std::as_bytes(std::span(&r.step, 1)));
+    crc = detail::crc32c(std::span<const std::byte>(r.home + l.master, l.count * 4), crc);
+    crc = detail::crc32c(std::span<const std::byte>(r.home + l.m, l.count * 4), crc);
+    crc = detail::crc32c(std::span<const std::byte>(r.home + l.v, l.count * 4), crc);
+    sums[rank * n + u] = crc;
+  }
+  red.sum(sums, "the first plan: comparison of the initial replicas");
+  std::string differ;
+  std::size_t units_differing = 0;
+  for (std::size_t u = 0; u < n; ++u) {
+    std::string ranks;
+    for (std::size_t k = 1; k < world; ++k) {
+      if (sums[k * n + u] != sums[u]) { ranks += (ranks.empty() ? "" : ", ") + std::to_string(k); }
+    }
+    if (ranks.empty()) { continue; }
+    if (++units_differing <= 8) { differ += message(differ.empty() ? "" : "; ", "'", units_[u].name, "' on rank(s) ", ranks); }
+  }
+  if (units_differing == 0) { return; }
+  throw config_error(message("[comm] initial = \"verify\": ", units_differing, " unit(s) start different from rank 0's: ",
+                             differ, units_differing > 8 ? "; ..." : "",
+                             ". Initialise every rank the same way (the same seed, or load one checkpoint), or set [comm] "
+                             "initial = \"broadcast\" to copy rank 0's"));
+}
+
+// Rank 0's state through a staging range of the device pool (the communicator moves device
+// memory), unit by unit, in pieces; the ranks' step counts by a sum of rank 0's alone.
+void runtime::impl::broadcast_replicas()
+{
+  detail::reducer& red = *reducer_;
+  const bool root = red.rank() == 0;
+  std::size_t largest = 0;
+  for (const unit_record& r : units_) { largest = std::max(largest, state_bytes_of(r.layout)); }
+  const std::size_t free = options_.device.budget - pool_->stats().used;
+  const std::size_t staging_bytes = std::min({largest, std::size_t{64} << 20, free / 256 * 256});
+  TASKSWAP_EXPECTS(staging_bytes > 0, message("[comm] initial = \"broadcast\": no room in the ", bytes_text(options_.device.budget),
+                                              " budget to stage the broadcast; raise [device] budget"));
+  // After a failure below the range is not given back: queued copies may still use it, and the
+  // runtime refuses every call after a failed collective anyway.
+  const device_span staging = pool_->allocate(staging_bytes);
+  flush_h2d_waits();
+  for (unit_record& r : units_) {
+    const std::size_t bytes = state_bytes_of(r.layout);
+    for (std::size_t at = 0; at < bytes; at += staging_bytes) {
+      const std::size_t piece = std::min(staging_bytes, bytes - at);
+      const device_span s = staging.subspan(0, piece);
+      if (root) { copy_async(s, std::span<const std::byte>(r.home + at, piece), h2d_); }
+      red.comm().broadcast(s, 0, h2d_, message("the initial replica of '", r.name, "'"));
+      if (!root) { copy_async(std::span<std::byte>(r.home + at, piece), const_device_span(s), h2d_); }
+    }
+  }
+  wait_streams("the initial broadcast");
+  pool_->deallocate(staging);
+  red.comm().check();
+  std::vector<std::int64_t> steps(units_.size(), 0);
+  for (std::size_t u = 0; u < units_.size(); ++u) { steps[u] = root ? units_[u].step : 0; }
+  red.sum(steps, "the first plan: rank 0's step counts");
+  for (std::size_t u = 0; u < units_.size(); ++u) { units_[u].step = steps[u]; }
+  if (started_ && !root) {  // a flush() before the first plan brought the pinned units in already
+    for (unit_record& r : units_) {
+      if (r.pinned()) { fill_slot(r); }
+    }
+  }
+}
+
+}  // namespace taskswap
