@@ -4,8 +4,8 @@
 //
 // The model is a trunk and 16 task heads, all resident; in each step every rank trains the trunk
 // and the same one head (one task per step). The same training loop runs twice: with the reducer
-// (the trunk's and one head's gradients travel) and with [comm] reduce = "all" (every unit's
-// gradients travel and every unit is updated, zeros included). Counters, per step:
+// (the trunk's and one head's gradients travel) and with [comm] reduce = "every_unit" (every
+// unit's gradients travel and every unit is updated, zeros included: DDP's bytes). Counters, per step:
 //   bytes_active, bytes_all   gradient bytes allreduced
 //   bytes_ratio               bytes_active / bytes_all (expected: active units' bytes / all units' bytes)
 //   ms_active, ms_all         wall time per step, the loop ending with a flush
@@ -50,14 +50,14 @@ struct loop_result {
   double bytes_per_step = 0;
 };
 
-loop_result train(bool reduce_all, std::size_t trunk_elements, std::size_t head_elements, int steps)
+loop_result train(bool every_unit, std::size_t trunk_elements, std::size_t head_elements, int steps)
 {
   runtime_options o;
   const bool gpu = cuda_device_count() > 0;
   o.device.backend = gpu ? backend_kind::cuda : backend_kind::emulated;
   o.device.budget = (trunk_elements + heads * head_elements) * 4 * sizeof(float) + (std::size_t{1} << 20);
   o.comm.backend = gpu ? comm_backend::nccl : comm_backend::mpi;
-  o.comm.reduce_all = reduce_all;
+  o.comm.reduce_every_unit = every_unit;
   o.comm.timeout = std::chrono::milliseconds(120'000);
   const device dev = make_device(o.device);
   runtime rt(dev, o, model(trunk_elements, head_elements));

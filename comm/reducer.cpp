@@ -86,7 +86,7 @@ void reducer::check_digests()
     digest *= 0x100000001b3ULL;
   }
   // The settings that shape the collectives must agree too.
-  digest = fnv1a(digest, message("bucket_cap=", options_.bucket_cap, " reduce_all=", options_.reduce_all,
+  digest = fnv1a(digest, message("bucket_cap=", options_.bucket_cap, " reduce_every_unit=", options_.reduce_every_unit,
                                  " average=", static_cast<int>(options_.average)));
   std::vector<std::int64_t>& slots = counts_;  // a member: a collective that timed out may still write it
   slots.assign(static_cast<std::size_t>(world) * 3, 0);
@@ -154,7 +154,7 @@ std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint
   std::vector<step_agreement> out(local.size());
   if (local.empty()) { return out; }
   std::vector<std::int64_t>& counts = counts_;
-  if (options_.reduce_all) {
+  if (options_.reduce_every_unit) {
     counts.assign(local.size() * n, comm_->size());
   } else {
     counts.assign(local.size() * n, 0);

@@ -301,8 +301,13 @@ void read_comm(const toml::table& t, std::string_view source, comm_options& c)
   if (auto b = r.choice("backend", backends)) { c.backend = *b; }
   if (auto b = r.quantity("bucket_cap", size_units, "25 MiB")) { c.bucket_cap = static_cast<std::size_t>(*b); }
   if (auto a = r.choice("average", averages)) { c.average = *a; }
-  constexpr std::array reduces{std::pair{std::string_view("active"), false}, std::pair{std::string_view("all"), true}};
-  if (auto a = r.choice("reduce", reduces)) { c.reduce_all = *a; }
+  if (const toml::node* n = t.get("reduce"); n != nullptr && n->value<std::string>() == "all") {
+    r.fail(*n, "reduce", "\"all\" is now \"every_unit\": it updates every unit every step, also units no rank trained "
+                         "(which DDP leaves alone). For DDP's numerics keep reduce = \"active\" with average = \"world\"; "
+                         "for DDP's byte count use \"every_unit\"");
+  }
+  constexpr std::array reduces{std::pair{std::string_view("active"), false}, std::pair{std::string_view("every_unit"), true}};
+  if (auto a = r.choice("reduce", reduces)) { c.reduce_every_unit = *a; }
   constexpr std::array initials{std::pair{std::string_view("broadcast"), initial_sync::broadcast},
                                 std::pair{std::string_view("verify"), initial_sync::verify}};
   if (auto i = r.choice("initial", initials)) { c.initial = *i; }

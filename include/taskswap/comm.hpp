@@ -38,7 +38,11 @@ struct comm_options {
   std::size_t bucket_cap = std::size_t{25} << 20;
   average_mode average = average_mode::contributors;
   std::chrono::milliseconds timeout{300'000};
-  bool reduce_all = false;  ///< reduce every unit every step, zeros included (DDP's behaviour; for comparison)
+  /// Reduce and update every unit every step, zeros included ([comm] reduce = "every_unit"): the
+  /// gradient bytes DDP moves, for cost comparisons. Not DDP's numerics: DDP leaves a parameter no
+  /// rank used without a gradient (torch's AdamW then skips it), while this decays it and moves
+  /// its moments. DDP's numerics are the default reducer with average = world.
+  bool reduce_every_unit = false;
   initial_sync initial = initial_sync::broadcast;  ///< how replicas start equal ([comm] initial)
 };
 

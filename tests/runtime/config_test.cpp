@@ -68,7 +68,7 @@ TEST(config, the_design_example_reads_into_the_options)
   EXPECT_EQ(o.comm.bucket_cap, std::size_t{25} << 20);
   EXPECT_EQ(o.comm.average, average_mode::contributors);
   EXPECT_EQ(o.comm.timeout, std::chrono::seconds(300));
-  EXPECT_FALSE(o.comm.reduce_all);
+  EXPECT_FALSE(o.comm.reduce_every_unit);
 }
 
 TEST(config, an_emulated_device_with_a_link_model)
@@ -97,6 +97,19 @@ TEST(config, sizes_need_a_unit)
   EXPECT_EQ(parse_size("2GB"), 2'000'000'000U);
   expect_error_mentioning<config_error>([] { (void)parse_size("4096"); }, "not a size with a unit");
   expect_error_mentioning<config_error>([] { (void)parse_size("4 parsecs"); }, "not a size with a unit");
+}
+
+TEST(config, comm_initial_and_reduce_every_unit_and_the_old_reduce_all_explained)
+{
+  const runtime_options o =
+    parse_config("[device]\nbudget = \"1 GiB\"\n[comm]\ninitial = \"verify\"\nreduce = \"every_unit\"\n", "c.toml");
+  EXPECT_EQ(o.comm.initial, initial_sync::verify);
+  EXPECT_TRUE(o.comm.reduce_every_unit);
+  EXPECT_EQ(parse_config("[device]\nbudget = \"1 GiB\"\n", "c.toml").comm.initial, initial_sync::broadcast);
+  expect_error_mentioning<config_error>([] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[comm]\nreduce = \"all\"\n", "c.toml"); },
+                                        "c.toml:4: [comm] reduce: \"all\" is now \"every_unit\"");
+  expect_error_mentioning<config_error>([] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[comm]\ninitial = \"copy\"\n", "c.toml"); },
+                                        "unknown value \"copy\"; use broadcast | verify");
 }
 
 // Found by fuzz/config_fuzzer: a size beyond 64 bits was converted with undefined behaviour.
