@@ -68,26 +68,37 @@ void runtime::impl::verify_replicas()
                              "initial = \"broadcast\" to copy rank 0's"));
 }
 
-// Rank 0's state through a staging range of the device pool (the communicator moves device
-// memory), unit by unit, in pieces; the ranks' step counts by a sum of rank 0's alone.
+// Rank 0's state through a staging range of the device (the communicator moves device memory),
+// unit by unit, in pieces; the ranks' step counts by a sum of rank 0's alone. The staging range
+// is free room of the pool or, where the pinned units take (nearly) all of it, the largest pinned
+// unit's slot, which is filled from its home copy afterwards (start() does that, or a refill).
 void runtime::impl::broadcast_replicas()
 {
   detail::reducer& red = *reducer_;
   const bool root = red.rank() == 0;
   std::size_t largest = 0;
   for (const unit_record& r : units_) { largest = std::max(largest, state_bytes_of(r.layout)); }
-  const std::size_t free = options_.device.budget - pool_->stats().used;
-  const std::size_t staging_bytes = std::min({largest, std::size_t{64} << 20, free / 256 * 256});
-  TASKSWAP_EXPECTS(staging_bytes > 0, message("[comm] initial = \"broadcast\": no room in the ", bytes_text(options_.device.budget),
-                                              " budget to stage the broadcast; raise [device] budget"));
-  // After a failure below the range is not given back: queued copies may still use it, and the
-  // runtime refuses every call after a failed collective anyway.
-  const device_span staging = pool_->allocate(staging_bytes);
+  const std::size_t free = (options_.device.budget - pool_->stats().used) / detail::slab_alignment * detail::slab_alignment;
+  unit_record* borrowed = nullptr;
+  for (unit_record& r : units_) {
+    if (r.pinned() && r.slot && (borrowed == nullptr || r.slot->size() > borrowed->slot->size())) { borrowed = &r; }
+  }
+  std::optional<device_span> own;
+  if (borrowed == nullptr || free >= std::min(largest, borrowed->slot->size())) {
+    own = pool_->try_allocate(std::min({largest, std::size_t{64} << 20, free}));
+  }
+  TASKSWAP_EXPECTS(own || borrowed != nullptr,
+                   message("[comm] initial = \"broadcast\": no room in the ", bytes_text(options_.device.budget),
+                           " budget to stage the broadcast; raise [device] budget"));
+  const device_span staging = own ? *own : *borrowed->slot;
+  if (own) { borrowed = nullptr; }
+  // After a failure below an own range is not given back: queued copies may still use it, and
+  // the runtime refuses every call after a failed collective anyway.
   flush_h2d_waits();
   for (unit_record& r : units_) {
     const std::size_t bytes = state_bytes_of(r.layout);
-    for (std::size_t at = 0; at < bytes; at += staging_bytes) {
-      const std::size_t piece = std::min(staging_bytes, bytes - at);
+    for (std::size_t at = 0; at < bytes; at += staging.size()) {
+      const std::size_t piece = std::min(staging.size(), bytes - at);
       const device_span s = staging.subspan(0, piece);
       if (root) { copy_async(s, std::span<const std::byte>(r.home + at, piece), h2d_); }
       red.comm().broadcast(s, 0, h2d_, message("the initial replica of '", r.name, "'"));
@@ -95,15 +106,15 @@ void runtime::impl::broadcast_replicas()
     }
   }
   wait_streams("the initial broadcast");
-  pool_->deallocate(staging);
+  if (own) { pool_->deallocate(*own); }
   red.comm().check();
   std::vector<std::int64_t> steps(units_.size(), 0);
   for (std::size_t u = 0; u < units_.size(); ++u) { steps[u] = root ? units_[u].step : 0; }
   red.sum(steps, "the first plan: rank 0's step counts");
   for (std::size_t u = 0; u < units_.size(); ++u) { units_[u].step = steps[u]; }
-  if (started_ && !root) {  // a flush() before the first plan brought the pinned units in already
+  if (started_) {  // a flush() before the first plan brought the pinned units in already
     for (unit_record& r : units_) {
-      if (r.pinned()) { fill_slot(r); }
+      if (r.pinned() && (!root || &r == borrowed)) { fill_slot(r); }
     }
   }
 }
