@@ -37,6 +37,20 @@ bool best_fit_ranges::deallocate(std::size_t offset, std::size_t bytes)
   return true;
 }
 
+bool best_fit_ranges::shrink(std::size_t offset, std::size_t bytes, std::size_t keep)
+{
+  const auto found = live_.find(offset);
+  if (found == live_.end() || found->second.size != bytes || keep == 0 || keep >= bytes) { return false; }
+  extent& e = found->second;
+  const std::size_t kept_block = offset - e.block_offset + keep;
+  const std::size_t tail = e.block_size - kept_block;
+  e.block_size = kept_block;
+  e.size = keep;
+  used_ -= tail;
+  insert_free(e.block_offset + kept_block, tail);
+  return true;
+}
+
 void best_fit_ranges::insert_free(std::size_t offset, std::size_t size)
 {
   // Coalesce with the free neighbours on both sides.

@@ -25,6 +25,9 @@ class best_fit_ranges {
   /// Releases the range at `offset`; false (and nothing changes) unless it is a live range of
   /// exactly `bytes`.
   [[nodiscard]] bool deallocate(std::size_t offset, std::size_t bytes);
+  /// Keeps the first `keep` bytes of the live range at `offset` and frees the rest; false (and
+  /// nothing changes) unless it is a live range of exactly `bytes` and 0 < keep < bytes.
+  [[nodiscard]] bool shrink(std::size_t offset, std::size_t bytes, std::size_t keep);
 
   [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
   [[nodiscard]] std::size_t used() const noexcept { return used_; }

@@ -66,6 +66,18 @@ void device_pool::deallocate(device_span range)
                            " is not a live allocation of this pool"));
 }
 
+device_span device_pool::shrink(device_span range, std::size_t bytes)
+{
+  const std::lock_guard lock(mutex_);
+  const std::byte* base = memory_.data();
+  const bool inside = range.owner() == &get_device().backend() && range.data() >= base &&
+                      range.data() < base + memory_.size();
+  TASKSWAP_EXPECTS(bytes > 0 && inside && ranges_.shrink(static_cast<std::size_t>(range.data() - base), range.size(), bytes),
+                   message("device pool: cannot keep ", bytes, " bytes of ", range.size(), " at ",
+                           static_cast<const void*>(range.data()), ": not a live allocation of this pool larger than that"));
+  return range.subspan(0, bytes);
+}
+
 device_pool_stats device_pool::stats() const
 {
   const std::lock_guard lock(mutex_);

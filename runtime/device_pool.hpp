@@ -45,6 +45,10 @@ class device_pool {
   /// on every stream (the runtime does so with events).
   /// @throws invalid_argument if `range` is not a live allocation of this pool
   void deallocate(device_span range);
+  /// Keeps the first `bytes` of a live allocation and frees the rest; returns the kept range.
+  /// The caller orders the freed tail after its last use, as for deallocate().
+  /// @throws invalid_argument if `range` is not a live allocation or `bytes` is not less than its size
+  [[nodiscard]] device_span shrink(device_span range, std::size_t bytes);
 
   [[nodiscard]] device_pool_stats stats() const;
   [[nodiscard]] const device& get_device() const noexcept { return memory_.get_device(); }

@@ -27,14 +27,19 @@ void runtime::impl::plan(std::span<const step_plan> steps)
   prefetch();
 }
 
-void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number) const
+void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
+                               std::span<const std::uint32_t> frozen_reduced) const
 {
-  std::vector<std::uint32_t> held;
+  struct held_unit {
+    std::uint32_t unit;
+    std::size_t bytes;  // what its acquisition takes of the budget
+  };
+  std::vector<held_unit> held;
   std::size_t held_bytes = 0;
   const std::size_t budget = options_.device.budget;
   const auto held_names = [&] {
     std::string s;
-    for (const std::uint32_t i : held) { s += (s.empty() ? "'" : ", '") + units_[i].name + "'"; }
+    for (const held_unit& h : held) { s += (s.empty() ? "'" : ", '") + units_[h.unit].name + "'"; }
     return s;
   };
   for (const step_plan::entry& e : step.entries()) {
@@ -43,16 +48,16 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number)
                                  units_.size(), " units)"));
     }
     const unit_record& r = units_[e.unit.value];
-    const auto it = std::find(held.begin(), held.end(), e.unit.value);
+    const auto it = std::find_if(held.begin(), held.end(), [&](const held_unit& h) { return h.unit == e.unit.value; });
     if (!e.acquire) {
       if (it == held.end()) {
         throw config_error(message("plan step ", step_number, ": releases '", r.name,
                                    "', which the step has not acquired; acquire it earlier in the step"));
       }
-      held.erase(it);
       // With a communicator a released unit may keep its room until its bucket is reduced, which
       // can wait for units acquired later in the step: count it to the end of the step.
-      if (!r.pinned() && !reducer_) { held_bytes -= r.layout.device_bytes; }
+      if (!reducer_) { held_bytes -= it->bytes; }
+      held.erase(it);
       continue;
     }
     if (it != held.end()) {
@@ -60,24 +65,28 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number)
                                  "' while it is still held; release it in between"));
     }
     if (r.pinned()) {
-      held.push_back(e.unit.value);
+      held.push_back({e.unit.value, 0});
       continue;
     }
+    // A frozen use takes the parameters alone, unless other ranks train the unit in the step.
+    const bool whole = e.use == unit_use::train ||
+                       std::find(frozen_reduced.begin(), frozen_reduced.end(), e.unit.value) != frozen_reduced.end();
+    const std::size_t need = whole ? r.layout.device_bytes : r.layout.params_bytes;
     // Free room splits into at most one hole more than there are held units; when the largest
     // hole is sure to hold the unit, no placement of the held units can make the acquire fail.
     const std::size_t swapped_held = static_cast<std::size_t>(
-      std::count_if(held.begin(), held.end(), [&](std::uint32_t i) { return !units_[i].pinned(); }));
+      std::count_if(held.begin(), held.end(), [&](const held_unit& h) { return !units_[h.unit].pinned(); }));
     const std::size_t free = budget - pinned_bytes_ - std::min(held_bytes, budget - pinned_bytes_);
-    if (free >= r.layout.device_bytes && free / (swapped_held + 1) < r.layout.device_bytes) {
+    if (free >= need && free / (swapped_held + 1) < need) {
       detail::log_once("plan fragmentation margin", log_level::warning,
-                       message("plan step ", step_number, ": acquiring '", r.name, "' (", bytes_text(r.layout.device_bytes),
+                       message("plan step ", step_number, ": acquiring '", r.name, "' (", bytes_text(need),
                                ") next to ", swapped_held, " held units leaves ", bytes_text(free),
                                " free; if the held units split it, the acquire fails with out_of_memory. A budget "
-                               "with ", bytes_text((swapped_held + 1) * r.layout.device_bytes - free),
+                               "with ", bytes_text((swapped_held + 1) * need - free),
                                " more is safe whatever the placement"));
     }
-    held.push_back(e.unit.value);
-    held_bytes += r.layout.device_bytes;
+    held.push_back({e.unit.value, need});
+    held_bytes += need;
     if (pinned_bytes_ + held_bytes > budget) {
       throw config_error(message("plan step ", step_number, ": after acquiring '", r.name, "' the units held at once (",
                                  held_names(), ") need ", bytes_text(held_bytes), " and the pinned units ",
@@ -99,51 +108,65 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number)
 void runtime::impl::plan_together(std::span<const step_plan> steps)
 {
   const std::uint64_t first = steps_done_ + plan_.planned_steps();
-  std::vector<std::vector<std::uint32_t>> local(steps.size());
+  std::vector<std::vector<std::uint32_t>> trained(steps.size());
+  std::vector<std::vector<std::uint32_t>> frozen(steps.size());
   for (std::size_t k = 0; k < steps.size(); ++k) {
     for (const step_plan::entry& e : steps[k].entries()) {
       if (!e.acquire) { continue; }
-      if (std::find(local[k].begin(), local[k].end(), e.unit.value) != local[k].end()) {
+      const auto seen = [&](const std::vector<std::uint32_t>& v) {
+        return std::find(v.begin(), v.end(), e.unit.value) != v.end();
+      };
+      if (seen(trained[k]) || seen(frozen[k])) {
         throw config_error(message("plan step ", first + k, ": acquires '", units_[e.unit.value].name,
                                    "' twice. With a communicator a unit is acquired once per step and held from "
                                    "forward through backward (its release is the end of its gradients); release "
                                    "and re-acquire within a step only without a communicator"));
       }
-      local[k].push_back(e.unit.value);
+      (e.use == unit_use::frozen ? frozen[k] : trained[k]).push_back(e.unit.value);
     }
   }
-  std::vector<detail::step_agreement> agreed = reducer_->agree(local, first);
+  // Only what a rank trains is counted: a frozen use contributes nothing to the agreement.
+  std::vector<detail::step_agreement> agreed = reducer_->agree(trained, first);
   std::vector<step_plan> full_steps(steps.size());
+  std::vector<std::vector<std::uint32_t>> frozen_reduced(steps.size());
   std::vector<agreed_step> agreed_steps;
   for (std::size_t k = 0; k < steps.size(); ++k) {
     agreed_step a{std::move(agreed[k]), {}};
     for (const std::uint32_t u : a.agreement.order) {
-      if (std::find(local[k].begin(), local[k].end(), u) == local[k].end()) { a.update_only.push_back(u); }
+      const auto in = [&](const std::vector<std::uint32_t>& v) { return std::find(v.begin(), v.end(), u) != v.end(); };
+      if (in(frozen[k])) {
+        frozen_reduced[k].push_back(u);  // used frozen here, trained elsewhere: this replica takes the update
+      } else if (!in(trained[k])) {
+        a.update_only.push_back(u);
+      }
     }
     std::sort(a.update_only.begin(), a.update_only.end());
     step_plan full;
     for (const std::uint32_t u : a.update_only) { full.acquire(unit_id{u}); }
     for (const step_plan::entry& e : steps[k].entries()) {
       if (e.acquire) {
-        full.acquire(e.unit);
+        full.acquire(e.unit, e.use);
       } else {
         full.release(e.unit);
       }
     }
     for (const std::uint32_t u : a.update_only) { full.release(unit_id{u}); }
     try {
-      if (!a.update_only.empty()) { check_step(full, first + k); }  // else plan() checked it as given
+      if (!a.update_only.empty() || !frozen_reduced[k].empty()) {  // else plan() checked it as given
+        check_step(full, first + k, frozen_reduced[k]);
+      }
     } catch (const config_error& e) {
       std::string others;
       for (const std::uint32_t u : a.update_only) { others += (others.empty() ? "'" : ", '") + units_[u].name + "'"; }
+      for (const std::uint32_t u : frozen_reduced[k]) { others += (others.empty() ? "'" : ", '") + units_[u].name + "'"; }
       throw config_error(message(e.what(), others.empty() ? "" : ". The step includes units other ranks train (",
-                                 others, others.empty() ? "" : "), which this rank holds for their update"));
+                                 others, others.empty() ? "" : "), which this rank holds whole for their update"));
     }
     full_steps[k] = std::move(full);
     agreed_steps.push_back(std::move(a));
   }
   for (std::size_t k = 0; k < steps.size(); ++k) {  // all checked: nothing is planned half
-    plan_.append(full_steps[k]);
+    plan_.append(full_steps[k], frozen_reduced[k]);
     agreed_.push_back(std::move(agreed_steps[k]));
   }
 }

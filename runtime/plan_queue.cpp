@@ -5,33 +5,51 @@
 
 namespace taskswap::detail {
 
-void plan_queue::append(const step_plan& step)
+void plan_queue::append(const step_plan& step, std::span<const std::uint32_t> frozen_reduced)
 {
   planned_step s;
   s.first_position = next_position_;
   for (const step_plan::entry& e : step.entries()) {
-    if (e.acquire) {
-      s.entries.push_back({e.unit, next_position_, false});
-      uses_[e.unit.value].push_back(next_position_++);
+    if (!e.acquire) { continue; }
+    planned_use use = planned_use::train;
+    if (e.use == unit_use::frozen) {
+      const bool reduced = std::find(frozen_reduced.begin(), frozen_reduced.end(), e.unit.value) != frozen_reduced.end();
+      use = reduced ? planned_use::frozen_reduced : planned_use::frozen;
     }
+    s.entries.push_back({e.unit, next_position_, use, false});
+    uses_[e.unit.value].push_back(next_position_++);
   }
   steps_.push_back(std::move(s));
 }
 
-std::optional<std::uint64_t> plan_queue::match(unit_id u)
+std::size_t plan_queue::find(unit_id u) const
 {
-  if (steps_.empty()) { return std::nullopt; }
+  if (steps_.empty()) { return 0; }
+  const auto& entries = steps_.front().entries;
+  std::size_t i = cursor_;
+  while (i < entries.size() && (entries[i].consumed || entries[i].unit != u)) { ++i; }
+  return i;
+}
+
+std::optional<planned_acquisition> plan_queue::peek(unit_id u) const
+{
+  const std::size_t i = find(u);
+  if (steps_.empty() || i == steps_.front().entries.size()) { return std::nullopt; }
+  const planned_entry& e = steps_.front().entries[i];
+  return planned_acquisition{e.position, e.use};
+}
+
+std::optional<planned_acquisition> plan_queue::match(unit_id u)
+{
+  const std::size_t i = find(u);
+  if (steps_.empty() || i == steps_.front().entries.size()) { return std::nullopt; }
   auto& entries = steps_.front().entries;
-  for (std::size_t i = cursor_; i < entries.size(); ++i) {
-    planned_entry& e = entries[i];
-    if (e.consumed || e.unit != u) { continue; }
-    e.consumed = true;
-    // Earlier acquisitions of u in this step are consumed, so this is the front of its uses.
-    uses_[u.value].pop_front();
-    while (cursor_ < entries.size() && entries[cursor_].consumed) { ++cursor_; }
-    return e.position;
-  }
-  return std::nullopt;
+  planned_entry& e = entries[i];
+  e.consumed = true;
+  // Earlier acquisitions of u in this step are consumed, so this is the front of its uses.
+  uses_[u.value].pop_front();
+  while (cursor_ < entries.size() && entries[cursor_].consumed) { ++cursor_; }
+  return planned_acquisition{e.position, e.use};
 }
 
 void plan_queue::end_step()

@@ -21,16 +21,33 @@ namespace taskswap::detail {
 
 inline constexpr std::uint64_t never = std::numeric_limits<std::uint64_t>::max();
 
+/// How a planned acquisition uses its unit, as far as residency is concerned.
+enum class planned_use : std::uint8_t {
+  train,           // the whole unit: parameters, optimizer state (device placement), gradients
+  frozen,          // the parameters alone
+  frozen_reduced,  // used frozen here while other ranks train it: whole, zero gradients, takes the update
+};
+
+struct planned_acquisition {
+  std::uint64_t position = 0;
+  planned_use use = planned_use::train;
+  /// Whether the acquisition needs the unit's whole slot (not its parameters alone).
+  [[nodiscard]] bool whole() const noexcept { return use != planned_use::frozen; }
+};
+
 class plan_queue {
  public:
   explicit plan_queue(std::size_t units) : uses_(units) {}
 
-  /// Appends a step (validated by the caller).
-  void append(const step_plan& step);
+  /// Appends a step (validated by the caller); its frozen acquisitions of the units in
+  /// `frozen_reduced` are planned_use::frozen_reduced.
+  void append(const step_plan& step, std::span<const std::uint32_t> frozen_reduced = {});
 
-  /// Consumes the first unconsumed planned acquisition of `u` in the current step; its
-  /// position, or nothing when the plan did not announce it.
-  std::optional<std::uint64_t> match(unit_id u);
+  /// The first unconsumed planned acquisition of `u` in the current step, or nothing when the
+  /// plan does not announce one.
+  [[nodiscard]] std::optional<planned_acquisition> peek(unit_id u) const;
+  /// As peek(), and consumes it.
+  std::optional<planned_acquisition> match(unit_id u);
   /// Leaves the current step: its unconsumed acquisitions are dropped.
   void end_step();
 
@@ -49,8 +66,8 @@ class plan_queue {
   }
   /// Steps from the current one (0) to the step holding `position`.
   [[nodiscard]] std::size_t step_distance(std::uint64_t position) const;
-  /// Calls `visit(unit, position, distance)` for the unconsumed acquisitions of the current and
-  /// the next `max_distance` steps, in order, until it returns false.
+  /// Calls `visit(unit, acquisition, distance)` for the unconsumed acquisitions of the current
+  /// and the next `max_distance` steps, in order, until it returns false.
   template <typename Visit>
   void for_each_upcoming(std::size_t max_distance, Visit&& visit) const
   {
@@ -59,7 +76,7 @@ class plan_queue {
       const auto& entries = steps_[k].entries;
       for (std::size_t i = k == 0 ? cursor_ : 0; i < entries.size(); ++i) {
         if (entries[i].consumed) { continue; }
-        if (!visit(entries[i].unit, entries[i].position, k)) { return; }
+        if (!visit(entries[i].unit, planned_acquisition{entries[i].position, entries[i].use}, k)) { return; }
       }
     }
   }
@@ -69,13 +86,16 @@ class plan_queue {
  private:
   struct planned_entry {
     unit_id unit;
-    std::uint64_t position;  // `never` for releases
+    std::uint64_t position;
+    planned_use use = planned_use::train;
     bool consumed = false;
   };
   struct planned_step {
     std::vector<planned_entry> entries;
     std::uint64_t first_position = 0;
   };
+  [[nodiscard]] std::size_t find(unit_id u) const;  // index in the current step, or its size
+
   std::deque<planned_step> steps_;
   std::size_t cursor_ = 0;  // entries of the current step before it are consumed
   std::uint64_t next_position_ = 0;

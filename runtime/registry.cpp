@@ -55,7 +55,9 @@ unit_footprint footprint(const unit_spec& spec, optimizer_placement placement)
                         .write_back_bytes = l.writeback_bytes,
                         .grad_bytes = l.device_grad_bytes(),
                         .reduce_bytes = l.reduce_bytes(),
-                        .param_bytes = l.params_bytes};
+                        .param_bytes = l.params_bytes,
+                        .frozen_device_bytes = l.params_bytes,
+                        .frozen_swap_in_bytes = l.params_bytes};
 }
 
 void runtime::impl::register_units(const runtime_options& options, std::vector<unit_spec> specs)

@@ -25,6 +25,8 @@ std::string_view to_string(optimizer_placement p) noexcept
   return p == optimizer_placement::host ? "host" : "device";
 }
 
+std::string_view to_string(unit_use u) noexcept { return u == unit_use::frozen ? "frozen" : "train"; }
+
 void* unit_view::param(std::size_t i) const
 {
   TASKSWAP_EXPECTS(i < tensors.size(), detail::message("tensor ", i, " of a unit with ", tensors.size()));
@@ -34,6 +36,8 @@ void* unit_view::param(std::size_t i) const
 void* unit_view::grad(std::size_t i) const
 {
   TASKSWAP_EXPECTS(i < tensors.size(), detail::message("tensor ", i, " of a unit with ", tensors.size()));
+  TASKSWAP_EXPECTS(!frozen, "grad(): the unit is used frozen and has no gradients; plan and acquire it with "
+                            "unit_use::train to train it");
   return static_cast<std::byte*>(grads.data) + tensors[i].offset * size_of(grads.type);
 }
 
@@ -45,18 +49,18 @@ step_plan::step_plan(std::initializer_list<unit_id> acquisitions)
 step_plan::step_plan(std::span<const unit_id> acquisitions)
 {
   entries_.reserve(acquisitions.size());
-  for (const unit_id u : acquisitions) { entries_.push_back({u, true}); }
+  for (const unit_id u : acquisitions) { entries_.push_back({u, true, unit_use::train}); }
 }
 
-step_plan& step_plan::acquire(unit_id u)
+step_plan& step_plan::acquire(unit_id u, unit_use use)
 {
-  entries_.push_back({u, true});
+  entries_.push_back({u, true, use});
   return *this;
 }
 
 step_plan& step_plan::release(unit_id u)
 {
-  entries_.push_back({u, false});
+  entries_.push_back({u, false, unit_use::train});
   return *this;
 }
 
@@ -112,9 +116,9 @@ void runtime::plan(std::span<const step_plan> steps)
   impl_->guarded([&] { impl_->plan(steps); });
 }
 
-unit_view runtime::acquire(unit_id u, stream_view s)
+unit_view runtime::acquire(unit_id u, stream_view s, unit_use use)
 {
-  return impl_->guarded([&] { return impl_->trainer_acquire(u, s); });
+  return impl_->guarded([&] { return impl_->trainer_acquire(u, s, use); });
 }
 
 void runtime::grads_ready(unit_id u, stream_view s)

@@ -75,7 +75,7 @@ struct runtime::impl {
 
   // What the public methods do (runtime.cpp forwards each one through guarded()).
   void plan(std::span<const step_plan> steps);
-  unit_view trainer_acquire(unit_id u, stream_view s);
+  unit_view trainer_acquire(unit_id u, stream_view s, unit_use use);
   void trainer_grads_ready(unit_id u, stream_view s);
   void trainer_step(unit_id u, stream_view s);
   void trainer_release(unit_id u, stream_view s);
@@ -92,11 +92,13 @@ struct runtime::impl {
   void start();
 
   // Residency: the swap engine (swap_engine.cpp)
-  bool swap_in(unit_record& r, std::uint64_t use, bool for_acquire);
+  // `whole`: the unit's whole slot, else its parameters alone (a frozen use).
+  bool swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole);
   void fill_slot(unit_record& r);
   std::optional<device_span> make_room(std::size_t bytes, std::uint64_t use, bool for_acquire);
   unit_record* pick_victim(std::uint64_t use, bool for_acquire);
   void evict(unit_record& r);
+  void narrow_to_params(unit_record& r);
   void write_back(unit_record& r);
   void flush_h2d_waits();
   void prefetch();
@@ -105,11 +107,13 @@ struct runtime::impl {
   void note_device_bytes();
 
   // Plan checks (plan_check.cpp)
-  void check_step(const step_plan& step, std::uint64_t step_number) const;
+  // `frozen_reduced`: units the step uses frozen here that other ranks train (they take their whole slot).
+  void check_step(const step_plan& step, std::uint64_t step_number,
+                  std::span<const std::uint32_t> frozen_reduced = {}) const;
 
   // The step protocol's bodies, shared by the trainer's calls and the reducer's updates
   // (step_protocol.cpp)
-  void acquire(unit_record& r, stream_view s);
+  void acquire(unit_record& r, stream_view s, bool whole = true);
   void apply_step(unit_record& r, stream_view s);
   void release(unit_record& r, stream_view s);
 
@@ -125,6 +129,7 @@ struct runtime::impl {
   void broadcast_replicas();
   void begin_step();
   void mark_ready(unit_record& r, stream_view s);
+  void request_step(unit_record& r, stream_view s);
   void on_launched(const std::vector<std::uint32_t>& units);
   void update_on_aux(unit_record& r);
   void hold_for_update(unit_record& r);
@@ -234,7 +239,7 @@ struct runtime::impl {
   // stream on which the runtime applies the updates it owns.
   struct agreed_step {
     detail::step_agreement agreement;
-    std::vector<std::uint32_t> update_only;  // active elsewhere, not trained here
+    std::vector<std::uint32_t> update_only;  // active elsewhere, not acquired here
   };
   std::optional<stream> aux_;
   std::deque<agreed_step> agreed_;

@@ -14,54 +14,74 @@ using detail::bytes_text;
 using detail::ensure;
 using detail::message;
 
-unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s)
+unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
 {
   unit_record& r = record(u);
   TASKSWAP_EXPECTS(!r.held, message("acquire('", r.name, "'): the unit is already held; release it first"));
   check_comm();
   start();
   begin_step();
-  acquire(r, s);
+  const bool frozen = use == unit_use::frozen;
+  const std::optional<detail::planned_acquisition> planned = plan_.peek(u);
+  if (planned) {
+    const bool planned_frozen = planned->use != detail::planned_use::train;
+    TASKSWAP_EXPECTS(planned_frozen == frozen,
+                     message("acquire('", r.name, "', ", to_string(use), "): step ", steps_done_, " planned it ",
+                             planned_frozen ? "frozen" : "trained", "; acquire it as the plan says, or plan it ",
+                             frozen ? "frozen" : "trained"));
+  }
+  r.frozen_reduced = planned && planned->use == detail::planned_use::frozen_reduced;
+  acquire(r, s, !frozen || r.frozen_reduced);
+  r.frozen = frozen;
   const detail::unit_layout& l = r.layout;
   unit_view v;
   v.id = u;
   v.tensors = l.tensors;
   v.params = {r.slot->data() + l.params, l.compute, l.count};
-  v.grads = {r.slot->data() + l.device_grads, l.grad, l.count};
+  if (frozen) {
+    ++current_.frozen;
+    v.grads = {nullptr, l.grad, 0};
+    v.frozen = true;
+    // Other ranks train it: its gradients stay zero, so it is ready for the reduction at once.
+    if (r.frozen_reduced) { mark_ready(r, s); }
+  } else {
+    v.grads = {r.slot->data() + l.device_grads, l.grad, l.count};
+  }
   return v;
 }
 
-void runtime::impl::acquire(unit_record& r, stream_view s)
+void runtime::impl::acquire(unit_record& r, stream_view s, bool whole)
 {
   const unit_id u{r.index};
   r.stepped = false;
-  const std::optional<std::uint64_t> position = plan_.match(u);
-  if (!position) {
+  const std::optional<detail::planned_acquisition> planned = plan_.match(u);
+  if (!planned) {
     TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "'): step ", steps_done_,
                                         " did not plan it. With a communicator every acquisition must be planned "
                                         "(runtime::plan), since the ranks agree on each step's units when it is planned"));
     ++current_.unplanned;
   }
-  if (r.resident()) {
+  if (r.resident() && !(whole && r.params_only)) {
     ++current_.hits;
   } else {
     ++current_.misses;
-    if (!swap_in(r, position.value_or(0), true)) {
+    if (!swap_in(r, planned ? planned->position : 0, true, whole)) {
       const std::size_t budget = options_.device.budget;
       const std::size_t free = budget - pool_->stats().used;
+      const std::size_t needed = whole ? r.layout.device_bytes : r.layout.params_bytes;
       throw out_of_memory(
-        message("acquire('", r.name, "') needs ", bytes_text(r.layout.device_bytes), " of device memory; ",
+        message("acquire('", r.name, "') needs ", bytes_text(needed), " of device memory; ",
                 held_count_, " units held now use ", bytes_text(held_bytes_), " and the pinned units ",
                 bytes_text(pinned_bytes_), " of the ", bytes_text(budget), " budget (",
-                free >= r.layout.device_bytes ? "enough in total, but no free block is large enough"
-                                              : "not enough left",
+                free >= needed ? "enough in total, but no free block is large enough" : "not enough left",
                 "); release units earlier or plan the step so the runtime checks it ahead"),
-        r.layout.device_bytes, free, budget);
+        needed, free, budget);
     }
   }
   r.held = true;
   ++held_count_;
-  if (!r.pinned()) { held_bytes_ += r.layout.device_bytes; }
+  r.held_bytes = r.pinned() ? 0 : r.slot->size();
+  held_bytes_ += r.held_bytes;
   if (reducer_) { step_units_.push_back(r.index); }
   // The previous use ended on another stream (the trainer's, or aux after an update): wait for it.
   if (r.released_on != nullptr && r.released_on != s.native_handle()) {
@@ -91,6 +111,8 @@ void runtime::impl::trainer_grads_ready(unit_id u, stream_view s)
 {
   check_comm();
   unit_record& r = held_record(u, "grads_ready");
+  TASKSWAP_EXPECTS(!r.frozen, message("grads_ready('", r.name, "'): the unit is used frozen in this step and has no "
+                                      "gradients; plan and acquire it with unit_use::train to train it"));
   if (reducer_) {
     mark_ready(r, s);
     return;
@@ -102,6 +124,8 @@ void runtime::impl::trainer_step(unit_id u, stream_view s)
 {
   check_comm();
   unit_record& r = held_record(u, "step");
+  TASKSWAP_EXPECTS(!r.frozen, message("step('", r.name, "'): the unit is used frozen in this step and is not "
+                                      "stepped; plan and acquire it with unit_use::train to train it"));
   if (!reducer_) {
     if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
     apply_step(r, s);
@@ -109,6 +133,13 @@ void runtime::impl::trainer_step(unit_id u, stream_view s)
     return;
   }
   TASKSWAP_EXPECTS(!r.step_requested, message("step('", r.name, "'): the unit was stepped already in this step"));
+  request_step(r, s);
+}
+
+// With a communicator: the update of `r` after the work on `s` and its reduction; on `s` when the
+// reduction was launched, else on aux once it is.
+void runtime::impl::request_step(unit_record& r, stream_view s)
+{
   mark_ready(r, s);  // a step implies the gradients are complete
   r.step_requested = true;
   if (const event* reduced = reducer_->reduced(r.index)) {
@@ -142,8 +173,8 @@ void runtime::impl::trainer_release(unit_id u, stream_view s)
 {
   check_comm();
   unit_record& r = held_record(u, "release");
-  if (!reducer_) {
-    if (!r.stepped) {  // given up without a step: its gradients are zero again for the next use
+  if (!reducer_ || (r.frozen && !r.frozen_reduced)) {  // a frozen use no rank trains: nothing to reduce
+    if (!r.frozen && !r.stepped) {  // given up without a step: its gradients are zero again for the next use
       const detail::unit_layout& l = r.layout;
       fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
     }
@@ -152,16 +183,18 @@ void runtime::impl::trainer_release(unit_id u, stream_view s)
   }
   TASKSWAP_EXPECTS(!r.release_deferred, message("release('", r.name, "'): the unit was released already"));
   if (!r.step_requested) {
-    detail::log_once("release without step", log_level::warning,
-                     message("release('", r.name, "'): the unit was not stepped; with a communicator the runtime "
-                             "steps it so that every rank applies the same update. Call step() before release()"));
-    trainer_step(u, s);
+    if (!r.frozen_reduced) {  // a frozen use that others train takes their update here, by design
+      detail::log_once("release without step", log_level::warning,
+                       message("release('", r.name, "'): the unit was not stepped; with a communicator the runtime "
+                               "steps it so that every rank applies the same update. Call step() before release()"));
+    }
+    request_step(r, s);
   }
   if (r.step_deferred) {  // the update has not run yet; the release follows it
     ensure(r.trainer_released, device_).record(s);
     r.release_deferred = true;
     --held_count_;  // the trainer no longer holds it; the runtime does until the update ran
-    if (!r.pinned()) { held_bytes_ -= r.layout.device_bytes; }
+    held_bytes_ -= r.held_bytes;
     return;
   }
   if (r.updated_on_aux) {
@@ -180,10 +213,13 @@ void runtime::impl::release(unit_record& r, stream_view s)
   r.released_on = s.native_handle();
   if (trace_) { trace_->close(r.trace_span, s); }
   r.held = false;
+  r.frozen = false;
+  r.frozen_reduced = false;
   if (!r.release_deferred) {  // a deferred release left the trainer's count when the trainer called it
     --held_count_;
-    if (!r.pinned()) { held_bytes_ -= r.layout.device_bytes; }
+    held_bytes_ -= r.held_bytes;
   }
+  r.held_bytes = 0;
   r.release_deferred = false;
   r.last_release = ++tick_;
   if (r.params_stale) {

@@ -42,9 +42,9 @@ void runtime::impl::hold_for_update(unit_record& r)
 
 void runtime::impl::hold_gradients_only(unit_record& r)
 {
-  const std::optional<std::uint64_t> position = plan_.match(unit_id{r.index});
+  const std::optional<detail::planned_acquisition> planned = plan_.match(unit_id{r.index});
   const std::size_t bytes = r.layout.device_grad_bytes();
-  const auto range = make_room(bytes, position.value_or(0), true);
+  const auto range = make_room(bytes, planned ? planned->position : 0, true);
   if (!range) {
     throw out_of_memory(message("step ", steps_done_, ": the zeroed gradient slab of '", r.name, "' (",
                                 bytes_text(bytes), "), which other ranks train, does not fit in the ",
@@ -60,7 +60,8 @@ void runtime::impl::hold_gradients_only(unit_record& r)
   r.arrived.wait(*aux_);
   r.held = true;
   ++held_count_;
-  held_bytes_ += r.layout.device_bytes;
+  r.held_bytes = bytes;
+  held_bytes_ += bytes;
   step_units_.push_back(r.index);
   note_device_bytes();
 }

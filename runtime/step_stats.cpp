@@ -57,6 +57,7 @@ step_stats runtime::impl::close_step_stats()
   t.hits += done.hits;
   t.misses += done.misses;
   t.unplanned += done.unplanned;
+  t.frozen += done.frozen;
   t.swap_ins += done.swap_ins;
   t.write_backs += done.write_backs;
   t.evictions += done.evictions;

@@ -40,8 +40,9 @@ void runtime::impl::remove_resident(unit_record& r)
   resident_.pop_back();
 }
 
-// Copies the travelling prefix of the home block into the unit's slot and zeroes its gradients,
-// on h2d, after every pending reuse of pool memory and every pending write of this home block.
+// Copies the travelling prefix of the home block into the unit's slot and zeroes its gradients
+// (or, for a slot of the parameters alone, copies those), on h2d, after every pending reuse of
+// pool memory and every pending write of this home block.
 void runtime::impl::fill_slot(unit_record& r)
 {
   const detail::unit_layout& l = r.layout;
@@ -49,9 +50,10 @@ void runtime::impl::fill_slot(unit_record& r)
   for (const std::optional<event>* e : {&r.written_back, &r.host_updated}) {
     if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(h2d_); }
   }
+  const std::size_t bytes = r.params_only ? l.params_bytes : l.travel_bytes;  // the params lie first in both
   const std::size_t span = trace_ ? trace_->open(h2d_track_, "swap-in " + r.name, h2d_) : 0;
-  copy_async(r.slot->subspan(0, l.travel_bytes), std::span<const std::byte>(r.home, l.travel_bytes), h2d_);
-  fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, h2d_);
+  copy_async(r.slot->subspan(0, bytes), std::span<const std::byte>(r.home, bytes), h2d_);
+  if (!r.params_only) { fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, h2d_); }
   r.arrived.record(h2d_);
   if (trace_) { trace_->close(span, h2d_); }
   r.dirty = false;
@@ -59,7 +61,7 @@ void runtime::impl::fill_slot(unit_record& r)
   r.stepped_here = false;
   ++r.swap_ins;
   ++current_.swap_ins;
-  current_.h2d_bytes += l.travel_bytes;
+  current_.h2d_bytes += bytes;
 }
 
 void runtime::impl::write_back(unit_record& r)
@@ -89,6 +91,7 @@ void runtime::impl::evict(unit_record& r)
   pool_->deallocate(*r.slot);
   r.slot.reset();
   r.grads_only = false;
+  r.params_only = false;
   r.params_stale = false;
   remove_resident(r);
   ++current_.evictions;
@@ -119,21 +122,50 @@ runtime::impl::unit_record* runtime::impl::pick_victim(std::uint64_t use, bool f
   return best;
 }
 
+// A unit held for a frozen use in its whole slot gives up everything but its parameters: the plan
+// check counted only those. What changed is written home first; the freed tail is reused only
+// after that copy and the unit's previous uses of it.
+void runtime::impl::narrow_to_params(unit_record& r)
+{
+  if (r.dirty) {
+    write_back(r);
+    h2d_waits_.push_back(&*r.written_back);
+  }
+  if (r.released.recorded()) { h2d_waits_.push_back(&r.released); }
+  if (r.stepped_here) { h2d_waits_.push_back(&*r.grads_copied); }
+  const std::size_t keep = r.layout.params_bytes;
+  held_bytes_ -= r.held_bytes - keep;
+  r.held_bytes = keep;
+  r.slot = pool_->shrink(*r.slot, keep);
+  r.params_only = true;
+  note_device_bytes();
+}
+
 std::optional<device_span> runtime::impl::make_room(std::size_t bytes, std::uint64_t use, bool for_acquire)
 {
   while (true) {
     if (auto range = pool_->try_allocate(bytes, detail::slab_alignment)) { return range; }
-    unit_record* victim = pick_victim(use, for_acquire);
-    if (victim == nullptr) { return std::nullopt; }
-    evict(*victim);
+    if (unit_record* victim = pick_victim(use, for_acquire)) {
+      evict(*victim);
+      continue;
+    }
+    if (!for_acquire) { return std::nullopt; }  // a prefetch never narrows what the trainer holds
+    const auto wide = std::find_if(resident_.begin(), resident_.end(), [&](std::uint32_t i) {
+      const unit_record& h = units_[i];
+      return h.held && h.frozen && !h.frozen_reduced && !h.params_only;
+    });
+    if (wide == resident_.end()) { return std::nullopt; }
+    narrow_to_params(units_[*wide]);
   }
 }
 
-bool runtime::impl::swap_in(unit_record& r, std::uint64_t use, bool for_acquire)
+bool runtime::impl::swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole)
 {
-  auto range = make_room(r.layout.device_bytes, use, for_acquire);
+  auto range = make_room(whole ? r.layout.device_bytes : r.layout.params_bytes, use, for_acquire);
   if (!range) { return false; }
+  if (r.resident()) { evict(r); }  // its parameters alone were here: the unit now comes in whole
   r.slot = *range;
+  r.params_only = !whole;
   add_resident(r);
   fill_slot(r);
   note_device_bytes();
@@ -144,11 +176,14 @@ bool runtime::impl::swap_in(unit_record& r, std::uint64_t use, bool for_acquire)
 // budget allow; stops at the first that does not fit, so no later unit takes its room.
 void runtime::impl::prefetch()
 {
-  plan_.for_each_upcoming(max_lookahead_, [&](unit_id u, std::uint64_t position, std::size_t distance) {
+  plan_.for_each_upcoming(max_lookahead_, [&](unit_id u, detail::planned_acquisition a, std::size_t distance) {
     unit_record& r = units_[u.value];
-    if (r.resident() || r.policy.residency != residency::prefetch) { return true; }
+    const bool whole = a.whole();
+    if (r.resident() && !(whole && r.params_only)) { return true; }
+    if (r.policy.residency != residency::prefetch) { return true; }
     if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }
-    return swap_in(r, position, false);
+    if (r.held) { return true; }  // its parameters are in use: it comes in whole at its acquire
+    return swap_in(r, a.position, false, whole);
   });
 }
 

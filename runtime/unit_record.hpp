@@ -27,6 +27,10 @@ struct unit_record {
   bool params_stale = false;  // home is newer than the device copy (host placement, after a step)
   bool stepped_here = false;  // a host step read this residency's gradients
   bool stepped = false;       // step() since its acquire (without a communicator)
+  bool params_only = false;   // its slot holds the parameters alone (brought in or narrowed for a frozen use)
+  bool frozen = false;        // the current acquisition is a frozen use (forward only)
+  bool frozen_reduced = false;  // ... while other ranks train it: whole, zero gradients, takes the update
+  std::size_t held_bytes = 0;   // what its acquisition adds to runtime::impl::held_bytes_
   std::int64_t step = 0;
   std::uint64_t last_release = 0;
   std::size_t resident_index = 0;  // in runtime::impl::resident_

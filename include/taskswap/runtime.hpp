@@ -39,8 +39,15 @@ enum class optimizer_placement : std::uint8_t {
   host,    ///< only parameters and gradients travel; the CPU AdamW updates the home copy
 };
 
+/// @brief How a step uses a unit it acquires, chosen per acquisition in the plan.
+enum class unit_use : std::uint8_t {
+  train,   ///< forward and backward: a gradient slab, a reduction, an update
+  frozen,  ///< forward only: the parameters alone on the device; never reduced, stepped or written back
+};
+
 [[nodiscard]] std::string_view to_string(residency r) noexcept;
 [[nodiscard]] std::string_view to_string(optimizer_placement p) noexcept;
+[[nodiscard]] std::string_view to_string(unit_use u) noexcept;
 
 /// @brief A unit's residency policy and optimizer placement.
 struct unit_policy {
@@ -132,10 +139,13 @@ struct unit_view {
   unit_id id{};
   std::span<const tensor_info> tensors;
   slab_view params;  ///< compute dtype
-  slab_view grads;   ///< zero when the unit arrives and after each step; kernels accumulate into it
+  slab_view grads;   ///< zero when the unit arrives and after each step; kernels accumulate into it.
+                     ///< Empty (null, 0 elements) when the unit is used frozen
+  bool frozen = false;  ///< acquired with unit_use::frozen: read the parameters only
   /// @brief Device address of tensor `i`'s parameters.
   [[nodiscard]] void* param(std::size_t i) const;
   /// @brief Device address of tensor `i`'s gradients.
+  /// @throws invalid_argument when the unit is used frozen (it has no gradients)
   [[nodiscard]] void* grad(std::size_t i) const;
 };
 
@@ -153,19 +163,25 @@ struct home_view {
 
 /// @brief One planned training step: the ordered acquisitions (and, where a unit is let go
 /// before the step ends, its release), as the trainer will call them.
+///
+/// Each acquisition says how the step uses the unit. A frozen use (forward only) brings only the
+/// parameters (no gradient slab in the budget, no zero-fill), is never reduced or stepped, and
+/// leaves the unit clean; the next step may train it again. Freezing a unit for the rest of a run
+/// is planning it frozen from then on.
 class step_plan {
  public:
   struct entry {
     unit_id unit;
     bool acquire;
+    unit_use use = unit_use::train;  ///< for an acquisition
   };
   step_plan() = default;
-  /// @brief Acquisitions in this order, each held until the end of the step.
+  /// @brief Acquisitions in this order, each trained and held until the end of the step.
   step_plan(std::initializer_list<unit_id> acquisitions);
   explicit step_plan(std::span<const unit_id> acquisitions);
 
-  /// @brief Appends an acquisition.
-  step_plan& acquire(unit_id u);
+  /// @brief Appends an acquisition, trained or frozen.
+  step_plan& acquire(unit_id u, unit_use use = unit_use::train);
   /// @brief Appends a release (before the step's end) of a unit acquired earlier in the step.
   step_plan& release(unit_id u);
 
@@ -188,6 +204,9 @@ struct unit_footprint {
                                      ///< counts it: the tensors' elements and the gaps of < 64
                                      ///< elements between tensors (one contiguous range), no tail padding
   std::size_t param_bytes = 0;       ///< its parameter slab (host placement: uploaded after each CPU step)
+  std::size_t frozen_device_bytes = 0;    ///< while used frozen (its parameter slab alone), when not
+                                          ///< resident already; pinned units keep device_bytes
+  std::size_t frozen_swap_in_bytes = 0;   ///< host→device per swap-in for a frozen use
 };
 
 /// @brief The footprint of `spec` under `placement`; the same layout the runtime uses.
@@ -209,6 +228,7 @@ struct step_stats {
   std::size_t hits = 0;        ///< acquisitions whose unit was resident or on its way
   std::size_t misses = 0;      ///< acquisitions that had to start the swap-in
   std::size_t unplanned = 0;   ///< acquisitions the plan did not announce
+  std::size_t frozen = 0;      ///< acquisitions used frozen
   std::size_t swap_ins = 0;
   std::size_t write_backs = 0;
   std::size_t evictions = 0;
@@ -299,14 +319,23 @@ class runtime {
   void plan(const step_plan& step) { plan(std::span<const step_plan>(&step, 1)); }
 
   /// @brief Device views of `u`; `s` waits (on the device) for its swap-in. Does not synchronise.
-  /// @throws invalid_argument if `u` is already held
+  /// @param use unit_use::frozen: forward only. The view has parameters and no gradients; only
+  /// release() may follow. A unit that is not resident comes in with its parameters alone; one
+  /// that is resident keeps its slot, which the runtime narrows to the parameters (writing the
+  /// rest home first if it changed) only when it needs the room. With a communicator a frozen
+  /// use costs no bytes on any rank, unless another rank trains the unit in the same step: then
+  /// this rank's replica takes the update too (replicas stay equal), after the frozen use, as
+  /// the average of the ranks that trained it (or over the world with average = "world").
+  /// @throws invalid_argument if `u` is already held, or the plan announced it with the other use
   /// @throws out_of_memory if `u` does not fit next to the units held now (a step off its plan)
-  [[nodiscard]] unit_view acquire(unit_id u, stream_view s);
+  [[nodiscard]] unit_view acquire(unit_id u, stream_view s, unit_use use = unit_use::train);
   /// @brief `u`'s gradients are complete on `s`. Does not synchronise.
+  /// @throws invalid_argument if `u` is not held, or is used frozen
   void grads_ready(unit_id u, stream_view s);
   /// @brief One AdamW step of `u` after the work on `s`: on `s` (device placement), or on the
   /// CPU after its gradients came home (host placement). Gradients are zero afterwards.
   /// Does not synchronise.
+  /// @throws invalid_argument if `u` is not held, or is used frozen
   void step(unit_id u, stream_view s);
   /// @brief Ends the use of `u` on `s`; its device memory may be reused after the work on `s`.
   /// Does not synchronise.

@@ -131,22 +131,31 @@ TEST(plan_queue, next_use_follows_consumption_and_skipped_acquisitions_are_dropp
   detail::plan_queue q(3);
   const unit_id a{0}, b{1}, c{2};
   q.append(step_plan{a, b});
-  q.append(step_plan{c, a});
+  const std::vector<std::uint32_t> reduced{0};
+  q.append(step_plan{}.acquire(c, unit_use::frozen).acquire(a, unit_use::frozen), reduced);
   EXPECT_EQ(q.next_use(a), 0U);
   EXPECT_EQ(q.next_use(b), 1U);
   EXPECT_EQ(q.next_use(c), 2U);
   EXPECT_EQ(q.step_distance(3), 1U);
-  EXPECT_EQ(q.match(b), 1U);  // out of order within the step is still planned
+  EXPECT_EQ(q.peek(b)->position, 1U);
+  EXPECT_EQ(q.match(b)->position, 1U);  // out of order within the step is still planned
+  EXPECT_EQ(q.peek(b), std::nullopt);    // consumed
   EXPECT_EQ(q.match(c), std::nullopt);  // c belongs to the next step
   q.end_step();  // a's acquisition in step 0 was skipped
   EXPECT_EQ(q.next_use(a), 3U);
   EXPECT_EQ(q.next_use(b), detail::never);
   std::vector<std::uint64_t> seen;
-  q.for_each_upcoming(5, [&](unit_id, std::uint64_t p, std::size_t) {
-    seen.push_back(p);
+  std::vector<detail::planned_use> uses;
+  q.for_each_upcoming(5, [&](unit_id, detail::planned_acquisition p, std::size_t) {
+    seen.push_back(p.position);
+    uses.push_back(p.use);
     return true;
   });
   EXPECT_EQ(seen, (std::vector<std::uint64_t>{2, 3}));
+  // c is used frozen; a is used frozen while other ranks train it (whole, for their update)
+  EXPECT_EQ(uses, (std::vector<detail::planned_use>{detail::planned_use::frozen, detail::planned_use::frozen_reduced}));
+  EXPECT_FALSE(q.peek(c)->whole());
+  EXPECT_TRUE(q.peek(a)->whole());
 }
 
 // The fewest fetches any eviction choice achieves, by dynamic programming over cache contents.
