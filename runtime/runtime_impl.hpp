@@ -113,7 +113,8 @@ struct runtime::impl {
 
   // The step protocol's bodies, shared by the trainer's calls and the reducer's updates
   // (step_protocol.cpp)
-  void acquire(unit_record& r, stream_view s, bool whole = true);
+  // `as_planned`: consume the step's planned acquisition of the unit, if there is one.
+  void acquire(unit_record& r, stream_view s, bool whole = true, bool as_planned = true);
   void apply_step(unit_record& r, stream_view s);
   void release(unit_record& r, stream_view s);
 

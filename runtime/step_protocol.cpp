@@ -22,16 +22,18 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
   start();
   begin_step();
   const bool frozen = use == unit_use::frozen;
-  const std::optional<detail::planned_acquisition> planned = plan_.peek(u);
-  if (planned) {
-    const bool planned_frozen = planned->use != detail::planned_use::train;
-    TASKSWAP_EXPECTS(planned_frozen == frozen,
-                     message("acquire('", r.name, "', ", to_string(use), "): step ", steps_done_, " planned it ",
-                             planned_frozen ? "frozen" : "trained", "; acquire it as the plan says, or plan it ",
-                             frozen ? "frozen" : "trained"));
+  std::optional<detail::planned_acquisition> planned = plan_.peek(u);
+  if (planned && (planned->use != detail::planned_use::train) != frozen) {
+    // With a communicator the ranks agreed on the planned use; without one the plan is a
+    // forecast, and an acquisition it did not foresee is unplanned.
+    TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "', ", to_string(use), "): step ", steps_done_,
+                                        " planned it ", frozen ? "trained" : "frozen",
+                                        "; with a communicator acquire it as the plan says, or plan it ",
+                                        frozen ? "frozen" : "trained"));
+    planned.reset();
   }
   r.frozen_reduced = planned && planned->use == detail::planned_use::frozen_reduced;
-  acquire(r, s, !frozen || r.frozen_reduced);
+  acquire(r, s, !frozen || r.frozen_reduced, planned.has_value());
   r.frozen = frozen;
   const detail::unit_layout& l = r.layout;
   unit_view v;
@@ -50,11 +52,11 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
   return v;
 }
 
-void runtime::impl::acquire(unit_record& r, stream_view s, bool whole)
+void runtime::impl::acquire(unit_record& r, stream_view s, bool whole, bool as_planned)
 {
   const unit_id u{r.index};
   r.stepped = false;
-  const std::optional<detail::planned_acquisition> planned = plan_.match(u);
+  const std::optional<detail::planned_acquisition> planned = as_planned ? plan_.match(u) : std::nullopt;
   if (!planned) {
     TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "'): step ", steps_done_,
                                         " did not plan it. With a communicator every acquisition must be planned "

@@ -326,7 +326,9 @@ class runtime {
   /// use costs no bytes on any rank, unless another rank trains the unit in the same step: then
   /// this rank's replica takes the update too (replicas stay equal), after the frozen use, as
   /// the average of the ranks that trained it (or over the world with average = "world").
-  /// @throws invalid_argument if `u` is already held, or the plan announced it with the other use
+  /// Without a communicator an acquisition whose use differs from the plan's counts as unplanned.
+  /// @throws invalid_argument if `u` is already held, or (with a communicator) the plan announced
+  /// it with the other use
   /// @throws out_of_memory if `u` does not fit next to the units held now (a step off its plan)
   [[nodiscard]] unit_view acquire(unit_id u, stream_view s, unit_use use = unit_use::train);
   /// @brief `u`'s gradients are complete on `s`. Does not synchronise.

@@ -72,7 +72,10 @@ struct run_options {
   bool plan_upfront = true;
   average_mode average = average_mode::contributors;
   std::uint64_t steps = 10;
+  bool freeze = false;  // frozen uses: the trunk from step freeze_trunk_at, and heads other ranks train
 };
+
+constexpr std::uint64_t freeze_trunk_at = 4;
 
 // The head rank `rank` trains in step k; a rank may plan it and then not acquire it (it still
 // counts as a contributor of zeros).
@@ -90,9 +93,28 @@ bool skips_head(const run_options& o, int rank, std::uint64_t k)
 // A learning-rate schedule: set between steps, it must reach every rank's updates alike.
 float lr_of(std::uint64_t k) { return 1e-2F * static_cast<float>(1 + k % 3); }
 
+bool trunk_frozen(const run_options& o, std::uint64_t k) { return o.freeze && k >= freeze_trunk_at; }
+
+// The heads `rank` uses frozen in step k (with `freeze`): the next rank's head, which that rank
+// trains in the same step (this replica takes its update after the frozen use), and every third
+// step head4, which nobody trains (it costs no bytes anywhere).
+std::vector<std::uint32_t> frozen_heads_of(const run_options& o, int rank, std::uint64_t k)
+{
+  std::vector<std::uint32_t> heads;
+  if (!o.freeze) { return heads; }
+  const std::uint32_t next = head_of(o, (rank + 1) % world_size(), k);
+  if (next != head_of(o, rank, k)) { heads.push_back(next); }
+  if (k % 3 == 0) { heads.push_back(first_head + trained_heads); }
+  return heads;
+}
+
 step_plan plan_of(const run_options& o, int rank, std::uint64_t k)
 {
-  return step_plan{unit_id{0}, unit_id{1}, unit_id{head_of(o, rank, k)}};
+  const unit_use trunk = trunk_frozen(o, k) ? unit_use::frozen : unit_use::train;
+  step_plan p;
+  p.acquire(unit_id{0}, trunk).acquire(unit_id{1}, trunk).acquire(unit_id{head_of(o, rank, k)});
+  for (const std::uint32_t h : frozen_heads_of(o, rank, k)) { p.acquire(unit_id{h}, unit_use::frozen); }
+  return p;
 }
 
 struct home_state {
@@ -180,17 +202,27 @@ outcome train(const run_options& o)
     schedule.lr = lr_of(k);
     rt.set_optimizer(schedule);
     if (!o.plan_upfront) { rt.plan(plan_of(o, me, k)); }
-    std::vector<std::uint32_t> order{0, 1};
-    if (!skips_head(o, me, k)) { order.push_back(head_of(o, me, k)); }
+    std::vector<std::pair<std::uint32_t, unit_use>> order;
+    for (const std::uint32_t u : {0U, 1U}) { order.emplace_back(u, trunk_frozen(o, k) ? unit_use::frozen : unit_use::train); }
+    if (!skips_head(o, me, k)) { order.emplace_back(head_of(o, me, k), unit_use::train); }
+    for (const std::uint32_t h : frozen_heads_of(o, me, k)) { order.emplace_back(h, unit_use::frozen); }
     std::vector<unit_view> views;
-    for (const std::uint32_t u : order) { views.push_back(rt.acquire(unit_id{u}, compute)); }
-    for (std::size_t i = order.size(); i-- > 0;) {  // backward: the head, then the trunk top down
+    for (const auto& [u, use] : order) { views.push_back(rt.acquire(unit_id{u}, compute, use)); }
+    for (std::size_t i = order.size(); i-- > 0;) {  // backward: the heads, then the trunk top down
+      const std::uint32_t u = order[i].first;
+      if (views[i].frozen) {  // forward only: no gradients, no step
+        rt.release(unit_id{u}, compute);
+        continue;
+      }
       write_gradients(views[i], me, k, compute);
-      rt.grads_ready(unit_id{order[i]}, compute);
-      rt.step(unit_id{order[i]}, compute);
-      rt.release(unit_id{order[i]}, compute);
+      rt.grads_ready(unit_id{u}, compute);
+      rt.step(unit_id{u}, compute);
+      rt.release(unit_id{u}, compute);
     }
-    (void)rt.end_step();
+    const step_stats st = rt.end_step();
+    if (trunk_frozen(o, k)) {  // from the freeze on, only heads travel
+      EXPECT_LE(st.reduced_bytes, static_cast<std::size_t>(world_size()) * 16 * 8 * sizeof(float)) << "step " << k;
+    }
   }
   rt.flush();
   compute.synchronize();
@@ -214,8 +246,12 @@ reference reference_of(const run_options& o, const runtime_options& opt, const s
   reference ref{initial, 0};
   for (std::uint64_t k = 0; k < o.steps; ++k) {
     std::map<std::uint32_t, std::vector<int>> trained;  // unit -> contributing ranks
-    for (int r = 0; r < world; ++r) {
-      for (const std::uint32_t u : {0U, 1U, head_of(o, r, k)}) { trained[u].push_back(r); }
+    for (int r = 0; r < world; ++r) {  // frozen uses contribute nothing
+      if (!trunk_frozen(o, k)) {
+        trained[0].push_back(r);
+        trained[1].push_back(r);
+      }
+      trained[head_of(o, r, k)].push_back(r);
     }
     for (const auto& [u, ranks] : trained) {
       home_state& h = ref.homes[u];
@@ -338,6 +374,43 @@ TEST(reducer_mpi, one_unit_per_bucket_and_world_average)
 {
   // Buckets of one unit each: every step() finds its reduction launched (no deferred update).
   expect_matches_reference({.kind = schedule::heterogeneous, .bucket_cap = 256, .average = average_mode::world});
+}
+
+TEST(reducer_mpi, frozen_uses_cost_nothing_and_a_unit_frozen_here_takes_the_update_of_the_ranks_that_train_it)
+{
+  // The trunk is frozen from step 4 on every rank (fine-tuning the heads); each rank also uses the
+  // next rank's head frozen while that rank trains it, and head4 (trained by nobody) frozen.
+  expect_matches_reference({.kind = schedule::heterogeneous, .freeze = true});
+  expect_matches_reference({.kind = schedule::homogeneous, .plan_upfront = false, .average = average_mode::world,
+                            .freeze = true});
+}
+
+TEST(reducer_mpi, a_frozen_use_must_be_acquired_as_planned_and_is_never_stepped)
+{
+  const std::vector<unit_spec> units = model();
+  const runtime_options opt = options_for({}, budget_for(units));
+  const device dev = make_device(opt.device);
+  runtime rt(dev, opt, units);
+  stream compute(dev);
+  rt.plan(step_plan{}.acquire(unit_id{0}, unit_use::frozen).acquire(unit_id{first_head}));
+  expect_error_mentioning<invalid_argument>([&] { (void)rt.acquire(unit_id{0}, compute); }, "planned it frozen");
+  const unit_view trunk = rt.acquire(unit_id{0}, compute, unit_use::frozen);
+  EXPECT_TRUE(trunk.frozen);
+  EXPECT_EQ(trunk.grads.count, 0U);
+  expect_error_mentioning<invalid_argument>([&] { (void)trunk.grad(0); }, "used frozen");
+  expect_error_mentioning<invalid_argument>([&] { rt.grads_ready(unit_id{0}, compute); }, "used frozen");
+  expect_error_mentioning<invalid_argument>([&] { rt.step(unit_id{0}, compute); }, "used frozen");
+  const unit_view head = rt.acquire(unit_id{first_head}, compute);
+  write_gradients(head, world_rank(), 0, compute);
+  rt.step(unit_id{first_head}, compute);
+  rt.release(unit_id{first_head}, compute);
+  rt.release(unit_id{0}, compute);
+  const step_stats st = rt.end_step();
+  EXPECT_EQ(st.frozen, 1U);
+  EXPECT_EQ(st.reduced_bytes, footprint(units[first_head], optimizer_placement::device).reduce_bytes);
+  rt.flush();
+  EXPECT_EQ(rt.stats().units[0].step, 0);
+  EXPECT_EQ(rt.stats().units[first_head].step, 1);
 }
 
 TEST(reducer_mpi, a_host_placed_unit_only_others_train_moves_only_its_gradient)

@@ -7,7 +7,10 @@
 //   - the parameters a trainer sees at every acquire, and every home copy after every flush, are
 //     bitwise those of the reference (so swaps are bit-exact and no update is lost or repeated);
 //   - any policy and placement gives bitwise the all-resident result;
-//   - misses and plans that differ from what runs still work, and nothing deadlocks.
+//   - misses and plans that differ from what runs still work, and nothing deadlocks;
+//   - frozen uses (about a third, mixed with trained ones, also of one unit within a step) see the
+//     reference's parameters and leave them bitwise unchanged, in budgets that count them at
+//     their parameter slab.
 
 #include "host/adamw_formula.hpp"
 #include "host/cpu_adamw.hpp"
@@ -31,6 +34,7 @@ namespace taskswap::test {
 struct action {
   enum kind_t { acquire, step, release } kind;
   std::uint32_t unit;
+  bool frozen = false;  // an acquisition for a frozen use (forward only)
 };
 
 struct scenario {
@@ -57,22 +61,36 @@ inline std::size_t device_bytes_of(const unit_spec& u)
   return slab(u.compute) + (u.compute == dtype::f32 ? 0 : slab(dtype::f32)) + 2 * slab(dtype::f32) + slab(grad);
 }
 
+// What an acquisition takes of the budget: the whole slot, or the parameter slab for a frozen use.
+inline std::size_t acquired_bytes(const unit_spec& u, bool frozen)
+{
+  if (!frozen) { return device_bytes_of(u); }
+  std::size_t count = 0;
+  for (const tensor_spec& t : u.tensors) {
+    std::size_t n = 1;
+    for (const std::size_t d : t.shape) { n *= d; }
+    count = (count + 63) / 64 * 64 + n;
+  }
+  return (count * size_of(u.compute) + 255) / 256 * 256;
+}
+
 // Held-at-once sets of a script: the budget that the plan check and the fragmentation margin need.
 inline std::size_t safe_budget(const scenario& s, std::size_t pinned)
 {
   std::size_t need = pinned;
   for (const auto& step : s.steps) {
-    std::vector<std::uint32_t> held;
+    std::vector<std::pair<std::uint32_t, std::size_t>> held;  // unit, bytes its acquisition takes
     for (const action& a : step) {
       const unit_spec& u = s.units[a.unit];
       if (u.policy->residency == residency::pinned) { continue; }
       if (a.kind == action::acquire) {
         std::size_t held_bytes = 0;
-        for (const std::uint32_t h : held) { held_bytes += device_bytes_of(s.units[h]); }
-        need = std::max(need, pinned + held_bytes + (held.size() + 1) * device_bytes_of(u));
-        held.push_back(a.unit);
+        for (const auto& h : held) { held_bytes += h.second; }
+        const std::size_t bytes = acquired_bytes(u, a.frozen);
+        need = std::max(need, pinned + held_bytes + (held.size() + 1) * bytes);
+        held.emplace_back(a.unit, bytes);
       } else if (a.kind == action::release) {
-        held.erase(std::find(held.begin(), held.end(), a.unit));
+        held.erase(std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == a.unit; }));
       }
     }
   }
@@ -119,27 +137,31 @@ inline scenario random_scenario(std::uint64_t seed, bool all_resident = false)
     }
     if (used.empty()) { used.push_back(static_cast<std::uint32_t>(pick(n_units))); }
     std::shuffle(used.begin(), used.end(), rng);
+    // About a third of the uses are frozen (forward only) in this step.
+    std::vector<bool> frozen(n_units, false);
+    for (const std::uint32_t u : used) { frozen[u] = pick(3) == 0; }
     std::vector<action> step;
     step_plan plan;
     if (pick(2) == 0) {  // hold everything for the step, release in reverse
-      for (const std::uint32_t u : used) { step.push_back({action::acquire, u}); }
+      for (const std::uint32_t u : used) { step.push_back({action::acquire, u, frozen[u]}); }
       for (auto it = used.rbegin(); it != used.rend(); ++it) {
-        if (pick(4) != 0) { step.push_back({action::step, *it}); }
+        if (!frozen[*it] && pick(4) != 0) { step.push_back({action::step, *it}); }
         step.push_back({action::release, *it});
       }
-    } else {  // stream: forward one at a time, then backward one at a time
+    } else {  // stream: forward one at a time (frozen or not), then backward for the trained ones
       for (const std::uint32_t u : used) {
-        step.push_back({action::acquire, u});
+        step.push_back({action::acquire, u, frozen[u] || pick(2) == 0});
         step.push_back({action::release, u});
       }
       for (auto it = used.rbegin(); it != used.rend(); ++it) {
+        if (frozen[*it]) { continue; }
         step.push_back({action::acquire, *it});
         if (pick(4) != 0) { step.push_back({action::step, *it}); }
         step.push_back({action::release, *it});
       }
     }
     for (const action& a : step) {
-      if (a.kind == action::acquire) { plan.acquire(unit_id{a.unit}); }
+      if (a.kind == action::acquire) { plan.acquire(unit_id{a.unit}, a.frozen ? unit_use::frozen : unit_use::train); }
       if (a.kind == action::release) { plan.release(unit_id{a.unit}); }
     }
     if (pick(8) == 0) {  // the trainer changes its mind: announce another unit's step instead
@@ -219,7 +241,9 @@ class runtime_properties : public ::testing::Test {
       for (const action& a : s.steps[k]) {
         const unit_id id{a.unit};
         if (a.kind == action::acquire) {
-          views[a.unit] = rt.acquire(id, compute);
+          views[a.unit] = rt.acquire(id, compute, a.frozen ? unit_use::frozen : unit_use::train);
+          EXPECT_EQ(views[a.unit].frozen, a.frozen);
+          EXPECT_EQ(views[a.unit].grads.data == nullptr, a.frozen);
           const slab_view p = views[a.unit].params;
           staging.emplace_back(dev, p.bytes());
           copy_async(staging.back().span(), const_device_span(device_span(&dev.backend(), static_cast<std::byte*>(p.data), p.bytes())),
@@ -260,6 +284,7 @@ class runtime_properties : public ::testing::Test {
     seen_.hits += stats.total.hits;
     seen_.misses += stats.total.misses;
     seen_.unplanned += stats.total.unplanned;
+    seen_.frozen += stats.total.frozen;
     seen_.evictions += stats.total.evictions;
     seen_.write_backs += stats.total.write_backs;
     seen_.d2h_bytes += stats.total.d2h_bytes;  // write-backs and host-placement gradients
@@ -275,6 +300,7 @@ class runtime_properties : public ::testing::Test {
     EXPECT_GT(seen_.hits, 0U);
     EXPECT_GT(seen_.misses, 0U);
     EXPECT_GT(seen_.unplanned, 0U);
+    EXPECT_GT(seen_.frozen, 0U);
     EXPECT_GT(seen_.evictions, 0U);
     EXPECT_GT(seen_.write_backs, 0U);
     EXPECT_GT(seen_.d2h_bytes, 0U);

@@ -284,6 +284,118 @@ TEST(runtime_protocol, protocol_errors_say_what_to_do)
   expect_error_mentioning<invalid_argument>([&] { rt.write_trace("/tmp/x.json"); }, "trace = true");
 }
 
+// Writes `values` into a unit's gradient slab (f32) on `s`.
+void write_grads(const device& dev, const unit_view& v, const std::vector<float>& values, stream_view s)
+{
+  copy_async(device_span(&dev.backend(), static_cast<std::byte*>(v.grads.data), v.grads.bytes()),
+             std::as_bytes(std::span(values)), s);
+}
+
+TEST(runtime_frozen, a_frozen_use_brings_the_parameters_alone_and_the_next_step_may_train_the_unit)
+{
+  device dev = emulated(1 * MiB);
+  // Lookahead 0: the prefetch sees only the current step (with more, the next step's training
+  // use would bring the unit in whole already).
+  const unit_spec spec = make_unit("a", 1024, residency::prefetch, optimizer_placement::device, 0);
+  const unit_footprint fp = footprint(spec, optimizer_placement::device);
+  EXPECT_EQ(fp.frozen_device_bytes, 4 * KiB);
+  EXPECT_EQ(fp.frozen_swap_in_bytes, 4 * KiB);
+  EXPECT_EQ(fp.device_bytes, 16 * KiB);
+  runtime rt(dev, options_with_budget(1 * MiB), {spec});
+  stream s(dev);
+  const unit_id a{0};
+  rt.plan(std::vector<step_plan>{step_plan{}.acquire(a, unit_use::frozen), step_plan{a},
+                                 step_plan{}.acquire(a, unit_use::frozen)});
+  EXPECT_EQ(rt.stats().device_bytes_in_use, 4 * KiB) << "the frozen use's prefetch brings the parameters alone";
+  const unit_view v = rt.acquire(a, s, unit_use::frozen);
+  EXPECT_TRUE(v.frozen);
+  EXPECT_EQ(v.grads.data, nullptr);
+  expect_error_mentioning<invalid_argument>([&] { (void)v.grad(0); }, "used frozen");
+  expect_error_mentioning<invalid_argument>([&] { rt.grads_ready(a, s); }, "used frozen");
+  expect_error_mentioning<invalid_argument>([&] { rt.step(a, s); }, "used frozen");
+  rt.release(a, s);
+  step_stats st = rt.end_step();
+  EXPECT_EQ(st.frozen, 1U);
+  EXPECT_EQ(st.h2d_bytes, 4 * KiB);
+  EXPECT_EQ(st.write_backs, 0U);
+  // Trained in the next step: it comes in whole (its optimizer state and a zeroed gradient slab).
+  const unit_view t = rt.acquire(a, s);
+  EXPECT_FALSE(t.frozen);
+  write_grads(dev, t, std::vector<float>(1024, 0.5F), s);
+  rt.step(a, s);
+  rt.release(a, s);
+  st = rt.end_step();
+  EXPECT_EQ(st.misses + st.hits, 1U);
+  // Frozen again: the whole slot stays while there is room; nothing is written home for it.
+  (void)rt.acquire(a, s, unit_use::frozen);
+  rt.release(a, s);
+  st = rt.end_step();
+  EXPECT_EQ(st.hits, 1U);
+  EXPECT_EQ(st.d2h_bytes, 0U);
+  rt.flush();
+  EXPECT_EQ(rt.home(a).step, 1);
+  // Without a communicator a use other than the planned one is an unplanned acquisition.
+  rt.plan(step_plan{}.acquire(a, unit_use::frozen));
+  (void)rt.acquire(a, s);
+  rt.release(a, s);
+  EXPECT_EQ(rt.end_step().unplanned, 1U);
+}
+
+// Runs three steps of two units (a trained, then a frozen beside b trained, then both trained)
+// and returns their home slabs.
+std::vector<std::vector<std::byte>> train_a_then_freeze_it(std::size_t budget, step_stats* second)
+{
+  device dev = emulated(1 * MiB);
+  runtime rt(dev, options_with_budget(budget), {make_unit("a", 1024), make_unit("b", 1024)});
+  stream s(dev);
+  const unit_id a{0}, b{1};
+  rt.plan(std::vector<step_plan>{step_plan{a}, step_plan{}.acquire(a, unit_use::frozen).acquire(b), step_plan{b}});
+  const std::vector<float> g(1024, 0.25F);
+  unit_view v = rt.acquire(a, s);
+  write_grads(dev, v, g, s);
+  rt.step(a, s);
+  rt.release(a, s);
+  (void)rt.end_step();
+  (void)rt.acquire(a, s, unit_use::frozen);  // resident whole and dirty
+  v = rt.acquire(b, s);                        // needs the room beyond a's parameters
+  EXPECT_LE(rt.stats().device_bytes_in_use, budget);
+  write_grads(dev, v, g, s);
+  rt.step(b, s);
+  rt.release(b, s);
+  rt.release(a, s);
+  *second = rt.end_step();
+  v = rt.acquire(b, s);
+  write_grads(dev, v, g, s);
+  rt.step(b, s);
+  rt.release(b, s);
+  (void)rt.end_step();
+  rt.flush();
+  EXPECT_LE(rt.stats().total.peak_device_bytes, budget);
+  std::vector<std::vector<std::byte>> homes;
+  for (const unit_id u : {a, b}) {
+    const home_view h = rt.home(u);
+    const auto* p = static_cast<const std::byte*>(h.master.data);
+    homes.emplace_back(p, p + 3 * h.master.bytes());  // master | m | v, back to back for a small f32 unit
+    EXPECT_EQ(h.step, u == a ? 1 : 2);
+  }
+  return homes;
+}
+
+TEST(runtime_frozen, a_whole_unit_held_frozen_gives_up_all_but_its_parameters_when_the_room_is_needed)
+{
+  // The plan check counts a's frozen use at its 4 KiB of parameters: 4 + 16 KiB fit a 20 KiB
+  // budget. a is resident whole and dirty from step 0, so b's acquire narrows it: a's state is
+  // written home first and the freed 12 KiB go to b.
+  step_stats tight{};
+  step_stats roomy{};
+  const auto narrowed = train_a_then_freeze_it(20 * KiB, &tight);
+  const auto kept = train_a_then_freeze_it(1 * MiB, &roomy);
+  EXPECT_EQ(tight.write_backs, 1U);
+  EXPECT_EQ(tight.d2h_bytes, 12 * KiB);
+  EXPECT_EQ(roomy.write_backs, 0U);
+  EXPECT_EQ(narrowed, kept) << "narrowing changed a unit's state";
+}
+
 TEST(runtime_optimizer, set_optimizer_refuses_what_the_config_loader_refuses_and_keeps_the_old_values)
 {
   device dev = emulated(1 * MiB);
