@@ -49,10 +49,15 @@ int train(int argc, char** argv)
   std::string save;
   int steps = 0;
   int batch = 0;
+  int freeze_trunk_after = -1;
   app.add_option("config", config_file, "configuration (TOML: runtime sections and [model])")->required();
   app.add_flag("--all-resident", resident, "every unit pinned on the device, budget = their bytes (the baseline)");
   app.add_option("--steps", steps, "override [model] steps")->check(CLI::PositiveNumber);
   app.add_option("--batch", batch, "override [model] batch")->check(CLI::PositiveNumber);
+  app.add_option("--freeze-trunk-after", freeze_trunk_after,
+                 "override [model] freeze_trunk_after: from this step on the trunk is used frozen and only the task "
+                 "adapters train (0: never)")
+      ->check(CLI::NonNegativeNumber);
   std::string checkpoint;
   std::string resume;
   int checkpoint_every = 0;
@@ -71,6 +76,7 @@ int train(int argc, char** argv)
   multitask::configuration cfg = multitask::load_configuration(config_file);
   if (steps > 0) { cfg.model.steps = steps; }
   if (batch > 0) { cfg.model.batch = batch; }
+  if (freeze_trunk_after >= 0) { cfg.model.freeze_trunk_after = freeze_trunk_after; }
   const auto units = multitask::model_units(cfg.model);
   taskswap::runtime_options options = resident ? multitask::all_resident(cfg.runtime, units) : cfg.runtime;
   if (options.device.backend == taskswap::backend_kind::emulated) {

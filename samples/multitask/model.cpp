@@ -56,7 +56,7 @@ model_config read_model(const toml::table& root, std::string_view source)
     int* value;
     int least;
   };
-  const std::array<int_key, 9> ints{{{"tasks", &m.tasks, 1},
+  const std::array<int_key, 10> ints{{{"tasks", &m.tasks, 1},
                                      {"trunk_layers", &m.trunk_layers, 1},
                                      {"width", &m.width, 1},
                                      {"adapter_hidden", &m.adapter_hidden, 1},
@@ -64,7 +64,8 @@ model_config read_model(const toml::table& root, std::string_view source)
                                      {"batch", &m.batch, 1},
                                      {"steps", &m.steps, 1},
                                      {"log_every", &m.log_every, 0},
-                                     {"plan_window", &m.plan_window, 1}}};
+                                     {"plan_window", &m.plan_window, 1},
+                                     {"freeze_trunk_after", &m.freeze_trunk_after, 0}}};
   for (const auto& [key, value] : *t) {
     const std::string_view k = key.str();
     const std::string where = at(source, value) + ": [model] " + std::string(k);
@@ -89,7 +90,7 @@ model_config read_model(const toml::table& root, std::string_view source)
     if (ik == ints.end()) {
       throw config_error(at(source, value) + ": [model] has no key '" + std::string(k) +
                          "'; the keys are tasks, trunk_layers, width, adapter_hidden, outputs, dtype, batch, steps, "
-                         "seed, log_every, plan_window");
+                         "seed, log_every, plan_window, freeze_trunk_after");
     }
     const auto v = value.value<std::int64_t>();
     constexpr std::int64_t most = std::int64_t{1} << 30;
@@ -368,9 +369,12 @@ struct trainer::impl {
     const int o = model.outputs;
     const int layers = model.trunk_layers;
     const auto act = [this](int l) { return h[static_cast<std::size_t>(l)]; };
+    const bool frozen = model.trunk_frozen(step);
     std::vector<taskswap::unit_view> tv;
     tv.reserve(trunk.size());
-    for (taskswap::unit_id u : trunk) { tv.push_back(rt.acquire(u, compute)); }
+    for (taskswap::unit_id u : trunk) {
+      tv.push_back(rt.acquire(u, compute, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train));
+    }
     const taskswap::unit_view av = rt.acquire(tasks[static_cast<std::size_t>(task)], compute);
 
     // The batch and its targets: x random, y = x · A_task.
@@ -409,6 +413,12 @@ struct trainer::impl {
     store_grad(av, 0, wide_grad);
     kernels->column_sums(grad_target(av, 1, wide_bias_grad), back[0], b, hd, scratch);
     store_grad(av, 1, wide_bias_grad);
+    if (frozen) {  // the trunk takes no gradient: backward ends at the adapter
+      finish(av.id);
+      for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { rt.release(*it, compute); }
+      last_stats = rt.end_step();
+      return;
+    }
     kernels->gemm(false, true, b, d, hd, 1.0F, back[0], weight(av, 0, wide_weight), 0.0F, back[1]);
     finish(av.id);
 
@@ -453,7 +463,8 @@ struct trainer::impl {
     std::vector<taskswap::step_plan> plans;
     for (std::int64_t s = first; s < end; ++s) {
       taskswap::step_plan p;
-      for (taskswap::unit_id u : trunk) { p.acquire(u); }
+      const taskswap::unit_use use = model.trunk_frozen(s) ? taskswap::unit_use::frozen : taskswap::unit_use::train;
+      for (taskswap::unit_id u : trunk) { p.acquire(u, use); }
       p.acquire(tasks[static_cast<std::size_t>(task_of_step(model, rank(), s))]);
       plans.push_back(std::move(p));
     }
@@ -549,6 +560,7 @@ run_result trainer::run(const run_options& options)
     std::int64_t first;
     std::int64_t end;
     taskswap::event done;
+    std::size_t reduced_bytes = 0;  // allreduced over the interval (with several ranks)
   };
   std::optional<pending> waiting;
   const auto print = [&](const pending& p) {
@@ -574,6 +586,11 @@ run_result trainer::run(const run_options& options)
       line << buf;
       ++shown;
     }
+    if (m.world() > 1) {
+      std::snprintf(buf, sizeof buf, "; reduced %.1f KiB/step",
+                    static_cast<double>(p.reduced_bytes) / 1024.0 / static_cast<double>(p.end - p.first));
+      line << buf;
+    }
     if (on_log) { on_log(line.str()); }
   };
 
@@ -587,9 +604,14 @@ run_result trainer::run(const run_options& options)
   m.planned_until = std::max(m.planned_until, begin);
   run_result r;
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  std::size_t interval_reduced = 0;
   for (std::int64_t s = begin; s < end_at; ++s) {
+    if (on_log && s == m.model.freeze_trunk_after && m.model.trunk_frozen(s)) {
+      on_log("step " + std::to_string(s) + ": the trunk is frozen from here on; the task adapters keep training");
+    }
     m.plan_ahead(s);
     m.train_step(s);
+    interval_reduced += m.last_stats.reduced_bytes;
     if (s == begin) {
       m.compute.synchronize();
       start = std::chrono::steady_clock::now();
@@ -612,7 +634,8 @@ run_result trainer::run(const run_options& options)
     if (every > 0 && on_log && ((s + 1) % every == 0 || s + 1 == end_at)) {
       const std::int64_t first = std::max(begin, s + 1 - ((s + 1) % every == 0 ? every : (s + 1) % every));
       copy_losses(first, s + 1);
-      pending p{first, s + 1, taskswap::event(m.dev)};
+      pending p{first, s + 1, taskswap::event(m.dev), interval_reduced};
+      interval_reduced = 0;
       p.done.record(m.compute);
       if (waiting) { print(*waiting); }
       waiting = std::move(p);

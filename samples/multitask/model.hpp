@@ -35,6 +35,13 @@ struct model_config {
   std::uint64_t seed = 1;
   int log_every = 50;        ///< steps between loss lines (0: none)
   int plan_window = 32;      ///< steps planned at a time
+  /// From this step on the trunk is used frozen (forward only: no gradients, no reduction, no
+  /// update) and only the task adapters train: a per-task fine-tuning phase. 0: never.
+  int freeze_trunk_after = 0;
+  [[nodiscard]] bool trunk_frozen(std::int64_t step) const noexcept
+  {
+    return freeze_trunk_after > 0 && step >= freeze_trunk_after;
+  }
 };
 
 /// The runtime options and the model of one configuration file.

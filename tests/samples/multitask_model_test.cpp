@@ -29,7 +29,12 @@ multitask::configuration parse(std::string_view model)
 
 TEST(multitask_config, reads_the_model_table_beside_the_runtime_sections)
 {
-  const auto c = parse("[model]\ntasks = 5\ntrunk_layers = 3\ndtype = \"bf16\"\nbatch = 64\nseed = 9\n");
+  const auto c = parse("[model]\ntasks = 5\ntrunk_layers = 3\ndtype = \"bf16\"\nbatch = 64\nseed = 9\n"
+                       "freeze_trunk_after = 40\n");
+  EXPECT_EQ(c.model.freeze_trunk_after, 40);
+  EXPECT_FALSE(c.model.trunk_frozen(39));
+  EXPECT_TRUE(c.model.trunk_frozen(40));
+  EXPECT_FALSE(parse("").model.trunk_frozen(1'000'000)) << "0: never";
   EXPECT_EQ(c.model.tasks, 5);
   EXPECT_EQ(c.model.trunk_layers, 3);
   EXPECT_EQ(c.model.compute, taskswap::dtype::bf16);

@@ -151,6 +151,70 @@ TEST(planner, counts_what_the_runtime_does)
   }
 }
 
+// Runs the schedule of `in` (frozen uses first in each step) on the runtime; its totals.
+step_stats run_on_the_runtime(const tools::plan_input& in)
+{
+  const device dev = emulated_device({.memory_bytes = in.options.device.budget, .link = {}});
+  runtime rt(dev, in.options, in.units);
+  std::vector<step_plan> plans;
+  for (std::size_t k = 0; k < in.steps.size(); ++k) {
+    step_plan p;
+    for (std::size_t u : in.frozen[k]) { p.acquire(unit_id{static_cast<std::uint32_t>(u)}, unit_use::frozen); }
+    for (std::size_t u : in.steps[k]) { p.acquire(unit_id{static_cast<std::uint32_t>(u)}); }
+    plans.push_back(p);
+  }
+  rt.plan(plans);
+  const stream s(dev);
+  for (std::size_t k = 0; k < in.steps.size(); ++k) {
+    for (std::size_t u : in.frozen[k]) { (void)rt.acquire(unit_id{static_cast<std::uint32_t>(u)}, s, unit_use::frozen); }
+    for (std::size_t u : in.steps[k]) { (void)rt.acquire(unit_id{static_cast<std::uint32_t>(u)}, s); }
+    for (std::size_t u : in.steps[k]) {
+      rt.step(unit_id{static_cast<std::uint32_t>(u)}, s);
+      rt.release(unit_id{static_cast<std::uint32_t>(u)}, s);
+    }
+    for (std::size_t u : in.frozen[k]) { rt.release(unit_id{static_cast<std::uint32_t>(u)}, s); }
+    (void)rt.end_step();
+  }
+  const step_stats total = rt.stats().total;
+  rt.flush();
+  return total;
+}
+
+TEST(planner, frozen_uses_bring_the_parameters_alone_and_narrow_a_whole_unit_when_room_is_needed)
+{
+  auto in = input({unit("a", 4096), unit("b", 4096)}, 0, residency::on_demand, optimizer_placement::device);
+  const unit_footprint fp = footprint(in.units[0], optimizer_placement::device);
+  // a trained; a frozen beside b trained (a, dirty and whole, must narrow to its parameters); b
+  // frozen (resident whole: no copy); a trained again (it comes in whole).
+  in.steps = {{0}, {1}, {}, {0}};
+  in.frozen = {{}, {0}, {1}, {}};
+  in.options.device.budget = fp.frozen_device_bytes + fp.device_bytes;
+  const tools::plan_report r = tools::make_plan(in);
+  EXPECT_EQ(r.peak_device_bytes, fp.frozen_device_bytes + fp.device_bytes);
+  const double n = static_cast<double>(in.steps.size());
+  // h2d: a whole, b whole, a whole again; d2h: a's state when it narrows, b's when a evicts it.
+  EXPECT_DOUBLE_EQ(r.h2d_bytes_per_step * n, 3.0 * static_cast<double>(fp.swap_in_bytes));
+  EXPECT_DOUBLE_EQ(r.d2h_bytes_per_step * n, 2.0 * static_cast<double>(fp.write_back_bytes));
+  const step_stats ran = run_on_the_runtime(in);
+  EXPECT_DOUBLE_EQ(r.h2d_bytes_per_step * n, static_cast<double>(ran.h2d_bytes));
+  EXPECT_DOUBLE_EQ(r.d2h_bytes_per_step * n, static_cast<double>(ran.d2h_bytes));
+  EXPECT_DOUBLE_EQ(r.swap_ins_per_step * n, static_cast<double>(ran.swap_ins));
+
+  // Room for everything: a frozen use of a unit not resident copies its parameters alone.
+  in.steps = {{}, {0}};
+  in.frozen = {{1}, {1}};
+  in.options.device.budget = 4 * fp.device_bytes;
+  const tools::plan_report roomy = tools::make_plan(in);
+  EXPECT_EQ(roomy.peak_device_bytes, fp.frozen_device_bytes + fp.device_bytes);
+  EXPECT_DOUBLE_EQ(roomy.h2d_bytes_per_step * 2, static_cast<double>(fp.frozen_swap_in_bytes + fp.swap_in_bytes));
+  EXPECT_DOUBLE_EQ(roomy.d2h_bytes_per_step, 0.0);
+  const step_stats ran_roomy = run_on_the_runtime(in);
+  EXPECT_DOUBLE_EQ(roomy.h2d_bytes_per_step * 2, static_cast<double>(ran_roomy.h2d_bytes));
+
+  in.frozen = {{1}};
+  expect_error_mentioning<config_error>([&] { (void)tools::make_plan(in); }, "give one list per step");
+}
+
 TEST(planner, refuses_what_the_runtime_refuses)
 {
   auto in = input({unit("trunk", 4096), unit("task", 65536)}, 0, residency::prefetch, optimizer_placement::device);

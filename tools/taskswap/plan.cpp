@@ -43,9 +43,11 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
   const std::size_t trunk = static_cast<std::size_t>(cfg.model.trunk_layers);
   for (int s = 0; s < steps; ++s) {
     std::vector<std::size_t> step;
-    for (std::size_t l = 0; l < trunk; ++l) { step.push_back(l); }
+    std::vector<std::size_t> frozen;  // the trunk, from [model] freeze_trunk_after on
+    for (std::size_t l = 0; l < trunk; ++l) { (cfg.model.trunk_frozen(s) ? frozen : step).push_back(l); }
     step.push_back(trunk + static_cast<std::size_t>(multitask::task_of_step(cfg.model, 0, s)));
     in.steps.push_back(std::move(step));
+    in.frozen.push_back(std::move(frozen));
   }
   in.plan_window = static_cast<std::size_t>(cfg.model.plan_window);
   in.plan_margin = static_cast<std::size_t>(multitask::plan_margin(cfg.model, cfg.runtime));

@@ -99,9 +99,19 @@ plan_report make_plan(const plan_input& in)
     units.push_back(std::move(p));
   }
   r.pinned_host_bytes = (r.pinned_host_bytes + page - 1) / page * page;
+  if (!in.frozen.empty() && in.frozen.size() != in.steps.size()) {
+    throw config_error("the plan has " + std::to_string(in.steps.size()) + " steps but frozen uses for " +
+                       std::to_string(in.frozen.size()) + "; give one list per step, or none");
+  }
+  static const std::vector<std::size_t> none;
+  const auto frozen_of = [&](std::size_t s) -> const std::vector<std::size_t>& {
+    return in.frozen.empty() ? none : in.frozen[s];
+  };
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
-    for (std::size_t u : in.steps[s]) {
-      if (units.at(u).uses.empty() || units[u].uses.back() != s) { units[u].uses.push_back(s); }
+    for (const auto* list : {&frozen_of(s), &in.steps[s]}) {
+      for (std::size_t u : *list) {
+        if (units.at(u).uses.empty() || units[u].uses.back() != s) { units[u].uses.push_back(s); }
+      }
     }
   }
 
@@ -124,6 +134,7 @@ plan_report make_plan(const plan_input& in)
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
     std::size_t held = 0;
     for (std::size_t u : in.steps[s]) { held += units[u].pinned() ? 0 : units[u].fp.device_bytes; }
+    for (std::size_t u : frozen_of(s)) { held += units[u].pinned() ? 0 : units[u].fp.frozen_device_bytes; }
     if (held > room) {
       throw config_error("plan step " + std::to_string(s) + ": the units held at once need " +
                          bytes_text(static_cast<double>(r.pinned_device_bytes + held)) + " of a " +
@@ -146,43 +157,71 @@ plan_report make_plan(const plan_input& in)
   std::vector<std::size_t> last_use(units.size(), 0);  // release order: a tick per release
   std::size_t tick = 0;
   std::map<std::size_t, bool> resident;  // unit -> dirty
+  std::map<std::size_t, bool> params_only;  // resident with its parameters alone (a frozen use's)
   std::size_t used = 0;
+  const auto slot_bytes = [&](std::size_t u) {
+    return params_only[u] ? units[u].fp.frozen_device_bytes : units[u].fp.device_bytes;
+  };
   double h2d = 0;
   double d2h = 0;
   double swap_ins = 0;
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
-    const std::vector<std::size_t>& need = in.steps[s];
-    for (std::size_t u : need) {
+    const std::vector<std::size_t>& trained = in.steps[s];
+    const std::vector<std::size_t>& frozen = frozen_of(s);
+    std::vector<std::size_t> need(frozen);
+    need.insert(need.end(), trained.begin(), trained.end());
+    const auto held_now = [&](std::size_t v) { return std::find(need.begin(), need.end(), v) != need.end(); };
+    for (std::size_t k = 0; k < need.size(); ++k) {
+      const std::size_t u = need[k];
+      const bool whole = k >= frozen.size();
       const planned_unit& p = units[u];
-      if (p.pinned() || resident.contains(u)) { continue; }
+      if (p.pinned() || (resident.contains(u) && !(whole && params_only[u]))) { continue; }
       // A prefetched unit's copy (and the eviction that makes its room) happens up to its
       // lookahead earlier: the runtime counts it in that step's figures, so the replay does too.
       const std::size_t issued =
           p.policy.residency == residency::prefetch ? s - std::min(s, static_cast<std::size_t>(std::max(p.policy.lookahead, 0))) : s;
       const double counted = issued >= in.warmup_steps ? 1.0 : 0.0;
-      while (used + p.fp.device_bytes > room) {
+      const std::size_t bytes = whole ? p.fp.device_bytes : p.fp.frozen_device_bytes;
+      if (resident.contains(u)) {  // its parameters alone are here: it comes in whole
+        used -= slot_bytes(u);
+        resident.erase(u);
+      }
+      while (used + bytes > room) {
         std::size_t victim = never;
         std::size_t furthest = 0;
         for (const auto& [v, dirty] : resident) {
-          if (std::find(need.begin(), need.end(), v) != need.end()) { continue; }
+          if (held_now(v)) { continue; }
           const std::size_t next = next_use(units[v], s);
           if (victim == never || next > furthest || (next == furthest && last_use[v] < last_use[victim])) {
             victim = v;
             furthest = next;
           }
         }
-        if (victim == never) { break; }  // cannot happen after the checks above
-        if (resident[victim]) { d2h += counted * static_cast<double>(units[victim].fp.write_back_bytes); }
-        used -= units[victim].fp.device_bytes;
-        resident.erase(victim);
+        if (victim != never) {
+          if (resident[victim]) { d2h += counted * static_cast<double>(units[victim].fp.write_back_bytes); }
+          used -= slot_bytes(victim);
+          resident.erase(victim);
+          params_only.erase(victim);
+          continue;
+        }
+        // Nothing to evict: a unit held frozen in its whole slot gives up all but its parameters.
+        const auto wide = std::find_if(frozen.begin(), frozen.begin() + static_cast<std::ptrdiff_t>(std::min(k, frozen.size())),
+                                       [&](std::size_t v) { return resident.contains(v) && !params_only[v] && !units[v].pinned(); });
+        if (wide == frozen.begin() + static_cast<std::ptrdiff_t>(std::min(k, frozen.size()))) { break; }  // cannot happen after the checks above
+        if (resident[*wide]) { d2h += counted * static_cast<double>(units[*wide].fp.write_back_bytes); }
+        used -= units[*wide].fp.device_bytes - units[*wide].fp.frozen_device_bytes;
+        resident[*wide] = false;
+        params_only[*wide] = true;
       }
-      h2d += counted * static_cast<double>(p.fp.swap_in_bytes);
+      h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
       swap_ins += counted;
-      used += p.fp.device_bytes;
+      used += bytes;
       resident[u] = false;
+      params_only[u] = !whole;
     }
+    for (std::size_t u : frozen) { last_use[u] = ++tick; }  // clean: a frozen use changes nothing
     const double counted = s >= in.warmup_steps ? 1.0 : 0.0;
-    for (std::size_t u : need) {
+    for (std::size_t u : trained) {
       const planned_unit& p = units[u];
       last_use[u] = ++tick;
       if (!p.host()) {
@@ -198,6 +237,7 @@ plan_report make_plan(const plan_input& in)
       } else {
         used -= p.fp.device_bytes;
         resident.erase(u);
+        params_only.erase(u);
       }
     }
   }

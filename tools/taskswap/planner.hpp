@@ -4,7 +4,8 @@
 // The planner behind `taskswap plan` and the prediction column of `taskswap headroom`: from the
 // units, their policies, the budget and a schedule of steps it predicts device and host bytes, the
 // traffic per step (a replay of the runtime's rules: Belady eviction over the swapped units,
-// write-back of dirty units, host-placed units' gradients home and parameters back), the transfer
+// write-back of dirty units, host-placed units' gradients home and parameters back, frozen uses
+// bringing the parameters alone and narrowing a whole unit held frozen when room is needed), the transfer
 // time, and the largest batch that fits beside the budget. No device is needed.
 
 #include <taskswap/taskswap.hpp>
@@ -21,6 +22,9 @@ struct plan_input {
   runtime_options options;
   std::vector<unit_spec> units;
   std::vector<std::vector<std::size_t>> steps;  ///< the units (indexes) each step acquires, held to its end
+  /// The units each step uses frozen (forward only: the parameters alone, nothing written back),
+  /// acquired before steps[s]'s and held to its end; empty, or one list per step.
+  std::vector<std::vector<std::size_t>> frozen;
   std::size_t warmup_steps = 0;                 ///< leading steps replayed but not counted in the traffic
   std::size_t plan_window = 0;                  ///< the trainer plans this many steps at a time (0: all at once)
   std::size_t plan_margin = 0;                  ///< … the next window when this many planned steps remain
