@@ -79,7 +79,11 @@ TEST(planner, counts_what_the_runtime_does)
     for (int trial = 0; trial < 24; ++trial) {
       const bool windows = trial >= 8;
       std::vector<unit_spec> units;
-      for (int i = 0; i < 6; ++i) { units.push_back(unit("u" + std::to_string(i), 2048)); }
+      for (int i = 0; i < 6; ++i) {
+        std::string name = "u";  // not "u" + std::to_string(i): a false -Wrestrict at -O3 (GCC bug 105651)
+        name += std::to_string(i);
+        units.push_back(unit(name, 2048));
+      }
       const std::size_t room = 3 * footprint(units[0], optimizer_placement::device).device_bytes;
       auto in = input(units, room, policy, optimizer_placement::device, 1 + trial % 3);
       for (int s = 0; s < 120; ++s) {
