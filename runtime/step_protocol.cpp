@@ -25,16 +25,19 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
   std::optional<detail::planned_acquisition> planned = plan_.peek(u);
   if (planned && (planned->use != detail::planned_use::train) != frozen) {
     // With a communicator the ranks agreed on the planned use; without one the plan is a
-    // forecast, and an acquisition it did not foresee is unplanned.
+    // forecast, and an acquisition it did not foresee is unplanned. Its planned entry is used up
+    // all the same, so that prefetch and eviction do not wait for a use that has happened.
     TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "', ", to_string(use), "): step ", steps_done_,
                                         " planned it ", frozen ? "trained" : "frozen",
                                         "; with a communicator acquire it as the plan says, or plan it ",
                                         frozen ? "frozen" : "trained"));
+    (void)plan_.match(u);
     planned.reset();
   }
-  r.frozen_reduced = planned && planned->use == detail::planned_use::frozen_reduced;
-  acquire(r, s, !frozen || r.frozen_reduced, planned.has_value());
+  const bool reduced = planned && planned->use == detail::planned_use::frozen_reduced;
+  acquire(r, s, !frozen || reduced, planned.has_value());
   r.frozen = frozen;
+  r.frozen_reduced = reduced;
   const detail::unit_layout& l = r.layout;
   unit_view v;
   v.id = u;

@@ -150,20 +150,27 @@ std::optional<device_span> runtime::impl::make_room(std::size_t bytes, std::uint
       continue;
     }
     if (!for_acquire) { return std::nullopt; }  // a prefetch never narrows what the trainer holds
-    const auto wide = std::find_if(resident_.begin(), resident_.end(), [&](std::uint32_t i) {
-      const unit_record& h = units_[i];
-      return h.held && h.frozen && !h.frozen_reduced && !h.params_only;
-    });
-    if (wide == resident_.end()) { return std::nullopt; }
-    narrow_to_params(units_[*wide]);
+    // A unit held frozen in its whole slot: a clean one first (nothing to write home), then the
+    // lowest unit id (the order the planner replays).
+    unit_record* wide = nullptr;
+    for (const std::uint32_t i : resident_) {
+      unit_record& h = units_[i];
+      if (!h.held || !h.frozen || h.frozen_reduced || h.params_only) { continue; }
+      if (wide == nullptr || std::pair(h.dirty, h.index) < std::pair(wide->dirty, wide->index)) { wide = &h; }
+    }
+    if (wide == nullptr) { return std::nullopt; }
+    narrow_to_params(*wide);
   }
 }
 
 bool runtime::impl::swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole)
 {
+  // Its parameters alone are here and it must come in whole: for an acquire, that copy goes first
+  // (its room may be what the whole unit needs); a prefetch keeps it until the room is found.
+  if (for_acquire && r.resident()) { evict(r); }
   auto range = make_room(whole ? r.layout.device_bytes : r.layout.params_bytes, use, for_acquire);
   if (!range) { return false; }
-  if (r.resident()) { evict(r); }  // its parameters alone were here: the unit now comes in whole
+  if (r.resident()) { evict(r); }
   r.slot = *range;
   r.params_only = !whole;
   add_resident(r);
@@ -182,7 +189,7 @@ void runtime::impl::prefetch()
     if (r.resident() && !(whole && r.params_only)) { return true; }
     if (r.policy.residency != residency::prefetch) { return true; }
     if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }
-    if (r.held) { return true; }  // its parameters are in use: it comes in whole at its acquire
+    if (r.held) { return false; }  // its parameters are in use: it comes in whole at its acquire, first
     return swap_in(r, a.position, false, whole);
   });
 }

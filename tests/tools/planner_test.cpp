@@ -215,6 +215,18 @@ TEST(planner, frozen_uses_bring_the_parameters_alone_and_narrow_a_whole_unit_whe
   const step_stats ran_roomy = run_on_the_runtime(in);
   EXPECT_DOUBLE_EQ(roomy.h2d_bytes_per_step * 2, static_cast<double>(ran_roomy.h2d_bytes));
 
+  // A unit the step uses frozen later, resident whole, is no held unit yet: the first frozen use
+  // evicts it (written back: it was trained) and it comes back with its parameters alone.
+  in.steps = {{1}, {}};
+  in.frozen = {{}, {0, 1}};
+  in.options.device.budget = fp.device_bytes;
+  const tools::plan_report tight = tools::make_plan(in);
+  EXPECT_DOUBLE_EQ(tight.h2d_bytes_per_step * 2, static_cast<double>(fp.swap_in_bytes + 2 * fp.frozen_swap_in_bytes));
+  EXPECT_DOUBLE_EQ(tight.d2h_bytes_per_step * 2, static_cast<double>(fp.write_back_bytes));
+  const step_stats ran_tight = run_on_the_runtime(in);
+  EXPECT_DOUBLE_EQ(tight.h2d_bytes_per_step * 2, static_cast<double>(ran_tight.h2d_bytes));
+  EXPECT_DOUBLE_EQ(tight.d2h_bytes_per_step * 2, static_cast<double>(ran_tight.d2h_bytes));
+
   in.frozen = {{1}};
   expect_error_mentioning<config_error>([&] { (void)tools::make_plan(in); }, "give one list per step");
 }

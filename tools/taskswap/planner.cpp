@@ -170,8 +170,11 @@ plan_report make_plan(const plan_input& in)
     const std::vector<std::size_t>& frozen = frozen_of(s);
     std::vector<std::size_t> need(frozen);
     need.insert(need.end(), trained.begin(), trained.end());
-    const auto held_now = [&](std::size_t v) { return std::find(need.begin(), need.end(), v) != need.end(); };
     for (std::size_t k = 0; k < need.size(); ++k) {
+      // Acquired before this one in the step: held, so not a victim (as the runtime's acquire).
+      const auto held_now = [&](std::size_t v) {
+        return std::find(need.begin(), need.begin() + static_cast<std::ptrdiff_t>(k), v) != need.begin() + static_cast<std::ptrdiff_t>(k);
+      };
       const std::size_t u = need[k];
       const bool whole = k >= frozen.size();
       const planned_unit& p = units[u];
@@ -191,7 +194,9 @@ plan_report make_plan(const plan_input& in)
         std::size_t furthest = 0;
         for (const auto& [v, dirty] : resident) {
           if (held_now(v)) { continue; }
-          const std::size_t next = next_use(units[v], s);
+          // A unit this step acquires later is needed now: Belady takes it last.
+          const bool later_now = std::find(need.begin() + static_cast<std::ptrdiff_t>(k), need.end(), v) != need.end();
+          const std::size_t next = later_now ? s : next_use(units[v], s);
           if (victim == never || next > furthest || (next == furthest && last_use[v] < last_use[victim])) {
             victim = v;
             furthest = next;
@@ -204,14 +209,20 @@ plan_report make_plan(const plan_input& in)
           params_only.erase(victim);
           continue;
         }
-        // Nothing to evict: a unit held frozen in its whole slot gives up all but its parameters.
-        const auto wide = std::find_if(frozen.begin(), frozen.begin() + static_cast<std::ptrdiff_t>(std::min(k, frozen.size())),
-                                       [&](std::size_t v) { return resident.contains(v) && !params_only[v] && !units[v].pinned(); });
-        if (wide == frozen.begin() + static_cast<std::ptrdiff_t>(std::min(k, frozen.size()))) { break; }  // cannot happen after the checks above
-        if (resident[*wide]) { d2h += counted * static_cast<double>(units[*wide].fp.write_back_bytes); }
-        used -= units[*wide].fp.device_bytes - units[*wide].fp.frozen_device_bytes;
-        resident[*wide] = false;
-        params_only[*wide] = true;
+        // Nothing to evict: a unit held frozen in its whole slot gives up all but its parameters,
+        // a clean one first, then the lowest index (the runtime's rule). Narrowing happens at an
+        // acquire, so its write-back counts in this step.
+        std::size_t wide = never;
+        for (std::size_t i = 0; i < std::min(k, frozen.size()); ++i) {
+          const std::size_t v = frozen[i];
+          if (!resident.contains(v) || params_only[v] || units[v].pinned()) { continue; }
+          if (wide == never || std::pair(resident[v], v) < std::pair(resident[wide], wide)) { wide = v; }
+        }
+        if (wide == never) { break; }  // cannot happen after the checks above: the held units fit
+        if (resident[wide]) { d2h += (s >= in.warmup_steps ? 1.0 : 0.0) * static_cast<double>(units[wide].fp.write_back_bytes); }
+        used -= units[wide].fp.device_bytes - units[wide].fp.frozen_device_bytes;
+        resident[wide] = false;
+        params_only[wide] = true;
       }
       h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
       swap_ins += counted;
