@@ -9,6 +9,7 @@
 
 #include <chrono>
 #include <cstddef>
+#include <cstdint>
 #include <exception>
 #include <functional>
 #include <map>
@@ -71,6 +72,9 @@ class backend {
   virtual void unregister_host(void* p, std::size_t bytes) noexcept = 0;
 
   [[nodiscard]] virtual void* create_stream(int priority) = 0;
+  // A stream another library made (a framework's current stream), by its integer handle; 0 is the
+  // device's legacy default stream. Never destroyed by taskswap.
+  [[nodiscard]] virtual void* adopt_stream(std::uintptr_t handle) = 0;
   virtual void destroy_stream(void* s) noexcept = 0;
   virtual void synchronize_stream(void* s) = 0;
   [[nodiscard]] virtual bool query_stream(void* s) = 0;

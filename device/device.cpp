@@ -87,6 +87,11 @@ void stream_view::synchronize() const
 
 bool stream_view::query() const { return backend_->query_stream(handle_); }
 
+stream_view external_stream(const device& dev, std::uintptr_t handle)
+{
+  return {&dev.backend(), dev.backend().adopt_stream(handle)};
+}
+
 stream::stream(const device& dev, stream_options options) : device_(dev), priority_(options.priority)
 {
   auto [least, greatest] = dev.stream_priority_range();

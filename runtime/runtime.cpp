@@ -41,6 +41,25 @@ void* unit_view::grad(std::size_t i) const
   return static_cast<std::byte*>(grads.data) + tensors[i].offset * size_of(grads.type);
 }
 
+tensor_view unit_view::param_tensor(std::size_t i) const
+{
+  std::byte* p = static_cast<std::byte*>(param(i));
+  return {device_span(owner, p, tensors[i].count * size_of(params.type)), params.type, tensors[i].shape, tensors[i].count};
+}
+
+tensor_view unit_view::grad_tensor(std::size_t i) const
+{
+  std::byte* p = static_cast<std::byte*>(grad(i));
+  return {device_span(owner, p, tensors[i].count * size_of(grads.type)), grads.type, tensors[i].shape, tensors[i].count};
+}
+
+void tensor_view::check_element(std::size_t size, bool floating) const
+{
+  const bool fits = type == dtype::f32 ? size == 4 && floating : size == 2 && !floating;
+  TASKSWAP_EXPECTS(fits, detail::message("tensor_view::data<T>(): the tensor is ", to_string(type), "; use ",
+                                         type == dtype::f32 ? "float" : "std::uint16_t (its bits)"));
+}
+
 step_plan::step_plan(std::initializer_list<unit_id> acquisitions)
     : step_plan(std::span<const unit_id>(acquisitions.begin(), acquisitions.size()))
 {

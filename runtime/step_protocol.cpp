@@ -43,6 +43,7 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
   v.id = u;
   v.tensors = l.tensors;
   v.params = {r.slot->data() + l.params, l.compute, l.count};
+  v.owner = &device_.backend();
   if (frozen) {
     ++current_.frozen;
     v.grads = {nullptr, l.grad, 0};

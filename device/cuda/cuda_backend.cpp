@@ -177,6 +177,19 @@ class cuda_backend final : public backend {
     return s;
   }
 
+  [[nodiscard]] void* adopt_stream(std::uintptr_t handle) override
+  {
+    const cuda_device_guard guard(index_);
+    // 0 is the legacy default stream (PyTorch's default stream reports 0): its own handle keeps
+    // it apart from "no stream" in the runtime's bookkeeping.
+    cudaStream_t s = handle == 0 ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(handle);  // NOLINT: a handle
+    int on = -1;
+    TASKSWAP_CUDA_TRY(cudaStreamGetDevice(s, &on));
+    TASKSWAP_EXPECTS(on == index_, message("external_stream(", handle, "): the stream belongs to cuda:", on,
+                                           ", not cuda:", index_, "; wrap it with the device it was made on"));
+    return s;
+  }
+
   void destroy_stream(void* s) noexcept override
   {
     // Queued work still completes; cudaStreamDestroy returns at once.

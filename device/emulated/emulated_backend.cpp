@@ -312,6 +312,13 @@ void* emulated_backend::create_stream(int /*priority*/)
   return queue.release();
 }
 
+void* emulated_backend::adopt_stream(std::uintptr_t handle)
+{
+  throw invalid_argument(message("external_stream(", handle, ") on ", name(),
+                                 ": an external stream handle is a CUDA stream, and the emulated device runs its own "
+                                 "queues; use a taskswap::stream of the emulated device instead"));
+}
+
 void emulated_backend::destroy_stream(void* s) noexcept
 {
   auto* queue = &queue_of(s);

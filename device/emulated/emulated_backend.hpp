@@ -46,6 +46,7 @@ class emulated_backend final : public backend {
   void unregister_host(void* p, std::size_t bytes) noexcept override;
 
   [[nodiscard]] void* create_stream(int priority) override;
+  [[nodiscard]] void* adopt_stream(std::uintptr_t handle) override;
   void destroy_stream(void* s) noexcept override;
   void synchronize_stream(void* s) override;
   [[nodiscard]] bool query_stream(void* s) override;

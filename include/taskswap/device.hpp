@@ -157,6 +157,15 @@ class stream_view {
   void* handle_;
 };
 
+/// @brief A view of a stream another library owns, such as PyTorch's current stream
+/// (`torch.cuda.current_stream().cuda_stream`), so the runtime orders its work on it. Taskswap
+/// never destroys it; the owner keeps it alive while the view is used.
+/// @param handle a `cudaStream_t` as an integer; 0 is the device's legacy default stream
+/// @throws invalid_argument on the emulated backend (its streams are its own queues), or for a
+/// stream of another device
+/// @throws cuda_error for a handle CUDA does not know
+[[nodiscard]] stream_view external_stream(const device& dev, std::uintptr_t handle);
+
 /// @brief Settings of a new stream.
 struct stream_options {
   int priority = 0;  ///< within device::stream_priority_range()

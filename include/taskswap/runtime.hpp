@@ -22,6 +22,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 namespace taskswap {
@@ -134,6 +135,26 @@ struct slab_view {
   [[nodiscard]] std::size_t bytes() const noexcept { return count * size_of(type); }
 };
 
+/// @brief One tensor of a unit on the device, valid while its unit is held.
+struct tensor_view {
+  device_span memory;                  ///< its bytes: what copy_async and fill_async take
+  dtype type = dtype::f32;
+  std::span<const std::size_t> shape;  ///< as registered
+  std::size_t count = 0;               ///< elements
+  /// @brief Its first element as `T`: float for f32, std::uint16_t (the bits) for bf16 and f16.
+  /// A device address: dereference it in device code only (host code on the emulated device).
+  /// @throws invalid_argument when `T` does not match the dtype
+  template <typename T>
+  [[nodiscard]] T* data() const
+  {
+    check_element(sizeof(T), std::is_floating_point_v<T>);
+    return reinterpret_cast<T*>(memory.data());  // NOLINT: the tensor's elements
+  }
+
+ private:
+  void check_element(std::size_t size, bool floating) const;
+};
+
 /// @brief A unit on the device, valid from acquire until release.
 struct unit_view {
   unit_id id{};
@@ -147,6 +168,12 @@ struct unit_view {
   /// @brief Device address of tensor `i`'s gradients.
   /// @throws invalid_argument when the unit is used frozen (it has no gradients)
   [[nodiscard]] void* grad(std::size_t i) const;
+  /// @brief Tensor `i`'s parameters: bytes, dtype and shape.
+  [[nodiscard]] tensor_view param_tensor(std::size_t i) const;
+  /// @brief Tensor `i`'s gradients: bytes, dtype and shape.
+  /// @throws invalid_argument when the unit is used frozen
+  [[nodiscard]] tensor_view grad_tensor(std::size_t i) const;
+  detail::backend* owner = nullptr;  ///< the device's backend, whose memory the slabs are
 };
 
 /// @brief A unit's authoritative home copy in the pinned host arena. Current after

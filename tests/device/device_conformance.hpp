@@ -413,6 +413,41 @@ TYPED_TEST_P(device_conformance, StreamPrioritiesAndOwnershipMoves)
   EXPECT_TRUE(empty.span().empty());
 }
 
+TYPED_TEST_P(device_conformance, ExternalStreamsAreCudaStreamsAndTheEmulatedDeviceRefusesThem)
+{
+  const device dev = this->make();
+  const stream own(dev);
+  const auto handle = reinterpret_cast<std::uintptr_t>(own.view().native_handle());  // NOLINT: a framework's handle
+  if (dev.kind() == backend_kind::emulated) {
+    try {
+      (void)external_stream(dev, handle);
+      FAIL() << "the emulated device wrapped an external stream";
+    } catch (const invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("use a taskswap::stream"), std::string::npos) << e.what();
+    }
+    return;
+  }
+  // A stream made elsewhere (here: our own, by its integer handle) is the same stream.
+  EXPECT_TRUE(external_stream(dev, handle) == own.view());
+  // 0, PyTorch's default stream: the legacy default stream, usable for copies, events, host waits.
+  const stream_view legacy = external_stream(dev, 0);
+  EXPECT_NE(legacy.native_handle(), nullptr);
+  std::uint64_t seed = 0;
+  auto gen = fresh_generator(seed);
+  pinned_buffer src(dev, 4096);
+  pinned_buffer dst(dev, 4096);
+  device_buffer mid(dev, 4096);
+  fill_random(src.span(), gen);
+  copy_async(mid.span(), src.span(), legacy);
+  event copied(dev);
+  copied.record(legacy);
+  copied.wait(own);
+  copy_async(dst.span(), mid.span(), own);
+  own.synchronize();
+  legacy.synchronize();
+  EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), 4096));
+}
+
 REGISTER_TYPED_TEST_SUITE_P(device_conformance, ExecutesInOrderWithinStream,
                             EventOrdersWorkAcrossStreams, CopyRoundTripIsBitExactAtAwkwardSizes,
                             FillSetsEveryByte, RefusesAllocationBeyondMemoryWithTheNumbers,
@@ -421,6 +456,7 @@ REGISTER_TYPED_TEST_SUITE_P(device_conformance, ExecutesInOrderWithinStream,
                             DestroyingABufferWaitsForQueuedWork, HostFunctionErrorsReachSynchronize,
                             HostFunctionErrorsStayWithTheirStream,
                             RejectsBadArgumentsWithClearErrors, TimingEventsMeasureElapsedTime,
-                            StreamPrioritiesAndOwnershipMoves);
+                            StreamPrioritiesAndOwnershipMoves,
+                            ExternalStreamsAreCudaStreamsAndTheEmulatedDeviceRefusesThem);
 
 }  // namespace taskswap::test

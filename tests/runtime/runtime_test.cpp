@@ -341,6 +341,44 @@ TEST(runtime_frozen, a_frozen_use_brings_the_parameters_alone_and_the_next_step_
   EXPECT_EQ(rt.end_step().unplanned, 1U);
 }
 
+TEST(runtime_views, tensor_views_carry_bytes_dtype_and_shape_and_take_copies)
+{
+  device dev = emulated(1 * MiB);
+  unit_spec spec;
+  spec.name = "a";
+  spec.tensors = {{"w", {3, 5}}, {"b", {7}}};
+  spec.compute = dtype::bf16;
+  spec.grad = dtype::f32;
+  runtime rt(dev, options_with_budget(1 * MiB), {spec});
+  stream s(dev);
+  const unit_view v = rt.acquire(unit_id{0}, s);
+  const tensor_view w = v.param_tensor(0);
+  EXPECT_EQ(w.type, dtype::bf16);
+  EXPECT_EQ(std::vector<std::size_t>(w.shape.begin(), w.shape.end()), (std::vector<std::size_t>{3, 5}));
+  EXPECT_EQ(w.count, 15U);
+  EXPECT_EQ(w.memory.size(), 30U);
+  EXPECT_EQ(static_cast<void*>(w.data<std::uint16_t>()), v.param(0));
+  expect_error_mentioning<invalid_argument>([&] { (void)w.data<float>(); }, "the tensor is bf16; use std::uint16_t");
+  const tensor_view g = v.grad_tensor(1);
+  EXPECT_EQ(g.type, dtype::f32);
+  EXPECT_EQ(g.count, 7U);
+  EXPECT_EQ(static_cast<void*>(g.data<float>()), v.grad(1));
+  // The span is the device's memory: copies take it without reaching into the backend.
+  const std::vector<float> ones(7, 1.0F);
+  copy_async(g.memory, std::as_bytes(std::span(ones)), s);
+  std::vector<float> back(7, 0.0F);
+  copy_async(std::as_writable_bytes(std::span(back)), g.memory, s);
+  s.synchronize();
+  EXPECT_EQ(back, ones);
+  expect_error_mentioning<invalid_argument>([&] { (void)v.param_tensor(2); }, "tensor 2 of a unit with 2");
+  rt.release(unit_id{0}, s);
+  (void)rt.end_step();
+  const unit_view f = rt.acquire(unit_id{0}, s, unit_use::frozen);
+  expect_error_mentioning<invalid_argument>([&] { (void)f.grad_tensor(0); }, "used frozen");
+  rt.release(unit_id{0}, s);
+  (void)rt.end_step();
+}
+
 // Runs three steps of two units (a trained, then a frozen beside b trained, then both trained)
 // and returns their home slabs.
 std::vector<std::vector<std::byte>> train_a_then_freeze_it(std::size_t budget, step_stats* second)
