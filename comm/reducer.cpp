@@ -108,8 +108,9 @@ void reducer::check_digests()
     throw config_error(message("taskswap: the ranks registered different units or [comm] settings: rank ", me,
                                " has ", units_.size(), " units with digest ", std::hex, digest, std::dec,
                                ", and these ranks differ from it: ", differing,
-                               ". Every rank must register the same units (names, tensor shapes, dtypes) in the "
-                               "same order, with the same [comm] bucket_cap, average and reduce"));
+                               ". Every rank must register the same units (names, tensor shapes, dtypes, "
+                               "no_weight_decay flags, lr_scale and weight_decay) in the same order, with the same "
+                               "[comm] bucket_cap, average and reduce"));
   }
 }
 

@@ -242,6 +242,15 @@ void read_policy(table_reader& r, Policy& p)
   if (auto v = r.choice("residency", residency_names)) { p.residency = *v; }
   if (auto v = r.integer("lookahead", 0, 1 << 20)) { p.lookahead = static_cast<int>(*v); }
   if (auto v = r.choice("optimizer", placement_names)) { p.optimizer = *v; }
+  // Param groups: a unit's learning rate relative to [optimizer] lr, and its own weight decay.
+  if (auto v = r.number("lr_scale")) {
+    if (!(*v > 0 && std::isfinite(*v))) { r.fail(*r.get("lr_scale"), "lr_scale", "must be more than 0, e.g. lr_scale = 10.0"); }
+    p.lr_scale = *v;
+  }
+  if (auto v = r.number("weight_decay")) {
+    if (!(*v >= 0 && std::isfinite(*v))) { r.fail(*r.get("weight_decay"), "weight_decay", "must be 0 or more"); }
+    p.weight_decay = *v;
+  }
 }
 
 void read_units(const toml::node& n, std::string_view source, std::vector<unit_rule>& rules)

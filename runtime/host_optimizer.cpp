@@ -28,7 +28,7 @@ void runtime::impl::upload_params(unit_record& r)
 
 // Gradients home on d2h (after the previous CPU step let go of them), then the CPU AdamW on
 // host_opt; the device parameters are stale until uploaded again. Does not synchronise.
-void runtime::impl::host_step(unit_record& r, const detail::adamw_scalars& scalars, stream_view s)
+void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, stream_view s)
 {
   const detail::unit_layout& l = r.layout;
   ensure(r.grads_done, device_).record(s);
@@ -43,12 +43,16 @@ void runtime::impl::host_step(unit_record& r, const detail::adamw_scalars& scala
   if (trace_) { trace_->close(span, d2h_); }
   current_.d2h_bytes += grad_bytes;
   r.grads_copied->wait(host_opt_);
-  const detail::adamw_slabs slabs = l.slabs_at(r.home, l.home_grads);
+  std::vector<std::pair<detail::adamw_slabs, detail::adamw_scalars>> runs;
+  const detail::adamw_slabs whole = l.slabs_at(r.home, l.home_grads);
+  for (const detail::adamw_run& run : l.runs) {
+    runs.emplace_back(l.run_slabs(whole, run), run.decay ? scalars.decay : scalars.no_decay);
+  }
   detail::host_task_arena* cpu = &*cpu_;
   detail::trace_recorder* trace = trace_ ? &*trace_ : nullptr;
-  launch_host_func(host_opt_, [slabs, scalars, cpu, trace, track = host_track_, name = r.name] {
+  launch_host_func(host_opt_, [runs = std::move(runs), cpu, trace, track = host_track_, name = r.name] {
     const auto begin = detail::trace_recorder::clock::now();
-    detail::cpu_adamw_step(slabs, scalars, *cpu);
+    for (const auto& [slabs, settings] : runs) { detail::cpu_adamw_step(slabs, settings, *cpu); }
     if (trace != nullptr) { trace->host_span(track, "adamw " + name, begin, detail::trace_recorder::clock::now()); }
   });
   ensure(r.host_updated, device_).record(host_opt_);

@@ -46,6 +46,10 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
         for (const std::size_t d : t.shape) { digest = detail::fnv1a(digest, message(",", d)); }
       }
       digest = detail::fnv1a(digest, message(to_string(l.compute), "/", to_string(l.grad)));
+      // What the update depends on: the ranks must update each unit alike.
+      for (const tensor_info& t : l.tensors) { digest = detail::fnv1a(digest, t.no_weight_decay ? "n" : "d"); }
+      digest = detail::fnv1a(digest, message(std::hexfloat, r.policy.lr_scale, "/",
+                                             r.policy.weight_decay ? *r.policy.weight_decay : -1.0));
       units.push_back({r.name, l.reduce_bytes(), l.grad, digest});
     }
     aux_.emplace(dev);

@@ -8,6 +8,7 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace taskswap {
 
@@ -27,6 +28,8 @@ unit_policy resolve_policy(const unit_spec& spec, const runtime_options& options
     if (r.residency) { p.residency = *r.residency; }
     if (r.lookahead) { p.lookahead = *r.lookahead; }
     if (r.optimizer) { p.optimizer = *r.optimizer; }
+    if (r.lr_scale) { p.lr_scale = *r.lr_scale; }
+    if (r.weight_decay) { p.weight_decay = *r.weight_decay; }
   }
   return p;
 }
@@ -67,6 +70,12 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
   for (unit_spec& spec : specs) {
     if (spec.name.empty()) { throw config_error("taskswap runtime: a unit has an empty name; name every unit"); }
     const unit_policy policy = resolve_policy(spec, options, rule_used);
+    if (!(policy.lr_scale > 0 && std::isfinite(policy.lr_scale))) {
+      throw config_error(message("unit '", spec.name, "': lr_scale ", policy.lr_scale, " must be more than 0"));
+    }
+    if (policy.weight_decay && !(*policy.weight_decay >= 0 && std::isfinite(*policy.weight_decay))) {
+      throw config_error(message("unit '", spec.name, "': weight_decay ", *policy.weight_decay, " must be 0 or more"));
+    }
     if (policy.lookahead < 0) {
       throw config_error(message("unit '", spec.name, "': lookahead ", policy.lookahead, " is negative; use 0 or more"));
     }

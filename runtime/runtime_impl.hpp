@@ -118,8 +118,15 @@ struct runtime::impl {
   void apply_step(unit_record& r, stream_view s);
   void release(unit_record& r, stream_view s);
 
+  // A unit's AdamW settings for its step: with weight decay, and without (no-decay tensors).
+  struct update_scalars {
+    detail::adamw_scalars decay;
+    detail::adamw_scalars no_decay;
+  };
+  [[nodiscard]] update_scalars scalars_for(const unit_record& r, const adamw_options& optimizer) const;
+
   // The host optimizer's path (host_optimizer.cpp)
-  void host_step(unit_record& r, const detail::adamw_scalars& scalars, stream_view s);
+  void host_step(unit_record& r, const update_scalars& scalars, stream_view s);
   void upload_params(unit_record& r);
 
   // With a communicator (plan_check.cpp: plan_together; step_reduction.cpp: the rest)

@@ -158,19 +158,33 @@ void runtime::impl::request_step(unit_record& r, stream_view s)
   r.step_deferred = true;
 }
 
+// The unit's group: the optimizer's settings with its learning-rate scale and weight decay, and
+// the same without weight decay for its no-decay tensors.
+runtime::impl::update_scalars runtime::impl::scalars_for(const unit_record& r, const adamw_options& optimizer) const
+{
+  adamw_options o = optimizer;
+  o.lr *= r.policy.lr_scale;
+  if (r.policy.weight_decay) { o.weight_decay = *r.policy.weight_decay; }
+  adamw_options plain = o;
+  plain.weight_decay = 0;
+  return {detail::make_adamw_scalars(o, r.step), detail::make_adamw_scalars(plain, r.step)};
+}
+
 void runtime::impl::apply_step(unit_record& r, stream_view s)
 {
   ++r.step;
   // With a communicator every update of a step uses the settings the step began with, whichever
   // rank's call order enqueues it: replicas stay identical when set_optimizer changes them.
-  const detail::adamw_scalars scalars =
-    detail::make_adamw_scalars(reducer_ && step_begun_ ? step_optimizer_ : options_.optimizer, r.step);
+  const update_scalars scalars = scalars_for(r, reducer_ && step_begun_ ? step_optimizer_ : options_.optimizer);
   if (r.policy.optimizer == optimizer_placement::host) {
     host_step(r, scalars, s);
     return;
   }
   const detail::unit_layout& l = r.layout;
-  detail::adamw_async(l.slabs_at(r.slot->data(), l.device_grads), scalars, s);
+  const detail::adamw_slabs whole = l.slabs_at(r.slot->data(), l.device_grads);
+  for (const detail::adamw_run& run : l.runs) {
+    detail::adamw_async(l.run_slabs(whole, run), run.decay ? scalars.decay : scalars.no_decay, s);
+  }
   fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
   r.dirty = true;
 }

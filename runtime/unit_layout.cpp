@@ -43,8 +43,15 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
   for (const tensor_spec& t : spec.tensors) {
     const std::size_t n = checked_product(spec, t);
     l.count = round_up(l.count, tensor_alignment);
-    l.tensors.push_back(tensor_info{t.name, t.shape, n, l.count});
+    l.tensors.push_back(tensor_info{t.name, t.shape, n, l.count, t.no_weight_decay});
+    // A tensor whose flag differs from the run before starts a run; otherwise the run grows over
+    // the alignment gap and the tensor.
+    if (l.runs.empty() || l.runs.back().decay == t.no_weight_decay) {
+      if (!l.runs.empty()) { l.runs.back().count = l.count - l.runs.back().begin; }  // up to this tensor
+      l.runs.push_back(adamw_run{l.runs.empty() ? 0 : l.count, 0, !t.no_weight_decay});
+    }
     l.count += n;
+    l.runs.back().count = l.count - l.runs.back().begin;
   }
   const auto slab = [&](dtype type) { return round_up(l.count * size_of(type), slab_alignment); };
   const std::size_t params_bytes = slab(l.compute);

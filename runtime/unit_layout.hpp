@@ -22,8 +22,17 @@ namespace taskswap::detail {
 inline constexpr std::size_t slab_alignment = 256;    // bytes, every slab's offset
 inline constexpr std::size_t tensor_alignment = 64;   // elements, every tensor's offset in a slab
 
+/// Elements [begin, begin + count) of a unit's slabs that AdamW steps with one setting: with the
+/// optimizer's weight decay or without (tensors flagged no_weight_decay). Runs cover the slab.
+struct adamw_run {
+  std::size_t begin = 0;
+  std::size_t count = 0;
+  bool decay = true;
+};
+
 struct unit_layout {
   std::vector<tensor_info> tensors;
+  std::vector<adamw_run> runs;  // consecutive tensors with the same weight-decay flag, and the gaps between them
   std::size_t count = 0;       // elements per slab, tensor padding included
   dtype compute = dtype::f32;
   dtype grad = dtype::f32;
@@ -58,6 +67,18 @@ struct unit_layout {
     s.params = compute == dtype::f32 ? nullptr : base + params;
     s.param_type = compute;
     s.count = count;
+    return s;
+  }
+  /// The operands of one run: slabs_at() narrowed to its elements.
+  [[nodiscard]] adamw_slabs run_slabs(const adamw_slabs& whole, const adamw_run& run) const noexcept
+  {
+    adamw_slabs s = whole;
+    s.master += run.begin;
+    s.m += run.begin;
+    s.v += run.begin;
+    s.grad = static_cast<const std::byte*>(whole.grad) + run.begin * size_of(grad);
+    if (whole.params != nullptr) { s.params = static_cast<std::byte*>(whole.params) + run.begin * size_of(compute); }
+    s.count = run.count;
     return s;
   }
 };

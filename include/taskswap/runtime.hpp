@@ -50,11 +50,14 @@ enum class unit_use : std::uint8_t {
 [[nodiscard]] std::string_view to_string(optimizer_placement p) noexcept;
 [[nodiscard]] std::string_view to_string(unit_use u) noexcept;
 
-/// @brief A unit's residency policy and optimizer placement.
+/// @brief A unit's residency policy, optimizer placement and hyperparameters (torch's param
+/// groups: a unit is in the group its policy describes).
 struct unit_policy {
   taskswap::residency residency = taskswap::residency::prefetch;
   int lookahead = 2;  ///< prefetch: steps ahead of the current one (0: only within the current step)
   optimizer_placement optimizer = optimizer_placement::device;
+  double lr_scale = 1.0;  ///< the unit's learning rate is the optimizer's lr times this (> 0)
+  std::optional<double> weight_decay{};  ///< the unit's weight decay (>= 0); none: the optimizer's
 };
 
 /// @brief A policy rule: applies to the units whose name matches the glob (fnmatch syntax);
@@ -65,6 +68,8 @@ struct unit_rule {
   std::optional<int> lookahead;
   std::optional<optimizer_placement> optimizer;
   std::string origin;  ///< where the rule came from ("file:line"), for error messages
+  std::optional<double> lr_scale{};      ///< see unit_policy
+  std::optional<double> weight_decay{};  ///< see unit_policy
 };
 
 /// @brief Which device the runtime uses, and how much of it.
@@ -102,6 +107,7 @@ struct runtime_options {
 struct tensor_spec {
   std::string name;
   std::vector<std::size_t> shape;
+  bool no_weight_decay = false;  ///< AdamW without weight decay (biases, norms), as torch's no-decay group
 };
 
 /// @brief What a trainer registers: a named set of tensors stored as one slab per kind.
@@ -125,6 +131,7 @@ struct tensor_info {
   std::vector<std::size_t> shape;
   std::size_t count = 0;   ///< elements
   std::size_t offset = 0;  ///< first element in the unit's slabs
+  bool no_weight_decay = false;
 };
 
 /// @brief A flat slab: `count` elements of `type` at `data`.

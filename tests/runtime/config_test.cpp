@@ -123,6 +123,29 @@ TEST(config, quantities_too_large_for_64_bits_are_refused)
       "is too large");
 }
 
+TEST(config, param_groups_per_rule_and_their_errors)
+{
+  const runtime_options o = parse_config("[device]\nbudget = \"1 GiB\"\n[defaults]\nlr_scale = 0.5\n"
+                                         "[[units]]\nmatch = \"task/*\"\nlr_scale = 10.0\nweight_decay = 0.0\n",
+                                         "my.toml");
+  EXPECT_EQ(o.defaults.lr_scale, 0.5);
+  EXPECT_FALSE(o.defaults.weight_decay.has_value());
+  ASSERT_EQ(o.units.size(), 1U);
+  EXPECT_EQ(o.units[0].lr_scale, 10.0);
+  EXPECT_EQ(o.units[0].weight_decay, 0.0);
+  unit_spec task{.name = "task/3", .tensors = {{"w", {4}}}};
+  const unit_policy p = policy_for(task, o);
+  EXPECT_EQ(p.lr_scale, 10.0);  // the rule wins over the defaults
+  EXPECT_EQ(p.weight_decay, 0.0);
+  const auto fails = [](const std::string& text, const std::string& needle) {
+    expect_error_mentioning<config_error>([&] { (void)parse_config(text, "my.toml"); }, needle);
+  };
+  fails("[device]\nbudget = \"1 GiB\"\n[[units]]\nmatch = \"a\"\nlr_scale = 0.0\n",
+        "my.toml:5: [[units]] lr_scale: must be more than 0");
+  fails("[device]\nbudget = \"1 GiB\"\n[[units]]\nmatch = \"a\"\nweight_decay = -0.1\n",
+        "my.toml:5: [[units]] weight_decay: must be 0 or more");
+}
+
 TEST(config, errors_name_the_file_the_line_and_the_key)
 {
   const auto fails = [](const std::string& text, const std::string& needle) {

@@ -115,6 +115,38 @@ TEST(unit_layout, large_host_slabs_start_staggered_and_small_ones_back_to_back)
   EXPECT_EQ(h.home_bytes, h.v + h.state_bytes + h.grad_bytes);
 }
 
+TEST(unit_layout, adamw_runs_split_where_the_weight_decay_flag_changes_and_cover_the_slab)
+{
+  unit_spec u;
+  u.name = "u";
+  u.tensors = {{"w1", {100}}, {"w2", {30}}, {"b1", {7}, true}, {"b2", {5}, true}, {"w3", {3}}};
+  const detail::unit_layout l = detail::make_unit_layout(u, optimizer_placement::device);
+  ASSERT_EQ(l.runs.size(), 3U);
+  EXPECT_EQ(l.runs[0].begin, 0U);
+  EXPECT_TRUE(l.runs[0].decay);
+  EXPECT_EQ(l.runs[1].begin, l.tensors[2].offset);  // b1 starts the no-decay run, b2 joins it
+  EXPECT_FALSE(l.runs[1].decay);
+  EXPECT_EQ(l.runs[2].begin, l.tensors[4].offset);
+  for (std::size_t i = 0; i + 1 < l.runs.size(); ++i) { EXPECT_EQ(l.runs[i].begin + l.runs[i].count, l.runs[i + 1].begin); }
+  EXPECT_EQ(l.runs.back().begin + l.runs.back().count, l.count);
+  EXPECT_TRUE(l.tensors[3].no_weight_decay);
+  u.tensors = {{"w", {10}}};
+  EXPECT_EQ(detail::make_unit_layout(u, optimizer_placement::host).runs.size(), 1U);
+}
+
+TEST(runtime_registration, a_policy_with_a_bad_lr_scale_or_weight_decay_is_refused)
+{
+  device dev = emulated(1 * MiB);
+  unit_spec u = make_unit("a", 64);
+  u.policy->lr_scale = -1;
+  expect_error_mentioning<config_error>([&] { runtime rt(dev, options_with_budget(1 * MiB), {u}); },
+                                        "unit 'a': lr_scale -1 must be more than 0");
+  u.policy->lr_scale = 1;
+  u.policy->weight_decay = -0.5;
+  expect_error_mentioning<config_error>([&] { runtime rt(dev, options_with_budget(1 * MiB), {u}); },
+                                        "unit 'a': weight_decay -0.5 must be 0 or more");
+}
+
 TEST(unit_layout, refuses_units_without_tensors_or_with_empty_dimensions)
 {
   unit_spec u;
