@@ -316,11 +316,12 @@ TEST(runtime_protocol, protocol_errors_say_what_to_do)
   expect_error_mentioning<invalid_argument>([&] { rt.write_trace("/tmp/x.json"); }, "trace = true");
 }
 
-// Writes `values` into a unit's gradient slab (f32) on `s`.
+// Writes `values` into a unit's gradient slab (f32) on `s`, and waits: `values` may be a temporary.
 void write_grads(const device& dev, const unit_view& v, const std::vector<float>& values, stream_view s)
 {
   copy_async(device_span(&dev.backend(), static_cast<std::byte*>(v.grads.data), v.grads.bytes()),
              std::as_bytes(std::span(values)), s);
+  s.synchronize();
 }
 
 TEST(runtime_frozen, a_frozen_use_brings_the_parameters_alone_and_the_next_step_may_train_the_unit)
