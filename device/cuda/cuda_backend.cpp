@@ -8,6 +8,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <optional>
 #include <array>
 #include <cassert>
 #include <cstdio>
@@ -35,6 +36,19 @@ void report_cuda_error(cudaError_t status, const char* call, const char* file, i
 namespace {
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+// The legacy and per-thread default streams (an external_stream of 0) resolve against the calling
+// thread's current device: operations on them make the backend's device current for their duration.
+class implicit_stream_guard {
+ public:
+  implicit_stream_guard(void* s, int index)
+  {
+    if (as_stream(s) == cudaStreamLegacy || as_stream(s) == cudaStreamPerThread) { guard_.emplace(index); }
+  }
+
+ private:
+  std::optional<cuda_device_guard> guard_;
+};
 cudaEvent_t as_event(void* e) { return static_cast<cudaEvent_t>(e); }
 
 cudaMemcpyKind kind_of(copy_direction direction)
@@ -181,12 +195,19 @@ class cuda_backend final : public backend {
   {
     const cuda_device_guard guard(index_);
     // 0 is the legacy default stream (PyTorch's default stream reports 0): its own handle keeps
-    // it apart from "no stream" in the runtime's bookkeeping.
+    // it apart from "no stream" in the runtime's bookkeeping. It and the per-thread default stream
+    // mean "the current device's": every operation on them sets this device first (implicit_guard).
     cudaStream_t s = handle == 0 ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(handle);  // NOLINT: a handle
+#if CUDART_VERSION >= 12080
     int on = -1;
     TASKSWAP_CUDA_TRY(cudaStreamGetDevice(s, &on));
     TASKSWAP_EXPECTS(on == index_, message("external_stream(", handle, "): the stream belongs to cuda:", on,
                                            ", not cuda:", index_, "; wrap it with the device it was made on"));
+#else
+    // cudaStreamGetDevice came with CUDA 12.8: an older runtime only checks that the handle is a stream.
+    const cudaError_t status = cudaStreamQuery(s);
+    if (status != cudaErrorNotReady) { TASKSWAP_CUDA_TRY(status); }
+#endif
     return s;
   }
 
@@ -196,10 +217,15 @@ class cuda_backend final : public backend {
     TASKSWAP_ASSERT_CUDA_SUCCESS(cudaStreamDestroy(as_stream(s)));
   }
 
-  void synchronize_stream(void* s) override { TASKSWAP_CUDA_TRY(cudaStreamSynchronize(as_stream(s))); }
+  void synchronize_stream(void* s) override
+  {
+    const implicit_stream_guard guard(s, index_);
+    TASKSWAP_CUDA_TRY(cudaStreamSynchronize(as_stream(s)));
+  }
 
   [[nodiscard]] bool query_stream(void* s) override
   {
+    const implicit_stream_guard guard(s, index_);
     const cudaError_t status = cudaStreamQuery(as_stream(s));
     if (status == cudaErrorNotReady) { return false; }
     TASKSWAP_CUDA_TRY(status);
@@ -209,16 +235,19 @@ class cuda_backend final : public backend {
   void copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction,
                   void* s) override
   {
+    const implicit_stream_guard guard(s, index_);
     TASKSWAP_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, kind_of(direction), as_stream(s)));
   }
 
   void fill_async(void* dst, std::byte value, std::size_t bytes, void* s) override
   {
+    const implicit_stream_guard guard(s, index_);
     TASKSWAP_CUDA_TRY(cudaMemsetAsync(dst, std::to_integer<int>(value), bytes, as_stream(s)));
   }
 
   void launch_host_func(void* s, std::function<void()> fn) override
   {
+    const implicit_stream_guard guard(s, index_);
     auto payload = std::make_unique<host_func_payload>(host_func_payload{error_slot(s), std::move(fn)});
     TASKSWAP_CUDA_TRY(cudaLaunchHostFunc(as_stream(s), host_func_trampoline, payload.get()));
     static_cast<void>(payload.release());  // the trampoline owns it now
@@ -234,10 +263,15 @@ class cuda_backend final : public backend {
 
   void destroy_event(void* e) noexcept override { TASKSWAP_ASSERT_CUDA_SUCCESS(cudaEventDestroy(as_event(e))); }
 
-  void record_event(void* e, void* s) override { TASKSWAP_CUDA_TRY(cudaEventRecord(as_event(e), as_stream(s))); }
+  void record_event(void* e, void* s) override
+  {
+    const implicit_stream_guard guard(s, index_);
+    TASKSWAP_CUDA_TRY(cudaEventRecord(as_event(e), as_stream(s)));
+  }
 
   void wait_event(void* s, void* e) override
   {
+    const implicit_stream_guard guard(s, index_);
     TASKSWAP_CUDA_TRY(cudaStreamWaitEvent(as_stream(s), as_event(e), 0));
   }
 

@@ -160,7 +160,9 @@ class stream_view {
 /// @brief A view of a stream another library owns, such as PyTorch's current stream
 /// (`torch.cuda.current_stream().cuda_stream`), so the runtime orders its work on it. Taskswap
 /// never destroys it; the owner keeps it alive while the view is used.
-/// @param handle a `cudaStream_t` as an integer; 0 is the device's legacy default stream
+/// @param dev the device the stream belongs to
+/// @param handle a `cudaStream_t` as an integer; 0 is the device's legacy default stream (every
+/// operation on it makes `dev` the calling thread's current device for its duration)
 /// @throws invalid_argument on the emulated backend (its streams are its own queues), or for a
 /// stream of another device
 /// @throws cuda_error for a handle CUDA does not know

@@ -57,7 +57,9 @@ struct unit_policy {
   int lookahead = 2;  ///< prefetch: steps ahead of the current one (0: only within the current step)
   optimizer_placement optimizer = optimizer_placement::device;
   double lr_scale = 1.0;  ///< the unit's learning rate is the optimizer's lr times this (> 0)
-  std::optional<double> weight_decay{};  ///< the unit's weight decay (>= 0); none: the optimizer's
+  /// The unit's weight decay (>= 0); none: the optimizer's. A unit with its own is not affected by
+  /// the weight decay set_optimizer() sets (its lr still scales with the optimizer's).
+  std::optional<double> weight_decay{};
 };
 
 /// @brief A policy rule: applies to the units whose name matches the glob (fnmatch syntax);
@@ -131,7 +133,7 @@ struct tensor_info {
   std::vector<std::size_t> shape;
   std::size_t count = 0;   ///< elements
   std::size_t offset = 0;  ///< first element in the unit's slabs
-  bool no_weight_decay = false;
+  bool no_weight_decay = false;  ///< as the tensor_spec said: AdamW steps it without weight decay
 };
 
 /// @brief A flat slab: `count` elements of `type` at `data`.
@@ -176,9 +178,10 @@ struct unit_view {
   /// @throws invalid_argument when the unit is used frozen (it has no gradients)
   [[nodiscard]] void* grad(std::size_t i) const;
   /// @brief Tensor `i`'s parameters: bytes, dtype and shape.
+  /// @throws invalid_argument when `i` is not a tensor of the unit
   [[nodiscard]] tensor_view param_tensor(std::size_t i) const;
   /// @brief Tensor `i`'s gradients: bytes, dtype and shape.
-  /// @throws invalid_argument when the unit is used frozen
+  /// @throws invalid_argument when `i` is not a tensor of the unit, or the unit is used frozen
   [[nodiscard]] tensor_view grad_tensor(std::size_t i) const;
   detail::backend* owner = nullptr;  ///< the device's backend, whose memory the slabs are
 };
@@ -425,7 +428,8 @@ class runtime {
   checkpoint_manifest load_checkpoint(const std::filesystem::path& dir);
 
   /// @brief Replaces the AdamW hyperparameters (learning-rate schedules), checked as the config
-  /// loader checks them (lr > 0, eps > 0, weight_decay >= 0, betas in [0, 1), all finite).
+  /// loader checks them (lr > 0, eps > 0, weight_decay >= 0, betas in [0, 1), all finite). Each
+  /// unit's step uses lr times its policy's lr_scale, and its policy's weight_decay where it has one.
   /// Without a communicator every update enqueued after the call uses them, also within a step.
   /// With one, a step's updates all use the values set when the step began (its first acquire),
   /// whichever order the ranks enqueue them in; a call within a step takes effect from the next

@@ -9,15 +9,18 @@
 
 #include <taskswap/taskswap.hpp>
 
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <stdexcept>
 #include <fstream>
 #include <string>
 #include <vector>
 
 namespace {
 
-// The formulas param_groups_vs_torch.py repeats (exact in f32: multiples of 1/8 and 1/100).
+// The formulas param_groups_vs_torch.py repeats; the gradients are multiples of 1/8, exact in f32
+// and in their sums, and both sides round the initial values the same way.
 float initial(std::uint32_t u, std::size_t i) { return static_cast<float>((i * 13 + u * 3) % 17) * 0.01F - 0.08F; }
 float gradient(std::uint32_t u, std::size_t i, int step, int micro)
 {

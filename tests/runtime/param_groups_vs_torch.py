@@ -91,7 +91,11 @@ def main():
                     for d in shape:
                         n *= d
                     g, w = got[at:at + n], want[at:at + n]
-                    err = max(err, ((g - w).abs().max() / w.abs().max()).item())
+                    e = ((g - w).abs().max() / w.abs().max()).item()
+                    if not e <= 1e-6:  # NaN fails too
+                        sys.exit(f"param_groups_vs_torch: {placement}/{micro}: unit {u}, a {shape} tensor: {e:.2e} "
+                                 "exceeds 1e-6")
+                    err = max(err, e)
                     at += n
             worst = max(worst, err)
             print(f"{placement} placement, {micro} micro-batch(es): largest relative difference {err:.2e}")

@@ -8,6 +8,8 @@
 //     bitwise those of the reference (so swaps are bit-exact and no update is lost or repeated);
 //   - any policy and placement gives bitwise the all-resident result;
 //   - misses and plans that differ from what runs still work, and nothing deadlocks;
+//   - param groups: random lr_scale and weight_decay per unit, a third of the tensors without
+//     weight decay, against a reference that steps each tensor with its own settings;
 //   - frozen uses (about a third, mixed with trained ones, also of one unit within a step) see the
 //     reference's parameters and leave them bitwise unchanged, in budgets that count them at
 //     their parameter slab.
@@ -116,7 +118,7 @@ inline scenario random_scenario(std::uint64_t seed, bool all_resident = false)
       if (pick(2) == 0) { shape.push_back(1 + pick(60)); }
       std::string tensor = "w";  // not "w" + std::to_string(t): a false -Wrestrict at -O3 (GCC bug 105651)
       tensor += std::to_string(t);
-      u.tensors.push_back({tensor, shape});
+      u.tensors.push_back({tensor, shape, pick(3) == 0});  // a third without weight decay
     }
     u.compute = dtypes[pick(3)];
     if (u.compute != dtype::f32 && pick(2) == 0) { u.grad = dtype::f32; }
@@ -125,6 +127,9 @@ inline scenario random_scenario(std::uint64_t seed, bool all_resident = false)
     p.residency = all_resident ? residency::pinned : drawn;
     p.lookahead = static_cast<int>(pick(4));
     p.optimizer = static_cast<optimizer_placement>(pick(2));
+    constexpr std::array lr_scales{1.0, 0.5, 3.0};  // param groups
+    p.lr_scale = lr_scales[pick(3)];
+    if (const std::size_t wd = pick(3); wd != 0) { p.weight_decay = wd == 1 ? 0.0 : 0.2; }
     u.policy = p;
     (p.residency == residency::pinned ? pinned : swapped_total) += device_bytes_of(u);
     s.units.push_back(std::move(u));
@@ -179,6 +184,8 @@ inline scenario random_scenario(std::uint64_t seed, bool all_resident = false)
 
 // The reference: every unit's state on the host, stepped by the portable CPU AdamW.
 struct reference_unit {
+  std::vector<tensor_info> tensors;  // offsets and weight-decay flags
+  unit_policy policy{};
   std::vector<float> master, m, v;
   std::vector<std::byte> params;  // compute dtype
   dtype compute = dtype::f32;
@@ -216,6 +223,8 @@ class runtime_properties : public ::testing::Test {
       EXPECT_EQ(rt.device_bytes(id), device_bytes_of(s.units[i]));
       home_view h = rt.home(id);
       reference_unit& r = ref[i];
+      r.tensors.assign(h.tensors.begin(), h.tensors.end());
+      r.policy = rt.policy(id);
       r.master.resize(h.master.count);
       for (float& x : r.master) { x = dist(rng); }
       std::memcpy(h.master.data, r.master.data(), r.master.size() * sizeof(float));
@@ -307,9 +316,16 @@ class runtime_properties : public ::testing::Test {
   }
   step_stats seen_{};
 
-  static void reference_step(reference_unit& r, const void* grads, dtype grad_type, const adamw_options& o)
+  // AdamW over the slab with the unit's group settings; each tensor, and the alignment gap after it,
+  // with or without weight decay as the tensor says.
+  static void reference_step(reference_unit& r, const void* grads, dtype grad_type, const adamw_options& optimizer)
   {
     ++r.step;
+    adamw_options o = optimizer;
+    o.lr *= r.policy.lr_scale;
+    if (r.policy.weight_decay) { o.weight_decay = *r.policy.weight_decay; }
+    adamw_options plain = o;
+    plain.weight_decay = 0;
     detail::adamw_slabs slabs;
     slabs.master = r.master.data();
     slabs.m = r.m.data();
@@ -318,7 +334,12 @@ class runtime_properties : public ::testing::Test {
     slabs.grad_type = grad_type;
     slabs.params = nullptr;
     slabs.count = r.master.size();
-    detail::cpu_adamw_range(slabs, detail::make_adamw_scalars(o, r.step), 0, slabs.count, detail::cpu_isa::portable);
+    for (std::size_t t = 0; t < r.tensors.size(); ++t) {
+      const std::size_t begin = t == 0 ? 0 : r.tensors[t].offset;
+      const std::size_t end = t + 1 < r.tensors.size() ? r.tensors[t + 1].offset : slabs.count;
+      const adamw_options& settings = r.tensors[t].no_weight_decay ? plain : o;
+      detail::cpu_adamw_range(slabs, detail::make_adamw_scalars(settings, r.step), begin, end, detail::cpu_isa::portable);
+    }
     if (r.compute == dtype::f32) {
       std::memcpy(r.params.data(), r.master.data(), r.params.size());
     } else {
