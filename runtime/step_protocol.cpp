@@ -67,7 +67,7 @@ void runtime::impl::acquire(unit_record& r, stream_view s, bool whole, bool as_p
                                         "(runtime::plan), since the ranks agree on each step's units when it is planned"));
     ++current_.unplanned;
   }
-  if (r.resident() && !(whole && r.params_only)) {
+  if (r.resident_for(whole)) {
     ++current_.hits;
   } else {
     ++current_.misses;

@@ -186,7 +186,7 @@ void runtime::impl::prefetch()
   plan_.for_each_upcoming(max_lookahead_, [&](unit_id u, detail::planned_acquisition a, std::size_t distance) {
     unit_record& r = units_[u.value];
     const bool whole = a.whole();
-    if (r.resident() && !(whole && r.params_only)) { return true; }
+    if (r.resident_for(whole)) { return true; }
     if (r.policy.residency != residency::prefetch) { return true; }
     if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }
     if (r.held) { return false; }  // its parameters are in use: it comes in whole at its acquire, first

@@ -61,6 +61,9 @@ struct unit_record {
   {
   }
   [[nodiscard]] bool resident() const noexcept { return slot.has_value(); }
+  /// Resident with what a use needs: the whole slot, or for a frozen use (`whole` false) at least
+  /// the parameters.
+  [[nodiscard]] bool resident_for(bool whole) const noexcept { return resident() && !(whole && params_only); }
   [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
   /// Where the gradients start in its slot.
   [[nodiscard]] std::size_t grads_at() const noexcept { return grads_only ? 0 : layout.device_grads; }
