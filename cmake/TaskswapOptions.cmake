@@ -72,3 +72,31 @@ function(taskswap_warnings target)
     $<$<COMPILE_LANGUAGE:CXX>:${cxx_flags}>
     $<$<COMPILE_LANGUAGE:CUDA>:${cuda_flags}>)
 endfunction()
+
+# The Python package (python/): a nanobind extension and the pure-Python torch layer. AUTO builds
+# it when an interpreter with its headers and nanobind is found (tools/setup makes the venv
+# build/venv that the presets point Python_EXECUTABLE at); it never links libtorch.
+macro(taskswap_resolve_python)
+  set(TASKSWAP_WITH_PYTHON OFF)
+  if(NOT TASKSWAP_PYTHON STREQUAL "OFF")
+    find_package(Python 3.9 QUIET COMPONENTS Interpreter Development.Module)
+    set(_taskswap_nanobind_dir "")
+    if(Python_FOUND)
+      execute_process(COMMAND "${Python_EXECUTABLE}" -m nanobind --cmake_dir
+        OUTPUT_VARIABLE _taskswap_nanobind_dir OUTPUT_STRIP_TRAILING_WHITESPACE
+        ERROR_QUIET RESULT_VARIABLE _taskswap_nanobind_rc)
+      if(_taskswap_nanobind_rc EQUAL 0 AND EXISTS "${_taskswap_nanobind_dir}")
+        list(APPEND CMAKE_PREFIX_PATH "${_taskswap_nanobind_dir}")
+        find_package(nanobind CONFIG QUIET)
+        if(nanobind_FOUND)
+          set(TASKSWAP_WITH_PYTHON ON)
+        endif()
+      endif()
+    endif()
+    _taskswap_require(TASKSWAP_PYTHON TASKSWAP_WITH_PYTHON
+      "no Python interpreter with its headers and nanobind was found (run tools/setup, or set Python_EXECUTABLE to an interpreter that has nanobind)")
+    if(NOT TASKSWAP_WITH_PYTHON)
+      message(STATUS "taskswap: the Python package is not built (no interpreter with headers and nanobind; tools/setup makes build/venv)")
+    endif()
+  endif()
+endmacro()

@@ -1,0 +1,533 @@
+# SPDX-License-Identifier: Apache-2.0
+"""taskswap for PyTorch trainers.
+
+A trainer registers its trunk and per-task modules as units; taskswap keeps their parameters and
+AdamW state at home (pinned host memory) and brings the ones a step uses onto the device. Inside
+a step scope each registered ``nn.Parameter`` aliases its unit's device slab (``p.data``) and its
+gradient aliases the unit's gradient slab (``p.grad``), so autograd accumulates straight into
+the memory taskswap reduces and steps::
+
+    rt = taskswap.torch.Runtime("taskswap.toml")
+    trunk = rt.register(model.trunk, "trunk", residency="pinned")
+    heads = [rt.register(h, f"task/{t}") for t, h in enumerate(model.heads)]
+    rt.plan([[trunk, heads[t]] for t in upcoming_tasks])
+    for t, (x, y) in zip(upcoming_tasks, batches):
+        with rt.step(trunk, heads[t]):
+            loss = loss_fn(model(x, t), y)
+            loss.backward()
+        # leaving the scope: gradients ready, AdamW step, release, end of step
+
+Between steps a registered parameter is an empty tensor: using a module outside a step scope fails
+at once instead of reading memory the runtime has given to another unit. A tensor taken from a
+parameter inside a scope (``w = p.detach()``) still aliases the slot after the scope ends and
+cannot be detected; clone it if it must outlive the step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Sequence
+
+import torch
+
+from . import _core
+
+__all__ = ["Runtime", "Unit", "nccl_group", "mpi"]
+
+_RESIDENCY = {
+    "pinned": _core.Residency.pinned,
+    "prefetch": _core.Residency.prefetch,
+    "on_demand": _core.Residency.on_demand,
+}
+_PLACEMENT = {"device": _core.OptimizerPlacement.device, "host": _core.OptimizerPlacement.host}
+_DTYPES = {torch.float32: _core.DType.f32, torch.bfloat16: _core.DType.bf16, torch.float16: _core.DType.f16}
+_TRAIN, _FROZEN = 0, 1
+_HAS_POST_ACCUMULATE_HOOK = hasattr(torch.Tensor, "register_post_accumulate_grad_hook")
+
+
+def _choice(table: dict, value, what: str):
+    try:
+        return table[value]
+    except KeyError:
+        raise _core.ConfigError(f"{what} is one of {', '.join(map(repr, table))}, not {value!r}") from None
+
+
+@dataclass(frozen=True)
+class _Use:
+    unit: "Unit"
+    kind: int
+
+
+class Unit:
+    """A registered module: the handle a trainer plans and steps with."""
+
+    def __init__(self, owner: "Runtime", module: torch.nn.Module, name: str, policy: dict,
+                 no_weight_decay: Callable[[str, torch.nn.Parameter], bool]):
+        self.name = name
+        self.module = module
+        self._owner = owner
+        self._policy = policy
+        self.params: list[tuple[str, torch.nn.Parameter]] = []
+        seen: set[int] = set()
+        for pname, p in module.named_parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            self.params.append((pname, p))
+        if not self.params:
+            raise _core.ConfigError(f"taskswap: module '{name}' has no parameters; register modules that have some")
+        dtypes = {p.dtype for _, p in self.params}
+        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
+            raise _core.ConfigError(
+                f"taskswap: the parameters of '{name}' are {sorted(map(str, dtypes))}; a unit's parameters share "
+                "one dtype of float32, bfloat16 or float16 (register differently typed parts as separate units)")
+        self.dtype = next(iter(dtypes))
+        fixed = [pname for pname, p in self.params if not p.requires_grad]
+        if fixed:
+            raise _core.ConfigError(
+                f"taskswap: '{name}' has parameters that do not require gradients ({fixed[:5]}); every parameter "
+                "of a unit is trained. Freeze a unit per step with unit.frozen(), or leave those out of it")
+        self._no_decay = [bool(no_weight_decay(pname, p)) for pname, p in self.params]
+        self.id: int | None = None
+        self._param_addr = None
+        self._param_views: list[torch.Tensor] = []
+        self._grad_addr = None
+        self._grad_views: list[torch.Tensor] = []
+        self._accumulators: list = []  # torch < 2.1: the AccumulateGrad nodes whose hooks we hold
+        self._hook_handles: list = []
+        self._fired = 0
+        self._passes = 0
+        self._ready = False
+
+    def _grads_replaced(self) -> bool:
+        return any(p.grad is None or p.grad.data_ptr() != g.data_ptr()
+                   for (_, p), g in zip(self.params, self._grad_views))
+
+    def frozen(self) -> _Use:
+        """This unit used frozen (forward only) in a plan or a step: parameters alone on the device,
+        no gradients, no update, no communication."""
+        return _Use(self, _FROZEN)
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, id={self.id})"
+
+    def _spec(self) -> _core.UnitSpec:
+        tensors = [_core.TensorSpec(pname, list(p.shape), nd)
+                   for (pname, p), nd in zip(self.params, self._no_decay)]
+        return _core.UnitSpec(self.name, tensors, _DTYPES[self.dtype])
+
+
+def _use_of(entry) -> _Use:
+    if isinstance(entry, _Use):
+        return entry
+    if isinstance(entry, Unit):
+        return _Use(entry, _TRAIN)
+    raise TypeError(f"taskswap: a step names registered units (or unit.frozen()), not {type(entry).__name__}")
+
+
+def mpi(timeout_s: float = 300.0) -> Callable[[_core.Device], _core.Communicator]:
+    """A communicator factory: MPI over MPI_COMM_WORLD (the emulated device, under mpirun)."""
+    return lambda device: _core.mpi_communicator(device, timeout_s)
+
+
+def nccl_group(process_group=None, timeout_s: float = 300.0) -> Callable[[_core.Device], _core.Communicator]:
+    """A communicator factory: taskswap's own NCCL communicator over the ranks of a
+    torch.distributed process group. Rank 0 of the group makes the NCCL unique id and
+    torch.distributed broadcasts it; torch's own NCCL communicator is never borrowed."""
+    import torch.distributed as dist
+
+    def make(device: _core.Device) -> _core.Communicator:
+        rank = dist.get_rank(process_group)
+        size = dist.get_world_size(process_group)
+        box = [_core.nccl_unique_id() if rank == 0 else None]
+        src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+        dist.broadcast_object_list(box, src=src, group=process_group)
+        return _core.nccl_communicator(device, box[0], rank, size, timeout_s)
+
+    return make
+
+
+class Runtime:
+    """taskswap's runtime for a PyTorch trainer.
+
+    ``config`` is a TOML file (or ``options`` an ``_core.Options``); ``comm`` is None, ``"config"``
+    (the communicator its [comm] table names), or a factory such as ``mpi()`` or
+    ``nccl_group(pg)``. Units are registered first; the runtime starts at the first plan, step or
+    ``start()``.
+    """
+
+    def __init__(self, config: str | os.PathLike | None = None, *, options: _core.Options | None = None,
+                 comm=None):
+        if (config is None) == (options is None):
+            raise _core.InvalidArgument("taskswap: give a config file or options, one of them")
+        self.options = _core.load_config(os.fspath(config)) if config is not None else options
+        self._comm_request = comm
+        self.units: list[Unit] = []
+        self._by_name: dict[str, Unit] = {}
+        self._core: _core.Runtime | None = None
+        self.device: _core.Device | None = None
+        self._stream = None
+        self._external: dict[int, _core.Stream] = {}
+        self._scope: _StepScope | None = None
+        self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self.last_step: _core.StepStats | None = None
+        self._began = False  # a plan or a step was made: home copies are no longer what the device sees
+
+    # --- registration --------------------------------------------------------------------------
+    def register(self, module: torch.nn.Module, name: str, *, residency: str | None = None,
+                 lookahead: int | None = None, optimizer: str | None = None, lr_scale: float | None = None,
+                 weight_decay: float | None = None,
+                 no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None) -> Unit:
+        """Registers ``module``'s parameters as the unit ``name``. Settings left None come from the
+        config's [defaults] and [[units]] rules. ``no_weight_decay``: parameter names (as
+        ``module.named_parameters()`` gives them), or a predicate ``(name, param) -> bool``, of the
+        tensors AdamW steps without weight decay (torch's no-decay group)."""
+        if self._core is not None:
+            raise _core.InvalidArgument(f"taskswap: register '{name}' before the runtime starts (the first plan or step)")
+        if name in self._by_name:
+            raise _core.ConfigError(f"taskswap: a unit named '{name}' is already registered")
+        for other in self.units:
+            if any(p is q for _, p in other.params for q in module.parameters()):
+                raise _core.ConfigError(f"taskswap: module '{name}' shares parameters with unit '{other.name}'; "
+                                        "a parameter belongs to one unit")
+        if no_weight_decay is None:
+            predicate = lambda n, p: False  # noqa: E731
+        elif callable(no_weight_decay):
+            predicate = no_weight_decay
+        else:
+            names = set(no_weight_decay)
+            known = {n for n, _ in module.named_parameters()}
+            if names - known:
+                raise _core.ConfigError(f"taskswap: no_weight_decay names {sorted(names - known)}, which '{name}' "
+                                        f"does not have (it has {sorted(known)})")
+            predicate = lambda n, p: n in names  # noqa: E731
+        policy = {"residency": None if residency is None else _choice(_RESIDENCY, residency, "residency"),
+                  "lookahead": lookahead,
+                  "optimizer": None if optimizer is None else _choice(_PLACEMENT, optimizer, "optimizer"),
+                  "lr_scale": lr_scale, "weight_decay": weight_decay}
+        unit = Unit(self, module, name, policy, predicate)
+        self.units.append(unit)
+        self._by_name[name] = unit
+        return unit
+
+    def unit(self, name: str) -> Unit:
+        return self._by_name[name]
+
+    # --- start -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Lays out every unit at home (the modules' current values move there), and brings the
+        pinned units onto the device. With a communicator: collective."""
+        if self._core is not None:
+            return
+        if not self.units:
+            raise _core.InvalidArgument("taskswap: register at least one module before the runtime starts")
+        specs = []
+        for u in self.units:
+            spec = u._spec()
+            overrides = {k: v for k, v in u._policy.items() if v is not None}
+            if overrides:
+                policy = _core.policy_for(spec, self.options)
+                for k, v in overrides.items():
+                    setattr(policy, k, v)
+                spec.policy = policy
+            specs.append(spec)
+        self.device = _core.make_device(self.options.device)
+        comm = self._comm_request
+        if comm == "config":
+            comm = _core.make_communicator(self.device, self.options.comm)
+        elif callable(comm):
+            comm = comm(self.device)
+        core = _core.Runtime(self.device, self.options, specs, comm)
+        self._core = core
+        self._torch_device = (torch.device("cuda", self.device.index)
+                              if self.device.kind == _core.Backend.cuda else torch.device("cpu"))
+        if self.device.kind == _core.Backend.emulated:
+            self._stream = _core.Stream(self.device)
+        for u in self.units:
+            u.id = core.find(u.name)
+            self._write_home(u)
+            for _, p in u.params:
+                p.grad = None
+                p.data = self._placeholder(p.dtype)
+            if _HAS_POST_ACCUMULATE_HOOK:
+                for j, (_, p) in enumerate(u.params):
+                    u._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(u, j)))
+
+    def _write_home(self, u: Unit) -> None:
+        kinds = ["params"] if u.dtype == torch.float32 else ["params", "master"]
+        with torch.no_grad():
+            for kind in kinds:
+                for home, (_, p) in zip(self._core.home(u.id, kind), u.params):
+                    home.copy_(p.detach().reshape(home.shape))
+
+    def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
+        t = self._placeholders.get(dtype)
+        if t is None:
+            t = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self._torch_device)
+        return t
+
+    @property
+    def core(self) -> _core.Runtime:
+        """The runtime underneath (taskswap._core.Runtime), started."""
+        self.start()
+        return self._core
+
+    @property
+    def rank(self) -> int:
+        return self.core.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.core.world_size
+
+    # --- plan and steps ---------------------------------------------------------------------
+    def plan(self, steps: Iterable[Sequence[Unit | _Use]]) -> None:
+        """Appends upcoming steps, each the units it acquires in order (``unit.frozen()`` for a
+        forward-only use). Checks that each step fits the budget."""
+        core = self.core
+        self._began = True
+        core.plan([[(e.unit.id, e.kind) for e in map(_use_of, step)] for step in steps])
+
+    def step(self, *units: Unit | _Use, micro_batches: int = 1) -> "_StepScope":
+        """A step scope: acquires ``units`` in order on torch's current stream, aliases their
+        parameters and gradients into the unit slabs; on exit, gradients ready, AdamW step,
+        release, end of step. ``micro_batches``: backward passes accumulated before the reduction
+        (gradient accumulation: call backward that many times inside the scope)."""
+        if micro_batches < 1:
+            raise _core.InvalidArgument(f"taskswap: micro_batches is at least 1, not {micro_batches}")
+        return _StepScope(self, [_use_of(u) for u in units], micro_batches)
+
+    def _current_stream(self) -> _core.Stream:
+        if self._stream is not None:
+            return self._stream
+        handle = torch.cuda.current_stream(self._torch_device).cuda_stream
+        s = self._external.get(handle)
+        if s is None:
+            s = self._external[handle] = _core.external_stream(self.device, handle)
+        return s
+
+    def _make_hook(self, u: Unit, j: int):
+        def hook(*_):
+            scope = self._scope
+            if scope is None or scope.kinds.get(u.id) != _TRAIN:
+                return
+            if u._ready:
+                raise _core.InvalidArgument(
+                    f"taskswap: a backward pass reached unit '{u.name}' after its gradients were handed to the "
+                    f"reduction; the step scope was opened with micro_batches={scope.micro_batches}")
+            p = u.params[j][1]
+            expected = u._grad_views[j]
+            if p.grad is None or p.grad.data_ptr() != expected.data_ptr():
+                # zero_grad(set_to_none=True) or an assignment replaced the slab's alias: the new
+                # gradient is what the user meant, so it goes into the slab and the alias returns.
+                with torch.no_grad():
+                    expected.copy_(p.grad if p.grad is not None else torch.zeros_like(expected))
+                p.grad = expected
+            u._fired += 1
+            if u._fired == len(u.params):
+                u._fired = 0
+                u._passes += 1
+                if u._passes == scope.micro_batches:
+                    self._core.grads_ready(u.id, scope.stream)
+                    u._ready = True
+        return hook
+
+    def _attach(self, u: Unit, kind: int, addrs: tuple[int, int]) -> None:
+        core = self._core
+        if u._param_addr != addrs[0]:
+            u._param_views = core.param_tensors(u.id)
+            u._param_addr = addrs[0]
+        for (_, p), t in zip(u.params, u._param_views):
+            p.data = t
+        if kind == _FROZEN:
+            for _, p in u.params:
+                p.requires_grad_(False)
+            return
+        if u._grad_addr != addrs[1]:
+            u._grad_views = core.grad_tensors(u.id)
+            u._grad_addr = addrs[1]
+        for (_, p), g in zip(u.params, u._grad_views):
+            p.grad = g
+        u._fired = u._passes = 0
+        u._ready = False
+        if not _HAS_POST_ACCUMULATE_HOOK and not u._accumulators:
+            # torch < 2.1: a post hook on each parameter's AccumulateGrad node, made while the
+            # parameter has its real shape and device, and held so that autograd keeps using it.
+            for j, (_, p) in enumerate(u.params):
+                acc = p.view_as(p).grad_fn.next_functions[0][0]
+                u._hook_handles.append(acc.register_hook(self._make_hook(u, j)))
+                u._accumulators.append(acc)
+
+    def _detach(self, u: Unit, kind: int) -> None:
+        for _, p in u.params:
+            p.grad = None
+            p.data = self._placeholder(p.dtype)
+            if kind == _FROZEN:
+                p.requires_grad_(True)
+
+    def _repair_grads(self, u: Unit) -> None:
+        with torch.no_grad():
+            for (_, p), g in zip(u.params, u._grad_views):
+                if p.grad is None:
+                    g.zero_()
+                elif p.grad.data_ptr() != g.data_ptr():
+                    g.copy_(p.grad)
+                else:
+                    continue
+                p.grad = g
+
+    # --- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every unit's parameters from the home copies, keyed ``"<unit>.<parameter>"`` (CPU
+        tensors, copies). Writes dirty units back first (synchronises)."""
+        core = self.core
+        self._expect_between_steps("state_dict")
+        core.flush()
+        out = {}
+        for u in self.units:
+            for (pname, _), t in zip(u.params, core.home(u.id, "params")):
+                out[f"{u.name}.{pname}"] = t.clone()
+        return out
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Sets every unit's parameters (and f32 master copy) from ``state`` (keys as state_dict
+        gives them), before the first step; AdamW moments and step counts keep their values (use
+        checkpoints to restore those)."""
+        if self._core is None:
+            for u in self.units:
+                for pname, p in u.params:
+                    with torch.no_grad():
+                        p.copy_(state[f"{u.name}.{pname}"])
+            return
+        if self._began:
+            raise _core.InvalidArgument("taskswap: load_state_dict after the first plan or step cannot reach units "
+                                        "already on the device; call it before, or use load_checkpoint")
+        missing = [f"{u.name}.{n}" for u in self.units for n, _ in u.params if f"{u.name}.{n}" not in state]
+        if missing:
+            raise _core.InvalidArgument(f"taskswap: load_state_dict: missing {missing[:5]}")
+        for u in self.units:
+            kinds = ["params"] if u.dtype == torch.float32 else ["params", "master"]
+            for kind in kinds:
+                for home, (pname, _) in zip(self._core.home(u.id, kind), u.params):
+                    home.copy_(state[f"{u.name}.{pname}"].reshape(home.shape))
+
+    def save_checkpoint(self, path: str | os.PathLike, user: dict[str, str] | None = None) -> None:
+        """Writes every unit's home state (parameters, master, moments, steps) and the plan
+        position to the directory ``path``, atomically (see docs/reliability.md)."""
+        self._expect_between_steps("save_checkpoint")
+        self.core.save_checkpoint(os.fspath(path), user or {})
+
+    def load_checkpoint(self, path: str | os.PathLike) -> tuple[int, dict[str, str]]:
+        """Restores every unit from a checkpoint before the first plan or step; returns
+        (steps done, the trainer's own entries)."""
+        steps_done, user, _ = self.core.load_checkpoint(os.fspath(path))
+        return steps_done, user
+
+    def stats(self) -> _core.RuntimeStats:
+        return self.core.stats()
+
+    @property
+    def optimizer(self) -> _core.AdamW:
+        return self.core.optimizer
+
+    def set_lr(self, lr: float) -> None:
+        """Sets the optimizer's learning rate (each unit's is this times its lr_scale)."""
+        o = self.core.optimizer
+        o.lr = lr
+        self.core.optimizer = o
+
+    def agree_stop(self, local: int = 0) -> int:
+        """Agrees with the other ranks whether to stop, at a step boundary (see runtime::agree_stop)."""
+        return self.core.agree_stop(local)
+
+    def _expect_between_steps(self, what: str) -> None:
+        if self._scope is not None:
+            raise _core.InvalidArgument(f"taskswap: {what} inside a step scope; call it between steps")
+
+
+class _StepScope:
+    def __init__(self, rt: Runtime, uses: list[_Use], micro_batches: int):
+        self.rt = rt
+        self.uses = uses
+        self.micro_batches = micro_batches
+        self.kinds: dict[int, int] = {}
+        self.stream = None
+        self.acquired: list[_Use] = []
+        self.attached: list[_Use] = []
+        self.stats: _core.StepStats | None = None
+
+    def __enter__(self) -> "_StepScope":
+        rt = self.rt
+        core = rt.core
+        if rt._scope is not None:
+            raise _core.InvalidArgument("taskswap: a step scope is already open; steps do not nest")
+        self.stream = rt._current_stream()
+        rt._scope = self
+        rt._began = True
+        try:
+            addrs = []
+            for use in self.uses:
+                if use.unit._owner is not rt:
+                    raise _core.InvalidArgument(f"taskswap: unit '{use.unit.name}' belongs to another runtime")
+                if use.unit.id in self.kinds:
+                    raise _core.InvalidArgument(f"taskswap: unit '{use.unit.name}' is named twice in one step")
+                addrs.append(core.acquire(use.unit.id, self.stream, use.kind == _FROZEN))
+                self.kinds[use.unit.id] = use.kind
+                self.acquired.append(use)
+            if rt._stream is not None:
+                rt._stream.synchronize()  # emulated: torch computes on the host, after the swap-ins
+            for use, a in zip(self.uses, addrs):
+                rt._attach(use.unit, use.kind, a)
+                self.attached.append(use)
+        except BaseException:
+            self._abandon()
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self._abandon()
+            return
+        rt, core = self.rt, self.rt._core
+        try:
+            trained = [use.unit for use in self.acquired if use.kind == _TRAIN]
+            for u in trained:
+                if not u._ready:
+                    rt._repair_grads(u)
+                    core.grads_ready(u.id, self.stream)
+                    u._ready = True
+            for u in trained:
+                core.step(u.id, self.stream)
+            replaced = [u.name for u in trained if u._grads_replaced()]
+            for use in reversed(self.acquired):
+                core.release(use.unit.id, self.stream)
+        finally:
+            for use in self.acquired:
+                rt._detach(use.unit, use.kind)
+            rt._scope = None
+        self.stats = rt.last_step = core.end_step()
+        if replaced:
+            raise _core.InvalidArgument(
+                f"taskswap: the gradients of {replaced} were replaced (zero_grad(set_to_none=True) or an "
+                "assignment) after the last backward pass had handed them to the reduction; the step used them "
+                "as that pass left them. Zero gradients before backward, or raise micro_batches")
+
+    def _abandon(self) -> None:
+        """An exception inside the scope: the step's gradients are dropped (zeroed, so a resident
+        unit does not carry them into the next step), every unit is released and the step ends."""
+        rt, core = self.rt, self.rt._core
+        try:
+            with torch.no_grad():
+                for use in self.attached:
+                    if use.kind == _TRAIN and not use.unit._ready:
+                        for g in use.unit._grad_views:
+                            g.zero_()
+            for use in reversed(self.acquired):
+                core.release(use.unit.id, self.stream)
+        finally:
+            for use in self.attached:
+                rt._detach(use.unit, use.kind)
+            rt._scope = None
+        core.end_step()

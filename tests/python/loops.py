@@ -1,0 +1,138 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The multi-task model and training loops the Python tests compare: taskswap's layer against the
+same loop with every unit pinned, against plain torch (torch.optim.AdamW on the CPU), and under
+mpirun against torch DDP."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import taskswap
+import taskswap.torch as tt
+
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
+
+
+class Model(torch.nn.Module):
+    """A trunk of two layers and one head per task."""
+
+    def __init__(self, tasks: int, width: int = 16, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.trunk = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(),
+                                         torch.nn.Linear(width, width), torch.nn.Tanh())
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(width, 3) for _ in range(tasks))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor, task: int) -> torch.Tensor:
+        return self.heads[task](self.trunk(x))
+
+
+def batch(step: int, task: int, rank: int = 0, size: int = 8, width: int = 16):
+    g = torch.Generator().manual_seed(1000003 * rank + 7919 * step + task)
+    return torch.randn(size, width, generator=g), torch.randn(size, 3, generator=g)
+
+
+def schedule(steps: int, tasks: int, rank: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(42 + rank)
+    return torch.randint(0, tasks, (steps,), generator=g).tolist()
+
+
+def config(budget: str, residency: str = "prefetch", average: str | None = None) -> taskswap.Options:
+    text = f"""
+[device]
+backend = "emulated"
+budget = "{budget}"
+
+[defaults]
+residency = "{residency}"
+lookahead = 2
+
+[optimizer]
+lr = {LR}
+betas = [{BETAS[0]}, {BETAS[1]}]
+eps = {EPS}
+weight_decay = {WD}
+"""
+    if average:
+        text += f'\n[comm]\naverage = "{average}"\n'
+    return taskswap.parse_config(text, "test")
+
+
+def no_decay(name: str, p) -> bool:
+    return name.endswith("bias")
+
+
+def register(rt: tt.Runtime, model: Model, pin_all: bool = False):
+    trunk = rt.register(model.trunk, "trunk", residency="pinned", no_weight_decay=no_decay)
+    heads = [rt.register(h, f"task/{t}", residency="pinned" if pin_all else None,
+                         optimizer="host" if t % 3 == 1 else "device", lr_scale=2.0 if t % 2 else None,
+                         no_weight_decay=no_decay)
+             for t, h in enumerate(model.heads)]
+    return trunk, heads
+
+
+def train_taskswap(model: Model, sched: list[int], options: taskswap.Options, pin_all: bool = False,
+                   comm=None, rank: int = 0, plan: bool = True) -> tt.Runtime:
+    rt = tt.Runtime(options=options, comm=comm)
+    trunk, heads = register(rt, model, pin_all)
+    if plan:
+        rt.plan([[trunk, heads[t]] for t in sched])
+    for i, t in enumerate(sched):
+        x, y = batch(i, t, rank)
+        with rt.step(trunk, heads[t]):
+            torch.nn.functional.mse_loss(model(x, t), y).backward()
+    return rt
+
+
+def torch_param_groups(model: Model) -> list[dict]:
+    """torch's param groups matching register(): heads at odd indices with 2x lr, biases without decay."""
+    groups = []
+    for mod, scale in [(model.trunk, 1.0)] + [(h, 2.0 if t % 2 else 1.0) for t, h in enumerate(model.heads)]:
+        for name, p in mod.named_parameters():
+            groups.append({"params": [p], "lr": LR * scale, "weight_decay": 0.0 if no_decay(name, p) else WD})
+    return groups
+
+
+def train_torch(model: Model, sched: list[int], rank: int = 0, wrap=None) -> torch.nn.Module:
+    """Plain torch: AdamW on the CPU; a head not used in a step has no gradient and is skipped."""
+    net = wrap(model) if wrap else model
+    opt = torch.optim.AdamW(torch_param_groups(model), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    for i, t in enumerate(sched):
+        x, y = batch(i, t, rank)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(net(x, t), y).backward()
+        opt.step()
+    return model
+
+
+def flat_state(rt: tt.Runtime) -> dict[str, torch.Tensor]:
+    return rt.state_dict()
+
+
+def model_state(model: Model) -> dict[str, torch.Tensor]:
+    out = {f"trunk.{n}": p.detach().clone() for n, p in model.trunk.named_parameters()}
+    for t, h in enumerate(model.heads):
+        out.update({f"task/{t}.{n}": p.detach().clone() for n, p in h.named_parameters()})
+    return out
+
+
+def max_relative(a: dict, b: dict) -> float:
+    """The largest difference of each tensor relative to the tensor's largest magnitude."""
+    worst = 0.0
+    assert a.keys() == b.keys()
+    for k in a:
+        diff = (a[k].double() - b[k].double()).abs().max().item()
+        scale = b[k].double().abs().max().item()
+        if diff != diff:
+            return float("inf")
+        worst = max(worst, diff / max(scale, 1e-30))
+    return worst
+
+
+def fresh(model: Model) -> Model:
+    return copy.deepcopy(model)

@@ -1,0 +1,227 @@
+# SPDX-License-Identifier: Apache-2.0
+"""taskswap.torch on the emulated device (views are CPU tensors)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import taskswap
+import taskswap.torch as tt
+from loops import (Model, batch, config, fresh, max_relative, model_state, register, schedule,
+                   train_taskswap, train_torch)
+
+TASKS, STEPS = 16, 60
+
+
+def head_bytes(model: Model) -> int:
+    return sum(p.numel() * 4 for p in model.heads[0].parameters())
+
+
+def test_swapped_equals_all_pinned_bitwise_and_torch():
+    model = Model(TASKS)
+    sched = schedule(STEPS, TASKS)
+    # Room for the trunk (pinned) and about three heads with their AdamW state: heads are evicted.
+    swapped = train_taskswap(fresh(model), sched, config("12 KiB"))
+    pinned = train_taskswap(fresh(model), sched, config("64 KiB"), pin_all=True)
+    stats = swapped.stats().total
+    assert stats.evictions > 0 and stats.write_backs > 0, "the budget must force evictions"
+    placements = {u.policy.optimizer for u in swapped.stats().units}
+    assert placements == {taskswap.OptimizerPlacement.device, taskswap.OptimizerPlacement.host}
+    a, b = swapped.state_dict(), pinned.state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    reference = model_state(train_torch(fresh(model), sched))
+    assert max_relative(a, reference) < 1e-5
+    # The loop moved the model: not a comparison of two untouched copies.
+    assert max_relative(a, model_state(model)) > 1e-2
+
+
+def test_gradients_alias_the_slabs():
+    model = Model(4)
+    rt = tt.Runtime(options=config("64 KiB"))
+    trunk, heads = register(rt, model)
+    x, y = batch(0, 1)
+    with rt.step(trunk, heads[1]):
+        for u in (trunk, heads[1]):
+            params, grads = rt.core.param_tensors(u.id), rt.core.grad_tensors(u.id)
+            for (_, p), t, g in zip(u.params, params, grads):
+                assert p.data_ptr() == t.data_ptr() and p.grad.data_ptr() == g.data_ptr()
+                assert torch.count_nonzero(g) == 0
+        torch.nn.functional.mse_loss(model(x, 1), y).backward()
+        for (_, p), g in zip(heads[1].params, rt.core.grad_tensors(heads[1].id)):
+            assert p.grad.data_ptr() == g.data_ptr() and torch.count_nonzero(g) > 0
+
+
+def one_step(model, rt_kwargs, body, micro_batches=1):
+    rt = tt.Runtime(options=config("64 KiB"), **rt_kwargs)
+    trunk, heads = register(rt, model)
+    with rt.step(trunk, heads[0], micro_batches=micro_batches):
+        body(model)
+    return rt.state_dict()
+
+
+def test_zero_grad_set_to_none_is_repaired():
+    model = Model(2)
+    x0, y0 = batch(0, 0)
+    x1, y1 = batch(1, 0)
+
+    def second_only(m):
+        torch.nn.functional.mse_loss(m(x1, 0), y1).backward()
+
+    def reset_first(m):  # the loop torch 2 users write: zero_grad() (set_to_none) then backward
+        m.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(m(x1, 0), y1).backward()
+
+    def both_with_reset(m):
+        torch.nn.functional.mse_loss(m(x0, 0), y0).backward()
+        m.zero_grad(set_to_none=True)  # torch 2's default: drops the slab's alias
+        torch.nn.functional.mse_loss(m(x1, 0), y1).backward()
+
+    def reset_only(m):
+        torch.nn.functional.mse_loss(m(x0, 0), y0).backward()
+        m.zero_grad(set_to_none=True)
+
+    expected = one_step(fresh(model), {}, second_only)
+    assert all(torch.equal(v, expected[k]) for k, v in one_step(fresh(model), {}, reset_first).items())
+    reset = one_step(fresh(model), {}, both_with_reset, micro_batches=2)
+    assert all(torch.equal(v, expected[k]) for k, v in reset.items())
+    # set_to_none and no backward after it: the step sees zero gradients, as torch would
+    zero = one_step(fresh(model), {}, lambda m: None)
+    assert all(torch.equal(v, zero[k]) for k, v in one_step(fresh(model), {}, reset_only, micro_batches=2).items())
+    # after the last backward pass the gradients belong to the reduction: dropping them then is
+    # reported, not ignored (the step used them as they were)
+    with pytest.raises(taskswap.InvalidArgument, match="were replaced"):
+        one_step(fresh(model), {}, reset_only)
+    assert not all(torch.equal(v, zero[k]) for k, v in expected.items())
+
+
+def test_views_after_release():
+    model = Model(2)
+    rt = tt.Runtime(options=config("64 KiB"))
+    trunk, heads = register(rt, model)
+    with rt.step(trunk, heads[0]):
+        kept = model.heads[0].weight.detach()  # an alias of the slot: documented, not detectable
+        torch.nn.functional.mse_loss(model(*batch(0, 0)[:1], 0), batch(0, 0)[1]).backward()
+    # between steps a parameter is empty: a forward outside a step fails at once
+    assert model.heads[0].weight.numel() == 0 and model.heads[0].weight.grad is None
+    with pytest.raises(RuntimeError):
+        model(torch.randn(1, 16), 0)
+    with pytest.raises(taskswap.InvalidArgument, match="not held"):
+        rt.core.param_tensors(heads[0].id)
+    assert kept.shape == (3, 16)
+
+
+def test_gradient_accumulation_matches_one_large_batch():
+    model = Model(2)
+    x, y = batch(0, 0, size=32)
+
+    def large(m):
+        torch.nn.functional.mse_loss(m(x, 0), y).backward()
+
+    rt = tt.Runtime(options=config("64 KiB"))
+    trunk, heads = register(rt, fresh_model := fresh(model))
+    with rt.step(trunk, heads[0], micro_batches=4):
+        for k in range(4):
+            xs, ys = x[8 * k:8 * k + 8], y[8 * k:8 * k + 8]
+            (torch.nn.functional.mse_loss(fresh_model(xs, 0), ys) / 4).backward()
+    accumulated = rt.state_dict()
+    assert max_relative(accumulated, one_step(fresh(model), {}, large)) < 1e-6
+    # one backward pass too many is refused
+    with pytest.raises(RuntimeError, match="micro_batches=1"):
+        with rt.step(trunk, heads[1]):
+            for _ in range(2):
+                torch.nn.functional.mse_loss(fresh_model(x, 1), y).backward()
+
+
+def test_frozen_use_keeps_the_unit_and_trains_the_rest():
+    model = Model(3)
+    rt = tt.Runtime(options=config("64 KiB"))
+    trunk, heads = register(rt, model)
+    before = rt.state_dict()
+    rt.plan([[trunk.frozen(), heads[t]] for t in (0, 1, 2)])
+    for t in (0, 1, 2):
+        x, y = batch(t, t)
+        with rt.step(trunk.frozen(), heads[t]) as s:
+            assert not model.trunk[0].weight.requires_grad
+            torch.nn.functional.mse_loss(model(x, t), y).backward()
+            assert model.trunk[0].weight.grad is None
+        assert s.stats.frozen == 1
+    after = rt.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before if k.startswith("trunk."))
+    assert all(not torch.equal(after[k], before[k]) for k in before if k.startswith("task/"))
+    assert model.trunk[0].weight.requires_grad
+
+
+def test_checkpoint_round_trip(tmp_path):
+    model = Model(6)
+    sched = schedule(30, 6)
+    whole = train_taskswap(fresh(model), sched, config("12 KiB"), plan=False)
+    first = train_taskswap(fresh(model), sched[:15], config("12 KiB"), plan=False)
+    first.save_checkpoint(tmp_path / "ck", {"epoch": "3"})
+    second = tt.Runtime(options=config("12 KiB"))
+    m2 = Model(6, seed=5)  # other initial values: the checkpoint must replace them
+    trunk, heads = register(second, m2)
+    steps_done, user = second.load_checkpoint(tmp_path / "ck")
+    assert (steps_done, user) == (15, {"epoch": "3"})
+    for i, t in enumerate(sched[15:], start=15):
+        x, y = batch(i, t)
+        with second.step(trunk, heads[t]):
+            torch.nn.functional.mse_loss(m2(x, t), y).backward()
+    a, b = whole.state_dict(), second.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_exceptions_map_to_python_types():
+    assert issubclass(taskswap.ConfigError, ValueError) and issubclass(taskswap.InvalidArgument, ValueError)
+    assert issubclass(taskswap.OutOfMemory, MemoryError) and issubclass(taskswap.TimeoutError, TimeoutError)
+    for cls in (taskswap.ConfigError, taskswap.InvalidArgument, taskswap.OutOfMemory, taskswap.CudaError,
+                taskswap.CommError, taskswap.TimeoutError, taskswap.DeviceError, taskswap.CheckpointError):
+        assert issubclass(cls, taskswap.Error) and issubclass(cls, RuntimeError)
+    for kind, cls in taskswap._core._error_kinds().items():
+        with pytest.raises(cls, match=f"raised as {kind}") as info:
+            taskswap._core._raise(kind, f"raised as {kind}")
+        assert type(info.value) is cls
+        if cls is taskswap.OutOfMemory:
+            assert (info.value.requested, info.value.available, info.value.budget) == (3, 2, 1)
+
+
+def test_errors_from_the_runtime(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[device]\nbackend = "emulated"\nbudget = "4 MiB"\n\n[defaults]\nresidency = "sometimes"\n')
+    with pytest.raises(taskswap.ConfigError, match=r"bad.toml:6.*residency.*sometimes"):
+        tt.Runtime(bad)
+    # a unit that can never fit next to the pinned ones: refused at start, with the numbers
+    rt = tt.Runtime(options=config("1 KiB"))
+    rt.register(torch.nn.Linear(64, 64), "big")
+    with pytest.raises(taskswap.ConfigError, match="raise \\[device\\] budget"):
+        rt.start()
+    # the device cannot hold the budget
+    small = config("8 MiB")
+    small.device.emulated.memory_bytes = 1 << 20
+    rt = tt.Runtime(options=small)
+    rt.register(torch.nn.Linear(4, 4), "u")
+    with pytest.raises(taskswap.OutOfMemory):
+        rt.start()
+    # a checkpoint that is not there
+    rt = tt.Runtime(options=config("64 KiB"))
+    rt.register(torch.nn.Linear(4, 4), "u")
+    with pytest.raises(taskswap.CheckpointError):
+        rt.load_checkpoint(tmp_path / "missing")
+    # the emulated device has no CUDA streams to wrap
+    with pytest.raises(taskswap.InvalidArgument, match="emulated"):
+        taskswap.external_stream(rt.device, 0)
+    # steps do not nest, and a module's parameters belong to one unit
+    model = Model(2)
+    rt = tt.Runtime(options=config("64 KiB"))
+    trunk, heads = register(rt, model)
+    with pytest.raises(taskswap.InvalidArgument, match="already open"):
+        with rt.step(trunk):
+            with rt.step(heads[0]):
+                pass
+    rt = tt.Runtime(options=config("64 KiB"))
+    rt.register(model.trunk, "a")
+    with pytest.raises(taskswap.ConfigError, match="shares parameters"):
+        rt.register(model.trunk, "b")
