@@ -368,6 +368,9 @@ NB_MODULE(_core, m)
 {
   using namespace taskswap::python;
   m.doc() = "taskswap's runtime for Python (no libtorch link; views are DLPack tensors)";
+  // Tensors a script still holds at exit keep the runtime alive past the module's teardown; that
+  // is not a leak worth a report (taskswap.torch closes its runtimes at exit).
+  nb::set_leak_warnings(false);
   make_exceptions(m);
   nb::register_exception_translator(&translate);
   m.def("_raise", &raise_for_test, "kind"_a, "what"_a, "Throws the C++ error `kind` (tests of the translation).");

@@ -25,10 +25,11 @@ cannot be detected; clone it if it must outlive the step.
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import os
+import weakref
 from dataclasses import dataclass
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
@@ -119,6 +120,12 @@ class Unit:
         return _core.UnitSpec(self.name, tensors, _DTYPES[self.dtype])
 
 
+def _close_at_exit(ref) -> None:
+    rt = ref()
+    if rt is not None:
+        rt.close()
+
+
 def _use_of(entry) -> _Use:
     if isinstance(entry, _Use):
         return entry
@@ -173,6 +180,7 @@ class Runtime:
         self._scope: _StepScope | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self.last_step: _core.StepStats | None = None
+        self._closed = False
         self._began = False  # a plan or a step was made: home copies are no longer what the device sees
 
     # --- registration --------------------------------------------------------------------------
@@ -221,6 +229,8 @@ class Runtime:
         pinned units onto the device. With a communicator: collective."""
         if self._core is not None:
             return
+        if self._closed:
+            raise _core.InvalidArgument("taskswap: the runtime was closed; make a new one")
         if not self.units:
             raise _core.InvalidArgument("taskswap: register at least one module before the runtime starts")
         specs = []
@@ -241,6 +251,11 @@ class Runtime:
             comm = comm(self.device)
         core = _core.Runtime(self.device, self.options, specs, comm)
         self._core = core
+        atexit.register(_close_at_exit, weakref.ref(self))
+        # Gradient hooks hand each unit to the reduction as soon as backward completes it, so the
+        # allreduce overlaps the rest of backward. Without a communicator there is nothing to
+        # overlap (step() follows the backward on the same stream): no hooks, no per-parameter cost.
+        self._hooks = comm is not None
         self._torch_device = (torch.device("cuda", self.device.index)
                               if self.device.kind == _core.Backend.cuda else torch.device("cpu"))
         if self.device.kind == _core.Backend.emulated:
@@ -251,7 +266,7 @@ class Runtime:
             for _, p in u.params:
                 p.grad = None
                 p.data = self._placeholder(p.dtype)
-            if _HAS_POST_ACCUMULATE_HOOK:
+            if self._hooks and _HAS_POST_ACCUMULATE_HOOK:
                 for j, (_, p) in enumerate(u.params):
                     u._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(u, j)))
 
@@ -267,6 +282,27 @@ class Runtime:
         if t is None:
             t = self._placeholders[dtype] = torch.empty(0, dtype=dtype, device=self._torch_device)
         return t
+
+    def close(self) -> None:
+        """Ends the runtime: writes dirty units home and waits for its streams (the C++
+        destructor). The modules keep empty parameters. Called at exit for a runtime still open."""
+        if self._core is None or self._scope is not None:
+            return
+        for u in self.units:
+            u._param_views, u._grad_views, u._param_addr, u._grad_addr = [], [], None, None
+            for h in u._hook_handles:
+                h.remove()
+            u._hook_handles, u._accumulators = [], []
+        self._external.clear()
+        self._stream = None
+        self._closed = True
+        self._core = None  # the last reference: views that still alias its memory keep it alive
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def core(self) -> _core.Runtime:
@@ -352,7 +388,7 @@ class Runtime:
             p.grad = g
         u._fired = u._passes = 0
         u._ready = False
-        if not _HAS_POST_ACCUMULATE_HOOK and not u._accumulators:
+        if self._hooks and not _HAS_POST_ACCUMULATE_HOOK and not u._accumulators:
             # torch < 2.1: a post hook on each parameter's AccumulateGrad node, made while the
             # parameter has its real shape and device, and held so that autograd keeps using it.
             for j, (_, p) in enumerate(u.params):
@@ -368,15 +404,16 @@ class Runtime:
                 p.requires_grad_(True)
 
     def _repair_grads(self, u: Unit) -> None:
-        with torch.no_grad():
-            for (_, p), g in zip(u.params, u._grad_views):
-                if p.grad is None:
+        for (_, p), g in zip(u.params, u._grad_views):
+            grad = p.grad
+            if grad is not None and grad.data_ptr() == g.data_ptr():
+                continue
+            with torch.no_grad():
+                if grad is None:
                     g.zero_()
-                elif p.grad.data_ptr() != g.data_ptr():
-                    g.copy_(p.grad)
                 else:
-                    continue
-                p.grad = g
+                    g.copy_(grad)
+            p.grad = g
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -493,14 +530,13 @@ class _StepScope:
         rt, core = self.rt, self.rt._core
         try:
             trained = [use.unit for use in self.acquired if use.kind == _TRAIN]
+            # Units the hooks handed to the reduction already must still alias their slabs; the
+            # others are repaired now. step() implies grads_ready().
+            replaced = [u.name for u in trained if u._ready and u._grads_replaced()]
             for u in trained:
                 if not u._ready:
                     rt._repair_grads(u)
-                    core.grads_ready(u.id, self.stream)
-                    u._ready = True
-            for u in trained:
                 core.step(u.id, self.stream)
-            replaced = [u.name for u in trained if u._grads_replaced()]
             for use in reversed(self.acquired):
                 core.release(use.unit.id, self.stream)
         finally:
@@ -524,6 +560,12 @@ class _StepScope:
                     if use.kind == _TRAIN and not use.unit._ready:
                         for g in use.unit._grad_views:
                             g.zero_()
+            if rt._hooks:
+                # With a communicator the other ranks take this step's updates: this rank steps
+                # its units too (contributing the zeros above), so replicas stay equal.
+                for use in self.acquired:
+                    if use.kind == _TRAIN:
+                        core.step(use.unit.id, self.stream)
             for use in reversed(self.acquired):
                 core.release(use.unit.id, self.stream)
         finally:

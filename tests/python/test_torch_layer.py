@@ -58,6 +58,7 @@ def test_gradients_alias_the_slabs():
 def one_step(model, rt_kwargs, body, micro_batches=1):
     rt = tt.Runtime(options=config("64 KiB"), **rt_kwargs)
     trunk, heads = register(rt, model)
+    rt.plan([[trunk, heads[0]]])
     with rt.step(trunk, heads[0], micro_batches=micro_batches):
         body(model)
     return rt.state_dict()
@@ -91,10 +92,14 @@ def test_zero_grad_set_to_none_is_repaired():
     # set_to_none and no backward after it: the step sees zero gradients, as torch would
     zero = one_step(fresh(model), {}, lambda m: None)
     assert all(torch.equal(v, zero[k]) for k, v in one_step(fresh(model), {}, reset_only, micro_batches=2).items())
-    # after the last backward pass the gradients belong to the reduction: dropping them then is
-    # reported, not ignored (the step used them as they were)
+    # With a communicator the hooks hand a unit to the reduction at its last backward pass; the
+    # same results, and dropping the gradients after that is reported, not ignored.
+    mpi = {"comm": tt.mpi()}
+    assert all(torch.equal(v, expected[k]) for k, v in one_step(fresh(model), mpi, reset_first).items())
+    reset = one_step(fresh(model), mpi, both_with_reset, micro_batches=2)
+    assert all(torch.equal(v, expected[k]) for k, v in reset.items())
     with pytest.raises(taskswap.InvalidArgument, match="were replaced"):
-        one_step(fresh(model), {}, reset_only)
+        one_step(fresh(model), mpi, reset_only)
     assert not all(torch.equal(v, zero[k]) for k, v in expected.items())
 
 
@@ -129,11 +134,10 @@ def test_gradient_accumulation_matches_one_large_batch():
             (torch.nn.functional.mse_loss(fresh_model(xs, 0), ys) / 4).backward()
     accumulated = rt.state_dict()
     assert max_relative(accumulated, one_step(fresh(model), {}, large)) < 1e-6
-    # one backward pass too many is refused
+    # With a communicator the reduction starts at the last micro-batch: one more backward pass is refused.
     with pytest.raises(RuntimeError, match="micro_batches=1"):
-        with rt.step(trunk, heads[1]):
-            for _ in range(2):
-                torch.nn.functional.mse_loss(fresh_model(x, 1), y).backward()
+        one_step(fresh(model), {"comm": tt.mpi()},
+                 lambda m: [torch.nn.functional.mse_loss(m(x, 0), y).backward() for _ in range(2)])
 
 
 def test_frozen_use_keeps_the_unit_and_trains_the_rest():
