@@ -224,6 +224,8 @@ void bind_options(nb::module_& m)
 
   nb::class_<runtime_options>(m, "Options", "Everything a taskswap TOML configuration holds.")
       .def(nb::init<>())
+      .def("__copy__", [](const runtime_options& o) { return o; })
+      .def("__deepcopy__", [](const runtime_options& o, nb::handle) { return o; }, "memo"_a)
       .def_rw("device", &runtime_options::device)
       .def_rw("defaults", &runtime_options::defaults)
       .def_rw("optimizer", &runtime_options::optimizer)
@@ -233,6 +235,17 @@ void bind_options(nb::module_& m)
       .def_rw("source", &runtime_options::source)
       .def_prop_ro("rules", [](const runtime_options& o) { return o.units.size(); },
                    "The number of [[units]] rules.")
+      .def(
+          "add_rule",
+          [](runtime_options& o, std::string match, std::optional<residency> r, std::optional<int> lookahead,
+             std::optional<optimizer_placement> placement, std::optional<double> lr_scale,
+             std::optional<double> weight_decay, std::string origin) {
+            o.units.push_back(unit_rule{std::move(match), r, lookahead, placement, std::move(origin), lr_scale,
+                                        weight_decay});
+          },
+          "match"_a, "residency"_a = nb::none(), "lookahead"_a = nb::none(), "optimizer"_a = nb::none(),
+          "lr_scale"_a = nb::none(), "weight_decay"_a = nb::none(), "origin"_a = "python",
+          "Appends a [[units]] rule (later rules win); `origin` names it in error messages.")
       .def_prop_rw(
           "timeout_s", [](const runtime_options& o) { return to_seconds(o.timeout); },
           [](runtime_options& o, double s) { o.timeout = to_ms(s); })
@@ -274,8 +287,15 @@ void bind_options(nb::module_& m)
       .def_ro("param_bytes", &unit_footprint::param_bytes)
       .def_ro("frozen_device_bytes", &unit_footprint::frozen_device_bytes);
 
-  m.def("load_config", nb::overload_cast<const std::filesystem::path&>(&load_config), "file"_a,
-        "Reads a TOML configuration; raises ConfigError naming the file, line and key.");
+  m.def(
+      "load_config",
+      [](const std::filesystem::path& file, const std::vector<std::string>& own_tables) {
+        const std::vector<std::string_view> views(own_tables.begin(), own_tables.end());
+        return load_config(file, views);
+      },
+      "file"_a, "own_tables"_a = std::vector<std::string>{},
+      "Reads a TOML configuration; raises ConfigError naming the file, line and key. `own_tables`: "
+      "top-level tables the trainer reads itself (e.g. [model]), which the loader then ignores.");
   m.def(
       "parse_config",
       [](std::string_view text, std::string_view source) { return parse_config(text, source); },

@@ -26,6 +26,7 @@ cannot be detected; clone it if it must outlive the step.
 from __future__ import annotations
 
 import atexit
+import copy
 import os
 import weakref
 from dataclasses import dataclass
@@ -114,10 +115,19 @@ class Unit:
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, id={self.id})"
 
+    def spec(self) -> _core.UnitSpec:
+        """The unit's spec as the runtime registers it (for taskswap.footprint and planning)."""
+        return self._spec()
+
     def _spec(self) -> _core.UnitSpec:
         tensors = [_core.TensorSpec(pname, list(p.shape), nd)
                    for (pname, p), nd in zip(self.params, self._no_decay)]
         return _core.UnitSpec(self.name, tensors, _DTYPES[self.dtype])
+
+
+def _exact_glob(name: str) -> str:
+    """An fnmatch pattern that matches `name` alone."""
+    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
 
 
 def _close_at_exit(ref) -> None:
@@ -166,10 +176,12 @@ class Runtime:
     """
 
     def __init__(self, config: str | os.PathLike | None = None, *, options: _core.Options | None = None,
-                 comm=None):
+                 comm=None, own_tables: Sequence[str] = ()):
         if (config is None) == (options is None):
             raise _core.InvalidArgument("taskswap: give a config file or options, one of them")
-        self.options = _core.load_config(os.fspath(config)) if config is not None else options
+        # A copy: register() settings become rules of this runtime's options alone.
+        self.options = (_core.load_config(os.fspath(config), list(own_tables)) if config is not None
+                        else copy.copy(options))
         self._comm_request = comm
         self.units: list[Unit] = []
         self._by_name: dict[str, Unit] = {}
@@ -233,16 +245,13 @@ class Runtime:
             raise _core.InvalidArgument("taskswap: the runtime was closed; make a new one")
         if not self.units:
             raise _core.InvalidArgument("taskswap: register at least one module before the runtime starts")
-        specs = []
+        specs = [u._spec() for u in self.units]
         for u in self.units:
-            spec = u._spec()
+            # A register() setting is a rule matching the unit's name alone, after the config's
+            # rules: it wins over them, and the config's rules still count the unit as matched.
             overrides = {k: v for k, v in u._policy.items() if v is not None}
             if overrides:
-                policy = _core.policy_for(spec, self.options)
-                for k, v in overrides.items():
-                    setattr(policy, k, v)
-                spec.policy = policy
-            specs.append(spec)
+                self.options.add_rule(_exact_glob(u.name), origin=f"register('{u.name}')", **overrides)
         self.device = _core.make_device(self.options.device)
         comm = self._comm_request
         if comm == "config":
