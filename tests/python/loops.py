@@ -42,10 +42,11 @@ def schedule(steps: int, tasks: int, rank: int = 0) -> list[int]:
     return torch.randint(0, tasks, (steps,), generator=g).tolist()
 
 
-def config(budget: str, residency: str = "prefetch", average: str | None = None) -> taskswap.Options:
+def config(budget: str, residency: str = "prefetch", average: str | None = None,
+           backend: str = "emulated") -> taskswap.Options:
     text = f"""
 [device]
-backend = "emulated"
+backend = "{backend}"
 budget = "{budget}"
 
 [defaults]
@@ -77,13 +78,14 @@ def register(rt: tt.Runtime, model: Model, pin_all: bool = False):
 
 
 def train_taskswap(model: Model, sched: list[int], options: taskswap.Options, pin_all: bool = False,
-                   comm=None, rank: int = 0, plan: bool = True) -> tt.Runtime:
+                   comm=None, rank: int = 0, plan: bool = True, device: str = "cpu") -> tt.Runtime:
+    """The loop on taskswap; `model` lives on `device` (the runtime's: cpu for the emulated one)."""
     rt = tt.Runtime(options=options, comm=comm)
-    trunk, heads = register(rt, model, pin_all)
+    trunk, heads = register(rt, model.to(device), pin_all)
     if plan:
         rt.plan([[trunk, heads[t]] for t in sched])
     for i, t in enumerate(sched):
-        x, y = batch(i, t, rank)
+        x, y = (v.to(device) for v in batch(i, t, rank))
         with rt.step(trunk, heads[t]):
             torch.nn.functional.mse_loss(model(x, t), y).backward()
     return rt
