@@ -102,23 +102,29 @@ void runtime::impl::evict(unit_record& r)
 // An acquire (a use now) may take any unit not held. A prefetch for the use at `use` is
 // conservative (Cao et al., 1995): it displaces the unit that Belady would displace when `use`
 // comes, and only if that unit is neither held nor needed before then; otherwise it waits. So
-// prefetching moves fetches earlier but never adds one.
+// prefetching moves fetches earlier but never adds one. Among units used equally far after
+// `use` (typically never again in the plan), those idle until `use` were released before the
+// others will have been by then, so Belady at `use` takes one of them: a tie with a unit that is
+// held or needed first does not stop the prefetch.
 runtime::impl::unit_record* runtime::impl::pick_victim(std::uint64_t use, bool for_acquire)
 {
   unit_record* best = nullptr;
   std::uint64_t best_use = 0;
+  bool best_idle = false;
   for (const std::uint32_t i : resident_) {
     unit_record& r = units_[i];
     if (for_acquire && r.held) { continue; }
     const std::uint64_t next = for_acquire ? plan_.next_use(unit_id{i}) : plan_.next_use_after(unit_id{i}, use);
-    if (best == nullptr || next > best_use || (next == best_use && r.last_release < best->last_release)) {
+    const bool idle = for_acquire || (!r.held && plan_.next_use(unit_id{i}) >= use);
+    const bool released_earlier =
+        (idle && !best_idle) || (idle == best_idle && best != nullptr && r.last_release < best->last_release);
+    if (best == nullptr || next > best_use || (next == best_use && released_earlier)) {
       best = &r;
       best_use = next;
+      best_idle = idle;
     }
   }
-  if (best != nullptr && !for_acquire && (best->held || plan_.next_use(unit_id{best->index}) < use)) {
-    return nullptr;
-  }
+  if (best != nullptr && !best_idle) { return nullptr; }
   return best;
 }
 

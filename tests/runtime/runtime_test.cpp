@@ -298,6 +298,38 @@ TEST(runtime_protocol, prefetch_brings_the_next_steps_units_in_before_they_are_a
   }
 }
 
+// Room for three units, four used once each. When step 1 releases its unit, the prefetch of
+// step 3's unit must evict one: units 0, 1 and 2 are all used never again after step 3 (a tie
+// for Belady). Unit 2 is needed first (step 2) and was never released, so it is the least
+// recently released; a unit idle until step 3 (0, released first) is the one Belady takes when
+// step 3 comes, so the prefetch goes ahead instead of waiting for a tie it could break.
+TEST(runtime_protocol, a_prefetch_is_not_held_back_by_a_tie_with_a_unit_needed_first)
+{
+  device dev = emulated(64 * MiB);
+  std::vector<unit_spec> specs;
+  for (int i = 0; i < 4; ++i) { specs.push_back(make_unit("task/" + std::to_string(i), 1024)); }
+  const std::size_t slot = footprint(specs[0], optimizer_placement::device).device_bytes;
+  runtime rt(dev, options_with_budget(3 * slot), specs);
+  rt.plan(std::vector<step_plan>{step_plan{unit_id{0}}, step_plan{unit_id{1}}, step_plan{unit_id{2}},
+                                 step_plan{unit_id{3}}});
+  stream s(dev);
+  for (std::uint32_t k = 0; k < 2; ++k) {
+    (void)rt.acquire(unit_id{k}, s);
+    rt.release(unit_id{k}, s);
+    (void)rt.end_step();
+  }
+  EXPECT_EQ(rt.state(unit_id{3}), unit_state::resident) << "step 3's unit was not prefetched during step 1";
+  EXPECT_EQ(rt.state(unit_id{2}), unit_state::resident);
+  EXPECT_EQ(rt.state(unit_id{0}), unit_state::home);
+  for (std::uint32_t k = 2; k < 4; ++k) {
+    (void)rt.acquire(unit_id{k}, s);
+    rt.release(unit_id{k}, s);
+    const step_stats st = rt.end_step();
+    EXPECT_EQ(st.misses, 0U);
+  }
+  EXPECT_EQ(rt.stats().total.swap_ins, 4U);  // every unit fetched once: the prefetch added none
+}
+
 TEST(runtime_protocol, protocol_errors_say_what_to_do)
 {
   device dev = emulated(1 * MiB);
