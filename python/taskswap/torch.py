@@ -546,12 +546,8 @@ class _StepScope:
                 if not u._ready:
                     rt._repair_grads(u)
                 core.step(u.id, self.stream)
-            for use in reversed(self.acquired):
-                core.release(use.unit.id, self.stream)
         finally:
-            for use in self.acquired:
-                rt._detach(use.unit, use.kind)
-            rt._scope = None
+            self._release()
         self.stats = rt.last_step = core.end_step()
         if replaced:
             raise _core.InvalidArgument(
@@ -575,10 +571,17 @@ class _StepScope:
                 for use in self.acquired:
                     if use.kind == _TRAIN:
                         core.step(use.unit.id, self.stream)
+        finally:
+            self._release()
+        core.end_step()
+
+    def _release(self) -> None:
+        """Releases every unit acquired (in reverse order) and points the parameters back at
+        their empty placeholders, whatever fails on the way."""
+        try:
             for use in reversed(self.acquired):
-                core.release(use.unit.id, self.stream)
+                self.rt._core.release(use.unit.id, self.stream)
         finally:
             for use in self.attached:
-                rt._detach(use.unit, use.kind)
-            rt._scope = None
-        core.end_step()
+                self.rt._detach(use.unit, use.kind)
+            self.rt._scope = None
