@@ -157,7 +157,7 @@ step_plan to_step_plan(const py_runtime& self, const std::vector<std::pair<std::
 void bind_runtime(nb::module_& m)
 {
   bind_stats(m);
-  nb::class_<py_runtime>(m, "Runtime", "The taskswap runtime (see taskswap::runtime).")
+  nb::class_<py_runtime>(m, "Runtime", nb::is_weak_referenceable(), "The taskswap runtime (see taskswap::runtime).")
       .def(
           "__init__",
           [](py_runtime* self, const device& dev, const runtime_options& options, std::vector<unit_spec> units,

@@ -229,3 +229,23 @@ def test_errors_from_the_runtime(tmp_path):
     rt.register(model.trunk, "a")
     with pytest.raises(taskswap.ConfigError, match="shares parameters"):
         rt.register(model.trunk, "b")
+
+
+def test_a_view_keeps_the_runtime_alive():
+    import gc
+    import weakref
+    rt = tt.Runtime(options=config("64 KiB"))
+    unit = rt.register(torch.nn.Linear(4, 4), "u")
+    rt.start()
+    home = rt.core.home(unit.id)[0]  # a CPU tensor over the pinned arena
+    expected = home.clone()
+    core = weakref.ref(rt.core)
+    rt.close()
+    gc.collect()
+    assert core() is not None, "the runtime went away while a tensor still views its memory"
+    assert torch.equal(home, expected)
+    del home
+    gc.collect()
+    assert core() is None, "the runtime outlived the last view of its memory"
+    with pytest.raises(taskswap.InvalidArgument, match="closed"):
+        rt.plan([[unit]])
