@@ -36,6 +36,7 @@ struct py_runtime {
   taskswap::device dev;
   taskswap::runtime rt;
   std::vector<std::optional<unit_view>> held;
+  bool reduces = false;  ///< a communicator: the one given, or the one options.comm names
 
   [[nodiscard]] unit_id id(std::uint32_t u) const
   {
@@ -163,14 +164,17 @@ void bind_runtime(nb::module_& m)
           [](py_runtime* self, const device& dev, const runtime_options& options, std::vector<unit_spec> units,
              std::shared_ptr<communicator> comm) {
             const std::size_t count = units.size();
+            const bool reduces = comm != nullptr || options.comm.backend != comm_backend::none;
             nb::gil_scoped_release release;
             runtime rt = comm ? runtime(dev, options, std::move(units), std::move(comm))
                               : runtime(dev, options, std::move(units));
-            new (self) py_runtime{dev, std::move(rt), std::vector<std::optional<unit_view>>(count)};
+            new (self) py_runtime{dev, std::move(rt), std::vector<std::optional<unit_view>>(count), reduces};
           },
           "device"_a, "options"_a, "units"_a, "comm"_a = nb::none(),
           "Lays out every unit's home copy, applies the policies, brings pinned units in; with a "
-          "communicator, collective.")
+          "communicator (`comm`, or None: the one options.comm names, if any), collective.")
+      .def_prop_ro("has_communicator", [](const py_runtime& self) { return self.reduces; },
+                   "Whether gradients are reduced over a communicator (even of one rank).")
       .def_prop_ro("device", [](const py_runtime& self) { return self.dev; })
       .def_prop_ro("unit_count", [](const py_runtime& self) { return self.rt.unit_count(); })
       .def_prop_ro("rank", [](const py_runtime& self) { return self.rt.rank(); })

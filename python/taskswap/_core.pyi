@@ -599,8 +599,12 @@ class Runtime:
 
     def __init__(self, device: Device, options: Options, units: Sequence[UnitSpec], comm: Communicator | None = None) -> None:
         """
-        Lays out every unit's home copy, applies the policies, brings pinned units in; with a communicator, collective.
+        Lays out every unit's home copy, applies the policies, brings pinned units in; with a communicator (`comm`, or None: the one options.comm names, if any), collective.
         """
+
+    @property
+    def has_communicator(self) -> bool:
+        """Whether gradients are reduced over a communicator (even of one rank)."""
 
     @property
     def device(self) -> Device: ...

@@ -92,6 +92,7 @@ class Unit:
                 f"taskswap: '{name}' has parameters that do not require gradients ({fixed[:5]}); every parameter "
                 "of a unit is trained. Freeze a unit per step with unit.frozen(), or leave those out of it")
         self._no_decay = [bool(no_weight_decay(pname, p)) for pname, p in self.params]
+        self._shapes = [tuple(p.shape) for _, p in self.params]  # a 0-d parameter is a tensor of [1] in the unit
         self.id: int | None = None
         self._param_addr = None
         self._param_views: list[torch.Tensor] = []
@@ -120,14 +121,17 @@ class Unit:
         return self._spec()
 
     def _spec(self) -> _core.UnitSpec:
-        tensors = [_core.TensorSpec(pname, list(p.shape), nd)
-                   for (pname, p), nd in zip(self.params, self._no_decay)]
+        tensors = [_core.TensorSpec(pname, list(shape) or [1], nd)
+                   for (pname, _), shape, nd in zip(self.params, self._shapes, self._no_decay)]
         return _core.UnitSpec(self.name, tensors, _DTYPES[self.dtype])
+
+    def _shaped(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [t.view(shape) for t, shape in zip(tensors, self._shapes)]
 
 
 def _exact_glob(name: str) -> str:
     """An fnmatch pattern that matches `name` alone."""
-    return "".join(f"[{c}]" if c in "*?[]" else c for c in name)
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in name)  # fnmatch without FNM_NOESCAPE
 
 
 def _close_at_exit(ref) -> None:
@@ -169,10 +173,11 @@ def nccl_group(process_group=None, timeout_s: float = 300.0) -> Callable[[_core.
 class Runtime:
     """taskswap's runtime for a PyTorch trainer.
 
-    ``config`` is a TOML file (or ``options`` an ``_core.Options``); ``comm`` is None, ``"config"``
-    (the communicator its [comm] table names), or a factory such as ``mpi()`` or
-    ``nccl_group(pg)``. Units are registered first; the runtime starts at the first plan, step or
-    ``start()``.
+    ``config`` is a TOML file (or ``options`` an ``_core.Options``; ``own_tables``: the file's
+    top-level tables the trainer reads itself, such as [model]). ``comm`` is None (the
+    communicator the [comm] table names, if any), ``"none"`` (no communicator, whatever the
+    table says), a factory such as ``mpi()`` or ``nccl_group(pg)``, or an ``_core.Communicator``.
+    Units are registered first; the runtime starts at the first plan, step or ``start()``.
     """
 
     def __init__(self, config: str | os.PathLike | None = None, *, options: _core.Options | None = None,
@@ -254,8 +259,11 @@ class Runtime:
                 self.options.add_rule(_exact_glob(u.name), origin=f"register('{u.name}')", **overrides)
         self.device = _core.make_device(self.options.device)
         comm = self._comm_request
-        if comm == "config":
-            comm = _core.make_communicator(self.device, self.options.comm)
+        if comm == "none":
+            self.options.comm.backend = _core.CommBackend.none
+            comm = None
+        elif comm == "config":
+            comm = None
         elif callable(comm):
             comm = comm(self.device)
         core = _core.Runtime(self.device, self.options, specs, comm)
@@ -264,7 +272,7 @@ class Runtime:
         # Gradient hooks hand each unit to the reduction as soon as backward completes it, so the
         # allreduce overlaps the rest of backward. Without a communicator there is nothing to
         # overlap (step() follows the backward on the same stream): no hooks, no per-parameter cost.
-        self._hooks = comm is not None
+        self._hooks = core.has_communicator
         self._torch_device = (torch.device("cuda", self.device.index)
                               if self.device.kind == _core.Backend.cuda else torch.device("cpu"))
         if self.device.kind == _core.Backend.emulated:
@@ -275,9 +283,11 @@ class Runtime:
             for _, p in u.params:
                 p.grad = None
                 p.data = self._placeholder(p.dtype)
-            if self._hooks and _HAS_POST_ACCUMULATE_HOOK:
+            if self._hooks:
                 for j, (_, p) in enumerate(u.params):
-                    u._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(u, j)))
+                    u._hook_handles.append(p.register_hook(self._make_pre_hook(u)))
+                    if _HAS_POST_ACCUMULATE_HOOK:
+                        u._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(u, j)))
 
     def _write_home(self, u: Unit) -> None:
         kinds = ["params"] if u.dtype == torch.float32 else ["params", "master"]
@@ -293,9 +303,14 @@ class Runtime:
         return t
 
     def close(self) -> None:
-        """Ends the runtime: writes dirty units home and waits for its streams (the C++
-        destructor). The modules keep empty parameters. Called at exit for a runtime still open."""
-        if self._core is None or self._scope is not None:
+        """Ends the runtime: drops this object's reference to it, so that the C++ destructor (dirty
+        units written home, streams drained) runs once no tensor viewing its memory is left: a
+        `home()` tensor or an alias kept from a step defers it. The modules keep empty parameters.
+        Called at exit for a runtime still open.
+        Raises InvalidArgument inside a step scope."""
+        if self._scope is not None:
+            raise _core.InvalidArgument("taskswap: close() inside a step scope; leave the scope first")
+        if self._core is None:
             return
         for u in self.units:
             u._param_views, u._grad_views, u._param_addr, u._grad_addr = [], [], None, None
@@ -332,8 +347,14 @@ class Runtime:
         """Appends upcoming steps, each the units it acquires in order (``unit.frozen()`` for a
         forward-only use). Checks that each step fits the budget."""
         core = self.core
+        plan = [[self._own(_use_of(e)) for e in step] for step in steps]
         self._began = True
-        core.plan([[(e.unit.id, e.kind) for e in map(_use_of, step)] for step in steps])
+        core.plan([[(e.unit.id, e.kind) for e in step] for step in plan])
+
+    def _own(self, use: _Use) -> _Use:
+        if use.unit._owner is not self:
+            raise _core.InvalidArgument(f"taskswap: unit '{use.unit.name}' belongs to another runtime")
+        return use
 
     def step(self, *units: Unit | _Use, micro_batches: int = 1) -> "_StepScope":
         """A step scope: acquires ``units`` in order on torch's current stream, aliases their
@@ -353,15 +374,24 @@ class Runtime:
             s = self._external[handle] = _core.external_stream(self.device, handle)
         return s
 
+    def _make_pre_hook(self, u: Unit):
+        # Before autograd accumulates into the slab: one pass more than the scope's micro_batches
+        # would write into gradients the reduction may be reading.
+        def pre_hook(grad):
+            scope = self._scope
+            if scope is not None and u._ready and scope.kinds.get(u.id) == _TRAIN:
+                raise _core.InvalidArgument(
+                    f"taskswap: a backward pass reached unit '{u.name}' after its gradients were handed to the "
+                    f"reduction; the step scope was opened with micro_batches={scope.micro_batches} (count the "
+                    "backward passes through the unit, shared units included, or sum the losses first)")
+            return None
+        return pre_hook
+
     def _make_hook(self, u: Unit, j: int):
         def hook(*_):
             scope = self._scope
-            if scope is None or scope.kinds.get(u.id) != _TRAIN:
+            if scope is None or scope.kinds.get(u.id) != _TRAIN or u._ready:
                 return
-            if u._ready:
-                raise _core.InvalidArgument(
-                    f"taskswap: a backward pass reached unit '{u.name}' after its gradients were handed to the "
-                    f"reduction; the step scope was opened with micro_batches={scope.micro_batches}")
             p = u.params[j][1]
             expected = u._grad_views[j]
             if p.grad is None or p.grad.data_ptr() != expected.data_ptr():
@@ -375,14 +405,15 @@ class Runtime:
                 u._fired = 0
                 u._passes += 1
                 if u._passes == scope.micro_batches:
-                    self._core.grads_ready(u.id, scope.stream)
+                    # On the stream autograd accumulated on (the node's; it may not be the scope's)
+                    self._core.grads_ready(u.id, self._current_stream())
                     u._ready = True
         return hook
 
     def _attach(self, u: Unit, kind: int, addrs: tuple[int, int]) -> None:
         core = self._core
         if u._param_addr != addrs[0]:
-            u._param_views = core.param_tensors(u.id)
+            u._param_views = u._shaped(core.param_tensors(u.id))
             u._param_addr = addrs[0]
         for (_, p), t in zip(u.params, u._param_views):
             p.data = t
@@ -391,7 +422,7 @@ class Runtime:
                 p.requires_grad_(False)
             return
         if u._grad_addr != addrs[1]:
-            u._grad_views = core.grad_tensors(u.id)
+            u._grad_views = u._shaped(core.grad_tensors(u.id))
             u._grad_addr = addrs[1]
         for (_, p), g in zip(u.params, u._grad_views):
             p.grad = g
@@ -431,39 +462,52 @@ class Runtime:
         core = self.core
         self._expect_between_steps("state_dict")
         core.flush()
+        self._began = True  # flush() brought the pinned units onto the device
         out = {}
         for u in self.units:
-            for (pname, _), t in zip(u.params, core.home(u.id, "params")):
-                out[f"{u.name}.{pname}"] = t.clone()
+            for (pname, _), t, shape in zip(u.params, core.home(u.id, "params"), u._shapes):
+                out[f"{u.name}.{pname}"] = t.clone().view(shape)
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Sets every unit's parameters (and f32 master copy) from ``state`` (keys as state_dict
-        gives them), before the first step; AdamW moments and step counts keep their values (use
-        checkpoints to restore those)."""
-        if self._core is None:
-            for u in self.units:
-                for pname, p in u.params:
-                    with torch.no_grad():
-                        p.copy_(state[f"{u.name}.{pname}"])
-            return
+        """Sets every unit's parameters (and f32 master copy) from ``state``, keyed as state_dict
+        gives them: every key, no other, each with its parameter's shape. Before the first plan,
+        step, state_dict or checkpoint save (units on the device would not see it). AdamW moments
+        and step counts keep their values, and a bf16/f16 unit's master copy is the loaded value:
+        a checkpoint is the exact resume."""
+        if self._closed:
+            raise _core.InvalidArgument("taskswap: the runtime was closed; make a new one")
         if self._began:
-            raise _core.InvalidArgument("taskswap: load_state_dict after the first plan or step cannot reach units "
-                                        "already on the device; call it before, or use load_checkpoint")
-        missing = [f"{u.name}.{n}" for u in self.units for n, _ in u.params if f"{u.name}.{n}" not in state]
-        if missing:
-            raise _core.InvalidArgument(f"taskswap: load_state_dict: missing {missing[:5]}")
-        for u in self.units:
-            kinds = ["params"] if u.dtype == torch.float32 else ["params", "master"]
-            for kind in kinds:
-                for home, (pname, _) in zip(self._core.home(u.id, kind), u.params):
-                    home.copy_(state[f"{u.name}.{pname}"].reshape(home.shape))
+            raise _core.InvalidArgument("taskswap: load_state_dict after the first plan, step, state_dict or "
+                                        "checkpoint save cannot reach units already on the device; call it "
+                                        "before, or use load_checkpoint")
+        expected = {f"{u.name}.{n}": (u, j) for u in self.units for j, (n, _) in enumerate(u.params)}
+        missing = sorted(expected.keys() - state.keys())
+        unexpected = sorted(state.keys() - expected.keys())
+        if missing or unexpected:
+            raise _core.InvalidArgument(f"taskswap: load_state_dict: missing keys {missing[:5]}, unexpected keys "
+                                        f"{unexpected[:5]}")
+        for key, (u, j) in expected.items():
+            if tuple(state[key].shape) != u._shapes[j]:
+                raise _core.InvalidArgument(f"taskswap: load_state_dict: '{key}' has shape {tuple(state[key].shape)}, "
+                                            f"the parameter {u._shapes[j]}")
+        with torch.no_grad():
+            if self._core is None:
+                for key, (u, j) in expected.items():
+                    u.params[j][1].copy_(state[key])
+                return
+            for u in self.units:
+                kinds = ["params"] if u.dtype == torch.float32 else ["params", "master"]
+                for kind in kinds:
+                    for home, (pname, _) in zip(self._core.home(u.id, kind), u.params):
+                        home.copy_(state[f"{u.name}.{pname}"].reshape(home.shape))
 
     def save_checkpoint(self, path: str | os.PathLike, user: dict[str, str] | None = None) -> None:
         """Writes every unit's home state (parameters, master, moments, steps) and the plan
         position to the directory ``path``, atomically (see docs/reliability.md)."""
         self._expect_between_steps("save_checkpoint")
         self.core.save_checkpoint(os.fspath(path), user or {})
+        self._began = True  # it wrote dirty units back, bringing the pinned units onto the device
 
     def load_checkpoint(self, path: str | os.PathLike) -> tuple[int, dict[str, str]]:
         """Restores every unit from a checkpoint before the first plan or step; returns
@@ -476,7 +520,12 @@ class Runtime:
 
     @property
     def optimizer(self) -> _core.AdamW:
+        """The AdamW hyperparameters (a copy); assign to change them between steps."""
         return self.core.optimizer
+
+    @optimizer.setter
+    def optimizer(self, options: _core.AdamW) -> None:
+        self.core.optimizer = options
 
     def set_lr(self, lr: float) -> None:
         """Sets the optimizer's learning rate (each unit's is this times its lr_scale)."""
@@ -509,18 +558,18 @@ class _StepScope:
         core = rt.core
         if rt._scope is not None:
             raise _core.InvalidArgument("taskswap: a step scope is already open; steps do not nest")
+        for use in self.uses:  # before anything is acquired: a bad scope changes nothing
+            rt._own(use)
+            if use.unit.id in self.kinds:
+                raise _core.InvalidArgument(f"taskswap: unit '{use.unit.name}' is named twice in one step")
+            self.kinds[use.unit.id] = use.kind
         self.stream = rt._current_stream()
         rt._scope = self
         rt._began = True
         try:
             addrs = []
             for use in self.uses:
-                if use.unit._owner is not rt:
-                    raise _core.InvalidArgument(f"taskswap: unit '{use.unit.name}' belongs to another runtime")
-                if use.unit.id in self.kinds:
-                    raise _core.InvalidArgument(f"taskswap: unit '{use.unit.name}' is named twice in one step")
                 addrs.append(core.acquire(use.unit.id, self.stream, use.kind == _FROZEN))
-                self.kinds[use.unit.id] = use.kind
                 self.acquired.append(use)
             if rt._stream is not None:
                 rt._stream.synchronize()  # emulated: torch computes on the host, after the swap-ins
@@ -537,17 +586,21 @@ class _StepScope:
             self._abandon()
             return
         rt, core = self.rt, self.rt._core
+        trained = [use.unit for use in self.acquired if use.kind == _TRAIN]
+        # Units the hooks handed to the reduction already must still alias their slabs; the
+        # others are repaired now. step() implies grads_ready().
+        replaced = [u.name for u in trained if u._ready and u._grads_replaced()]
+        stepped = set()
         try:
-            trained = [use.unit for use in self.acquired if use.kind == _TRAIN]
-            # Units the hooks handed to the reduction already must still alias their slabs; the
-            # others are repaired now. step() implies grads_ready().
-            replaced = [u.name for u in trained if u._ready and u._grads_replaced()]
             for u in trained:
                 if not u._ready:
                     rt._repair_grads(u)
                 core.step(u.id, self.stream)
-        finally:
-            self._release()
+                stepped.add(u.id)
+        except BaseException:
+            self._abandon(stepped)
+            raise
+        self._release()
         self.stats = rt.last_step = core.end_step()
         if replaced:
             raise _core.InvalidArgument(
@@ -555,33 +608,48 @@ class _StepScope:
                 "assignment) after the last backward pass had handed them to the reduction; the step used them "
                 "as that pass left them. Zero gradients before backward, or raise micro_batches")
 
-    def _abandon(self) -> None:
-        """An exception inside the scope: the step's gradients are dropped (zeroed, so a resident
-        unit does not carry them into the next step), every unit is released and the step ends."""
+    def _abandon(self, stepped: frozenset | set = frozenset()) -> None:
+        """An exception in the scope: the gradients of the units not yet handed to the reduction
+        nor stepped are zeroed (a resident unit does not carry them into the next step); with a
+        communicator every trained unit is still stepped (this rank contributing those zeros, and
+        the gradients of units the hooks handed over already), so replicas stay equal. Every unit
+        is released and the step ends; the first error of this cleanup is raised after it."""
         rt, core = self.rt, self.rt._core
+        first = None
         try:
             with torch.no_grad():
                 for use in self.attached:
-                    if use.kind == _TRAIN and not use.unit._ready:
+                    if use.kind == _TRAIN and not use.unit._ready and use.unit.id not in stepped:
                         for g in use.unit._grad_views:
                             g.zero_()
             if rt._hooks:
-                # With a communicator the other ranks take this step's updates: this rank steps
-                # its units too (contributing the zeros above), so replicas stay equal.
                 for use in self.acquired:
-                    if use.kind == _TRAIN:
+                    if use.kind == _TRAIN and use.unit.id not in stepped:
                         core.step(use.unit.id, self.stream)
-        finally:
+        except BaseException as e:  # noqa: BLE001: kept, the cleanup goes on
+            first = e
+        try:
             self._release()
-        core.end_step()
+        except BaseException as e:  # noqa: BLE001
+            first = first or e
+        try:
+            self.stats = rt.last_step = core.end_step()
+        except BaseException as e:  # noqa: BLE001
+            first = first or e
+        if first is not None:
+            raise first
 
     def _release(self) -> None:
-        """Releases every unit acquired (in reverse order) and points the parameters back at
-        their empty placeholders, whatever fails on the way."""
-        try:
-            for use in reversed(self.acquired):
+        """Releases every unit acquired (in reverse order, each whatever the others do) and points
+        the parameters back at their empty placeholders; raises the first error after all."""
+        first = None
+        for use in reversed(self.acquired):
+            try:
                 self.rt._core.release(use.unit.id, self.stream)
-        finally:
-            for use in self.attached:
-                self.rt._detach(use.unit, use.kind)
-            self.rt._scope = None
+            except BaseException as e:  # noqa: BLE001: every unit is released
+                first = first or e
+        for use in self.attached:
+            self.rt._detach(use.unit, use.kind)
+        self.rt._scope = None
+        if first is not None:
+            raise first

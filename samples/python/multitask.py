@@ -58,8 +58,9 @@ def main() -> int:
     ap.add_argument("--batch", type=int, help="override [model] batch")
     ap.add_argument("--tasks-per-step", type=int, default=1, help="tasks (adapters) trained in each step")
     ap.add_argument("--all-resident", action="store_true", help="every unit pinned, budget = their bytes (baseline)")
-    ap.add_argument("--comm", choices=["none", "mpi", "nccl"], default="none",
-                    help="reduce over MPI (emulated, under mpirun) or NCCL (torch.distributed's ranks)")
+    ap.add_argument("--comm", choices=["config", "none", "mpi", "nccl"], default="config",
+                    help="the communicator: the config's [comm] table, none, MPI (emulated devices, under "
+                         "mpirun) or NCCL (over torch.distributed's ranks)")
     ap.add_argument("--save-state", help="torch.save the final parameters (state_dict) to this file")
     args = ap.parse_args()
 
@@ -69,7 +70,7 @@ def main() -> int:
     steps = args.steps or m["steps"]
     batch = args.batch or m["batch"]
     dtype = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}[m.get("dtype", "f32")]
-    comm = None
+    comm = "none" if args.comm == "none" else None
     if args.comm == "mpi":
         comm = tt.mpi()
     elif args.comm == "nccl":
@@ -106,11 +107,15 @@ def main() -> int:
         if i % PLAN_AHEAD == 0:  # the plan: the next steps' units, as the sampler drew them
             rt.plan([[*trunk, *(adapters[t] for t in ts)] for ts in schedule[i:i + PLAN_AHEAD]])
         with rt.step(*trunk, *(adapters[t] for t in tasks)):
+            losses = []
             for t in tasks:
                 x = torch.randn(batch, m["width"], generator=data, device=device, dtype=dtype)
                 y = x @ teachers[t]
-                loss = torch.nn.functional.mse_loss(model(x, t).float(), y.float())
-                loss.backward()
+                losses.append(torch.nn.functional.mse_loss(model(x, t).float(), y.float()))
+            # One backward pass for the step's tasks: the trunk's units get their gradients once,
+            # as a scope's micro_batches=1 says (with a communicator, the hooks then hand them over).
+            torch.stack(losses).sum().backward()
+            for t, loss in zip(tasks, losses):
                 first.setdefault(t, loss.item())
                 last[t] = loss.item()
         if rank == 0 and (i + 1) % log_every == 0:

@@ -249,3 +249,104 @@ def test_a_view_keeps_the_runtime_alive():
     assert core() is None, "the runtime outlived the last view of its memory"
     with pytest.raises(taskswap.InvalidArgument, match="closed"):
         rt.plan([[unit]])
+
+
+def test_the_communicator_follows_the_config_unless_told_none():
+    with_mpi = config("64 KiB")
+    with_mpi.comm.backend = taskswap.CommBackend.mpi
+    for comm, reduces in ((None, True), ("none", False)):
+        rt = tt.Runtime(options=with_mpi, comm=comm)
+        trunk, heads = register(rt, Model(2))
+        rt.plan([[trunk, heads[0]]])
+        with rt.step(trunk, heads[0]):
+            pass
+        assert rt.core.has_communicator == reduces and rt._hooks == reduces
+        assert (rt.last_step.reduced_bytes > 0) == reduces
+
+
+def test_an_exception_in_a_step_drops_its_gradients():
+    model = Model(2)
+    x, y = batch(0, 0)
+    rt = tt.Runtime(options=config("64 KiB"))
+    trunk, heads = register(rt, model)
+    before = rt.state_dict()
+    with pytest.raises(ZeroDivisionError):
+        with rt.step(trunk, heads[0]):
+            torch.nn.functional.mse_loss(model(x, 0), y).backward()
+            1 / 0
+    assert rt.last_step is not None and model.heads[0].weight.numel() == 0
+    after = rt.state_dict()
+    assert all(torch.equal(after[k], before[k]) for k in before), "an abandoned step changed parameters"
+    # the next step starts from zero gradients: as the same step in a fresh runtime
+    x1, y1 = batch(1, 0)
+    with rt.step(trunk, heads[0]):
+        torch.nn.functional.mse_loss(model(x1, 0), y1).backward()
+    fresh_model = fresh(Model(2))
+    expected = one_step(fresh_model, {}, lambda m: torch.nn.functional.mse_loss(m(x1, 0), y1).backward())
+    assert all(torch.equal(v, expected[k]) for k, v in rt.state_dict().items())
+
+
+def test_a_bad_scope_acquires_nothing():
+    rt = tt.Runtime(options=config("64 KiB"))
+    trunk, heads = register(rt, Model(2))
+    other = tt.Runtime(options=config("64 KiB")).register(torch.nn.Linear(2, 2), "x")
+    for units, match in (((trunk, other), "another runtime"), ((trunk, heads[0], trunk), "named twice")):
+        with pytest.raises(taskswap.InvalidArgument, match=match):
+            with rt.step(*units):
+                pass
+        assert rt.stats().total.step == 0 and rt.core.state(trunk.id) != taskswap.UnitState.held
+    with pytest.raises(taskswap.InvalidArgument, match="another runtime"):
+        rt.plan([[other]])
+
+
+def test_state_dict_round_trip_and_its_errors():
+    model = Model(3)
+    rt = tt.Runtime(options=config("64 KiB"))
+    register(rt, model)
+    rt.start()
+    state = {k: v + 1 for k, v in model_state(fresh(Model(3, seed=1))).items()}
+    with pytest.raises(taskswap.InvalidArgument, match="missing keys"):
+        rt.load_state_dict({k: v for k, v in state.items() if k != "task/2.bias"})
+    with pytest.raises(taskswap.InvalidArgument, match="unexpected keys"):
+        rt.load_state_dict({**state, "task/9.weight": torch.zeros(1)})
+    with pytest.raises(taskswap.InvalidArgument, match="has shape"):
+        rt.load_state_dict({**state, "trunk.0.weight": state["trunk.0.weight"].reshape(-1)})
+    rt.load_state_dict(state)
+    got = rt.state_dict()
+    assert all(torch.equal(got[k], state[k]) for k in state)
+    # after state_dict the pinned units are on the device: a load could not reach them
+    with pytest.raises(taskswap.InvalidArgument, match="cannot reach"):
+        rt.load_state_dict(state)
+
+
+def test_a_scalar_parameter_and_a_name_with_glob_characters():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+            self.scale = torch.nn.Parameter(torch.tensor(1.5))
+
+        def forward(self, x):
+            return self.lin(x) * self.scale
+
+    torch.manual_seed(3)
+    m = Scaled()
+    ref = fresh(m)
+    rt = tt.Runtime(options=config("64 KiB"))
+    unit = rt.register(m, "odd\\name[*]", lr_scale=2.0)
+    opt = torch.optim.AdamW(ref.parameters(), lr=2 * 1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    for i in range(3):
+        x = torch.randn(5, 4)
+        with rt.step(unit):
+            assert m.scale.shape == () and m.scale.grad.shape == ()
+            m(x).square().mean().backward()
+        opt.zero_grad()
+        ref(x).square().mean().backward()
+        opt.step()
+    got = rt.state_dict()
+    assert got["odd\\name[*].scale"].shape == ()
+    assert max_relative(got, {f"odd\\name[*].{n}": p.detach() for n, p in ref.named_parameters()}) < 1e-5
+    o = rt.optimizer
+    o.lr = 5e-3
+    rt.optimizer = o
+    assert rt.optimizer.lr == 5e-3
