@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# SPDX-License-Identifier: Apache-2.0
+# `pip install .` works: builds a wheel of the source tree with scikit-build-core (no network: the
+# build venv has it and nanobind), installs it into a fresh venv of the same interpreter (which
+# sees the system's torch), and trains a few steps there, outside the source and build trees.
+# usage: pip_install.sh PYTHON SOURCE_DIR WORK_DIR
+set -euo pipefail
+python=$1 source=$2 work=$3
+rm -rf "$work" && mkdir -p "$work"
+"$python" -m pip wheel --quiet --no-build-isolation --no-deps -w "$work/wheel" "$source" \
+  --config-settings=build-dir="$work/build" --config-settings=cmake.define.TASKSWAP_CUDA=OFF
+base=$("$python" -c "import sys; print(sys._base_executable)")
+"$base" -m venv --system-site-packages "$work/venv"
+"$work/venv/bin/python" -m pip install --quiet --no-index --no-deps "$work"/wheel/taskswap-*.whl
+cd "$work"
+env -u PYTHONPATH "$work/venv/bin/python" - <<'PY'
+import taskswap, taskswap.torch as tt, torch
+assert "site-packages" in taskswap.__file__, taskswap.__file__
+opts = taskswap.parse_config('[device]\nbackend = "emulated"\nbudget = "64 KiB"\n')
+rt = tt.Runtime(options=opts)
+heads = [rt.register(torch.nn.Linear(8, 2), f"task/{t}") for t in range(4)]
+before = {k: v.clone() for k, v in rt.state_dict().items()}
+rt.plan([[heads[t % 4]] for t in range(8)])
+for t in range(8):
+    with rt.step(heads[t % 4]):
+        heads[t % 4].module(torch.randn(3, 8)).square().mean().backward()
+after = rt.state_dict()
+assert all(not torch.equal(after[k], before[k]) for k in before)
+print(f"pip-installed taskswap {taskswap.__version__} from {taskswap.__file__}: 8 steps trained")
+PY
