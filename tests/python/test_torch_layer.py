@@ -350,3 +350,35 @@ def test_a_scalar_parameter_and_a_name_with_glob_characters():
     o.lr = 5e-3
     rt.optimizer = o
     assert rt.optimizer.lr == 5e-3
+
+
+def test_long_calls_release_the_gil(tmp_path):
+    import threading
+    import time
+    opts = config("32 MiB")
+    opts.device.emulated.link_bytes_per_second = 100e6  # the 12 MiB written home take ~120 ms
+    rt = tt.Runtime(options=opts)
+    big = rt.register(torch.nn.Linear(1024, 1024), "big")
+    with rt.step(big):
+        big.module(torch.randn(2, 1024)).sum().backward()
+    stamps = []
+    done = threading.Event()
+
+    def count():
+        while not done.is_set():
+            stamps.append(time.perf_counter())
+
+    counter = threading.Thread(target=count)
+    counter.start()
+    try:
+        time.sleep(0.01)
+        start = time.perf_counter()
+        rt.core.flush()  # waits for the write-back with the GIL released: the counter runs meanwhile
+        end = time.perf_counter()
+    finally:
+        done.set()
+        counter.join()
+    inside = [start] + [t for t in stamps if start < t < end] + [end]
+    longest_gap = max(b - a for a, b in zip(inside, inside[1:]))
+    assert end - start > 0.06, "the flush was too short to tell"
+    assert longest_gap < (end - start) / 2, f"the counter stopped for {longest_gap:.3f} s of {end - start:.3f} s"
