@@ -136,5 +136,18 @@ def max_relative(a: dict, b: dict) -> float:
     return worst
 
 
+def gloo_under_mpirun(port: str) -> tuple[int, int]:
+    """torch.distributed over gloo among the ranks mpirun started; returns (rank, world)."""
+    import os
+
+    import torch.distributed as dist
+    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
+    world = int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = port
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return rank, world
+
+
 def fresh(model: Model) -> Model:
     return copy.deepcopy(model)

@@ -11,7 +11,6 @@ usage: mpirun -np 3 python3 mpi_nccl_bootstrap.py PORT
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
@@ -19,14 +18,11 @@ import torch.distributed as dist
 
 import taskswap
 import taskswap.torch as tt
+from loops import gloo_under_mpirun
 
 
 def main() -> int:
-    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
-    world = int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = sys.argv[1]
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank, world = gloo_under_mpirun(sys.argv[1])
     made = []
     real = taskswap._core.nccl_communicator
 

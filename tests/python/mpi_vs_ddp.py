@@ -9,24 +9,20 @@ usage: mpirun -np N python3 mpi_vs_ddp.py PORT
 
 from __future__ import annotations
 
-import os
 import sys
 
 import torch
 import torch.distributed as dist
 
 import taskswap.torch as tt
-from loops import Model, config, fresh, max_relative, model_state, schedule, train_taskswap, train_torch
+from loops import (Model, config, fresh, gloo_under_mpirun, max_relative, model_state, schedule, train_taskswap,
+                   train_torch)
 
 TASKS, STEPS = 12, 40
 
 
 def main() -> int:
-    rank = int(os.environ["OMPI_COMM_WORLD_RANK"])
-    world = int(os.environ["OMPI_COMM_WORLD_SIZE"])
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ["MASTER_PORT"] = sys.argv[1]
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rank, world = gloo_under_mpirun(sys.argv[1])
     torch.set_num_threads(1)
     model = Model(TASKS)
     sched = schedule(STEPS, TASKS, rank)
