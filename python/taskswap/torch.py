@@ -102,11 +102,14 @@ class Unit:
         self._hook_handles: list = []
         self._fired = 0
         self._passes = 0
-        self._ready = False
+        self._ready = False  # the hooks handed the gradients to the reduction
+        self._handed_versions: list[int] | None = None  # their version counters then
 
-    def _grads_replaced(self) -> bool:
-        return any(p.grad is None or p.grad.data_ptr() != g.data_ptr()
-                   for (_, p), g in zip(self.params, self._grad_views))
+    def _grads_changed(self) -> bool:
+        """After the hooks handed the gradients to the reduction: replaced, or changed in place."""
+        return (any(p.grad is None or p.grad.data_ptr() != g.data_ptr()
+                    for (_, p), g in zip(self.params, self._grad_views))
+                or [g._version for g in self._grad_views] != self._handed_versions)
 
     def frozen(self) -> _Use:
         """This unit used frozen (forward only) in a plan or a step: parameters alone on the device,
@@ -136,7 +139,7 @@ def _exact_glob(name: str) -> str:
 
 def _close_at_exit(ref) -> None:
     rt = ref()
-    if rt is not None:
+    if rt is not None and rt._scope is None:  # a scope left open at exit keeps its runtime
         rt.close()
 
 
@@ -190,6 +193,7 @@ class Runtime:
         self._comm_request = comm
         self.units: list[Unit] = []
         self._by_name: dict[str, Unit] = {}
+        self._owner_of: dict[int, str] = {}  # id(parameter) -> its unit
         self._core: _core.Runtime | None = None
         self.device: _core.Device | None = None
         self._stream = None
@@ -213,9 +217,10 @@ class Runtime:
             raise _core.InvalidArgument(f"taskswap: register '{name}' before the runtime starts (the first plan or step)")
         if name in self._by_name:
             raise _core.ConfigError(f"taskswap: a unit named '{name}' is already registered")
-        for other in self.units:
-            if any(p is q for _, p in other.params for q in module.parameters()):
-                raise _core.ConfigError(f"taskswap: module '{name}' shares parameters with unit '{other.name}'; "
+        for q in module.parameters():
+            other = self._owner_of.get(id(q))
+            if other is not None:
+                raise _core.ConfigError(f"taskswap: module '{name}' shares parameters with unit '{other}'; "
                                         "a parameter belongs to one unit")
         if no_weight_decay is None:
             predicate = lambda n, p: False  # noqa: E731
@@ -233,6 +238,7 @@ class Runtime:
                   "optimizer": None if optimizer is None else _choice(_PLACEMENT, optimizer, "optimizer"),
                   "lr_scale": lr_scale, "weight_decay": weight_decay}
         unit = Unit(self, module, name, policy, predicate)
+        self._owner_of.update((id(p), name) for _, p in unit.params)
         self.units.append(unit)
         self._by_name[name] = unit
         return unit
@@ -251,35 +257,47 @@ class Runtime:
         if not self.units:
             raise _core.InvalidArgument("taskswap: register at least one module before the runtime starts")
         specs = [u._spec() for u in self.units]
+        # The runtime's own options: the user's, with a register() setting as a rule that matches
+        # the unit's name alone, after the config's rules (it wins over them, and the config's
+        # rules still count the unit as matched).
+        options = copy.copy(self.options)
         for u in self.units:
-            # A register() setting is a rule matching the unit's name alone, after the config's
-            # rules: it wins over them, and the config's rules still count the unit as matched.
             overrides = {k: v for k, v in u._policy.items() if v is not None}
             if overrides:
-                self.options.add_rule(_exact_glob(u.name), origin=f"register('{u.name}')", **overrides)
-        self.device = _core.make_device(self.options.device)
+                options.add_rule(_exact_glob(u.name), origin=f"register('{u.name}')", **overrides)
         comm = self._comm_request
+        if isinstance(comm, str) and comm not in ("none", "config"):
+            raise _core.ConfigError(f"taskswap: comm is None, \"config\", \"none\", a factory such as "
+                                    f"taskswap.torch.mpi() or nccl_group(pg), or a Communicator; not {comm!r}")
+        device = _core.make_device(options.device)
         if comm == "none":
-            self.options.comm.backend = _core.CommBackend.none
+            options.comm.backend = _core.CommBackend.none
             comm = None
         elif comm == "config":
             comm = None
         elif callable(comm):
-            comm = comm(self.device)
-        core = _core.Runtime(self.device, self.options, specs, comm)
-        self._core = core
-        atexit.register(_close_at_exit, weakref.ref(self))
+            comm = comm(device)
+            if not isinstance(comm, _core.Communicator):
+                raise _core.ConfigError(f"taskswap: the comm factory returned {type(comm).__name__}, not a Communicator")
+        elif comm is not None and not isinstance(comm, _core.Communicator):
+            raise _core.ConfigError(f"taskswap: comm is None, \"config\", \"none\", a factory or a Communicator; "
+                                    f"not a {type(comm).__name__} (for a torch process group: nccl_group(pg))")
+        core = _core.Runtime(device, options, specs, comm)
+        self.device = device
         # Gradient hooks hand each unit to the reduction as soon as backward completes it, so the
         # allreduce overlaps the rest of backward. Without a communicator there is nothing to
         # overlap (step() follows the backward on the same stream): no hooks, no per-parameter cost.
         self._hooks = core.has_communicator
-        self._torch_device = (torch.device("cuda", self.device.index)
-                              if self.device.kind == _core.Backend.cuda else torch.device("cpu"))
-        if self.device.kind == _core.Backend.emulated:
-            self._stream = _core.Stream(self.device)
+        self._torch_device = (torch.device("cuda", device.index)
+                              if device.kind == _core.Backend.cuda else torch.device("cpu"))
+        stream = _core.Stream(device) if device.kind == _core.Backend.emulated else None
         for u in self.units:
             u.id = core.find(u.name)
-            self._write_home(u)
+            self._write_home(core, u)
+        # Nothing below can fail: the modules' parameters move home, the runtime is started.
+        self._core, self._stream = core, stream
+        atexit.register(_close_at_exit, weakref.ref(self))
+        for u in self.units:
             for _, p in u.params:
                 p.grad = None
                 p.data = self._placeholder(p.dtype)
@@ -289,11 +307,12 @@ class Runtime:
                     if _HAS_POST_ACCUMULATE_HOOK:
                         u._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(u, j)))
 
-    def _write_home(self, u: Unit) -> None:
+    @staticmethod
+    def _write_home(core: _core.Runtime, u: Unit) -> None:
         kinds = ["params"] if u.dtype == torch.float32 else ["params", "master"]
         with torch.no_grad():
             for kind in kinds:
-                for home, (_, p) in zip(self._core.home(u.id, kind), u.params):
+                for home, (_, p) in zip(core.home(u.id, kind), u.params):
                     home.copy_(p.detach().reshape(home.shape))
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
@@ -310,6 +329,7 @@ class Runtime:
         Raises InvalidArgument inside a step scope."""
         if self._scope is not None:
             raise _core.InvalidArgument("taskswap: close() inside a step scope; leave the scope first")
+        self._closed = True
         if self._core is None:
             return
         for u in self.units:
@@ -377,8 +397,11 @@ class Runtime:
     def _make_pre_hook(self, u: Unit):
         # Before autograd accumulates into the slab: one pass more than the scope's micro_batches
         # would write into gradients the reduction may be reading.
+        ref = weakref.ref(self)  # the module's hooks must not keep the runtime alive
+
         def pre_hook(grad):
-            scope = self._scope
+            rt = ref()
+            scope = rt._scope if rt is not None else None
             if scope is not None and u._ready and scope.kinds.get(u.id) == _TRAIN:
                 raise _core.InvalidArgument(
                     f"taskswap: a backward pass reached unit '{u.name}' after its gradients were handed to the "
@@ -388,8 +411,11 @@ class Runtime:
         return pre_hook
 
     def _make_hook(self, u: Unit, j: int):
+        ref = weakref.ref(self)
+
         def hook(*_):
-            scope = self._scope
+            rt = ref()
+            scope = rt._scope if rt is not None else None
             if scope is None or scope.kinds.get(u.id) != _TRAIN or u._ready:
                 return
             p = u.params[j][1]
@@ -406,35 +432,42 @@ class Runtime:
                 u._passes += 1
                 if u._passes == scope.micro_batches:
                     # On the stream autograd accumulated on (the node's; it may not be the scope's)
-                    self._core.grads_ready(u.id, self._current_stream())
+                    rt._core.grads_ready(u.id, rt._current_stream())
                     u._ready = True
+                    u._handed_versions = [g._version for g in u._grad_views]
         return hook
 
     def _attach(self, u: Unit, kind: int, addrs: tuple[int, int]) -> None:
         core = self._core
+        # Every view first: a failure then leaves the parameters as they were.
         if u._param_addr != addrs[0]:
-            u._param_views = u._shaped(core.param_tensors(u.id))
-            u._param_addr = addrs[0]
-        for (_, p), t in zip(u.params, u._param_views):
-            p.data = t
-        if kind == _FROZEN:
-            for _, p in u.params:
-                p.requires_grad_(False)
-            return
-        if u._grad_addr != addrs[1]:
-            u._grad_views = u._shaped(core.grad_tensors(u.id))
-            u._grad_addr = addrs[1]
-        for (_, p), g in zip(u.params, u._grad_views):
-            p.grad = g
-        u._fired = u._passes = 0
-        u._ready = False
-        if self._hooks and not _HAS_POST_ACCUMULATE_HOOK and not u._accumulators:
-            # torch < 2.1: a post hook on each parameter's AccumulateGrad node, made while the
-            # parameter has its real shape and device, and held so that autograd keeps using it.
-            for j, (_, p) in enumerate(u.params):
-                acc = p.view_as(p).grad_fn.next_functions[0][0]
-                u._hook_handles.append(acc.register_hook(self._make_hook(u, j)))
-                u._accumulators.append(acc)
+            u._param_views, u._param_addr = u._shaped(core.param_tensors(u.id)), addrs[0]
+        if kind == _TRAIN and u._grad_addr != addrs[1]:
+            u._grad_views, u._grad_addr = u._shaped(core.grad_tensors(u.id)), addrs[1]
+        try:
+            for (_, p), t in zip(u.params, u._param_views):
+                p.data = t
+            if kind == _FROZEN:
+                for _, p in u.params:
+                    p.requires_grad_(False)
+                return
+            for (_, p), g in zip(u.params, u._grad_views):
+                p.grad = g
+            u._fired = u._passes = 0
+            u._ready = False
+            u._handed_versions = None
+            if self._hooks and not _HAS_POST_ACCUMULATE_HOOK and not u._accumulators:
+                # torch < 2.1: a post hook on each parameter's AccumulateGrad node, made while the
+                # parameter has its real shape and device (grad mode on: a scope may be entered
+                # under no_grad), and held so that autograd keeps using it.
+                with torch.enable_grad():
+                    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for _, p in u.params]
+                for j, acc in enumerate(accumulators):
+                    u._hook_handles.append(acc.register_hook(self._make_hook(u, j)))
+                u._accumulators = accumulators
+        except BaseException:
+            self._detach(u, kind)
+            raise
 
     def _detach(self, u: Unit, kind: int) -> None:
         for _, p in u.params:
@@ -461,8 +494,8 @@ class Runtime:
         tensors, copies). Writes dirty units back first (synchronises)."""
         core = self.core
         self._expect_between_steps("state_dict")
+        self._began = True  # flush() brings the pinned units onto the device
         core.flush()
-        self._began = True  # flush() brought the pinned units onto the device
         out = {}
         for u in self.units:
             for (pname, _), t, shape in zip(u.params, core.home(u.id, "params"), u._shapes):
@@ -506,8 +539,8 @@ class Runtime:
         """Writes every unit's home state (parameters, master, moments, steps) and the plan
         position to the directory ``path``, atomically (see docs/reliability.md)."""
         self._expect_between_steps("save_checkpoint")
+        self._began = True  # it writes dirty units back, bringing the pinned units onto the device
         self.core.save_checkpoint(os.fspath(path), user or {})
-        self._began = True  # it wrote dirty units back, bringing the pinned units onto the device
 
     def load_checkpoint(self, path: str | os.PathLike) -> tuple[int, dict[str, str]]:
         """Restores every unit from a checkpoint before the first plan or step; returns
@@ -589,24 +622,35 @@ class _StepScope:
         trained = [use.unit for use in self.acquired if use.kind == _TRAIN]
         # Units the hooks handed to the reduction already must still alias their slabs; the
         # others are repaired now. step() implies grads_ready().
-        replaced = [u.name for u in trained if u._ready and u._grads_replaced()]
+        changed = [u.name for u in trained if u._ready and u._grads_changed()]
         stepped = set()
         try:
             for u in trained:
                 if not u._ready:
                     rt._repair_grads(u)
+                stepped.add(u.id)  # before the call: a step that fails halfway is not retried
                 core.step(u.id, self.stream)
-                stepped.add(u.id)
         except BaseException:
             self._abandon(stepped)
             raise
-        self._release()
-        self.stats = rt.last_step = core.end_step()
-        if replaced:
+        first = None
+        try:
+            self._release()
+        except BaseException as e:  # noqa: BLE001: the step still ends
+            first = e
+        try:
+            self.stats = rt.last_step = core.end_step()
+        except BaseException as e:  # noqa: BLE001
+            first = first or e
+        if first is not None:
+            raise first
+        if changed:
             raise _core.InvalidArgument(
-                f"taskswap: the gradients of {replaced} were replaced (zero_grad(set_to_none=True) or an "
-                "assignment) after the last backward pass had handed them to the reduction; the step used them "
-                "as that pass left them. Zero gradients before backward, or raise micro_batches")
+                f"taskswap: the gradients of {changed} were replaced or changed in place (zero_grad, clipping, "
+                "scaling) after the last backward pass had handed them to the reduction, which may have been "
+                "reading them; the step used them as the reduction found them. With a communicator, change "
+                "gradients before the last backward pass (or raise micro_batches); global-norm clipping after "
+                "the reduction is not yet in taskswap")
 
     def _abandon(self, stepped: frozenset | set = frozenset()) -> None:
         """An exception in the scope: the gradients of the units not yet handed to the reduction
@@ -622,12 +666,15 @@ class _StepScope:
                     if use.kind == _TRAIN and not use.unit._ready and use.unit.id not in stepped:
                         for g in use.unit._grad_views:
                             g.zero_()
-            if rt._hooks:
-                for use in self.acquired:
-                    if use.kind == _TRAIN and use.unit.id not in stepped:
-                        core.step(use.unit.id, self.stream)
         except BaseException as e:  # noqa: BLE001: kept, the cleanup goes on
             first = e
+        if rt._hooks:
+            for use in self.acquired:
+                if use.kind == _TRAIN and use.unit.id not in stepped:
+                    try:
+                        core.step(use.unit.id, self.stream)
+                    except BaseException as e:  # noqa: BLE001: each unit is stepped
+                        first = first or e
         try:
             self._release()
         except BaseException as e:  # noqa: BLE001
@@ -648,8 +695,10 @@ class _StepScope:
                 self.rt._core.release(use.unit.id, self.stream)
             except BaseException as e:  # noqa: BLE001: every unit is released
                 first = first or e
-        for use in self.attached:
-            self.rt._detach(use.unit, use.kind)
-        self.rt._scope = None
+        try:
+            for use in self.attached:
+                self.rt._detach(use.unit, use.kind)
+        finally:
+            self.rt._scope = None
         if first is not None:
             raise first

@@ -13,9 +13,11 @@ base=$("$python" -c "import sys; print(sys._base_executable)")
 "$base" -m venv --system-site-packages "$work/venv"
 "$work/venv/bin/python" -m pip install --quiet --no-index --no-deps "$work"/wheel/taskswap-*.whl
 cd "$work"
-env -u PYTHONPATH "$work/venv/bin/python" - <<'PY'
+# No PYTHONPATH, no LD_LIBRARY_PATH: the venv's package, and libtaskswap through the RPATH $ORIGIN.
+env -u PYTHONPATH -u LD_LIBRARY_PATH WORK="$work" "$work/venv/bin/python" - <<'PY'
+import os
 import taskswap, taskswap.torch as tt, torch
-assert "site-packages" in taskswap.__file__, taskswap.__file__
+assert taskswap.__file__.startswith(os.path.join(os.environ["WORK"], "venv")), taskswap.__file__
 opts = taskswap.parse_config('[device]\nbackend = "emulated"\nbudget = "64 KiB"\n')
 rt = tt.Runtime(options=opts)
 heads = [rt.register(torch.nn.Linear(8, 2), f"task/{t}") for t in range(4)]

@@ -382,3 +382,29 @@ def test_long_calls_release_the_gil(tmp_path):
     longest_gap = max(b - a for a, b in zip(inside, inside[1:]))
     assert end - start > 0.06, "the flush was too short to tell"
     assert longest_gap < (end - start) / 2, f"the counter stopped for {longest_gap:.3f} s of {end - start:.3f} s"
+
+
+def test_with_a_communicator_gradients_are_not_changed_after_the_hand_over():
+    model = Model(2)
+    x, y = batch(0, 0)
+    rt = tt.Runtime(options=config("64 KiB"), comm=tt.mpi())
+    trunk, heads = register(rt, model)
+    rt.plan([[trunk, heads[0]], [trunk, heads[1]]])
+    with pytest.raises(taskswap.InvalidArgument, match="changed in place"):
+        with rt.step(trunk, heads[0]):
+            torch.nn.functional.mse_loss(model(x, 0), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)  # after the reduction began
+    # a scope entered under no_grad still sets up its hooks (torch 1.13 makes the nodes then)
+    with torch.no_grad():
+        with rt.step(trunk, heads[1]):
+            with torch.enable_grad():
+                torch.nn.functional.mse_loss(model(x, 1), y).backward()
+    assert rt.last_step.reduced_bytes > 0
+
+
+def test_a_comm_that_is_not_one_is_refused():
+    for comm, match in (("mpi", "not 'mpi'"), (object(), "not a object"), (lambda d: None, "returned NoneType")):
+        rt = tt.Runtime(options=config("64 KiB"), comm=comm)
+        rt.register(torch.nn.Linear(2, 2), "u")
+        with pytest.raises(taskswap.ConfigError, match=match):
+            rt.start()
