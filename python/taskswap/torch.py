@@ -132,6 +132,20 @@ class Unit:
         return [t.view(shape) for t, shape in zip(tensors, self._shapes)]
 
 
+def _repair_grad(p: torch.nn.Parameter, slab: torch.Tensor) -> None:
+    """zero_grad(set_to_none=True) or an assignment replaced the slab's alias: the gradient it left
+    (none: zero) is what the user meant, so it goes into the slab and the alias returns."""
+    grad = p.grad
+    if grad is not None and grad.data_ptr() == slab.data_ptr():
+        return
+    with torch.no_grad():
+        if grad is None:
+            slab.zero_()
+        else:
+            slab.copy_(grad)
+    p.grad = slab
+
+
 def _exact_glob(name: str) -> str:
     """An fnmatch pattern that matches `name` alone."""
     return "".join(f"\\{c}" if c in "*?[]\\" else c for c in name)  # fnmatch without FNM_NOESCAPE
@@ -418,14 +432,7 @@ class Runtime:
             scope = rt._scope if rt is not None else None
             if scope is None or scope.kinds.get(u.id) != _TRAIN or u._ready:
                 return
-            p = u.params[j][1]
-            expected = u._grad_views[j]
-            if p.grad is None or p.grad.data_ptr() != expected.data_ptr():
-                # zero_grad(set_to_none=True) or an assignment replaced the slab's alias: the new
-                # gradient is what the user meant, so it goes into the slab and the alias returns.
-                with torch.no_grad():
-                    expected.copy_(p.grad if p.grad is not None else torch.zeros_like(expected))
-                p.grad = expected
+            _repair_grad(u.params[j][1], u._grad_views[j])
             u._fired += 1
             if u._fired == len(u.params):
                 u._fired = 0
@@ -476,17 +483,10 @@ class Runtime:
             if kind == _FROZEN:
                 p.requires_grad_(True)
 
-    def _repair_grads(self, u: Unit) -> None:
+    @staticmethod
+    def _repair_grads(u: Unit) -> None:
         for (_, p), g in zip(u.params, u._grad_views):
-            grad = p.grad
-            if grad is not None and grad.data_ptr() == g.data_ptr():
-                continue
-            with torch.no_grad():
-                if grad is None:
-                    g.zero_()
-                else:
-                    g.copy_(grad)
-            p.grad = g
+            _repair_grad(p, g)
 
     # --- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -633,17 +633,7 @@ class _StepScope:
         except BaseException:
             self._abandon(stepped)
             raise
-        first = None
-        try:
-            self._release()
-        except BaseException as e:  # noqa: BLE001: the step still ends
-            first = e
-        try:
-            self.stats = rt.last_step = core.end_step()
-        except BaseException as e:  # noqa: BLE001
-            first = first or e
-        if first is not None:
-            raise first
+        self._end()
         if changed:
             raise _core.InvalidArgument(
                 f"taskswap: the gradients of {changed} were replaced or changed in place (zero_grad, clipping, "
@@ -675,12 +665,17 @@ class _StepScope:
                         core.step(use.unit.id, self.stream)
                     except BaseException as e:  # noqa: BLE001: each unit is stepped
                         first = first or e
+        self._end(first)
+
+    def _end(self, first: BaseException | None = None) -> None:
+        """Releases every unit and ends the step, each whatever the other does; raises the first
+        error (`first`: one from before) after both."""
         try:
             self._release()
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:  # noqa: BLE001: the step still ends
             first = first or e
         try:
-            self.stats = rt.last_step = core.end_step()
+            self.stats = self.rt.last_step = self.rt._core.end_step()
         except BaseException as e:  # noqa: BLE001
             first = first or e
         if first is not None:
