@@ -45,6 +45,9 @@ device emulated_device(const emulated_options& options, const emulated_faults& f
                    detail::message("emulated link model needs non-negative numbers, got ",
                                    options.link.bytes_per_second, " B/s and ",
                                    options.link.latency_seconds, " s latency"));
+  TASKSWAP_EXPECTS(options.granularity >= 256 && (options.granularity & (options.granularity - 1)) == 0,
+                   detail::message("emulated device granularity must be a power of two of at least 256 bytes, got ",
+                                   options.granularity));
   return device{std::make_shared<detail::emulated_backend>(options, faults)};
 }
 

@@ -224,6 +224,13 @@ void read_device(const toml::table& t, std::string_view source, device_options& 
   if (auto m = r.quantity("memory", size_units, "80 GiB")) { d.emulated.memory_bytes = static_cast<std::size_t>(*m); }
   if (auto l = r.quantity("link_bandwidth", rate_units, "25 GB/s", table_reader::positive::yes)) { d.emulated.link.bytes_per_second = *l; }
   if (auto l = r.quantity("link_latency", time_units, "10 us")) { d.emulated.link.latency_seconds = *l; }
+  if (auto g = r.quantity("granularity", size_units, "2 MiB", table_reader::positive::yes)) {
+    const auto bytes = static_cast<std::size_t>(*g);
+    if (bytes < 256 || (bytes & (bytes - 1)) != 0 || static_cast<double>(bytes) != *g) {
+      r.fail(*t.get("granularity"), "granularity", message(detail::bytes_text(bytes), " is not a power of two of at least 256 bytes"));
+    }
+    d.emulated.granularity = bytes;
+  }
   r.reject_unknown();
 }
 

@@ -1,87 +1,369 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "runtime/device_pool.hpp"
 
+#include "device/backend.hpp"
 #include "device/expects.hpp"
 #include "device/message.hpp"
 
 #include <algorithm>
+#include <cstdio>
 
 namespace taskswap::detail {
 
+// ---- granule_runs ------------------------------------------------------------------------------
+
+granule_runs::granule_runs(std::size_t granules)
+{
+  if (granules > 0) { insert(0, granules); }
+}
+
+void granule_runs::insert(std::size_t first, std::size_t count)
+{
+  by_first_.emplace(first, count);
+  by_size_.emplace(count, first);
+  free_ += count;
+}
+
+void granule_runs::erase(std::map<std::size_t, std::size_t>::iterator it)
+{
+  by_size_.erase({it->second, it->first});
+  free_ -= it->second;
+  by_first_.erase(it);
+}
+
+bool granule_runs::is_free(granule_run r) const
+{
+  auto it = by_first_.upper_bound(r.first);
+  if (it == by_first_.begin()) { return false; }
+  --it;
+  return r.first + r.count <= it->first + it->second;
+}
+
+void granule_runs::take(granule_run r)
+{
+  auto it = std::prev(by_first_.upper_bound(r.first));
+  const std::size_t first = it->first;
+  const std::size_t count = it->second;
+  erase(it);
+  if (r.first > first) { insert(first, r.first - first); }
+  if (r.first + r.count < first + count) { insert(r.first + r.count, first + count - r.first - r.count); }
+}
+
+std::vector<granule_run> granule_runs::take(std::size_t count)
+{
+  std::vector<granule_run> runs;
+  if (count == 0) { return runs; }
+  if (const auto fit = by_size_.lower_bound({count, 0}); fit != by_size_.end()) {
+    runs.push_back({fit->second, count});
+    take(runs.back());
+    return runs;
+  }
+  while (count > 0) {
+    const auto largest = std::prev(by_size_.end());
+    const granule_run r{largest->second, std::min(count, largest->first)};
+    take(r);
+    runs.push_back(r);
+    count -= r.count;
+  }
+  return runs;
+}
+
+void granule_runs::give(granule_run r)
+{
+  std::size_t first = r.first;
+  std::size_t count = r.count;
+  auto next = by_first_.lower_bound(first);
+  if (next != by_first_.begin()) {
+    const auto prev = std::prev(next);
+    if (prev->first + prev->second == first) {
+      first = prev->first;
+      count += prev->second;
+      erase(prev);
+    }
+  }
+  next = by_first_.lower_bound(first + count);
+  if (next != by_first_.end() && next->first == first + count) {
+    count += next->second;
+    erase(next);
+  }
+  insert(first, count);
+}
+
+// ---- device_pool -------------------------------------------------------------------------------
+
 namespace {
 
-device_buffer take_budget(const device& dev, std::size_t budget)
+std::size_t granularity_of(const device& dev, std::size_t budget)
 {
   TASKSWAP_EXPECTS(budget > 0, "device pool budget of 0 bytes; set [device] budget");
+  const std::size_t g = dev.backend().vm_granularity();
+  TASKSWAP_EXPECTS(budget >= g, message("the device budget of ", bytes_text(budget), " is smaller than one granule (",
+                                        bytes_text(g), ") of ", dev.name(), "; raise [device] budget"));
+  return g;
+}
+
+}  // namespace
+
+device_pool::device_pool(const device& dev, std::size_t budget)
+    : dev_(dev), budget_(budget), granule_(granularity_of(dev, budget)), granules_(budget / granule_), free_(granules_)
+{
+  backend& b = dev_.backend();
   try {
-    return device_buffer(dev, budget);
+    physical_ = b.vm_create(granules_);
   } catch (const out_of_memory& e) {
     throw out_of_memory(message("the device budget of ", bytes_text(budget), " does not fit on ", dev.name(),
                                 ", which has ", bytes_text(e.available()), " free of ", bytes_text(e.budget()),
                                 "; lower [device] budget (", e.what(), ")"),
                         budget, e.available(), e.budget());
   }
+  try {
+    pinned_address_ = b.vm_reserve(granules_ * granule_);
+  } catch (...) {
+    b.vm_release(physical_, granules_);
+    throw;
+  }
 }
 
-}  // namespace
-
-device_pool::device_pool(const device& dev, std::size_t budget)
-    : memory_(take_budget(dev, budget)),
-      ranges_(budget, reinterpret_cast<std::uintptr_t>(memory_.data()))  // NOLINT: alignment of real addresses
+device_pool::~device_pool()
 {
+  backend& b = dev_.backend();
+  try {
+    b.synchronize();  // nothing may use a range while it is unmapped
+  } catch (const error& e) {  // a faulted device: its queued work was abandoned
+    std::fprintf(stderr, "taskswap: device pool teardown: %s\n", e.what());
+  }
+  try {
+    for (slot_state& s : slots_) {
+      if (s.address == nullptr) { continue; }  // removed
+      unmap_all(s);
+      b.vm_free(s.address, s.max_granules * granule_);
+    }
+    std::size_t at = 0;
+    for (const granule_run r : pinned_mapped_) {
+      b.vm_unmap(pinned_address_ + at * granule_, r.count);
+      at += r.count;
+    }
+  } catch (const error& e) {
+    std::fprintf(stderr, "taskswap: device pool teardown: %s\n", e.what());
+  }
+  b.vm_free(pinned_address_, granules_ * granule_);
+  b.vm_release(physical_, granules_);
 }
 
-std::optional<device_span> device_pool::try_allocate(std::size_t bytes, std::size_t alignment)
+std::size_t device_pool::free() const
+{
+  const std::lock_guard lock(mutex_);
+  return free_.free() * granule_;
+}
+
+void device_pool::note_peak() { peak_ = std::max(peak_, (granules_ - free_.free()) * granule_); }
+
+void device_pool::throw_full(std::size_t bytes, const char* what) const
+{
+  const std::size_t free = free_.free() * granule_;
+  throw out_of_memory(message("device pool on ", dev_.name(), ": ", what, " needs ", bytes_text(taken(bytes)), " (",
+                              bytes_text(bytes), " in granules of ", bytes_text(granule_), "); ", bytes_text(free),
+                              " of the ", bytes_text(granules_ * granule_), " budget free"),
+                      bytes, free, budget_);
+}
+
+device_span device_pool::place_pinned(std::size_t bytes)
 {
   TASKSWAP_EXPECTS(bytes > 0, "device pool allocation of 0 bytes");
-  TASKSWAP_EXPECTS(alignment >= 256 && (alignment & (alignment - 1)) == 0,
-                   message("device pool alignment must be a power of two of at least 256, got ", alignment));
   const std::lock_guard lock(mutex_);
-  if (const auto offset = ranges_.allocate(bytes, alignment)) {
-    peak_ = std::max(peak_, ranges_.used());
-    return memory_.span(*offset, bytes);
+  const std::size_t at = (pinned_bytes_ + 255) / 256 * 256;
+  const std::size_t need = (at + bytes + granule_ - 1) / granule_;
+  if (need > pinned_granules_) {
+    const std::size_t more = need - pinned_granules_;
+    if (more > free_.free()) { throw_full(bytes, "a pinned range"); }
+    const std::vector<granule_run> runs = free_.take(more);
+    std::size_t mapped = pinned_granules_;
+    try {
+      for (const granule_run r : runs) {
+        dev_.backend().vm_map(pinned_address_ + mapped * granule_, physical_, r.first, r.count);
+        pinned_mapped_.push_back(r);
+        mapped += r.count;
+      }
+    } catch (...) {
+      for (std::size_t i = pinned_mapped_.size(); i-- > 0 && mapped > pinned_granules_;) {  // undo this call's runs
+        mapped -= pinned_mapped_[i].count;
+        dev_.backend().vm_unmap(pinned_address_ + mapped * granule_, pinned_mapped_[i].count);
+        pinned_mapped_.pop_back();
+      }
+      for (const granule_run r : runs) { free_.give(r); }
+      throw;
+    }
+    pinned_granules_ = need;
   }
-  return std::nullopt;
+  pinned_bytes_ = at + bytes;
+  pinned_asked_ += bytes;
+  ++pinned_ranges_;
+  note_peak();
+  return {&dev_.backend(), pinned_address_ + at, bytes};
 }
 
-device_span device_pool::allocate(std::size_t bytes, std::size_t alignment)
+device_pool::slot_id device_pool::add_slot(std::size_t max_bytes)
 {
-  if (auto range = try_allocate(bytes, alignment)) { return *range; }
+  TASKSWAP_EXPECTS(max_bytes > 0, "device pool slot of 0 bytes");
+  const std::size_t granules = (max_bytes + granule_ - 1) / granule_;
+  std::byte* address = dev_.backend().vm_reserve(granules * granule_);
   const std::lock_guard lock(mutex_);
-  const std::size_t budget = ranges_.capacity();
-  throw out_of_memory(message("device pool on ", get_device().name(), ": no free block holds ", bytes_text(bytes),
-                              "; ", bytes_text(budget - ranges_.used()), " of the ", bytes_text(budget),
-                              " budget free, the largest block ", bytes_text(ranges_.largest_free())),
-                      bytes, budget - ranges_.used(), budget);
+  slots_.push_back({address, granules, {}, 0, 0, false});
+  return static_cast<slot_id>(slots_.size() - 1);
 }
 
-void device_pool::deallocate(device_span range)
+device_pool::slot_state& device_pool::live_slot(slot_id slot, const char* call)
 {
-  const std::lock_guard lock(mutex_);
-  const std::byte* base = memory_.data();
-  const bool inside = range.owner() == &get_device().backend() && range.data() >= base &&
-                      range.data() < base + memory_.size();
-  TASKSWAP_EXPECTS(inside && ranges_.deallocate(static_cast<std::size_t>(range.data() - base), range.size()),
-                   message("device pool: ", range.size(), " bytes at ", static_cast<const void*>(range.data()),
-                           " is not a live allocation of this pool"));
+  TASKSWAP_EXPECTS(slot < slots_.size() && slots_[slot].address != nullptr,
+                   message("device pool: ", call, " of slot ", slot, ", which this pool does not have"));
+  return slots_[slot];
 }
 
-device_span device_pool::shrink(device_span range, std::size_t bytes)
+void device_pool::unmap_all(slot_state& s)
+{
+  std::size_t at = 0;
+  for (const granule_run r : s.mapped) {
+    dev_.backend().vm_unmap(s.address + at * granule_, r.count);
+    at += r.count;
+  }
+  s.mapped.clear();
+}
+
+// Frees the slot's own granules from `from_granule` on; they stay mapped there.
+void device_pool::give_from(slot_state& s, std::size_t from_granule)
+{
+  std::size_t at = 0;
+  for (const granule_run r : s.mapped) {
+    if (at >= s.owned) { break; }
+    const std::size_t begin = std::max(at, from_granule);
+    const std::size_t end = std::min(at + r.count, s.owned);
+    if (begin < end) { free_.give({r.first + (begin - at), end - begin}); }
+    at += r.count;
+  }
+  s.owned = std::min(s.owned, from_granule);
+}
+
+device_span device_pool::map_locked(slot_state& s, std::size_t bytes, const std::function<void()>& quiesce)
+{
+  const std::size_t need = (bytes + granule_ - 1) / granule_;
+  // The granules still mapped here, as far as the request reaches: all free, they are taken back
+  // with no mapping call; otherwise the slot moves to other granules.
+  std::vector<granule_run> prefix;
+  std::size_t covered = 0;
+  for (const granule_run r : s.mapped) {
+    if (covered >= need) { break; }
+    prefix.push_back({r.first, std::min(r.count, need - covered)});
+    covered += prefix.back().count;
+  }
+  if (!std::all_of(prefix.begin(), prefix.end(), [&](granule_run r) { return free_.is_free(r); })) {
+    if (dev_.backend().vm_maps_memory()) {
+      quiesce();
+      unmap_all(s);
+    } else {
+      s.mapped.clear();  // nothing is mapped where each range keeps its own bytes
+    }
+    prefix.clear();
+    covered = 0;
+  }
+  for (const granule_run r : prefix) { free_.take(r); }
+  s.owned = covered;
+  if (covered < need) {
+    // Past the granules mapped here (all of them reused) the addresses are unmapped: map new ones.
+    std::size_t mapped = covered;
+    const std::vector<granule_run> runs = free_.take(need - covered);
+    std::size_t done = 0;
+    try {
+      for (; done < runs.size(); ++done) {
+        dev_.backend().vm_map(s.address + mapped * granule_, physical_, runs[done].first, runs[done].count);
+        s.mapped.push_back(runs[done]);
+        mapped += runs[done].count;
+      }
+    } catch (...) {
+      for (std::size_t i = done; i < runs.size(); ++i) { free_.give(runs[i]); }
+      s.owned = mapped;
+      give_from(s, 0);  // what was taken and mapped stays mapped here, free
+      throw;
+    }
+    s.owned = need;
+  }
+  s.bytes = bytes;
+  s.live = true;
+  slot_bytes_ += bytes;
+  ++live_slots_;
+  note_peak();
+  return {&dev_.backend(), s.address, bytes};
+}
+
+std::optional<device_span> device_pool::try_map(slot_id slot, std::size_t bytes, const std::function<void()>& quiesce)
 {
   const std::lock_guard lock(mutex_);
-  const std::byte* base = memory_.data();
-  const bool inside = range.owner() == &get_device().backend() && range.data() >= base &&
-                      range.data() < base + memory_.size();
-  TASKSWAP_EXPECTS(bytes > 0 && inside && ranges_.shrink(static_cast<std::size_t>(range.data() - base), range.size(), bytes),
-                   message("device pool: cannot keep ", bytes, " bytes of ", range.size(), " at ",
-                           static_cast<const void*>(range.data()), ": not a live allocation of this pool larger than that"));
-  return range.subspan(0, bytes);
+  slot_state& s = live_slot(slot, "map");
+  TASKSWAP_EXPECTS(!s.live, message("device pool: slot ", slot, " is mapped already; unmap it first"));
+  TASKSWAP_EXPECTS(bytes > 0 && bytes <= s.max_granules * granule_,
+                   message("device pool: cannot map ", bytes, " bytes at slot ", slot, " of ",
+                           s.max_granules * granule_, " bytes"));
+  if ((bytes + granule_ - 1) / granule_ > free_.free()) { return std::nullopt; }
+  return map_locked(s, bytes, quiesce);
+}
+
+device_span device_pool::map(slot_id slot, std::size_t bytes, const std::function<void()>& quiesce)
+{
+  if (auto range = try_map(slot, bytes, quiesce)) { return *range; }
+  const std::lock_guard lock(mutex_);
+  throw_full(bytes, "a range");
+}
+
+void device_pool::unmap(slot_id slot)
+{
+  const std::lock_guard lock(mutex_);
+  slot_state& s = live_slot(slot, "unmap");
+  TASKSWAP_EXPECTS(s.live, message("device pool: slot ", slot, " is not mapped"));
+  give_from(s, 0);
+  s.live = false;
+  slot_bytes_ -= s.bytes;
+  --live_slots_;
+  s.bytes = 0;
+}
+
+device_span device_pool::shrink(slot_id slot, std::size_t bytes)
+{
+  const std::lock_guard lock(mutex_);
+  slot_state& s = live_slot(slot, "shrink");
+  TASKSWAP_EXPECTS(s.live && bytes > 0 && bytes < s.bytes,
+                   message("device pool: cannot keep ", bytes, " bytes of slot ", slot,
+                           s.live ? message(", which maps ", s.bytes) : std::string(", which is not mapped")));
+  give_from(s, (bytes + granule_ - 1) / granule_);
+  slot_bytes_ -= s.bytes - bytes;
+  s.bytes = bytes;
+  return {&dev_.backend(), s.address, bytes};
+}
+
+void device_pool::remove_slot(slot_id slot)
+{
+  const std::lock_guard lock(mutex_);
+  slot_state& s = live_slot(slot, "remove");
+  if (s.live) {
+    give_from(s, 0);
+    slot_bytes_ -= s.bytes;
+    --live_slots_;
+  }
+  unmap_all(s);
+  dev_.backend().vm_free(s.address, s.max_granules * granule_);
+  s = slot_state{};
 }
 
 device_pool_stats device_pool::stats() const
 {
   const std::lock_guard lock(mutex_);
-  return {ranges_.capacity(), ranges_.used(), peak_, ranges_.largest_free(), ranges_.live()};
+  device_pool_stats st;
+  st.budget = budget_;
+  st.capacity = granules_ * granule_;
+  st.granule = granule_;
+  st.used = (granules_ - free_.free()) * granule_;
+  st.requested = pinned_asked_ + slot_bytes_;
+  st.allocations = pinned_ranges_ + live_slots_;
+  st.peak = peak_;
+  return st;
 }
 
 }  // namespace taskswap::detail

@@ -3,8 +3,6 @@
 
 #include "runtime/runtime_impl.hpp"
 
-#include "device/log.hpp"
-
 #include <algorithm>
 
 namespace taskswap {
@@ -36,7 +34,7 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
   };
   std::vector<held_unit> held;
   std::size_t held_bytes = 0;
-  const std::size_t budget = options_.device.budget;
+  const std::size_t budget = capacity_;
   const auto held_names = [&] {
     std::string s;
     for (const held_unit& h : held) { s += (s.empty() ? "'" : ", '") + units_[h.unit].name + "'"; }
@@ -71,25 +69,13 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
     // A frozen use takes the parameters alone, unless other ranks train the unit in the step.
     const bool whole = e.use == unit_use::train ||
                        std::find(frozen_reduced.begin(), frozen_reduced.end(), e.unit.value) != frozen_reduced.end();
-    const std::size_t need = whole ? r.layout.device_bytes : r.layout.params_bytes;
-    // Free room splits into at most one hole more than there are held units; when the largest
-    // hole is sure to hold the unit, no placement of the held units can make the acquire fail.
-    const std::size_t swapped_held = static_cast<std::size_t>(
-      std::count_if(held.begin(), held.end(), [&](const held_unit& h) { return !units_[h.unit].pinned(); }));
-    const std::size_t free = budget - pinned_bytes_ - std::min(held_bytes, budget - pinned_bytes_);
-    if (free >= need && free / (swapped_held + 1) < need) {
-      detail::log_once("plan fragmentation margin", log_level::warning,
-                       message("plan step ", step_number, ": acquiring '", r.name, "' (", bytes_text(need),
-                               ") next to ", swapped_held, " held units leaves ", bytes_text(free),
-                               " free; if the held units split it, the acquire fails with out_of_memory. A budget "
-                               "with ", bytes_text((swapped_held + 1) * need - free),
-                               " more is safe whatever the placement"));
-    }
+    // The pool maps whole granules and never splits free room, so the sum is the whole rule.
+    const std::size_t need = taken(whole ? r.layout.device_bytes : r.layout.params_bytes);
     held.push_back({e.unit.value, need});
     held_bytes += need;
     if (pinned_bytes_ + held_bytes > budget) {
       throw config_error(message("plan step ", step_number, ": after acquiring '", r.name, "' the units held at once (",
-                                 held_names(), ") need ", bytes_text(held_bytes), " and the pinned units ",
+                                 held_names(), ") take ", bytes_text(held_bytes), granule_note(), " and the pinned units ",
                                  bytes_text(pinned_bytes_), ", together ", bytes_text(pinned_bytes_ + held_bytes),
                                  " of a ", bytes_text(budget),
                                  " budget; release units earlier in the step, raise [device] budget or choose "

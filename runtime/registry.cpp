@@ -3,6 +3,8 @@
 
 #include "runtime/runtime_impl.hpp"
 
+#include "device/backend.hpp"
+
 #include "kernels/kernels.hpp"
 
 #include <fnmatch.h>
@@ -66,6 +68,8 @@ unit_footprint footprint(const unit_spec& spec, optimizer_placement placement)
 void runtime::impl::register_units(const runtime_options& options, std::vector<unit_spec> specs)
 {
   if (specs.empty()) { throw config_error("taskswap runtime: no units given; register at least one unit"); }
+  granule_ = device_.backend().vm_granularity();
+  capacity_ = options.device.budget / granule_ * granule_;
   std::vector<bool> rule_used(options.units.size(), false);
   for (unit_spec& spec : specs) {
     if (spec.name.empty()) { throw config_error("taskswap runtime: a unit has an empty name; name every unit"); }
@@ -85,7 +89,7 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
     units_.emplace_back(device_, static_cast<std::uint32_t>(units_.size()), spec.name, policy, detail::make_unit_layout(spec, policy.optimizer));
     unit_record& r = units_.back();
     if (r.pinned()) {
-      pinned_bytes_ += r.layout.device_bytes;
+      pinned_bytes_ += (r.layout.device_bytes + detail::slab_alignment - 1) / detail::slab_alignment * detail::slab_alignment;
     } else {
       largest_swapped_ = std::max(largest_swapped_, r.layout.device_bytes);
       if (policy.residency == residency::prefetch) {
@@ -100,16 +104,17 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
                                  rule.match, "\" matches no registered unit; fix the pattern or remove the rule"));
     }
   }
-  const std::size_t budget = options.device.budget;
+  pinned_bytes_ = taken(pinned_bytes_);  // packed, in whole granules
+  const std::size_t budget = capacity_;
   if (pinned_bytes_ > budget) {
-    throw config_error(message("the pinned units need ", bytes_text(pinned_bytes_), " of device memory but the budget is ",
-                               bytes_text(budget), "; raise [device] budget or pin fewer units"));
+    throw config_error(message("the pinned units need ", bytes_text(pinned_bytes_), " of device memory", granule_note(),
+                               " but the budget is ", bytes_text(budget), "; raise [device] budget or pin fewer units"));
   }
   for (const unit_record& r : units_) {
-    if (!r.pinned() && r.layout.device_bytes > budget - pinned_bytes_) {
-      throw config_error(message("unit '", r.name, "' needs ", bytes_text(r.layout.device_bytes),
-                                 " of device memory but the budget leaves ", bytes_text(budget - pinned_bytes_),
-                                 " after pinned units; ", policy_hint(r)));
+    if (!r.pinned() && taken(r.layout.device_bytes) > budget - pinned_bytes_) {
+      throw config_error(message("unit '", r.name, "' needs ", bytes_text(taken(r.layout.device_bytes)),
+                                 " of device memory", granule_note(), " but the budget leaves ",
+                                 bytes_text(budget - pinned_bytes_), " after pinned units; ", policy_hint(r)));
     }
   }
 }
@@ -129,9 +134,13 @@ void runtime::impl::place_homes()
   arena_.emplace(device_, o);
   for (unit_record& r : units_) { r.home = arena_->allocate(r.layout.home_bytes, detail::slab_alignment).data(); }
   if (any_host) { cpu_.emplace(static_cast<int>(arena_->numa_node()), options_.host.optimizer_threads); }
-  // Pinned units take the bottom of the pool, where they never fragment what swaps.
+  // Pinned units are packed together; every other unit has a slot of its own, mapped when resident.
   for (unit_record& r : units_) {
-    if (r.pinned()) { r.slot = pool_->allocate(r.layout.device_bytes, detail::slab_alignment); }
+    if (r.pinned()) {
+      r.slot = pool_->place_pinned(r.layout.device_bytes);
+    } else {
+      r.pool_slot = pool_->add_slot(r.layout.device_bytes);
+    }
   }
 }
 

@@ -78,14 +78,17 @@ void runtime::impl::broadcast_replicas()
   const bool root = red.rank() == 0;
   std::size_t largest = 0;
   for (const unit_record& r : units_) { largest = std::max(largest, state_bytes_of(r.layout)); }
-  const std::size_t free = (options_.device.budget - pool_->stats().used) / detail::slab_alignment * detail::slab_alignment;
+  const std::size_t free = pool_->free();
   unit_record* borrowed = nullptr;
   for (unit_record& r : units_) {
     if (r.pinned() && r.slot && (borrowed == nullptr || r.slot->size() > borrowed->slot->size())) { borrowed = &r; }
   }
   std::optional<device_span> own;
-  if (borrowed == nullptr || free >= std::min(largest, borrowed->slot->size())) {
-    own = pool_->try_allocate(std::min({largest, std::size_t{64} << 20, free}));
+  std::optional<detail::device_pool::slot_id> own_slot;
+  if (free > 0 && (borrowed == nullptr || free >= std::min(largest, borrowed->slot->size()))) {
+    const std::size_t bytes = std::min({largest, std::size_t{64} << 20, free});
+    own_slot = pool_->add_slot(bytes);
+    own = pool_->map(*own_slot, bytes, [] {});  // a new slot has had no users
   }
   TASKSWAP_EXPECTS(own || borrowed != nullptr,
                    message("[comm] initial = \"broadcast\": no room in the ", bytes_text(options_.device.budget),
@@ -106,7 +109,7 @@ void runtime::impl::broadcast_replicas()
     }
   }
   wait_streams("the initial broadcast");
-  if (own) { pool_->deallocate(*own); }
+  if (own_slot) { pool_->remove_slot(*own_slot); }  // the streams are done with it
   red.comm().check();
   std::vector<std::int64_t> steps(units_.size(), 0);
   for (std::size_t u = 0; u < units_.size(); ++u) { steps[u] = root ? units_[u].step : 0; }

@@ -95,7 +95,15 @@ struct runtime::impl {
   // `whole`: the unit's whole slot, else its parameters alone (a frozen use).
   bool swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole);
   void fill_slot(unit_record& r);
-  std::optional<device_span> make_room(std::size_t bytes, std::uint64_t use, bool for_acquire);
+  // Evicts (and, for an acquire, narrows frozen units) until `bytes` fit in the free granules and
+  // those `leaving` (resident, to be evicted by the caller) will free.
+  bool make_room(std::size_t bytes, std::uint64_t use, bool for_acquire, const unit_record* leaving = nullptr);
+  // Maps the unit's slot for `bytes`, after make_room().
+  device_span map_slot(unit_record& r, std::size_t bytes);
+  /// The bytes a range of `bytes` takes of the budget: whole granules.
+  [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return (bytes + granule_ - 1) / granule_ * granule_; }
+  /// " (in granules of 2.0 MiB)" where the granule rounds more than the slab alignment does.
+  [[nodiscard]] std::string granule_note() const;
   unit_record* pick_victim(std::uint64_t use, bool for_acquire);
   void evict(unit_record& r);
   void narrow_to_params(unit_record& r);
@@ -204,8 +212,10 @@ struct runtime::impl {
   runtime_options options_;
   std::deque<unit_record> units_;  // stable addresses: events are referenced from pending waits
   std::unordered_map<std::string, std::uint32_t> by_name_;
-  std::size_t pinned_bytes_ = 0;
+  std::size_t pinned_bytes_ = 0;    // what the pinned units take: packed, in whole granules
   std::size_t largest_swapped_ = 0;
+  std::size_t granule_ = 256;       // the device pool maps whole granules of this many bytes
+  std::size_t capacity_ = 0;        // the whole granules of the budget
   std::optional<pinned_arena> arena_;
   std::optional<detail::device_pool> pool_;  // taken once the units are known to be valid
   // What queued work touches is declared before the streams, so it is destroyed after them (a

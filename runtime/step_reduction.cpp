@@ -44,14 +44,13 @@ void runtime::impl::hold_gradients_only(unit_record& r)
 {
   const std::optional<detail::planned_acquisition> planned = plan_.match(unit_id{r.index});
   const std::size_t bytes = r.layout.device_grad_bytes();
-  const auto range = make_room(bytes, planned ? planned->position : 0, true);
-  if (!range) {
+  if (!make_room(bytes, planned ? planned->position : 0, true)) {
     throw out_of_memory(message("step ", steps_done_, ": the zeroed gradient slab of '", r.name, "' (",
-                                bytes_text(bytes), "), which other ranks train, does not fit in the ",
+                                bytes_text(taken(bytes)), "), which other ranks train, does not fit in the ",
                                 bytes_text(options_.device.budget), " budget beside the units held; raise [device] budget"),
-                        bytes, options_.device.budget - pool_->stats().used, options_.device.budget);
+                        bytes, pool_->free(), options_.device.budget);
   }
-  r.slot = *range;
+  r.slot = map_slot(r, bytes);
   r.grads_only = true;
   add_resident(r);
   flush_h2d_waits();  // the pool memory's previous users are done with it
@@ -60,8 +59,8 @@ void runtime::impl::hold_gradients_only(unit_record& r)
   r.arrived.wait(*aux_);
   r.held = true;
   ++held_count_;
-  r.held_bytes = bytes;
-  held_bytes_ += bytes;
+  r.held_bytes = taken(bytes);
+  held_bytes_ += r.held_bytes;
   step_units_.push_back(r.index);
   note_device_bytes();
 }

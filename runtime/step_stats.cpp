@@ -83,7 +83,8 @@ runtime_stats runtime::impl::stats()
   s.budget = pool.budget;
   s.pinned_device_bytes = pinned_bytes_;
   s.device_bytes_in_use = pool.used;
-  s.pool_fragmentation = pool.fragmentation();
+  s.device_granule = pool.granule;
+  s.device_rounding_bytes = pool.used - pool.requested;
   const pinned_arena_stats arena = arena_->stats();
   s.home_bytes = arena.used;
   s.host_bytes_pinned = arena.pinned;

@@ -88,7 +88,7 @@ void runtime::impl::evict(unit_record& r)
     if (r.released.recorded()) { h2d_waits_.push_back(&r.released); }
     if (r.stepped_here) { h2d_waits_.push_back(&*r.grads_copied); }
   }
-  pool_->deallocate(*r.slot);
+  pool_->unmap(r.pool_slot);
   r.slot.reset();
   r.grads_only = false;
   r.params_only = false;
@@ -140,22 +140,44 @@ void runtime::impl::narrow_to_params(unit_record& r)
   if (r.released.recorded()) { h2d_waits_.push_back(&r.released); }
   if (r.stepped_here) { h2d_waits_.push_back(&*r.grads_copied); }
   const std::size_t keep = r.layout.params_bytes;
-  held_bytes_ -= r.held_bytes - keep;
-  r.held_bytes = keep;
-  r.slot = pool_->shrink(*r.slot, keep);
+  held_bytes_ -= r.held_bytes - taken(keep);
+  r.held_bytes = taken(keep);
+  r.slot = pool_->shrink(r.pool_slot, keep);
   r.params_only = true;
   note_device_bytes();
 }
 
-std::optional<device_span> runtime::impl::make_room(std::size_t bytes, std::uint64_t use, bool for_acquire)
+std::string runtime::impl::granule_note() const
 {
+  return granule_ > detail::slab_alignment ? detail::message(" (in whole granules of ", detail::bytes_text(granule_), ")")
+                                           : std::string();
+}
+
+// The slot moves to other granules only after its previous users are done (a host wait, rarely
+// more than a query: the unit left the device at least one swap earlier).
+device_span runtime::impl::map_slot(unit_record& r, std::size_t bytes)
+{
+  return pool_->map(r.pool_slot, bytes, [&r] {
+    for (const event* e : {&r.arrived, &r.released}) {
+      if (e->recorded()) { e->synchronize(); }
+    }
+    for (const std::optional<event>* e : {&r.written_back, &r.grads_copied, &r.grads_ready_event, &r.grads_done}) {
+      if (*e && (*e)->recorded()) { (*e)->synchronize(); }
+    }
+  });
+}
+
+bool runtime::impl::make_room(std::size_t bytes, std::uint64_t use, bool for_acquire, const unit_record* leaving)
+{
+  const std::size_t need = taken(bytes);
   while (true) {
-    if (auto range = pool_->try_allocate(bytes, detail::slab_alignment)) { return range; }
+    const std::size_t freed_later = leaving != nullptr && leaving->resident() ? taken(leaving->slot->size()) : 0;
+    if (pool_->free() + freed_later >= need) { return true; }
     if (unit_record* victim = pick_victim(use, for_acquire)) {
       evict(*victim);
       continue;
     }
-    if (!for_acquire) { return std::nullopt; }  // a prefetch never narrows what the trainer holds
+    if (!for_acquire) { return false; }  // a prefetch never narrows what the trainer holds
     // A unit held frozen in its whole slot: a clean one first (nothing to write home), then the
     // lowest unit id (the order the planner replays).
     unit_record* wide = nullptr;
@@ -164,7 +186,7 @@ std::optional<device_span> runtime::impl::make_room(std::size_t bytes, std::uint
       if (!h.held || !h.frozen || h.frozen_reduced || h.params_only) { continue; }
       if (wide == nullptr || std::pair(h.dirty, h.index) < std::pair(wide->dirty, wide->index)) { wide = &h; }
     }
-    if (wide == nullptr) { return std::nullopt; }
+    if (wide == nullptr) { return false; }
     narrow_to_params(*wide);
   }
 }
@@ -174,10 +196,10 @@ bool runtime::impl::swap_in(unit_record& r, std::uint64_t use, bool for_acquire,
   // Its parameters alone are here and it must come in whole: for an acquire, that copy goes first
   // (its room may be what the whole unit needs); a prefetch keeps it until the room is found.
   if (for_acquire && r.resident()) { evict(r); }
-  auto range = make_room(whole ? r.layout.device_bytes : r.layout.params_bytes, use, for_acquire);
-  if (!range) { return false; }
+  const std::size_t bytes = whole ? r.layout.device_bytes : r.layout.params_bytes;
+  if (!make_room(bytes, use, for_acquire, &r)) { return false; }  // counting what r gives up below
   if (r.resident()) { evict(r); }
-  r.slot = *range;
+  r.slot = map_slot(r, bytes);
   r.params_only = !whole;
   add_resident(r);
   fill_slot(r);

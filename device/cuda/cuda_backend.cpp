@@ -5,6 +5,7 @@
 #include "device/cuda/cuda_try.hpp"
 #include "device/message.hpp"
 
+#include <cuda.h>
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -15,6 +16,8 @@
 #include <map>
 #include <mutex>
 #include <thread>
+#include <type_traits>
+#include <vector>
 
 namespace taskswap::detail {
 
@@ -71,6 +74,68 @@ void CUDART_CB host_func_trampoline(void* user_data)
 {
   std::unique_ptr<host_func_payload> payload(static_cast<host_func_payload*>(user_data));
   run_host_func(*payload->errors, payload->fn);
+}
+
+// The driver's virtual memory calls, found through the runtime (cudaGetDriverEntryPointByVersion),
+// so that libtaskswap loads on machines without a driver, where cuda_device_count() is 0.
+struct driver_vm {
+  CUresult (*get_error_name)(CUresult, const char**) = nullptr;
+  CUresult (*granularity)(size_t*, const CUmemAllocationProp*, CUmemAllocationGranularity_flags) = nullptr;
+  CUresult (*create)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*, unsigned long long) = nullptr;
+  CUresult (*release)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*reserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long) = nullptr;
+  CUresult (*free)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long) = nullptr;
+  CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
+
+  static const driver_vm& get()
+  {
+    static const driver_vm vm = [] {
+      driver_vm d;
+      const auto find = [](const char* symbol, auto& fn) {
+        void* p = nullptr;
+        cudaDriverEntryPointQueryResult found{};
+        TASKSWAP_CUDA_TRY(cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &found));
+        if (found != cudaDriverEntryPointSuccess || p == nullptr) {
+          throw cuda_error(message("the CUDA driver has no ", symbol, "; the device pool needs virtual memory "
+                                   "management (CUDA 12 or later)"));
+        }
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);  // NOLINT: the driver's own type
+      };
+      find("cuGetErrorName", d.get_error_name);
+      find("cuMemGetAllocationGranularity", d.granularity);
+      find("cuMemCreate", d.create);
+      find("cuMemRelease", d.release);
+      find("cuMemAddressReserve", d.reserve);
+      find("cuMemAddressFree", d.free);
+      find("cuMemMap", d.map);
+      find("cuMemSetAccess", d.set_access);
+      find("cuMemUnmap", d.unmap);
+      return d;
+    }();
+    return vm;
+  }
+
+  void check(CUresult status, const char* call, const std::string& what) const
+  {
+    if (status == CUDA_SUCCESS) { return; }
+    const char* name = "unknown";
+    static_cast<void>(get_error_name(status, &name));
+    if (status == CUDA_ERROR_OUT_OF_MEMORY) { throw out_of_memory(message(what, ": ", call, " failed: ", name), 0, 0, 0); }
+    throw cuda_error(message("taskswap: CUDA driver call ", call, " failed (", what, "): ", name));
+  }
+};
+
+#define TASKSWAP_CU_TRY(vm, call, what) (vm).check((call), #call, (what))
+
+CUmemAllocationProp device_memory_on(int index)
+{
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = index;
+  return prop;
 }
 
 class cuda_backend final : public backend {
@@ -159,6 +224,115 @@ class cuda_backend final : public backend {
       TASKSWAP_ASSERT_CUDA_SUCCESS(cudaFree(p));
     } catch (const cuda_error& e) {
       std::fprintf(stderr, "taskswap: %s\n", e.what());
+    }
+  }
+
+  // ---- virtual memory: one cuMemCreate per granule (cuMemMap maps a handle from offset 0) ----
+
+  [[nodiscard]] std::size_t vm_granularity() const override
+  {
+    const std::lock_guard lock(vm_mutex_);
+    if (granularity_ == 0) {
+      const driver_vm& vm = driver_vm::get();
+      const CUmemAllocationProp prop = device_memory_on(index_);
+      std::size_t g = 0;
+      TASKSWAP_CU_TRY(vm, vm.granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), message("cuda:", index_));
+      granularity_ = std::max<std::size_t>(g, 256);
+    }
+    return granularity_;
+  }
+
+  [[nodiscard]] void* vm_create(std::size_t granules) override
+  {
+    const driver_vm& vm = driver_vm::get();
+    const std::size_t g = vm_granularity();
+    const cuda_device_guard guard(index_);
+    const CUmemAllocationProp prop = device_memory_on(index_);
+    auto handles = std::make_unique<std::vector<CUmemGenericAllocationHandle>>();
+    handles->reserve(granules);
+    try {
+      for (std::size_t i = 0; i < granules; ++i) {
+        CUmemGenericAllocationHandle h{};
+        TASKSWAP_CU_TRY(vm, vm.create(&h, g, &prop, 0), message("cuda:", index_, ": granule ", i, " of ", granules));
+        handles->push_back(h);
+      }
+    } catch (const out_of_memory&) {
+      for (const CUmemGenericAllocationHandle h : *handles) { static_cast<void>(vm.release(h)); }
+      const memory_info info = memory();
+      throw out_of_memory(message("cuda:", index_, ": cannot allocate ", bytes_text(granules * g), " of device memory in ",
+                                  granules, " granules of ", bytes_text(g), "; ", bytes_text(info.free), " free of ",
+                                  bytes_text(info.total)),
+                          granules * g, info.free, info.total);
+    } catch (...) {
+      for (const CUmemGenericAllocationHandle h : *handles) { static_cast<void>(vm.release(h)); }
+      throw;
+    }
+    return handles.release();
+  }
+
+  void vm_release(void* physical, std::size_t /*granules*/) noexcept override
+  {
+    const std::unique_ptr<std::vector<CUmemGenericAllocationHandle>> handles(
+      static_cast<std::vector<CUmemGenericAllocationHandle>*>(physical));
+    try {
+      const cuda_device_guard guard(index_);
+      TASKSWAP_ASSERT_CUDA_SUCCESS(cudaDeviceSynchronize());  // as cudaFree: queued work may use it
+      const driver_vm& vm = driver_vm::get();
+      for (const CUmemGenericAllocationHandle h : *handles) { TASKSWAP_CU_TRY(vm, vm.release(h), "cuMemRelease"); }
+    } catch (const error& e) {
+      std::fprintf(stderr, "taskswap: %s\n", e.what());
+    }
+  }
+
+  [[nodiscard]] std::byte* vm_reserve(std::size_t bytes) override
+  {
+    const driver_vm& vm = driver_vm::get();
+    CUdeviceptr va = 0;
+    TASKSWAP_CU_TRY(vm, vm.reserve(&va, bytes, vm_granularity(), 0, 0),
+                    message("cuda:", index_, ": reserving ", bytes_text(bytes), " of addresses"));
+    return reinterpret_cast<std::byte*>(va);  // NOLINT: a device address
+  }
+
+  void vm_free(std::byte* va, std::size_t bytes) noexcept override
+  {
+    try {
+      const driver_vm& vm = driver_vm::get();
+      TASKSWAP_CU_TRY(vm, vm.free(reinterpret_cast<CUdeviceptr>(va), bytes), "cuMemAddressFree");  // NOLINT
+    } catch (const error& e) {
+      std::fprintf(stderr, "taskswap: %s\n", e.what());
+    }
+  }
+
+  void vm_map(std::byte* va, void* physical, std::size_t first, std::size_t count) override
+  {
+    const driver_vm& vm = driver_vm::get();
+    const std::size_t g = vm_granularity();
+    const auto& handles = *static_cast<const std::vector<CUmemGenericAllocationHandle>*>(physical);
+    const auto base = reinterpret_cast<CUdeviceptr>(va);  // NOLINT: a device address
+    std::size_t mapped = 0;
+    try {
+      for (; mapped < count; ++mapped) {
+        TASKSWAP_CU_TRY(vm, vm.map(base + mapped * g, g, 0, handles[first + mapped], 0),
+                        message("cuda:", index_, ": mapping granule ", first + mapped));
+      }
+      CUmemAccessDesc access{};
+      access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+      access.location.id = index_;
+      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+      TASKSWAP_CU_TRY(vm, vm.set_access(base, count * g, &access, 1), message("cuda:", index_, ": granting access"));
+    } catch (...) {
+      for (std::size_t i = 0; i < mapped; ++i) { static_cast<void>(vm.unmap(base + i * g, g)); }
+      throw;
+    }
+  }
+
+  void vm_unmap(std::byte* va, std::size_t count) override
+  {
+    const driver_vm& vm = driver_vm::get();
+    const std::size_t g = vm_granularity();
+    const auto base = reinterpret_cast<CUdeviceptr>(va);  // NOLINT: a device address
+    for (std::size_t i = 0; i < count; ++i) {  // as mapped: one granule at a time
+      TASKSWAP_CU_TRY(vm, vm.unmap(base + i * g, g), message("cuda:", index_, ": unmapping"));
     }
   }
 
@@ -307,6 +481,8 @@ class cuda_backend final : public backend {
 
  private:
   int index_;
+  mutable std::mutex vm_mutex_;
+  mutable std::size_t granularity_ = 0;
   std::string name_;
 };
 

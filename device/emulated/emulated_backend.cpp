@@ -16,6 +16,7 @@
 
 #include <cerrno>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #if defined(__linux__)
 #include <pthread.h>
@@ -252,7 +253,7 @@ void emulated_backend::synchronize()
   check_fault();
 }
 
-std::byte* emulated_backend::allocate(std::size_t bytes)
+void emulated_backend::take_memory(std::size_t bytes)
 {
   check_fault();
   if (faults_.fail_allocation != 0 && allocations_.fetch_add(1) + 1 == faults_.fail_allocation) {
@@ -260,25 +261,32 @@ std::byte* emulated_backend::allocate(std::size_t bytes)
                                 " failed (an injected fault)"),
                         bytes, 0, options_.memory_bytes);
   }
-  {
-    const std::lock_guard lock(memory_mutex_);
-    const std::size_t available = options_.memory_bytes - used_bytes_;
-    if (bytes > available) {
-      throw out_of_memory(
-        message("emulated:", index_, ": cannot allocate ", bytes_text(bytes), " of device memory; ",
-                bytes_text(available), " free of ", bytes_text(options_.memory_bytes),
-                "; free buffers first or give the emulated device more memory_bytes"),
-        bytes, available, options_.memory_bytes);
-    }
-    used_bytes_ += bytes;
+  const std::lock_guard lock(memory_mutex_);
+  const std::size_t available = options_.memory_bytes - used_bytes_;
+  if (bytes > available) {
+    throw out_of_memory(message("emulated:", index_, ": cannot allocate ", bytes_text(bytes), " of device memory; ",
+                                bytes_text(available), " free of ", bytes_text(options_.memory_bytes),
+                                "; free buffers first or give the emulated device more memory_bytes"),
+                        bytes, available, options_.memory_bytes);
   }
+  used_bytes_ += bytes;
+}
+
+void emulated_backend::give_memory(std::size_t bytes) noexcept
+{
+  const std::lock_guard lock(memory_mutex_);
+  used_bytes_ -= bytes;
+}
+
+std::byte* emulated_backend::allocate(std::size_t bytes)
+{
+  take_memory(bytes);
   try {
     auto* p = static_cast<std::byte*>(::operator new(bytes, device_alignment));
     std::memset(p, 0, bytes);  // back every page now, as cudaMalloc does: no faults inside copies
     return p;
   } catch (const std::bad_alloc&) {
-    const std::lock_guard lock(memory_mutex_);
-    used_bytes_ -= bytes;
+    give_memory(bytes);
     throw out_of_memory(message("emulated:", index_, ": the host could not provide ",
                                 bytes_text(bytes), " to stand for device memory"),
                         bytes, 0, options_.memory_bytes);
@@ -293,8 +301,91 @@ void emulated_backend::deallocate(std::byte* p, std::size_t bytes) noexcept
   } catch (...) {  // synchronize only locks and waits; nothing it does is expected to throw
   }
   ::operator delete(p, device_alignment);
-  const std::lock_guard lock(memory_mutex_);
-  used_bytes_ -= bytes;
+  give_memory(bytes);
+}
+
+// ---- virtual memory ----------------------------------------------------------------------------
+// With a granule of whole host pages, physical memory is a memory file and a mapping is an mmap
+// of part of it, so ranges alias granules as CUDA's do. Below a page nothing can be mapped: each
+// range is anonymous memory of its own and the granules are only counted.
+
+bool emulated_backend::maps_pages() const noexcept
+{
+  return options_.granularity % static_cast<std::size_t>(host_page) == 0;
+}
+
+namespace {
+
+[[noreturn]] void throw_errno(const std::string& what)
+{
+  throw device_error(message(what, ": ", std::strerror(errno)));
+}
+
+struct emulated_physical {
+  int fd = -1;  // -1: counted only
+};
+
+}  // namespace
+
+void* emulated_backend::vm_create(std::size_t granules)
+{
+  const std::size_t bytes = granules * options_.granularity;
+  take_memory(bytes);
+  auto physical = std::make_unique<emulated_physical>();
+  if (maps_pages()) {
+    physical->fd = ::memfd_create("taskswap-emulated-device", MFD_CLOEXEC);
+    if (physical->fd < 0 || ::ftruncate(physical->fd, static_cast<off_t>(bytes)) != 0) {
+      const int error = errno;
+      if (physical->fd >= 0) { ::close(physical->fd); }
+      give_memory(bytes);
+      errno = error;
+      throw_errno(message("emulated:", index_, ": a memory file of ", bytes_text(bytes), " for device memory"));
+    }
+  }
+  return physical.release();
+}
+
+void emulated_backend::vm_release(void* physical, std::size_t granules) noexcept
+{
+  try {
+    synchronize();
+  } catch (...) {  // as deallocate
+  }
+  const std::unique_ptr<emulated_physical> p(static_cast<emulated_physical*>(physical));
+  if (p->fd >= 0) { ::close(p->fd); }
+  give_memory(granules * options_.granularity);
+}
+
+std::byte* emulated_backend::vm_reserve(std::size_t bytes)
+{
+  // Below a page a range holds its own bytes, so it is readable and writable from the start.
+  const int protection = maps_pages() ? PROT_NONE : PROT_READ | PROT_WRITE;
+  void* va = ::mmap(nullptr, bytes, protection, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (va == MAP_FAILED) { throw_errno(message("emulated:", index_, ": reserving ", bytes_text(bytes), " of addresses")); }
+  return static_cast<std::byte*>(va);
+}
+
+void emulated_backend::vm_free(std::byte* va, std::size_t bytes) noexcept { ::munmap(va, bytes); }
+
+void emulated_backend::vm_map(std::byte* va, void* physical, std::size_t first, std::size_t count)
+{
+  check_fault();
+  const int fd = static_cast<emulated_physical*>(physical)->fd;
+  if (fd < 0) { return; }
+  const std::size_t g = options_.granularity;
+  if (::mmap(va, count * g, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, static_cast<off_t>(first * g)) ==
+      MAP_FAILED) {
+    throw_errno(message("emulated:", index_, ": mapping ", count, " granules at ", static_cast<void*>(va)));
+  }
+}
+
+void emulated_backend::vm_unmap(std::byte* va, std::size_t count)
+{
+  if (!maps_pages()) { return; }
+  if (::mmap(va, count * options_.granularity, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1,
+             0) == MAP_FAILED) {
+    throw_errno(message("emulated:", index_, ": unmapping ", count, " granules at ", static_cast<void*>(va)));
+  }
 }
 
 std::byte* emulated_backend::allocate_pinned(std::size_t bytes)

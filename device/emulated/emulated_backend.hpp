@@ -39,6 +39,15 @@ class emulated_backend final : public backend {
 
   [[nodiscard]] std::byte* allocate(std::size_t bytes) override;
   void deallocate(std::byte* p, std::size_t bytes) noexcept override;
+  [[nodiscard]] std::size_t vm_granularity() const override { return options_.granularity; }
+  [[nodiscard]] bool vm_maps_memory() const override { return maps_pages(); }
+  [[nodiscard]] void* vm_create(std::size_t granules) override;
+  void vm_release(void* physical, std::size_t granules) noexcept override;
+  [[nodiscard]] std::byte* vm_reserve(std::size_t bytes) override;
+  void vm_free(std::byte* va, std::size_t bytes) noexcept override;
+  void vm_map(std::byte* va, void* physical, std::size_t first, std::size_t count) override;
+  void vm_unmap(std::byte* va, std::size_t count) override;
+
   [[nodiscard]] std::byte* allocate_pinned(std::size_t bytes) override;
   void deallocate_pinned(std::byte* p, std::size_t bytes) noexcept override;
 
@@ -85,6 +94,11 @@ class emulated_backend final : public backend {
   std::atomic<bool> faulted_{false};
   mutable std::mutex fault_mutex_;
   std::exception_ptr fault_;
+
+  // Counts `bytes` against the device's memory (and the injected allocation fault).
+  void take_memory(std::size_t bytes);
+  void give_memory(std::size_t bytes) noexcept;
+  [[nodiscard]] bool maps_pages() const noexcept;
 
   mutable std::mutex memory_mutex_;
   std::size_t used_bytes_ = 0;

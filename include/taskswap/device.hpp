@@ -47,6 +47,11 @@ struct link_model {
 struct emulated_options {
   std::size_t memory_bytes = std::size_t{1} << 30;  ///< device memory: allocations beyond it fail
   link_model link{};                                ///< host<->device copy timing
+  /// The granule in which the device pool maps memory (a power of two, at least 256). A multiple
+  /// of the host page maps a shared memory file into each range, as CUDA maps physical pages, so
+  /// two ranges can alias one granule. Smaller granules are counted the same way, but each range
+  /// keeps bytes of its own (there is no mapping hardware below a page).
+  std::size_t granularity = 256;
 };
 
 /// @brief Faults an emulated device injects, to test what fails how. Host↔device copies are

@@ -298,7 +298,8 @@ struct runtime_stats {
   std::size_t device_bytes_in_use = 0;
   std::size_t home_bytes = 0;           ///< slab bytes at home
   std::size_t host_bytes_pinned = 0;    ///< bytes page-locked for them
-  double pool_fragmentation = 0;
+  std::size_t device_granule = 0;         ///< the device pool maps whole granules of this many bytes
+  std::size_t device_rounding_bytes = 0;  ///< in use beyond what the resident slabs need: granule rounding
 };
 
 /// @brief The runtime: holds every unit's home copy in a pinned, NUMA-local arena and the

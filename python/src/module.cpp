@@ -198,6 +198,7 @@ void bind_options(nb::module_& m)
 
   nb::class_<emulated_options>(m, "EmulatedOptions", "The emulated device's memory and link model.")
       .def_rw("memory_bytes", &emulated_options::memory_bytes)
+      .def_rw("granularity", &emulated_options::granularity)
       .def_prop_rw(
           "link_bytes_per_second", [](const emulated_options& o) { return o.link.bytes_per_second; },
           [](emulated_options& o, double v) { o.link.bytes_per_second = v; })

@@ -132,7 +132,8 @@ void bind_stats(nb::module_& m)
       .def_ro("device_bytes_in_use", &runtime_stats::device_bytes_in_use)
       .def_ro("home_bytes", &runtime_stats::home_bytes)
       .def_ro("host_bytes_pinned", &runtime_stats::host_bytes_pinned)
-      .def_ro("pool_fragmentation", &runtime_stats::pool_fragmentation);
+      .def_ro("device_granule", &runtime_stats::device_granule)
+      .def_ro("device_rounding_bytes", &runtime_stats::device_rounding_bytes);
 }
 
 /// A plan step as Python gives it: (unit, kind) pairs in call order; kind 0 acquires for

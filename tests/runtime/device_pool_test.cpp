@@ -6,6 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
+#include <optional>
 #include <cstring>
 #include <random>
 #include <string>
@@ -14,63 +17,174 @@
 namespace taskswap::test {
 namespace {
 
+constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
 
-TEST(device_pool, HoldsExactlyTheBudgetInOneAllocation)
+const auto no_users = [] {};
+
+// Both ways the emulated device maps: granules counted below a page, a shared memory file at a page.
+class device_pool_at : public ::testing::TestWithParam<std::size_t> {
+ protected:
+  [[nodiscard]] device make(std::size_t memory) const
+  {
+    return emulated_device({.memory_bytes = memory, .granularity = GetParam()});
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(granule, device_pool_at, ::testing::Values(std::size_t{256}, std::size_t{4096}, 64 * KiB),
+                         [](const auto& p) { return std::to_string(p.param) + "_bytes"; });
+
+TEST_P(device_pool_at, TakesTheWholeGranulesOfTheBudget)
 {
-  const device dev = emulated_device({.memory_bytes = 64 * MiB});
-  detail::device_pool pool(dev, 40 * MiB);
-  EXPECT_EQ(dev.memory().free, 24 * MiB);  // one allocation of the budget, nothing more
-  EXPECT_EQ(pool.stats().budget, 40 * MiB);
-  EXPECT_EQ(pool.stats().used, 0U);
+  const device dev = make(64 * MiB);
+  const std::size_t g = GetParam();
+  const std::size_t budget = 40 * MiB + g / 2;  // half a granule is never taken
+  detail::device_pool pool(dev, budget);
+  EXPECT_EQ(dev.memory().free, 24 * MiB);
+  const auto s = pool.stats();
+  EXPECT_EQ(s.budget, budget);
+  EXPECT_EQ(s.capacity, 40 * MiB);
+  EXPECT_EQ(s.granule, g);
+  EXPECT_EQ(s.used, 0U);
+  EXPECT_EQ(pool.free(), 40 * MiB);
 }
 
-TEST(device_pool, NeverHandsOutMoreThanTheBudgetAndTracksThePeak)
+// The property the runtime's plan check rests on: whatever was mapped and unmapped before, a
+// request of at most the free granules is met, and nothing held moves or changes.
+TEST_P(device_pool_at, AnyRequestWithinTheFreeGranulesIsMetAndHeldBytesStay)
 {
   std::mt19937_64 gen{std::random_device{}()};
-  const device dev = emulated_device({.memory_bytes = 32 * MiB});
-  detail::device_pool pool(dev, 16 * MiB);
-  std::vector<device_span> live;
+  const std::size_t g = GetParam();
+  const std::size_t budget = 256 * g;
+  const device dev = make(2 * budget);
+  detail::device_pool pool(dev, budget);
+  stream s(dev);
+  struct live_slot {
+    detail::device_pool::slot_id id;
+    device_span range;
+    std::byte fill;
+  };
+  std::vector<detail::device_pool::slot_id> idle;
+  std::vector<std::size_t> slot_bytes;
+  std::vector<live_slot> live;
+  for (int i = 0; i < 48; ++i) {
+    // Sizes over three orders of magnitude, most of them not whole granules.
+    const double bytes = std::exp2(std::uniform_real_distribution<>(0, 10)(gen)) * static_cast<double>(g) / 8;
+    slot_bytes.push_back(std::min(static_cast<std::size_t>(bytes) + 1, budget / 2));
+    idle.push_back(pool.add_slot(slot_bytes.back()));
+  }
   std::size_t peak_seen = 0;
+  std::size_t met = 0;
   for (int op = 0; op < 3000; ++op) {
     if (!live.empty() && gen() % 2 == 0) {
       const std::size_t i = gen() % live.size();
-      pool.deallocate(live[i]);
+      std::vector<std::byte> back(live[i].range.size());
+      copy_async(std::span<std::byte>(back), const_device_span(live[i].range), s);
+      s.synchronize();
+      ASSERT_TRUE(std::all_of(back.begin(), back.end(), [&](std::byte b) { return b == live[i].fill; }))
+        << "a held range changed while others were mapped";
+      pool.unmap(live[i].id);
+      idle.push_back(live[i].id);
       live.erase(live.begin() + static_cast<long>(i));
       continue;
     }
-    try {
-      live.push_back(pool.allocate(1 + gen() % (2 * MiB), std::size_t{256} << (gen() % 4)));
-      ASSERT_EQ(reinterpret_cast<std::uintptr_t>(live.back().data()) % 256, 0U);  // NOLINT
-    } catch (const out_of_memory& e) {
-      EXPECT_EQ(e.budget(), 16 * MiB);
-    }
-    const auto s = pool.stats();
-    ASSERT_LE(s.used, s.budget);
-    peak_seen = std::max(peak_seen, s.used);
-    ASSERT_EQ(s.peak, peak_seen);
+    if (idle.empty()) { continue; }
+    const std::size_t k = gen() % idle.size();
+    const detail::device_pool::slot_id id = idle[k];
+    const std::size_t bytes = 1 + gen() % slot_bytes[id];  // a frozen use maps part of a slot
+    const std::size_t fits = pool.free();
+    const std::optional<device_span> range = pool.try_map(id, bytes, [&] { s.synchronize(); });
+    ASSERT_EQ(range.has_value(), pool.taken(bytes) <= fits) << bytes << " bytes with " << fits << " free";
+    if (!range) { continue; }
+    ++met;
+    const auto fill = static_cast<std::byte>(1 + gen() % 255);
+    fill_async(*range, fill, s);
+    live.push_back({id, *range, fill});
+    idle.erase(idle.begin() + static_cast<long>(k));
+    const auto st = pool.stats();
+    ASSERT_LE(st.used, st.capacity);
+    ASSERT_LE(st.requested, st.used);
+    peak_seen = std::max(peak_seen, st.used);
+    ASSERT_EQ(st.peak, peak_seen);
   }
-  for (auto range : live) { pool.deallocate(range); }
+  s.synchronize();
+  EXPECT_GT(met, 300U);
+  for (const live_slot& l : live) { pool.unmap(l.id); }
   EXPECT_EQ(pool.stats().used, 0U);
-  EXPECT_EQ(pool.stats().largest_free, 16 * MiB);
+  EXPECT_EQ(pool.free(), budget);
 }
 
-TEST(device_pool, RangesServeCopiesOnTheDevice)
+// The case a contiguous pool fails: free room split by held ranges.
+TEST_P(device_pool_at, FreeRoomSplitByHeldRangesStillHoldsALargeOne)
 {
-  const device dev = emulated_device({.memory_bytes = 8 * MiB});
-  detail::device_pool pool(dev, 4 * MiB);
+  const std::size_t g = GetParam();
+  const device dev = make(64 * g);
+  detail::device_pool pool(dev, 10 * g);
+  std::vector<detail::device_pool::slot_id> small;
+  for (int i = 0; i < 10; ++i) {
+    small.push_back(pool.add_slot(g));
+    static_cast<void>(pool.map(small.back(), g, no_users));
+  }
+  for (std::size_t i = 0; i < small.size(); i += 2) { pool.unmap(small[i]); }  // every other one
+  const auto large = pool.add_slot(5 * g);
+  const device_span r = pool.map(large, 5 * g, no_users);
   stream s(dev);
-  const device_span a = pool.allocate(MiB + 3);
-  const device_span b = pool.allocate(MiB + 3);
-  std::vector<std::byte> in(MiB + 3);
-  std::vector<std::byte> out(MiB + 3, std::byte{0});
+  std::vector<std::byte> in(5 * g);
+  std::vector<std::byte> out(5 * g);
   std::mt19937 gen{3};
   for (auto& x : in) { x = static_cast<std::byte>(gen()); }
-  copy_async(a, in, s);
-  copy_async(b, a, s);
-  copy_async(out, b, s);
+  copy_async(r, std::span<const std::byte>(in), s);
+  copy_async(std::span<std::byte>(out), const_device_span(r), s);
   s.synchronize();
   EXPECT_EQ(in, out);
+  expect_error_mentioning([&] { static_cast<void>(pool.map(small[0], g, no_users)); }, "of the");
+}
+
+TEST_P(device_pool_at, ASlotMovesOnlyWhenItsGranulesWereTaken)
+{
+  const std::size_t g = GetParam();
+  const device dev = make(64 * g);
+  detail::device_pool pool(dev, 4 * g);
+  const auto a = pool.add_slot(2 * g);
+  const auto b = pool.add_slot(4 * g);
+  int quiesced = 0;
+  const auto count = [&] { ++quiesced; };
+  const device_span first = pool.map(a, 2 * g, count);
+  pool.unmap(a);
+  const device_span again = pool.map(a, 2 * g - 1, count);  // its granules were still free
+  EXPECT_EQ(again.data(), first.data());
+  EXPECT_EQ(quiesced, 0);
+  pool.unmap(a);
+  static_cast<void>(pool.map(b, 4 * g, count));  // takes every granule, a's included
+  pool.unmap(b);
+  static_cast<void>(pool.map(b, g, count));  // b's own first granule again
+  EXPECT_EQ(quiesced, 0);
+  const device_span moved = pool.map(a, 2 * g, count);
+  EXPECT_EQ(moved.data(), first.data());  // a slot keeps its address
+  // Whether a's granules were free again depends on which b took; the pool waits only if not.
+  EXPECT_LE(quiesced, 1);
+  const auto st = pool.stats();
+  EXPECT_EQ(st.used, 3 * g);
+  EXPECT_EQ(st.requested, 3 * g);
+}
+
+TEST_P(device_pool_at, ShrinkFreesTheTailAndPinnedRangesPack)
+{
+  const std::size_t g = GetParam();
+  const device dev = make(64 * g);
+  detail::device_pool pool(dev, 8 * g);
+  const device_span p1 = pool.place_pinned(300);
+  const device_span p2 = pool.place_pinned(300);
+  EXPECT_EQ(p2.data(), p1.data() + 512);  // packed, 256-byte aligned
+  EXPECT_EQ(pool.stats().used, pool.taken(812));
+  const auto a = pool.add_slot(3 * g);
+  static_cast<void>(pool.map(a, 3 * g, no_users));
+  const std::size_t before = pool.free();
+  const device_span kept = pool.shrink(a, g + 1);
+  EXPECT_EQ(kept.size(), g + 1);
+  EXPECT_EQ(pool.free(), before + (3 * g - pool.taken(g + 1)));
+  EXPECT_EQ(pool.stats().requested, 600 + g + 1);
+  expect_error_mentioning([&] { static_cast<void>(pool.shrink(a, 3 * g)); }, "cannot keep");
 }
 
 TEST(device_pool, ErrorsSayWhatToChange)
@@ -78,14 +192,19 @@ TEST(device_pool, ErrorsSayWhatToChange)
   const device dev = emulated_device({.memory_bytes = 8 * MiB});
   expect_error_mentioning([&] { detail::device_pool p(dev, 0); }, "set [device] budget");
   expect_error_mentioning([&] { detail::device_pool p(dev, 9 * MiB); }, "lower [device] budget");
+  const device coarse = emulated_device({.memory_bytes = 8 * MiB, .granularity = MiB});
+  expect_error_mentioning([&] { detail::device_pool p(coarse, 100 * KiB); }, "smaller than one granule (1.0 MiB");
+  expect_error_mentioning([] { static_cast<void>(emulated_device({.granularity = 1000})); }, "power of two");
   detail::device_pool pool(dev, 4 * MiB);
-  const device_span a = pool.allocate(3 * MiB);
-  expect_error_mentioning([&] { static_cast<void>(pool.allocate(2 * MiB)); }, "1.0 MiB (1048576 bytes) of the 4.0 MiB");
-  expect_error_mentioning([&] { pool.deallocate(a.subspan(0, 10)); }, "not a live allocation");
-  device_buffer elsewhere(dev, 1024);
-  expect_error_mentioning([&] { pool.deallocate(elsewhere.span()); }, "not a live allocation");
-  expect_error_mentioning([&] { static_cast<void>(pool.allocate(16, 100)); }, "power of two");
-  pool.deallocate(a);
+  const auto a = pool.add_slot(3 * MiB);
+  const auto b = pool.add_slot(2 * MiB);
+  static_cast<void>(pool.map(a, 3 * MiB, no_users));
+  expect_error_mentioning([&] { static_cast<void>(pool.map(b, 2 * MiB, no_users)); }, "1.0 MiB (1048576 bytes) of the 4.0 MiB");
+  expect_error_mentioning([&] { static_cast<void>(pool.map(a, MiB, no_users)); }, "mapped already");
+  expect_error_mentioning([&] { pool.unmap(b); }, "is not mapped");
+  expect_error_mentioning([&] { static_cast<void>(pool.map(b, 3 * MiB, no_users)); }, "of 2097152 bytes");
+  expect_error_mentioning([&] { pool.unmap(7); }, "does not have");
+  pool.unmap(a);
   EXPECT_EQ(pool.stats().used, 0U);
   EXPECT_EQ(pool.stats().peak, 3 * MiB);
 }
