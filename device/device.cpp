@@ -29,6 +29,7 @@ std::string device::name() const { return backend_->name(); }
 memory_info device::memory() const { return backend_->memory(); }
 std::pair<int, int> device::stream_priority_range() const { return backend_->stream_priority_range(); }
 std::string device::pci_bus_id() const { return backend_->pci_bus_id(); }
+std::size_t device::granularity() const { return backend_->vm_granularity(); }
 void device::synchronize() const { backend_->synchronize(); }
 
 int cuda_device_count() noexcept { return detail::cuda_device_count(); }

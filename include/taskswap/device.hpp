@@ -94,6 +94,11 @@ class device {
   [[nodiscard]] std::pair<int, int> stream_priority_range() const;
   /// @brief The PCI bus id ("0000:65:00.0"), or empty for a device without one (emulated).
   [[nodiscard]] std::string pci_bus_id() const;
+  /// @brief The granule in which the runtime's device pool maps memory: every swapped unit takes
+  /// whole granules of its budget (CUDA's minimum granularity, typically 2 MiB; the emulated
+  /// device's `granularity`).
+  /// @throws cuda_error if the driver lacks virtual memory management
+  [[nodiscard]] std::size_t granularity() const;
   /// @brief Blocks the host until all work on every stream of the device is done. For tests and
   /// tools only; the library never calls it on a hot path.
   void synchronize() const;

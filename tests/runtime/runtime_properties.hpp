@@ -24,6 +24,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -76,30 +77,56 @@ inline std::size_t acquired_bytes(const unit_spec& u, bool frozen)
   return (count * size_of(u.compute) + 255) / 256 * 256;
 }
 
-// Held-at-once sets of a script: the budget that the plan check and the fragmentation margin need.
-inline std::size_t safe_budget(const scenario& s, std::size_t pinned)
+inline std::size_t whole_granules(std::size_t bytes, std::size_t granule) { return (bytes + granule - 1) / granule * granule; }
+
+// What the pinned units take: packed at 256 bytes, in whole granules.
+inline std::size_t pinned_taken(const std::vector<unit_spec>& units, std::size_t granule)
 {
+  std::size_t packed = 0;
+  for (const unit_spec& u : units) {
+    if (u.policy->residency == residency::pinned) { packed += device_bytes_of(u); }
+  }
+  return whole_granules(packed, granule);
+}
+
+// The least budget the plan check accepts for a script: the most its units hold at once, each in
+// whole granules, beside the pinned units. Nothing is added for placement: the pool never splits
+// its free room (DESIGN invariant 9).
+inline std::size_t exact_budget(const scenario& s, std::size_t granule)
+{
+  const std::size_t pinned = pinned_taken(s.units, granule);
   std::size_t need = pinned;
+  for (const unit_spec& u : s.units) {  // a plan that deviates holds one unit alone
+    if (u.policy->residency != residency::pinned) { need = std::max(need, pinned + whole_granules(device_bytes_of(u), granule)); }
+  }
   for (const auto& step : s.steps) {
     std::vector<std::pair<std::uint32_t, std::size_t>> held;  // unit, bytes its acquisition takes
+    std::size_t held_bytes = 0;
     for (const action& a : step) {
       const unit_spec& u = s.units[a.unit];
       if (u.policy->residency == residency::pinned) { continue; }
       if (a.kind == action::acquire) {
-        std::size_t held_bytes = 0;
-        for (const auto& h : held) { held_bytes += h.second; }
-        const std::size_t bytes = acquired_bytes(u, a.frozen);
-        need = std::max(need, pinned + held_bytes + (held.size() + 1) * bytes);
+        const std::size_t bytes = whole_granules(acquired_bytes(u, a.frozen), granule);
+        held_bytes += bytes;
+        need = std::max(need, pinned + held_bytes);
         held.emplace_back(a.unit, bytes);
       } else if (a.kind == action::release) {
-        held.erase(std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == a.unit; }));
+        const auto it = std::find_if(held.begin(), held.end(), [&](const auto& h) { return h.first == a.unit; });
+        held_bytes -= it->second;
+        held.erase(it);
       }
     }
   }
   return need;
 }
 
-inline scenario random_scenario(std::uint64_t seed, bool all_resident = false)
+// `sizes`: the tensors' element counts. The plain scenarios draw up to 2,400 per tensor; the
+// heterogeneous ones draw log-uniformly over four orders of magnitude (16 to 160,000 per unit),
+// so held units of very different sizes interleave in the pool.
+enum class unit_sizes { plain, heterogeneous };
+
+inline scenario random_scenario(std::uint64_t seed, std::size_t granule, bool all_resident = false,
+                                unit_sizes sizes = unit_sizes::plain)
 {
   std::mt19937_64 rng(seed);
   const auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
@@ -107,15 +134,18 @@ inline scenario random_scenario(std::uint64_t seed, bool all_resident = false)
   s.seed = seed;
   const std::size_t n_units = 2 + pick(6);
   constexpr std::array dtypes{dtype::f32, dtype::bf16, dtype::f16};
-  std::size_t pinned = 0;
   std::size_t swapped_total = 0;
   for (std::size_t i = 0; i < n_units; ++i) {
     unit_spec u;
     u.name = (i < 2 && pick(2) == 0 ? "trunk/" : "task/") + std::to_string(i);
     const std::size_t tensors = 1 + pick(3);
+    const double unit_elements = 16.0 * std::pow(10.0, std::uniform_real_distribution<>(0.0, 4.0)(rng));
     for (std::size_t t = 0; t < tensors; ++t) {
       std::vector<std::size_t> shape{1 + pick(40)};
       if (pick(2) == 0) { shape.push_back(1 + pick(60)); }
+      if (sizes == unit_sizes::heterogeneous) {
+        shape = {1 + static_cast<std::size_t>(unit_elements / static_cast<double>(tensors))};
+      }
       std::string tensor = "w";  // not "w" + std::to_string(t): a false -Wrestrict at -O3 (GCC bug 105651)
       tensor += std::to_string(t);
       u.tensors.push_back({tensor, shape, pick(3) == 0});  // a third without weight decay
@@ -131,7 +161,7 @@ inline scenario random_scenario(std::uint64_t seed, bool all_resident = false)
     p.lr_scale = lr_scales[pick(3)];
     if (const std::size_t wd = pick(3); wd != 0) { p.weight_decay = wd == 1 ? 0.0 : 0.2; }
     u.policy = p;
-    (p.residency == residency::pinned ? pinned : swapped_total) += device_bytes_of(u);
+    if (p.residency != residency::pinned) { swapped_total += device_bytes_of(u); }
     s.units.push_back(std::move(u));
   }
   const std::size_t n_steps = 1 + pick(10);
@@ -176,9 +206,14 @@ inline scenario random_scenario(std::uint64_t seed, bool all_resident = false)
     s.plans.push_back(std::move(plan));
   }
   s.plan_mode = static_cast<scenario::plan_mode_t>(pick(3));
-  s.budget = safe_budget(s, pinned) + (pick(2) == 0 ? 0 : pick(swapped_total + 1));
-  // A plan that deviates must still pass the check: the announced step alone holds one unit.
-  for (const unit_spec& u : s.units) { s.budget = std::max(s.budget, pinned + device_bytes_of(u)); }
+  // Half the budgets are exactly what the check needs, a quarter a little more (less than a
+  // granule: what the pool cannot use), a quarter more room to prefetch in.
+  s.budget = exact_budget(s, granule);
+  switch (pick(4)) {
+    case 0: s.budget += pick(granule); break;
+    case 1: s.budget += pick(swapped_total + 1); break;
+    default: break;
+  }
   return s;
 }
 
@@ -194,7 +229,7 @@ struct reference_unit {
 
 template <typename Backend>
 class runtime_properties : public ::testing::Test {
- protected:
+ public:  // for the helpers below
   void SetUp() override
   {
     if (const std::string why = Backend::skip_reason(); !why.empty()) { GTEST_SKIP() << why; }
@@ -203,6 +238,7 @@ class runtime_properties : public ::testing::Test {
   struct outcome {
     std::vector<reference_unit> homes;  // as flushed from the runtime at the end
   };
+  static std::size_t backend_granule() { return Backend::granule(); }
 
   // Runs `s`; checks every acquire against the reference and, with `flush_each_step`, every home.
   void run(const scenario& s, bool flush_each_step, outcome* out = nullptr)
@@ -386,35 +422,56 @@ TYPED_TEST_P(runtime_properties, random_scenarios_match_the_reference_after_ever
 {
   const std::size_t cases = large_case(1500, 120);
   for (std::uint64_t seed = 1; seed <= cases; ++seed) {
-    this->run(random_scenario(seed), /*flush_each_step=*/true);
+    this->run(random_scenario(seed, TypeParam::granule()), /*flush_each_step=*/true);
     if (this->HasFatalFailure()) { return; }
   }
   this->expect_every_path_was_taken();
+}
+
+// Swapped against all-resident, on the same seed: the parameters must be bitwise equal.
+template <typename Fixture>
+void expect_swapped_equals_resident(Fixture& f, std::uint64_t seed, unit_sizes sizes)
+{
+  const std::size_t granule = Fixture::backend_granule();
+  const scenario swapped = random_scenario(seed, granule, false, sizes);
+  scenario resident = random_scenario(seed, granule, /*all_resident=*/true, sizes);
+  resident.budget = pinned_taken(resident.units, granule);
+  typename Fixture::outcome a;
+  typename Fixture::outcome b;
+  f.run(swapped, /*flush_each_step=*/false, &a);
+  f.run(resident, /*flush_each_step=*/false, &b);
+  if (f.HasFatalFailure()) { return; }
+  for (std::size_t i = 0; i < a.homes.size(); ++i) {
+    ASSERT_EQ(a.homes[i].params, b.homes[i].params) << "seed " << seed << " unit " << i;
+    ASSERT_TRUE(Fixture::bitwise_equal(a.homes[i].master, b.homes[i].master)) << "seed " << seed << " unit " << i;
+  }
 }
 
 TYPED_TEST_P(runtime_properties, any_policy_gives_the_all_resident_parameters)
 {
   const std::size_t cases = large_case(600, 60);
   for (std::uint64_t seed = 10'001; seed < 10'001 + cases; ++seed) {
-    const scenario swapped = random_scenario(seed);
-    scenario resident = random_scenario(seed, /*all_resident=*/true);
-    std::size_t total = 0;
-    for (const unit_spec& u : resident.units) { total += device_bytes_of(u); }
-    resident.budget = total;
-    typename TestFixture::outcome a;
-    typename TestFixture::outcome b;
-    this->run(swapped, /*flush_each_step=*/false, &a);
-    this->run(resident, /*flush_each_step=*/false, &b);
+    expect_swapped_equals_resident(*this, seed, unit_sizes::plain);
     if (this->HasFatalFailure()) { return; }
-    for (std::size_t i = 0; i < a.homes.size(); ++i) {
-      ASSERT_EQ(a.homes[i].params, b.homes[i].params) << "seed " << seed << " unit " << i;
-      ASSERT_TRUE(this->bitwise_equal(a.homes[i].master, b.homes[i].master)) << "seed " << seed << " unit " << i;
-    }
+  }
+  this->expect_every_path_was_taken();
+}
+
+// DESIGN invariant 9: units over four orders of magnitude, held together in budgets the check
+// accepts with nothing to spare. No acquire may fail (an out_of_memory fails the test), the budget
+// is never exceeded (run() checks it after every call), and the result is the all-resident one.
+TYPED_TEST_P(runtime_properties, units_of_any_size_never_fail_for_placement_in_a_budget_the_check_accepts)
+{
+  const std::size_t cases = large_case(2000, 150);
+  for (std::uint64_t seed = 20'001; seed < 20'001 + cases; ++seed) {
+    expect_swapped_equals_resident(*this, seed, unit_sizes::heterogeneous);
+    if (this->HasFatalFailure()) { return; }
   }
   this->expect_every_path_was_taken();
 }
 
 REGISTER_TYPED_TEST_SUITE_P(runtime_properties, random_scenarios_match_the_reference_after_every_step,
-                            any_policy_gives_the_all_resident_parameters);
+                            any_policy_gives_the_all_resident_parameters,
+                            units_of_any_size_never_fail_for_placement_in_a_budget_the_check_accepts);
 
 }  // namespace taskswap::test

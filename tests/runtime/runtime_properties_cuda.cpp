@@ -6,6 +6,7 @@ namespace taskswap::test {
 
 struct cuda_runtime_backend {
   static std::string skip_reason() { return cuda_skip_reason(); }
+  static std::size_t granule() { return cuda_device(0).granularity(); }
   static device make(std::size_t /*budget*/) { return cuda_device(0); }
 };
 

@@ -571,7 +571,7 @@ TEST(runtime_plan, a_step_that_holds_more_than_the_budget_is_refused_naming_the_
   const unit_id a{0}, b{1};
   rt.plan(step_plan{a});
   expect_error_mentioning<config_error>([&] { rt.plan(step_plan{a, b}); },
-                                        "plan step 1: after acquiring 'b' the units held at once ('a', 'b') need "
+                                        "plan step 1: after acquiring 'b' the units held at once ('a', 'b') take "
                                         "512.0 KiB");
   // Released in between, the same two fit one after the other.
   step_plan streamed;
