@@ -158,7 +158,8 @@ TEST(planner, counts_what_the_runtime_does)
 // Runs the schedule of `in` (frozen uses first in each step) on the runtime; its totals.
 step_stats run_on_the_runtime(const tools::plan_input& in)
 {
-  const device dev = emulated_device({.memory_bytes = in.options.device.budget, .link = {}});
+  const device dev = emulated_device(
+    {.memory_bytes = in.options.device.budget, .link = {}, .granularity = in.options.device.emulated.granularity});
   runtime rt(dev, in.options, in.units);
   std::vector<step_plan> plans;
   for (std::size_t k = 0; k < in.steps.size(); ++k) {
@@ -229,6 +230,42 @@ TEST(planner, frozen_uses_bring_the_parameters_alone_and_narrow_a_whole_unit_whe
 
   in.frozen = {{1}};
   expect_error_mentioning<config_error>([&] { (void)tools::make_plan(in); }, "give one list per step");
+}
+
+// Whole granules, as the runtime's pool takes them: the planner's least budget is the runtime's,
+// to the byte, and the rounding is reported.
+TEST(planner, counts_whole_granules_as_the_runtime_does)
+{
+  constexpr std::size_t granule = std::size_t{64} << 10U;
+  std::vector<unit_spec> units{unit("trunk/a", 3000), unit("trunk/b", 1000), unit("s", 700), unit("m", 9000),
+                               unit("l", 40'000)};
+  auto in = input(units, std::size_t{64} << 20U, residency::on_demand, optimizer_placement::device);
+  unit_rule pin;
+  pin.match = "trunk/*";
+  pin.residency = residency::pinned;
+  in.options.units.push_back(pin);
+  in.options.device.emulated.granularity = granule;
+  in.granule = granule;
+  in.steps = {{2, 3}, {4}, {2, 4}, {3}};
+  in.frozen = {{}, {}, {}, {4}};
+  const tools::plan_report r = tools::make_plan(in);
+  const auto fp = [&](std::size_t u) { return footprint(units[u], optimizer_placement::device); };
+  const auto whole = [&](std::size_t b) { return (b + granule - 1) / granule * granule; };
+  EXPECT_EQ(r.granule, granule);
+  EXPECT_EQ(r.pinned_device_bytes, whole(fp(0).device_bytes + fp(1).device_bytes));
+  const std::size_t held = whole(fp(2).device_bytes) + whole(fp(4).device_bytes);  // step 2 holds the most
+  EXPECT_EQ(r.peak_device_bytes, r.pinned_device_bytes + held);
+  EXPECT_EQ(r.rounding_bytes,
+            r.peak_device_bytes - fp(0).device_bytes - fp(1).device_bytes - fp(2).device_bytes - fp(4).device_bytes);
+  EXPECT_GT(r.rounding_bytes, 0U);
+
+  // The runtime accepts that budget, and not a granule less.
+  in.options.device.budget = r.peak_device_bytes;
+  const step_stats ran = run_on_the_runtime(in);
+  EXPECT_LE(ran.peak_device_bytes, r.peak_device_bytes);
+  in.options.device.budget = r.peak_device_bytes - 1;
+  expect_error_mentioning<config_error>([&] { static_cast<void>(run_on_the_runtime(in)); }, "in whole granules of 64.0 KiB");
+  expect_error_mentioning<config_error>([&] { static_cast<void>(tools::make_plan(in)); }, "raise [device] budget");
 }
 
 TEST(planner, refuses_what_the_runtime_refuses)

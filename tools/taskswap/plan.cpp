@@ -52,6 +52,14 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
   in.plan_window = static_cast<std::size_t>(cfg.model.plan_window);
   in.plan_margin = static_cast<std::size_t>(multitask::plan_margin(cfg.model, cfg.runtime));
   in.device_memory = device_memory;
+  // The pool's mapping granule: the emulated device's setting, or the CUDA device's (2 MiB on
+  // every GPU CUDA 12 and 13 support, assumed where there is no device to ask).
+  if (cfg.runtime.device.backend == backend_kind::emulated) {
+    in.granule = cfg.runtime.device.emulated.granularity;
+  } else {
+    in.granule = cuda_device_count() > cfg.runtime.device.index ? cuda_device(cfg.runtime.device.index).granularity()
+                                                                : std::size_t{2} << 20U;
+  }
   const multitask::workspace_size w = multitask::model_workspace(cfg.model, steps);
   in.fixed_bytes = w.fixed;
   in.bytes_per_sample = w.per_sample;
@@ -113,6 +121,8 @@ int run_plan(const plan_args& args)
   std::printf("  %-34s %s\n", "budget", b(static_cast<double>(r.budget)).c_str());
   std::printf("  %-34s %s (pinned units %s)\n", "peak device bytes", b(static_cast<double>(r.peak_device_bytes)).c_str(),
               b(static_cast<double>(r.pinned_device_bytes)).c_str());
+  std::printf("  %-34s %s of the peak, in whole granules of %s\n", "granule rounding",
+              b(static_cast<double>(r.rounding_bytes)).c_str(), b(static_cast<double>(r.granule)).c_str());
   std::printf("  %-34s %s\n", "all units resident would need", b(static_cast<double>(r.all_resident_bytes)).c_str());
   std::printf("  %-34s %s\n", "pinned host bytes (home arena)", b(static_cast<double>(r.pinned_host_bytes)).c_str());
   std::printf("  %-34s %s h2d, %s d2h, %.2f swap-ins\n", "moved per step", b(r.h2d_bytes_per_step).c_str(),
@@ -141,6 +151,8 @@ int run_plan(const plan_args& args)
                      {"budget", r.budget},
                      {"peak_device_bytes", r.peak_device_bytes},
                      {"pinned_device_bytes", r.pinned_device_bytes},
+                     {"granule", r.granule},
+                     {"rounding_bytes", r.rounding_bytes},
                      {"all_resident_bytes", r.all_resident_bytes},
                      {"pinned_host_bytes", r.pinned_host_bytes},
                      {"h2d_bytes_per_step", r.h2d_bytes_per_step},

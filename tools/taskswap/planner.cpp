@@ -81,6 +81,14 @@ plan_report make_plan(const plan_input& in)
   r.units = in.units.size();
   r.budget = in.options.device.budget;
   r.steps = in.steps.size();
+  r.granule = in.granule;
+  // As the runtime's pool: whole granules of the budget, each swapped unit in whole granules, the
+  // pinned units packed (256-byte aligned) and then rounded together.
+  const auto taken = [g = in.granule](std::size_t bytes) { return (bytes + g - 1) / g * g; };
+  const std::size_t capacity = r.budget / in.granule * in.granule;
+  std::size_t pinned_packed = 0;
+  std::vector<std::size_t> raw_device;  // per unit, before rounding
+  std::vector<std::size_t> raw_frozen;
   std::vector<planned_unit> units;
   for (const unit_spec& spec : in.units) {
     planned_unit p;
@@ -92,12 +100,18 @@ plan_report make_plan(const plan_input& in)
     p.fp = footprint(spec, p.policy.optimizer);
     r.all_resident_bytes += footprint(spec, optimizer_placement::device).device_bytes;
     r.pinned_host_bytes += p.fp.home_bytes;
+    raw_device.push_back(p.fp.device_bytes);
+    raw_frozen.push_back(p.fp.frozen_device_bytes);
     if (p.pinned()) {
       ++r.pinned_units;
-      r.pinned_device_bytes += p.fp.device_bytes;
+      pinned_packed += (p.fp.device_bytes + 255) / 256 * 256;
+    } else {  // from here on, what the unit takes of the budget
+      p.fp.device_bytes = taken(p.fp.device_bytes);
+      p.fp.frozen_device_bytes = taken(p.fp.frozen_device_bytes);
     }
     units.push_back(std::move(p));
   }
+  r.pinned_device_bytes = taken(pinned_packed);
   r.pinned_host_bytes = (r.pinned_host_bytes + page - 1) / page * page;
   if (!in.frozen.empty() && in.frozen.size() != in.steps.size()) {
     throw config_error("the plan has " + std::to_string(in.steps.size()) + " steps but frozen uses for " +
@@ -116,12 +130,12 @@ plan_report make_plan(const plan_input& in)
   }
 
   // What the runtime refuses at registration and at plan().
-  if (r.pinned_device_bytes > r.budget) {
+  if (r.pinned_device_bytes > capacity) {
     throw config_error("the pinned units need " + bytes_text(static_cast<double>(r.pinned_device_bytes)) +
                        " of device memory but the budget is " + bytes_text(static_cast<double>(r.budget)) +
                        "; raise [device] budget or pin fewer units");
   }
-  const std::size_t room = r.budget - r.pinned_device_bytes;
+  const std::size_t room = capacity - r.pinned_device_bytes;
   for (std::size_t i = 0; i < units.size(); ++i) {
     if (!units[i].pinned() && units[i].fp.device_bytes > room) {
       throw config_error("unit '" + in.units[i].name + "' needs " + bytes_text(static_cast<double>(units[i].fp.device_bytes)) +
@@ -131,18 +145,30 @@ plan_report make_plan(const plan_input& in)
     }
   }
   std::size_t most_held = 0;
+  std::size_t most_held_raw = 0;  // the same units' slabs, before rounding
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
     std::size_t held = 0;
-    for (std::size_t u : in.steps[s]) { held += units[u].pinned() ? 0 : units[u].fp.device_bytes; }
-    for (std::size_t u : frozen_of(s)) { held += units[u].pinned() ? 0 : units[u].fp.frozen_device_bytes; }
+    std::size_t raw = 0;
+    for (std::size_t u : in.steps[s]) {
+      held += units[u].pinned() ? 0 : units[u].fp.device_bytes;
+      raw += units[u].pinned() ? 0 : raw_device[u];
+    }
+    for (std::size_t u : frozen_of(s)) {
+      held += units[u].pinned() ? 0 : units[u].fp.frozen_device_bytes;
+      raw += units[u].pinned() ? 0 : raw_frozen[u];
+    }
     if (held > room) {
       throw config_error("plan step " + std::to_string(s) + ": the units held at once need " +
                          bytes_text(static_cast<double>(r.pinned_device_bytes + held)) + " of a " +
                          bytes_text(static_cast<double>(r.budget)) + " budget; raise [device] budget");
     }
-    most_held = std::max(most_held, held);
+    if (held > most_held || (held == most_held && raw > most_held_raw)) {
+      most_held = held;
+      most_held_raw = raw;
+    }
   }
   r.peak_device_bytes = r.pinned_device_bytes + most_held;
+  r.rounding_bytes = r.peak_device_bytes - pinned_packed - most_held_raw;
 
   // Replay: Belady over the swapped units in the room the pinned ones leave, seeing only the
   // steps planned so far (the runtime knows nothing beyond), least recently used among equals.

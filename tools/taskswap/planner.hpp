@@ -29,6 +29,7 @@ struct plan_input {
   std::size_t plan_window = 0;                  ///< the trainer plans this many steps at a time (0: all at once)
   std::size_t plan_margin = 0;                  ///< … the next window when this many planned steps remain
   std::size_t device_memory = 0;                ///< the device bytes the budget and activations share (0: unknown)
+  std::size_t granule = 256;                    ///< the device pool maps whole granules of this many bytes
   double link_bytes_per_second = 0;             ///< 0: unknown
   std::string link_source;                      ///< where the rate came from
   std::size_t fixed_bytes = 0;                  ///< trainer's device bytes beside the budget, whatever the batch
@@ -41,6 +42,8 @@ struct plan_report {
   std::size_t budget = 0;
   std::size_t pinned_device_bytes = 0;
   std::size_t peak_device_bytes = 0;     ///< pinned + the most held at once: the least budget the plan runs in
+  std::size_t granule = 0;               ///< the device pool's mapping granule
+  std::size_t rounding_bytes = 0;        ///< of peak_device_bytes, what whole granules add to the slabs
   std::size_t all_resident_bytes = 0;    ///< every unit resident with its AdamW on the device
   std::size_t pinned_host_bytes = 0;     ///< the home arena (page-rounded)
   std::size_t steps = 0;
