@@ -49,23 +49,21 @@ void granule_runs::take(granule_run r)
   if (r.first + r.count < first + count) { insert(r.first + r.count, first + count - r.first - r.count); }
 }
 
-std::vector<granule_run> granule_runs::take(std::size_t count)
+void granule_runs::take(std::size_t count, std::vector<granule_run>& into)
 {
-  std::vector<granule_run> runs;
-  if (count == 0) { return runs; }
+  if (count == 0) { return; }
   if (const auto fit = by_size_.lower_bound({count, 0}); fit != by_size_.end()) {
-    runs.push_back({fit->second, count});
-    take(runs.back());
-    return runs;
+    into.push_back({fit->second, count});
+    take(into.back());
+    return;
   }
   while (count > 0) {
     const auto largest = std::prev(by_size_.end());
     const granule_run r{largest->second, std::min(count, largest->first)};
     take(r);
-    runs.push_back(r);
+    into.push_back(r);
     count -= r.count;
   }
-  return runs;
 }
 
 void granule_runs::give(granule_run r)
@@ -176,7 +174,8 @@ device_span device_pool::place_pinned(std::size_t bytes)
   if (need > pinned_granules_) {
     const std::size_t more = need - pinned_granules_;
     if (more > free_.free()) { throw_full(bytes, "a pinned range"); }
-    const std::vector<granule_run> runs = free_.take(more);
+    std::vector<granule_run> runs;
+    free_.take(more, runs);
     std::size_t mapped = pinned_granules_;
     try {
       for (const granule_run r : runs) {
@@ -248,41 +247,47 @@ device_span device_pool::map_locked(slot_state& s, std::size_t bytes, const std:
   const std::size_t need = (bytes + granule_ - 1) / granule_;
   // The granules still mapped here, as far as the request reaches: all free, they are taken back
   // with no mapping call; otherwise the slot moves to other granules.
-  std::vector<granule_run> prefix;
-  std::size_t covered = 0;
-  for (const granule_run r : s.mapped) {
-    if (covered >= need) { break; }
-    prefix.push_back({r.first, std::min(r.count, need - covered)});
-    covered += prefix.back().count;
-  }
-  if (!std::all_of(prefix.begin(), prefix.end(), [&](granule_run r) { return free_.is_free(r); })) {
+  const auto for_prefix = [&](auto&& visit) {
+    std::size_t covered = 0;
+    for (const granule_run r : s.mapped) {
+      if (covered >= need) { break; }
+      const granule_run part{r.first, std::min(r.count, need - covered)};
+      if (!visit(part)) { return false; }
+      covered += part.count;
+    }
+    return true;
+  };
+  if (for_prefix([&](granule_run part) { return free_.is_free(part); })) {
+    for_prefix([&](granule_run part) {
+      free_.take(part);
+      s.owned += part.count;
+      return true;
+    });
+  } else {
     if (dev_.backend().vm_maps_memory()) {
       quiesce();
       unmap_all(s);
     } else {
       s.mapped.clear();  // nothing is mapped where each range keeps its own bytes
     }
-    prefix.clear();
-    covered = 0;
   }
-  for (const granule_run r : prefix) { free_.take(r); }
-  s.owned = covered;
-  if (covered < need) {
+  if (s.owned < need) {
     // Past the granules mapped here (all of them reused) the addresses are unmapped: map new ones.
-    std::size_t mapped = covered;
-    const std::vector<granule_run> runs = free_.take(need - covered);
-    std::size_t done = 0;
-    try {
-      for (; done < runs.size(); ++done) {
-        dev_.backend().vm_map(s.address + mapped * granule_, physical_, runs[done].first, runs[done].count);
-        s.mapped.push_back(runs[done]);
-        mapped += runs[done].count;
+    const std::size_t first_new = s.mapped.size();
+    free_.take(need - s.owned, s.mapped);
+    std::size_t at = s.owned;
+    for (std::size_t i = first_new; i < s.mapped.size(); ++i) {
+      const granule_run r = s.mapped[i];
+      try {
+        dev_.backend().vm_map(s.address + at * granule_, physical_, r.first, r.count);
+      } catch (...) {
+        for (std::size_t j = i; j < s.mapped.size(); ++j) { free_.give(s.mapped[j]); }
+        s.mapped.resize(i);
+        s.owned = at;
+        give_from(s, 0);  // what was taken and mapped stays mapped here, free
+        throw;
       }
-    } catch (...) {
-      for (std::size_t i = done; i < runs.size(); ++i) { free_.give(runs[i]); }
-      s.owned = mapped;
-      give_from(s, 0);  // what was taken and mapped stays mapped here, free
-      throw;
+      at += r.count;
     }
     s.owned = need;
   }

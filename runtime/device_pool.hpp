@@ -57,7 +57,7 @@ class granule_runs {
   [[nodiscard]] std::size_t free() const noexcept { return free_; }
   [[nodiscard]] bool is_free(granule_run r) const;
   void take(granule_run r);  // r must be free
-  [[nodiscard]] std::vector<granule_run> take(std::size_t count);  // count must be at most free()
+  void take(std::size_t count, std::vector<granule_run>& into);  // count must be at most free()
   void give(granule_run r);
 
  private:
