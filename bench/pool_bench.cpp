@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The device pool against the contiguous pool it replaced, on the same swapping sequence.
 //
-// device_pool_swap/{granule}: 64 units of sizes spread log-uniformly over three orders of magnitude
+// device_pool_swap/{granule, 0 for CUDA}: 64 units of sizes spread log-uniformly over three orders of magnitude
 // (1 KiB to 1 MiB) take turns in a budget that holds about a quarter of them, round robin with a
 // seeded shuffle: each turn evicts the least recently placed units until the next one fits, then
 // places it. Timed: the host time per placement, evictions included.
@@ -84,9 +84,14 @@ double run_turns(const workload& w, Place place, Evict evict, std::size_t& evict
 
 void device_pool_swap(benchmark::State& state)
 {
-  const auto granule = static_cast<std::size_t>(state.range(0));
+  const bool cuda = state.range(0) == 0;
+  if (cuda && cuda_device_count() == 0) {
+    state.SkipWithError("no CUDA device");
+    return;
+  }
+  const std::size_t granule = cuda ? cuda_device(0).granularity() : static_cast<std::size_t>(state.range(0));
   const workload w = make_workload(granule);
-  const device dev = emulated_device({.memory_bytes = 2 * w.budget, .link = {}, .granularity = granule});
+  const device dev = cuda ? cuda_device(0) : emulated_device({.memory_bytes = 2 * w.budget, .link = {}, .granularity = granule});
 
   detail::device_pool pool(dev, w.budget);
   std::vector<detail::device_pool::slot_id> slots;
@@ -128,4 +133,5 @@ void device_pool_swap(benchmark::State& state)
 
 }  // namespace
 
-BENCHMARK(device_pool_swap)->Arg(256)->Arg(4096)->Arg(64 << 10)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.5);
+// Emulated at 256 B, 4 KiB and 64 KiB granules; 0: the CUDA device at its own granule (skipped without one).
+BENCHMARK(device_pool_swap)->Arg(256)->Arg(4096)->Arg(64 << 10)->Arg(0)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.5);
