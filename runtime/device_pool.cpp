@@ -130,22 +130,33 @@ device_pool::~device_pool()
   } catch (const error& e) {  // a faulted device: its queued work was abandoned
     std::fprintf(stderr, "taskswap: device pool teardown: %s\n", e.what());
   }
-  try {
-    for (slot_state& s : slots_) {
-      if (s.address == nullptr) { continue; }  // removed
+  // A range still mapped after a failure is left reserved (and its memory held): freeing either
+  // under a live mapping is undefined.
+  bool all_unmapped = true;
+  const auto report = [&](const error& e) {
+    all_unmapped = false;
+    std::fprintf(stderr, "taskswap: device pool teardown: %s\n", e.what());
+  };
+  for (slot_state& s : slots_) {
+    if (s.address == nullptr) { continue; }  // removed
+    try {
       unmap_all(s);
       b.vm_free(s.address, s.max_granules * granule_);
+    } catch (const error& e) {
+      report(e);
     }
+  }
+  try {
     std::size_t at = 0;
     for (const granule_run r : pinned_mapped_) {
       b.vm_unmap(pinned_address_ + at * granule_, r.count);
       at += r.count;
     }
+    b.vm_free(pinned_address_, granules_ * granule_);
   } catch (const error& e) {
-    std::fprintf(stderr, "taskswap: device pool teardown: %s\n", e.what());
+    report(e);
   }
-  b.vm_free(pinned_address_, granules_ * granule_);
-  b.vm_release(physical_, granules_);
+  if (all_unmapped) { b.vm_release(physical_, granules_); }
 }
 
 std::size_t device_pool::free() const
@@ -184,10 +195,15 @@ device_span device_pool::place_pinned(std::size_t bytes)
         mapped += r.count;
       }
     } catch (...) {
-      for (std::size_t i = pinned_mapped_.size(); i-- > 0 && mapped > pinned_granules_;) {  // undo this call's runs
-        mapped -= pinned_mapped_[i].count;
-        dev_.backend().vm_unmap(pinned_address_ + mapped * granule_, pinned_mapped_[i].count);
-        pinned_mapped_.pop_back();
+      // Undo this call: what it mapped is unmapped (as far as that works) and every run it took is free.
+      try {
+        while (mapped > pinned_granules_) {
+          mapped -= pinned_mapped_.back().count;
+          dev_.backend().vm_unmap(pinned_address_ + mapped * granule_, pinned_mapped_.back().count);
+          pinned_mapped_.pop_back();
+        }
+      } catch (const error& e) {
+        std::fprintf(stderr, "taskswap: device pool: undoing a pinned mapping: %s\n", e.what());
       }
       for (const granule_run r : runs) { free_.give(r); }
       throw;
@@ -218,14 +234,17 @@ device_pool::slot_state& device_pool::live_slot(slot_id slot, const char* call)
   return slots_[slot];
 }
 
+// From the end, so that after a failure the list still names exactly what is mapped.
 void device_pool::unmap_all(slot_state& s)
 {
-  std::size_t at = 0;
-  for (const granule_run r : s.mapped) {
-    dev_.backend().vm_unmap(s.address + at * granule_, r.count);
-    at += r.count;
+  std::size_t end = 0;
+  for (const granule_run r : s.mapped) { end += r.count; }
+  while (!s.mapped.empty()) {
+    const granule_run r = s.mapped.back();
+    dev_.backend().vm_unmap(s.address + (end - r.count) * granule_, r.count);
+    end -= r.count;
+    s.mapped.pop_back();
   }
-  s.mapped.clear();
 }
 
 // Frees the slot's own granules from `from_granule` on; they stay mapped there.

@@ -3,9 +3,12 @@
 
 #include "runtime/runtime_impl.hpp"
 
+#include "device/backend.hpp"
 #include "kernels/kernels.hpp"
 
 #include <algorithm>
+#include <chrono>
+#include <utility>
 
 namespace taskswap {
 
@@ -153,16 +156,30 @@ std::string runtime::impl::granule_note() const
                                            : std::string();
 }
 
-// The slot moves to other granules only after its previous users are done (a host wait, rarely
-// more than a query: the unit left the device at least one swap earlier).
+// The slot moves to other granules only after its previous users are done: a host wait, rarely
+// more than a query (the unit left the device at least one swap earlier), bounded by
+// [runtime] timeout as every other wait of the runtime is. One thread uses the pool, so holding
+// its lock meanwhile stops nobody.
 device_span runtime::impl::map_slot(unit_record& r, std::size_t bytes)
 {
-  return pool_->map(r.pool_slot, bytes, [&r] {
-    for (const event* e : {&r.arrived, &r.released}) {
-      if (e->recorded()) { e->synchronize(); }
-    }
-    for (const std::optional<event>* e : {&r.written_back, &r.grads_copied, &r.grads_ready_event, &r.grads_done}) {
-      if (*e && (*e)->recorded()) { (*e)->synchronize(); }
+  return pool_->map(r.pool_slot, bytes, [&] {
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    const auto wait = [&](const event& e, const char* what) {
+      if (!e.recorded() || e.query()) { return; }
+      const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
+      if (!e.synchronize_for(left)) {
+        const timeout_error error(detail::message(
+          "moving '", r.name, "' to other device memory: its previous use (", what, ") has not finished within ",
+          options_.timeout.count(), " ms ([runtime] timeout); the trainer's stream or a copy is stalled"));
+        device_.backend().abandon_work(std::make_exception_ptr(error));
+        throw error;
+      }
+    };
+    wait(r.arrived, "swap-in");
+    wait(r.released, "release");
+    for (const auto& [e, what] : {std::pair{&r.written_back, "write-back"}, std::pair{&r.grads_copied, "gradients home"},
+                                  std::pair{&r.grads_ready_event, "gradients ready"}, std::pair{&r.grads_done, "reduction"}}) {
+      if (*e) { wait(**e, what); }
     }
   });
 }

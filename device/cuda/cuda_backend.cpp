@@ -88,6 +88,8 @@ struct driver_vm {
   CUresult (*map)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, unsigned long long) = nullptr;
   CUresult (*set_access)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
   CUresult (*unmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*device_get)(CUdevice*, int) = nullptr;
+  CUresult (*attribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
 
   static const driver_vm& get()
   {
@@ -98,8 +100,8 @@ struct driver_vm {
         cudaDriverEntryPointQueryResult found{};
         TASKSWAP_CUDA_TRY(cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &found));
         if (found != cudaDriverEntryPointSuccess || p == nullptr) {
-          throw cuda_error(message("the CUDA driver has no ", symbol, "; the device pool needs virtual memory "
-                                   "management (CUDA 12 or later)"));
+          throw cuda_error(message("the CUDA driver has no ", symbol, "; the device pool needs a driver with "
+                                   "virtual memory management (CUDA 12 or later)"));
         }
         fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);  // NOLINT: the driver's own type
       };
@@ -112,18 +114,29 @@ struct driver_vm {
       find("cuMemMap", d.map);
       find("cuMemSetAccess", d.set_access);
       find("cuMemUnmap", d.unmap);
+      find("cuDeviceGet", d.device_get);
+      find("cuDeviceGetAttribute", d.attribute);
       return d;
     }();
     return vm;
   }
 
-  void check(CUresult status, const char* call, const std::string& what) const
+  // `what` says what was being done; a callable is called only on failure (no text is built per
+  // granule on the mapping path).
+  template <typename What>
+  void check(CUresult status, const char* call, const What& what) const
   {
-    if (status == CUDA_SUCCESS) { return; }
+    if (status == CUDA_SUCCESS) [[likely]] { return; }
     const char* name = "unknown";
     static_cast<void>(get_error_name(status, &name));
-    if (status == CUDA_ERROR_OUT_OF_MEMORY) { throw out_of_memory(message(what, ": ", call, " failed: ", name), 0, 0, 0); }
-    throw cuda_error(message("taskswap: CUDA driver call ", call, " failed (", what, "): ", name));
+    std::string context;
+    if constexpr (std::is_invocable_v<What>) {
+      context = what();
+    } else {
+      context = what;
+    }
+    if (status == CUDA_ERROR_OUT_OF_MEMORY) { throw out_of_memory(message(context, ": ", call, " failed: ", name), 0, 0, 0); }
+    throw cuda_error(message("taskswap: CUDA driver call ", call, " failed (", context, "): ", name));
   }
 };
 
@@ -234,6 +247,15 @@ class cuda_backend final : public backend {
     const std::lock_guard lock(vm_mutex_);
     if (granularity_ == 0) {
       const driver_vm& vm = driver_vm::get();
+      CUdevice dev = 0;
+      int supported = 0;
+      TASKSWAP_CU_TRY(vm, vm.device_get(&dev, index_), message("cuda:", index_));
+      TASKSWAP_CU_TRY(vm, vm.attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
+                      message("cuda:", index_));
+      if (supported == 0) {
+        throw cuda_error(message("cuda:", index_, " does not support virtual memory management, which the device pool "
+                                 "maps units with (DESIGN invariant 9); use a GPU and driver that do"));
+      }
       const CUmemAllocationProp prop = device_memory_on(index_);
       std::size_t g = 0;
       TASKSWAP_CU_TRY(vm, vm.granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM), message("cuda:", index_));
@@ -253,7 +275,7 @@ class cuda_backend final : public backend {
     try {
       for (std::size_t i = 0; i < granules; ++i) {
         CUmemGenericAllocationHandle h{};
-        TASKSWAP_CU_TRY(vm, vm.create(&h, g, &prop, 0), message("cuda:", index_, ": granule ", i, " of ", granules));
+        TASKSWAP_CU_TRY(vm, vm.create(&h, g, &prop, 0), [&] { return message("cuda:", index_, ": granule ", i, " of ", granules); });
         handles->push_back(h);
       }
     } catch (const out_of_memory&) {
@@ -313,13 +335,13 @@ class cuda_backend final : public backend {
     try {
       for (; mapped < count; ++mapped) {
         TASKSWAP_CU_TRY(vm, vm.map(base + mapped * g, g, 0, handles[first + mapped], 0),
-                        message("cuda:", index_, ": mapping granule ", first + mapped));
+                        [&] { return message("cuda:", index_, ": mapping granule ", first + mapped); });
       }
       CUmemAccessDesc access{};
       access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
       access.location.id = index_;
       access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      TASKSWAP_CU_TRY(vm, vm.set_access(base, count * g, &access, 1), message("cuda:", index_, ": granting access"));
+      TASKSWAP_CU_TRY(vm, vm.set_access(base, count * g, &access, 1), [&] { return message("cuda:", index_, ": granting access"); });
     } catch (...) {
       for (std::size_t i = 0; i < mapped; ++i) { static_cast<void>(vm.unmap(base + i * g, g)); }
       throw;
@@ -332,7 +354,7 @@ class cuda_backend final : public backend {
     const std::size_t g = vm_granularity();
     const auto base = reinterpret_cast<CUdeviceptr>(va);  // NOLINT: a device address
     for (std::size_t i = 0; i < count; ++i) {  // as mapped: one granule at a time
-      TASKSWAP_CU_TRY(vm, vm.unmap(base + i * g, g), message("cuda:", index_, ": unmapping"));
+      TASKSWAP_CU_TRY(vm, vm.unmap(base + i * g, g), [&] { return message("cuda:", index_, ": unmapping"); });
     }
   }
 

@@ -16,6 +16,7 @@
 
 #include <cerrno>
 #include <sys/mman.h>
+#include <fcntl.h>
 #include <unistd.h>
 
 #if defined(__linux__)
@@ -309,17 +310,28 @@ void emulated_backend::deallocate(std::byte* p, std::size_t bytes) noexcept
 // of part of it, so ranges alias granules as CUDA's do. Below a page nothing can be mapped: each
 // range is anonymous memory of its own and the granules are only counted.
 
-bool emulated_backend::maps_pages() const noexcept
-{
-  return options_.granularity % static_cast<std::size_t>(host_page) == 0;
-}
-
 namespace {
 
-[[noreturn]] void throw_errno(const std::string& what)
+std::size_t host_page_size() noexcept
 {
-  throw device_error(message(what, ": ", std::strerror(errno)));
+  static const std::size_t page = [] {
+    const long p = ::sysconf(_SC_PAGESIZE);
+    return p > 0 ? static_cast<std::size_t>(p) : std::size_t{4096};
+  }();
+  return page;
 }
+
+// `error` is errno as the failed call left it (building the message may change errno).
+[[noreturn]] void throw_errno(int error, const std::string& what)
+{
+  throw device_error(message(what, ": ", std::strerror(error)));
+}
+
+}  // namespace
+
+bool emulated_backend::maps_pages() const noexcept { return options_.granularity % host_page_size() == 0; }
+
+namespace {
 
 struct emulated_physical {
   int fd = -1;  // -1: counted only
@@ -333,13 +345,22 @@ void* emulated_backend::vm_create(std::size_t granules)
   take_memory(bytes);
   auto physical = std::make_unique<emulated_physical>();
   if (maps_pages()) {
+    // Backed now, as cudaMalloc and allocate() are: a host that cannot hold it fails here, not
+    // with SIGBUS inside a copy, and no page fault lands in a timed copy.
     physical->fd = ::memfd_create("taskswap-emulated-device", MFD_CLOEXEC);
-    if (physical->fd < 0 || ::ftruncate(physical->fd, static_cast<off_t>(bytes)) != 0) {
-      const int error = errno;
+    int error = physical->fd < 0 ? errno : ::posix_fallocate(physical->fd, 0, static_cast<off_t>(bytes));
+    if (error == EOPNOTSUPP || error == EINVAL) {  // no fallocate on this file system: size it instead
+      error = ::ftruncate(physical->fd, static_cast<off_t>(bytes)) == 0 ? 0 : errno;
+    }
+    if (error != 0) {
       if (physical->fd >= 0) { ::close(physical->fd); }
       give_memory(bytes);
-      errno = error;
-      throw_errno(message("emulated:", index_, ": a memory file of ", bytes_text(bytes), " for device memory"));
+      if (error == ENOSPC || error == ENOMEM) {
+        throw out_of_memory(message("emulated:", index_, ": the host could not provide ", bytes_text(bytes),
+                                    " to stand for device memory"),
+                            bytes, 0, options_.memory_bytes);
+      }
+      throw_errno(error, message("emulated:", index_, ": a memory file of ", bytes_text(bytes), " for device memory"));
     }
   }
   return physical.release();
@@ -361,7 +382,7 @@ std::byte* emulated_backend::vm_reserve(std::size_t bytes)
   // Below a page a range holds its own bytes, so it is readable and writable from the start.
   const int protection = maps_pages() ? PROT_NONE : PROT_READ | PROT_WRITE;
   void* va = ::mmap(nullptr, bytes, protection, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (va == MAP_FAILED) { throw_errno(message("emulated:", index_, ": reserving ", bytes_text(bytes), " of addresses")); }
+  if (va == MAP_FAILED) { throw_errno(errno, message("emulated:", index_, ": reserving ", bytes_text(bytes), " of addresses")); }
   return static_cast<std::byte*>(va);
 }
 
@@ -375,7 +396,7 @@ void emulated_backend::vm_map(std::byte* va, void* physical, std::size_t first, 
   const std::size_t g = options_.granularity;
   if (::mmap(va, count * g, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, static_cast<off_t>(first * g)) ==
       MAP_FAILED) {
-    throw_errno(message("emulated:", index_, ": mapping ", count, " granules at ", static_cast<void*>(va)));
+    throw_errno(errno, message("emulated:", index_, ": mapping ", count, " granules at ", static_cast<void*>(va)));
   }
 }
 
@@ -384,7 +405,7 @@ void emulated_backend::vm_unmap(std::byte* va, std::size_t count)
   if (!maps_pages()) { return; }
   if (::mmap(va, count * options_.granularity, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1,
              0) == MAP_FAILED) {
-    throw_errno(message("emulated:", index_, ": unmapping ", count, " granules at ", static_cast<void*>(va)));
+    throw_errno(errno, message("emulated:", index_, ": unmapping ", count, " granules at ", static_cast<void*>(va)));
   }
 }
 
