@@ -43,7 +43,9 @@ def main() -> int:
 
     ddp_state = model_state(train_torch(fresh(model), sched, rank, wrap=wrap))
 
-    rt = train_taskswap(fresh(model), sched, config(f"{12 + 2 * world} KiB", average="world"), comm=tt.mpi(), rank=rank)
+    # At -np 3 this budget (17 KiB) once passed the plan check and then failed an acquire with
+    # OutOfMemory: the contiguous pool's free room had split. The granule pool cannot (issue 19).
+    rt = train_taskswap(fresh(model), sched, config(f"{11 + 2 * world} KiB", average="world"), comm=tt.mpi(), rank=rank)
     ts_state = rt.state_dict()
     ts_bytes = rt.stats().total.reduced_bytes
     assert rt.world_size == world and rt.rank == rank
