@@ -238,10 +238,12 @@ taskswap::runtime_options all_resident(const taskswap::runtime_options& options,
   taskswap::runtime_options o = options;
   o.defaults = {.residency = taskswap::residency::pinned, .lookahead = 0, .optimizer = taskswap::optimizer_placement::device};
   o.units.clear();
-  o.device.budget = 0;
+  // Every unit pinned: packed one after another (256-byte aligned), in whole granules of the pool.
+  std::size_t packed = 0;
   for (const taskswap::unit_spec& u : units) {
-    o.device.budget += taskswap::footprint(u, taskswap::optimizer_placement::device).device_bytes;
+    packed += round_up(taskswap::footprint(u, taskswap::optimizer_placement::device).device_bytes, 256);
   }
+  o.device.budget = round_up(packed, taskswap::make_device(o.device).granularity());
   return o;
 }
 

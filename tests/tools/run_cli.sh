@@ -24,6 +24,11 @@ plan)
   [ "$(json "$work/plan.json" "d['transfer_ms_per_step'] > 0 and d['link_source'] == '[device] link_bandwidth'")" = True ] || fail "link"
   "$taskswap" plan "$configs/emulated.toml" --link-rate "1 GiB/s" --bytes-per-sample "1 MiB" --json "$work/given.json" >/dev/null || fail "plan with given rate"
   [ "$(json "$work/given.json" "d['link_bytes_per_second'] == 1073741824 and d['bytes_per_sample'] == 1048576")" = True ] || fail "given rate"
+  # Whole granules: the peak counts them and the rounding is reported.
+  sed 's/^budget = .*/budget = "4 MiB"\ngranularity = "64 KiB"/' "$configs/emulated.toml" > "$work/granule.toml"
+  "$taskswap" plan "$work/granule.toml" --json "$work/granule.json" > "$work/granule.txt" || fail "plan at 64 KiB granules"
+  grep -q "granule rounding .* in whole granules of 64.0 KiB" "$work/granule.txt" || fail "no rounding line"
+  [ "$(json "$work/granule.json" "d['granule'] == 65536 and d['rounding_bytes'] > 0 and d['peak_device_bytes'] % 65536 == 0")" = True ] || fail "granule json"
   ;;
 probe)
   "$taskswap" probe --emulated --size "8 MiB" --repeats 2 --json "$work/probe.json" || fail "probe failed"
@@ -34,6 +39,10 @@ headroom)
   [ "$(json "$work/headroom.json" "d['max_batch_taskswap'] > d['max_batch_resident'] > 0")" = True ] || fail "taskswap's batch is not larger"
   [ "$(json "$work/headroom.json" "abs(d['predicted_max_batch_taskswap'] - d['max_batch_taskswap']) <= 0.05 * d['max_batch_taskswap']")" = True ] || fail "prediction off by more than 5 %"
   [ "$(json "$work/headroom.json" "d['step_time_ratio'] > 0")" = True ] || fail "step_time_ratio"
+  # With 64 KiB granules the prediction still holds: the planner counts them as the pool does.
+  sed 's/^budget = .*/budget = "1 MiB"\ngranularity = "64 KiB"/' "$configs/../../tests/tools/headroom-small.toml" > "$work/granule.toml"
+  "$taskswap" headroom "$work/granule.toml" --json "$work/granule.json" --rounds 1 --steps 4 > /dev/null || fail "headroom at 64 KiB granules"
+  [ "$(json "$work/granule.json" "abs(d['predicted_max_batch_taskswap'] - d['max_batch_taskswap']) <= 0.05 * d['max_batch_taskswap']")" = True ] || fail "prediction at 64 KiB granules off by more than 5 %"
   python3 -c "import json; t=json.load(open('$work/trace.json')); assert any('swap-in' in e.get('name','') for e in t['traceEvents'])" || fail "trace"
   ;;
 errors)

@@ -98,7 +98,7 @@ plan_report make_plan(const plan_input& in)
                          " is negative; use 0 or more");
     }
     p.fp = footprint(spec, p.policy.optimizer);
-    r.all_resident_bytes += footprint(spec, optimizer_placement::device).device_bytes;
+    r.all_resident_bytes += (footprint(spec, optimizer_placement::device).device_bytes + 255) / 256 * 256;
     r.pinned_host_bytes += p.fp.home_bytes;
     raw_device.push_back(p.fp.device_bytes);
     raw_frozen.push_back(p.fp.frozen_device_bytes);
@@ -112,6 +112,7 @@ plan_report make_plan(const plan_input& in)
     units.push_back(std::move(p));
   }
   r.pinned_device_bytes = taken(pinned_packed);
+  r.all_resident_bytes = taken(r.all_resident_bytes);  // all pinned: packed, then whole granules
   r.pinned_host_bytes = (r.pinned_host_bytes + page - 1) / page * page;
   if (!in.frozen.empty() && in.frozen.size() != in.steps.size()) {
     throw config_error("the plan has " + std::to_string(in.steps.size()) + " steps but frozen uses for " +
