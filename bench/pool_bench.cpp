@@ -96,7 +96,7 @@ void device_pool_swap(benchmark::State& state)
   detail::device_pool pool(dev, w.budget);
   std::vector<detail::device_pool::slot_id> slots;
   for (const std::size_t bytes : w.sizes) { slots.push_back(pool.add_slot(bytes)); }
-  const auto quiesce = [] {};  // nothing runs on the device here
+  const auto quiesce = [](detail::device_pool::slot_id) {};  // nothing runs on the device here
   device_buffer region(dev, w.budget);
   detail::best_fit_ranges ranges(w.budget, reinterpret_cast<std::uintptr_t>(region.data()));  // NOLINT: alignment
   std::vector<std::size_t> offsets(w.sizes.size());

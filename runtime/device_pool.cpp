@@ -138,10 +138,18 @@ device_pool::~device_pool()
     std::fprintf(stderr, "taskswap: device pool teardown: %s\n", e.what());
   };
   for (slot_state& s : slots_) {
-    if (s.address == nullptr) { continue; }  // removed
+    if (s.address == nullptr) { continue; }  // removed, or packed
     try {
       unmap_all(s);
       b.vm_free(s.address, s.max_granules * granule_);
+    } catch (const error& e) {
+      report(e);
+    }
+  }
+  for (class_granule& cg : shared_) {
+    try {
+      if (cg.mapped) { b.vm_unmap(cg.address, 1); }
+      b.vm_free(cg.address, granule_);
     } catch (const error& e) {
       report(e);
     }
@@ -220,16 +228,51 @@ device_span device_pool::place_pinned(std::size_t bytes)
 device_pool::slot_id device_pool::add_slot(std::size_t max_bytes)
 {
   TASKSWAP_EXPECTS(max_bytes > 0, "device pool slot of 0 bytes");
+  if (packs(max_bytes)) {
+    const std::lock_guard lock(mutex_);
+    slot_state s;
+    s.size_class = class_of(max_bytes);
+    slots_.push_back(s);
+    return static_cast<slot_id>(slots_.size() - 1);
+  }
   const std::size_t granules = (max_bytes + granule_ - 1) / granule_;
   std::byte* address = dev_.backend().vm_reserve(granules * granule_);
   const std::lock_guard lock(mutex_);
-  slots_.push_back({address, granules, {}, 0, 0, false});
+  slot_state s;
+  s.address = address;
+  s.max_granules = granules;
+  slots_.push_back(s);
   return static_cast<slot_id>(slots_.size() - 1);
+}
+
+// The class of a packed slot: the most places of a granule (256-byte aligned) that hold it.
+std::uint32_t device_pool::class_of(std::size_t bytes)
+{
+  const std::size_t per_granule = granule_ / round256(bytes);
+  const std::size_t place = granule_ / per_granule / 256 * 256;
+  for (std::size_t i = 0; i < classes_.size(); ++i) {
+    if (classes_[i].place_bytes == place) { return static_cast<std::uint32_t>(i); }
+  }
+  classes_.push_back({place, {}});
+  return static_cast<std::uint32_t>(classes_.size() - 1);
+}
+
+// The fullest class granule with a free place: packing tight leaves other granules to empty.
+std::uint32_t device_pool::open_place(const size_class& c) const
+{
+  const std::size_t places = granule_ / c.place_bytes;
+  std::uint32_t best = none;
+  for (const std::uint32_t g : c.granules) {
+    const class_granule& cg = shared_[g];
+    if (cg.taken == 0 || cg.taken == places) { continue; }
+    if (best == none || cg.taken > shared_[best].taken) { best = g; }
+  }
+  return best;
 }
 
 device_pool::slot_state& device_pool::live_slot(slot_id slot, const char* call)
 {
-  TASKSWAP_EXPECTS(slot < slots_.size() && slots_[slot].address != nullptr,
+  TASKSWAP_EXPECTS(slot < slots_.size() && !slots_[slot].removed,
                    message("device pool: ", call, " of slot ", slot, ", which this pool does not have"));
   return slots_[slot];
 }
@@ -261,8 +304,75 @@ void device_pool::give_from(slot_state& s, std::size_t from_granule)
   s.owned = std::min(s.owned, from_granule);
 }
 
-device_span device_pool::map_locked(slot_state& s, std::size_t bytes, const std::function<void()>& quiesce)
+device_span device_pool::map_packed(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce)
 {
+  size_class& c = classes_[s.size_class];
+  const std::size_t places = granule_ / c.place_bytes;
+  std::uint32_t g = open_place(c);
+  if (g == none) {  // an empty class granule, its stale granule still free if one is; else a new one
+    for (const std::uint32_t e : c.granules) {
+      const class_granule& cg = shared_[e];
+      if (cg.taken != 0) { continue; }
+      if (g == none || (cg.mapped && free_.is_free({cg.granule, 1}))) { g = e; }
+    }
+    if (g == none) {
+      class_granule cg;
+      cg.address = dev_.backend().vm_reserve(granule_);
+      cg.places.assign(places, none);
+      shared_.push_back(std::move(cg));
+      g = static_cast<std::uint32_t>(shared_.size() - 1);
+      c.granules.push_back(g);
+    }
+    class_granule& cg = shared_[g];
+    if (cg.mapped && free_.is_free({cg.granule, 1})) {
+      free_.take({cg.granule, 1});
+    } else {
+      if (cg.mapped) {
+        if (dev_.backend().vm_maps_memory()) {
+          for (const slot_id f : cg.former) { quiesce(f); }
+          dev_.backend().vm_unmap(cg.address, 1);
+        }
+        cg.mapped = false;
+      }
+      cg.former.clear();
+      std::vector<granule_run> run;
+      free_.take(1, run);
+      try {
+        dev_.backend().vm_map(cg.address, physical_, run.front().first, 1);
+      } catch (...) {
+        free_.give(run.front());
+        throw;
+      }
+      cg.granule = run.front().first;
+      cg.mapped = true;
+    }
+  }
+  class_granule& cg = shared_[g];
+  const auto place = static_cast<std::uint32_t>(std::find(cg.places.begin(), cg.places.end(), none) - cg.places.begin());
+  cg.places[place] = id;
+  ++cg.taken;
+  if (std::find(cg.former.begin(), cg.former.end(), id) == cg.former.end()) { cg.former.push_back(id); }
+  s.shared = g;
+  s.place = place;
+  s.bytes = bytes;
+  s.live = true;
+  slot_bytes_ += bytes;
+  ++live_slots_;
+  note_peak();
+  return {&dev_.backend(), cg.address + place * c.place_bytes, bytes};
+}
+
+void device_pool::unmap_packed(slot_state& s)
+{
+  class_granule& cg = shared_[s.shared];
+  cg.places[s.place] = none;
+  if (--cg.taken == 0) { free_.give({cg.granule, 1}); }  // it stays mapped there
+  s.shared = none;
+}
+
+device_span device_pool::map_locked(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce)
+{
+  if (s.size_class != none) { return map_packed(id, s, bytes, quiesce); }
   const std::size_t need = (bytes + granule_ - 1) / granule_;
   // The granules still mapped here, as far as the request reaches: all free, they are taken back
   // with no mapping call; otherwise the slot moves to other granules.
@@ -284,7 +394,7 @@ device_span device_pool::map_locked(slot_state& s, std::size_t bytes, const std:
     });
   } else {
     if (dev_.backend().vm_maps_memory()) {
-      quiesce();
+      quiesce(id);
       unmap_all(s);
     } else {
       s.mapped.clear();  // nothing is mapped where each range keeps its own bytes
@@ -318,19 +428,31 @@ device_span device_pool::map_locked(slot_state& s, std::size_t bytes, const std:
   return {&dev_.backend(), s.address, bytes};
 }
 
-std::optional<device_span> device_pool::try_map(slot_id slot, std::size_t bytes, const std::function<void()>& quiesce)
+bool device_pool::fits(slot_id slot, std::size_t bytes) const
+{
+  const std::lock_guard lock(mutex_);
+  TASKSWAP_EXPECTS(slot < slots_.size() && !slots_[slot].removed,
+                   message("device pool: fits of slot ", slot, ", which this pool does not have"));
+  const slot_state& s = slots_[slot];
+  if (s.size_class != none) { return open_place(classes_[s.size_class]) != none || free_.free() >= 1; }
+  return (bytes + granule_ - 1) / granule_ <= free_.free();
+}
+
+std::optional<device_span> device_pool::try_map(slot_id slot, std::size_t bytes, const quiesce_fn& quiesce)
 {
   const std::lock_guard lock(mutex_);
   slot_state& s = live_slot(slot, "map");
   TASKSWAP_EXPECTS(!s.live, message("device pool: slot ", slot, " is mapped already; unmap it first"));
-  TASKSWAP_EXPECTS(bytes > 0 && bytes <= s.max_granules * granule_,
-                   message("device pool: cannot map ", bytes, " bytes at slot ", slot, " of ",
-                           s.max_granules * granule_, " bytes"));
-  if ((bytes + granule_ - 1) / granule_ > free_.free()) { return std::nullopt; }
-  return map_locked(s, bytes, quiesce);
+  const std::size_t max = s.size_class != none ? classes_[s.size_class].place_bytes : s.max_granules * granule_;
+  TASKSWAP_EXPECTS(bytes > 0 && bytes <= max,
+                   message("device pool: cannot map ", bytes, " bytes at slot ", slot, " of ", max, " bytes"));
+  const bool room = s.size_class != none ? open_place(classes_[s.size_class]) != none || free_.free() >= 1
+                                         : (bytes + granule_ - 1) / granule_ <= free_.free();
+  if (!room) { return std::nullopt; }
+  return map_locked(slot, s, bytes, quiesce);
 }
 
-device_span device_pool::map(slot_id slot, std::size_t bytes, const std::function<void()>& quiesce)
+device_span device_pool::map(slot_id slot, std::size_t bytes, const quiesce_fn& quiesce)
 {
   if (auto range = try_map(slot, bytes, quiesce)) { return *range; }
   const std::lock_guard lock(mutex_);
@@ -342,7 +464,11 @@ void device_pool::unmap(slot_id slot)
   const std::lock_guard lock(mutex_);
   slot_state& s = live_slot(slot, "unmap");
   TASKSWAP_EXPECTS(s.live, message("device pool: slot ", slot, " is not mapped"));
-  give_from(s, 0);
+  if (s.size_class != none) {
+    unmap_packed(s);
+  } else {
+    give_from(s, 0);
+  }
   s.live = false;
   slot_bytes_ -= s.bytes;
   --live_slots_;
@@ -353,6 +479,7 @@ device_span device_pool::shrink(slot_id slot, std::size_t bytes)
 {
   const std::lock_guard lock(mutex_);
   slot_state& s = live_slot(slot, "shrink");
+  TASKSWAP_EXPECTS(s.size_class == none, message("device pool: slot ", slot, " is packed; it cannot keep part of its place"));
   TASKSWAP_EXPECTS(s.live && bytes > 0 && bytes < s.bytes,
                    message("device pool: cannot keep ", bytes, " bytes of slot ", slot,
                            s.live ? message(", which maps ", s.bytes) : std::string(", which is not mapped")));
@@ -367,13 +494,20 @@ void device_pool::remove_slot(slot_id slot)
   const std::lock_guard lock(mutex_);
   slot_state& s = live_slot(slot, "remove");
   if (s.live) {
-    give_from(s, 0);
+    if (s.size_class != none) {
+      unmap_packed(s);
+    } else {
+      give_from(s, 0);
+    }
     slot_bytes_ -= s.bytes;
     --live_slots_;
   }
-  unmap_all(s);
-  dev_.backend().vm_free(s.address, s.max_granules * granule_);
+  if (s.address != nullptr) {
+    unmap_all(s);
+    dev_.backend().vm_free(s.address, s.max_granules * granule_);
+  }
   s = slot_state{};
+  s.removed = true;
 }
 
 device_pool_stats device_pool::stats() const

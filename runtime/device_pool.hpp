@@ -16,6 +16,11 @@
 //   mapped at the slot, so mapping it again while they are still free needs no mapping call. Only
 //   when they were taken does the slot move to other granules, after `quiesce` has waited for the
 //   slot's previous users (a granule may stay mapped at several slots; only the owner uses it).
+// - A slot of at most half a granule is packed: it takes a place in a granule shared with slots
+//   of its size class (granule / k bytes, 256-byte aligned, k places per granule). A class granule
+//   is given back when its last place empties, and stays mapped where it was, as a slot does.
+//   Packed slots cost a granule each at most, so a check that charges them a granule is sound;
+//   units resident but not held fill granules k at a time.
 //
 // docs/runtime.md gives the design and why.
 
@@ -93,14 +98,19 @@ class device_pool {
   /// @throws out_of_memory naming the budget and the bytes in use
   [[nodiscard]] device_span place_pinned(std::size_t bytes);
 
-  /// A slot of up to `max_bytes`, unmapped; its address is reserved now.
+  /// Whether a slot of `max_bytes` is packed (at most half a granule).
+  [[nodiscard]] bool packs(std::size_t max_bytes) const noexcept { return round256(max_bytes) * 2 <= granule_; }
+  /// A slot of up to `max_bytes`, unmapped; its address is reserved now (packed: with its granule).
   [[nodiscard]] slot_id add_slot(std::size_t max_bytes);
-  /// Maps `bytes` at the unmapped slot; nothing (and no change) when fewer granules are free.
-  /// `quiesce` runs before the slot's addresses move to other granules: the slot's previous users
-  /// must be done then.
-  [[nodiscard]] std::optional<device_span> try_map(slot_id slot, std::size_t bytes, const std::function<void()>& quiesce);
+  /// Called with each slot whose earlier users must be done before addresses it used move to
+  /// other granules.
+  using quiesce_fn = std::function<void(slot_id)>;
+  /// Whether mapping `bytes` at the unmapped slot would succeed now.
+  [[nodiscard]] bool fits(slot_id slot, std::size_t bytes) const;
+  /// Maps `bytes` at the unmapped slot; nothing (and no change) when it does not fit.
+  [[nodiscard]] std::optional<device_span> try_map(slot_id slot, std::size_t bytes, const quiesce_fn& quiesce);
   /// As try_map(), but out_of_memory naming the budget and the bytes in use.
-  [[nodiscard]] device_span map(slot_id slot, std::size_t bytes, const std::function<void()>& quiesce);
+  [[nodiscard]] device_span map(slot_id slot, std::size_t bytes, const quiesce_fn& quiesce);
   /// Frees the slot's granules. The caller orders their reuse after the slot's last use.
   void unmap(slot_id slot);
   /// Keeps the first `bytes` of the mapped slot and frees the granules past them; returns the
@@ -113,16 +123,40 @@ class device_pool {
   [[nodiscard]] const device& get_device() const noexcept { return dev_; }
 
  private:
+  static constexpr std::uint32_t none = ~std::uint32_t{0};
   struct slot_state {
-    std::byte* address = nullptr;
+    std::byte* address = nullptr;     // packed: nullptr (its place's address while mapped)
     std::size_t max_granules = 0;
     std::vector<granule_run> mapped;  // at address, in order; the first `owned` granules are its own
     std::size_t owned = 0;
     std::size_t bytes = 0;            // asked for by the live mapping
     bool live = false;
+    bool removed = false;
+    std::uint32_t size_class = none;  // packed: its class
+    std::uint32_t shared = none;      // packed and mapped: its class granule ...
+    std::uint32_t place = 0;          // ... and its place there
   };
+  // A granule shared by the packed slots of one class: its addresses reserved once; its physical
+  // granule mapped there while any place is taken, and left mapped (stale) when it empties.
+  struct class_granule {
+    std::byte* address = nullptr;
+    std::size_t granule = 0;            // the physical granule mapped at address
+    bool mapped = false;
+    std::vector<slot_id> places;        // the slot in each place, or none
+    std::size_t taken = 0;              // places taken: while any is, the granule is its own
+    std::vector<slot_id> former;        // slots that used it since it was mapped
+  };
+  struct size_class {
+    std::size_t place_bytes = 0;
+    std::vector<std::uint32_t> granules;  // into shared_
+  };
+  [[nodiscard]] static std::size_t round256(std::size_t bytes) noexcept { return (bytes + 255) / 256 * 256; }
+  [[nodiscard]] std::uint32_t class_of(std::size_t bytes);
+  [[nodiscard]] std::uint32_t open_place(const size_class& c) const;  // a class granule with a free place, or none
   [[noreturn]] void throw_full(std::size_t bytes, const char* what) const;
-  [[nodiscard]] device_span map_locked(slot_state& s, std::size_t bytes, const std::function<void()>& quiesce);
+  [[nodiscard]] device_span map_locked(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce);
+  [[nodiscard]] device_span map_packed(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce);
+  void unmap_packed(slot_state& s);
   void unmap_all(slot_state& s);
   void give_from(slot_state& s, std::size_t from_granule);
   void note_peak();
@@ -144,6 +178,8 @@ class device_pool {
   std::size_t pinned_ranges_ = 0;
   std::size_t pinned_asked_ = 0;   // bytes asked for
   std::vector<slot_state> slots_;
+  std::vector<size_class> classes_;
+  std::vector<class_granule> shared_;
   std::size_t slot_bytes_ = 0;  // asked for by the mapped slots
   std::size_t live_slots_ = 0;
 };

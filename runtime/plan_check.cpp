@@ -69,8 +69,9 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
     // A frozen use takes the parameters alone, unless other ranks train the unit in the step.
     const bool whole = e.use == unit_use::train ||
                        std::find(frozen_reduced.begin(), frozen_reduced.end(), e.unit.value) != frozen_reduced.end();
-    // The pool maps whole granules and never splits free room, so the sum is the whole rule.
-    const std::size_t need = taken(whole ? r.layout.device_bytes : r.layout.params_bytes);
+    // The pool maps whole granules (a packed unit: a place, charged a granule) and never splits
+    // free room, so the sum is the whole rule.
+    const std::size_t need = charged(r, whole ? r.layout.device_bytes : r.layout.params_bytes);
     held.push_back({e.unit.value, need});
     held_bytes += need;
     if (pinned_bytes_ + held_bytes > budget) {

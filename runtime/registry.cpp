@@ -88,6 +88,7 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
     }
     units_.emplace_back(device_, static_cast<std::uint32_t>(units_.size()), spec.name, policy, detail::make_unit_layout(spec, policy.optimizer));
     unit_record& r = units_.back();
+    r.packed = !r.pinned() && (r.layout.device_bytes + 255) / 256 * 256 * 2 <= granule_;  // as device_pool::packs
     if (r.pinned()) {
       pinned_bytes_ += (r.layout.device_bytes + detail::slab_alignment - 1) / detail::slab_alignment * detail::slab_alignment;
     } else {
@@ -111,8 +112,8 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
                                " but the budget is ", bytes_text(budget), "; raise [device] budget or pin fewer units"));
   }
   for (const unit_record& r : units_) {
-    if (!r.pinned() && taken(r.layout.device_bytes) > budget - pinned_bytes_) {
-      throw config_error(message("unit '", r.name, "' needs ", bytes_text(taken(r.layout.device_bytes)),
+    if (!r.pinned() && charged(r, r.layout.device_bytes) > budget - pinned_bytes_) {
+      throw config_error(message("unit '", r.name, "' needs ", bytes_text(charged(r, r.layout.device_bytes)),
                                  " of device memory", granule_note(), " but the budget leaves ",
                                  bytes_text(budget - pinned_bytes_), " after pinned units; ", policy_hint(r)));
     }
@@ -140,6 +141,8 @@ void runtime::impl::place_homes()
       r.slot = pool_->place_pinned(r.layout.device_bytes);
     } else {
       r.pool_slot = pool_->add_slot(r.layout.device_bytes);
+      unit_of_slot_.resize(r.pool_slot + 1, ~std::uint32_t{0});
+      unit_of_slot_[r.pool_slot] = r.index;
     }
   }
 }

@@ -88,7 +88,7 @@ void runtime::impl::broadcast_replicas()
   if (free > 0 && (borrowed == nullptr || free >= std::min(largest, borrowed->slot->size()))) {
     const std::size_t bytes = std::min({largest, std::size_t{64} << 20, free});
     own_slot = pool_->add_slot(bytes);
-    own = pool_->map(*own_slot, bytes, [] {});  // a new slot has had no users
+    own = pool_->map(*own_slot, bytes, [](detail::device_pool::slot_id) {});  // a new slot has had no users
   }
   TASKSWAP_EXPECTS(own || borrowed != nullptr,
                    message("[comm] initial = \"broadcast\": no room in the ", bytes_text(options_.device.budget),

@@ -95,13 +95,20 @@ struct runtime::impl {
   // `whole`: the unit's whole slot, else its parameters alone (a frozen use).
   bool swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole);
   void fill_slot(unit_record& r);
-  // Evicts (and, for an acquire, narrows frozen units) until `bytes` fit in the free granules and
-  // those `leaving` (resident, to be evicted by the caller) will free.
-  bool make_room(std::size_t bytes, std::uint64_t use, bool for_acquire, const unit_record* leaving = nullptr);
+  // Evicts (and, for an acquire, narrows frozen units) until `bytes` of `r` fit, counting what r
+  // itself gives up if it is resident (the caller evicts it before mapping it again).
+  bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, bool for_acquire);
   // Maps the unit's slot for `bytes`, after make_room().
   device_span map_slot(unit_record& r, std::size_t bytes);
   /// The bytes a range of `bytes` takes of the budget: whole granules.
   [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return (bytes + granule_ - 1) / granule_ * granule_; }
+  /// What `r` holding `bytes` is charged of the budget: whole granules, or for a packed unit (at
+  /// most half a granule, sharing granules by size class) one granule, the most its place can
+  /// cost whichever other places are taken.
+  [[nodiscard]] std::size_t charged(const unit_record& r, std::size_t bytes) const noexcept
+  {
+    return r.packed ? granule_ : taken(bytes);
+  }
   /// " (in granules of 2.0 MiB)" where the granule rounds more than the slab alignment does.
   [[nodiscard]] std::string granule_note() const;
   unit_record* pick_victim(std::uint64_t use, bool for_acquire);
@@ -216,6 +223,7 @@ struct runtime::impl {
   std::size_t largest_swapped_ = 0;
   std::size_t granule_ = 256;       // the device pool maps whole granules of this many bytes
   std::size_t capacity_ = 0;        // the whole granules of the budget
+  std::vector<std::uint32_t> unit_of_slot_;  // device pool slot -> unit
   std::optional<pinned_arena> arena_;
   std::optional<detail::device_pool> pool_;  // taken once the units are known to be valid
   // What queued work touches is declared before the streams, so it is destroyed after them (a

@@ -73,7 +73,7 @@ void runtime::impl::acquire(unit_record& r, stream_view s, bool whole, bool as_p
     ++current_.misses;
     if (!swap_in(r, planned ? planned->position : 0, true, whole)) {
       const std::size_t budget = options_.device.budget;
-      const std::size_t needed = taken(whole ? r.layout.device_bytes : r.layout.params_bytes);
+      const std::size_t needed = charged(r, whole ? r.layout.device_bytes : r.layout.params_bytes);
       throw out_of_memory(
         message("acquire('", r.name, "') needs ", bytes_text(needed), " of device memory", granule_note(), "; ",
                 held_count_, " units held now take ", bytes_text(held_bytes_), " and the pinned units ",
@@ -84,7 +84,7 @@ void runtime::impl::acquire(unit_record& r, stream_view s, bool whole, bool as_p
   }
   r.held = true;
   ++held_count_;
-  r.held_bytes = r.pinned() ? 0 : taken(r.slot->size());
+  r.held_bytes = r.pinned() ? 0 : charged(r, r.slot->size());
   held_bytes_ += r.held_bytes;
   if (reducer_) { step_units_.push_back(r.index); }
   // The previous use ended on another stream (the trainer's, or aux after an update): wait for it.

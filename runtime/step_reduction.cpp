@@ -44,9 +44,9 @@ void runtime::impl::hold_gradients_only(unit_record& r)
 {
   const std::optional<detail::planned_acquisition> planned = plan_.match(unit_id{r.index});
   const std::size_t bytes = r.layout.device_grad_bytes();
-  if (!make_room(bytes, planned ? planned->position : 0, true)) {
+  if (!make_room(r, bytes, planned ? planned->position : 0, true)) {
     throw out_of_memory(message("step ", steps_done_, ": the zeroed gradient slab of '", r.name, "' (",
-                                bytes_text(taken(bytes)), "), which other ranks train, does not fit in the ",
+                                bytes_text(charged(r, bytes)), "), which other ranks train, does not fit in the ",
                                 bytes_text(options_.device.budget), " budget beside the units held; raise [device] budget"),
                         bytes, pool_->free(), options_.device.budget);
   }
@@ -59,7 +59,7 @@ void runtime::impl::hold_gradients_only(unit_record& r)
   r.arrived.wait(*aux_);
   r.held = true;
   ++held_count_;
-  r.held_bytes = taken(bytes);
+  r.held_bytes = charged(r, bytes);
   held_bytes_ += r.held_bytes;
   step_units_.push_back(r.index);
   note_device_bytes();

@@ -162,34 +162,41 @@ std::string runtime::impl::granule_note() const
 // its lock meanwhile stops nobody.
 device_span runtime::impl::map_slot(unit_record& r, std::size_t bytes)
 {
-  return pool_->map(r.pool_slot, bytes, [&] {
+  // The units whose earlier uses of the addresses must be done: r itself, or for a packed unit
+  // the units that had places in the class granule that moves.
+  return pool_->map(r.pool_slot, bytes, [&](detail::device_pool::slot_id slot) {
+    if (slot >= unit_of_slot_.size() || unit_of_slot_[slot] >= units_.size()) { return; }  // staging: never used
+    const unit_record& u = units_[unit_of_slot_[slot]];
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     const auto wait = [&](const event& e, const char* what) {
       if (!e.recorded() || e.query()) { return; }
       const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
       if (!e.synchronize_for(left)) {
         const timeout_error error(detail::message(
-          "moving '", r.name, "' to other device memory: its previous use (", what, ") has not finished within ",
+          "moving device memory '", u.name, "' used: its previous use (", what, ") has not finished within ",
           options_.timeout.count(), " ms ([runtime] timeout); the trainer's stream or a copy is stalled"));
         device_.backend().abandon_work(std::make_exception_ptr(error));
         throw error;
       }
     };
-    wait(r.arrived, "swap-in");
-    wait(r.released, "release");
-    for (const auto& [e, what] : {std::pair{&r.written_back, "write-back"}, std::pair{&r.grads_copied, "gradients home"},
-                                  std::pair{&r.grads_ready_event, "gradients ready"}, std::pair{&r.grads_done, "reduction"}}) {
+    wait(u.arrived, "swap-in");
+    wait(u.released, "release");
+    for (const auto& [e, what] : {std::pair{&u.written_back, "write-back"}, std::pair{&u.grads_copied, "gradients home"},
+                                  std::pair{&u.grads_ready_event, "gradients ready"}, std::pair{&u.grads_done, "reduction"}}) {
       if (*e) { wait(**e, what); }
     }
   });
 }
 
-bool runtime::impl::make_room(std::size_t bytes, std::uint64_t use, bool for_acquire, const unit_record* leaving)
+bool runtime::impl::make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, bool for_acquire)
 {
-  const std::size_t need = taken(bytes);
+  const auto fits = [&] {
+    if (r.packed) { return r.resident() || pool_->fits(r.pool_slot, bytes); }  // resident: its own place frees
+    const std::size_t freed_later = r.resident() ? taken(r.slot->size()) : 0;
+    return pool_->free() + freed_later >= taken(bytes);
+  };
   while (true) {
-    const std::size_t freed_later = leaving != nullptr && leaving->resident() ? taken(leaving->slot->size()) : 0;
-    if (pool_->free() + freed_later >= need) { return true; }
+    if (fits()) { return true; }
     if (unit_record* victim = pick_victim(use, for_acquire)) {
       evict(*victim);
       continue;
@@ -200,7 +207,7 @@ bool runtime::impl::make_room(std::size_t bytes, std::uint64_t use, bool for_acq
     unit_record* wide = nullptr;
     for (const std::uint32_t i : resident_) {
       unit_record& h = units_[i];
-      if (!h.held || !h.frozen || h.frozen_reduced || h.params_only) { continue; }
+      if (!h.held || !h.frozen || h.frozen_reduced || h.params_only || h.packed) { continue; }  // a place cannot narrow
       if (wide == nullptr || std::pair(h.dirty, h.index) < std::pair(wide->dirty, wide->index)) { wide = &h; }
     }
     if (wide == nullptr) { return false; }
@@ -214,7 +221,7 @@ bool runtime::impl::swap_in(unit_record& r, std::uint64_t use, bool for_acquire,
   // (its room may be what the whole unit needs); a prefetch keeps it until the room is found.
   if (for_acquire && r.resident()) { evict(r); }
   const std::size_t bytes = whole ? r.layout.device_bytes : r.layout.params_bytes;
-  if (!make_room(bytes, use, for_acquire, &r)) { return false; }  // counting what r gives up below
+  if (!make_room(r, bytes, use, for_acquire)) { return false; }  // counting what r gives up below
   if (r.resident()) { evict(r); }
   r.slot = map_slot(r, bytes);
   r.params_only = !whole;

@@ -23,6 +23,7 @@ struct unit_record {
   std::byte* home = nullptr;  // the unit's block in the pinned arena
   std::optional<device_span> slot;
   std::uint32_t pool_slot = 0;  // its slot in the device pool (not pinned)
+  bool packed = false;          // its slot is a place in a granule shared by its size class
   bool held = false;
   bool dirty = false;         // the device copy is newer than home (device placement)
   bool params_stale = false;  // home is newer than the device copy (host placement, after a step)

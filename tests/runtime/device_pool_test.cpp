@@ -20,7 +20,7 @@ namespace {
 constexpr std::size_t KiB = std::size_t{1} << 10;
 constexpr std::size_t MiB = std::size_t{1} << 20;
 
-const auto no_users = [] {};
+const auto no_users = [](detail::device_pool::slot_id) {};
 
 // Both ways the emulated device maps: granules counted below a page, a shared memory file at a page.
 class device_pool_at : public ::testing::TestWithParam<std::size_t> {
@@ -93,8 +93,12 @@ TEST_P(device_pool_at, AnyRequestWithinTheFreeGranulesIsMetAndHeldBytesStay)
     const detail::device_pool::slot_id id = idle[k];
     const std::size_t bytes = 1 + gen() % slot_bytes[id];  // a frozen use maps part of a slot
     const std::size_t fits = pool.free();
-    const std::optional<device_span> range = pool.try_map(id, bytes, [&] { s.synchronize(); });
-    ASSERT_EQ(range.has_value(), pool.taken(bytes) <= fits) << bytes << " bytes with " << fits << " free";
+    const std::optional<device_span> range = pool.try_map(id, bytes, [&](detail::device_pool::slot_id) { s.synchronize(); });
+    if (pool.packs(slot_bytes[id])) {  // a place: met whenever a granule is free (or its class has a place)
+      ASSERT_TRUE(range.has_value() || fits < g) << bytes << " bytes packed with " << fits << " free";
+    } else {
+      ASSERT_EQ(range.has_value(), pool.taken(bytes) <= fits) << bytes << " bytes with " << fits << " free";
+    }
     if (!range) { continue; }
     ++met;
     const auto fill = static_cast<std::byte>(1 + gen() % 255);
@@ -148,7 +152,7 @@ TEST_P(device_pool_at, ASlotMovesOnlyWhenItsGranulesWereTaken)
   const auto a = pool.add_slot(2 * g);
   const auto b = pool.add_slot(4 * g);
   int quiesced = 0;
-  const auto count = [&] { ++quiesced; };
+  const auto count = [&](detail::device_pool::slot_id) { ++quiesced; };
   const device_span first = pool.map(a, 2 * g, count);
   pool.unmap(a);
   const device_span again = pool.map(a, 2 * g - 1, count);  // its granules were still free
@@ -166,6 +170,49 @@ TEST_P(device_pool_at, ASlotMovesOnlyWhenItsGranulesWereTaken)
   const auto st = pool.stats();
   EXPECT_EQ(st.used, 3 * g);
   EXPECT_EQ(st.requested, 3 * g);
+}
+
+// Slots of at most half a granule share granules by size class; a class granule returns when its
+// last place empties, and moves only after the slots that used it are done.
+TEST_P(device_pool_at, SmallSlotsShareGranulesBySizeClass)
+{
+  const std::size_t g = GetParam();
+  if (g < 1024) { GTEST_SKIP() << "no slot of 256 bytes or more is at most half of a " << g << "-byte granule"; }
+  const device dev = make(64 * g);
+  detail::device_pool pool(dev, 3 * g);
+  std::vector<detail::device_pool::slot_id> quarter;
+  for (int i = 0; i < 5; ++i) { quarter.push_back(pool.add_slot(g / 4 - 100)); }  // 4 places a granule
+  std::vector<detail::device_pool::slot_id> waited;
+  const auto record = [&](detail::device_pool::slot_id s) { waited.push_back(s); };
+  std::vector<device_span> places;
+  for (int i = 0; i < 4; ++i) { places.push_back(pool.map(quarter[static_cast<std::size_t>(i)], g / 4 - 100, record)); }
+  EXPECT_EQ(pool.stats().used, g);  // four places, one granule
+  for (std::size_t i = 1; i < places.size(); ++i) {
+    EXPECT_EQ(places[i].data(), places[0].data() + i * (g / 4));
+  }
+  static_cast<void>(pool.map(quarter[4], 1, record));
+  EXPECT_EQ(pool.stats().used, 2 * g);
+  EXPECT_EQ(pool.stats().requested, 4 * (g / 4 - 100) + 1);
+  for (int i = 0; i < 4; ++i) { pool.unmap(quarter[static_cast<std::size_t>(i)]); }
+  EXPECT_EQ(pool.stats().used, g);  // the emptied granule went back
+  const auto big = pool.add_slot(2 * g);
+  static_cast<void>(pool.map(big, 2 * g, record));  // takes it, and the last free one
+  EXPECT_TRUE(waited.empty());
+  pool.unmap(quarter[4]);
+  static_cast<void>(pool.map(quarter[4], 1, record));  // its own granule, still free: no move
+  EXPECT_TRUE(waited.empty());
+  pool.unmap(big);
+  pool.unmap(quarter[4]);
+  const auto fresh = pool.add_slot(2 * g);  // no granules of its own to take back, unlike big
+  static_cast<void>(pool.map(fresh, 2 * g, record));  // best fit: the first two, both class granules' own
+  EXPECT_TRUE(waited.empty());
+  static_cast<void>(pool.map(quarter[0], g / 4 - 100, record));
+  // Both class granules' physical granules are big's now: one moves to the free granule, after
+  // the four slots that had places in it are done.
+  std::sort(waited.begin(), waited.end());
+  EXPECT_EQ(waited, std::vector<detail::device_pool::slot_id>(quarter.begin(), quarter.begin() + 4));
+  EXPECT_EQ(pool.stats().used, 3 * g);
+  expect_error_mentioning([&] { static_cast<void>(pool.shrink(quarter[0], 10)); }, "packed");
 }
 
 TEST_P(device_pool_at, ShrinkFreesTheTailAndPinnedRangesPack)
