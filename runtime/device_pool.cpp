@@ -354,12 +354,18 @@ device_span device_pool::map_packed(slot_id id, slot_state& s, std::size_t bytes
   if (std::find(cg.former.begin(), cg.former.end(), id) == cg.former.end()) { cg.former.push_back(id); }
   s.shared = g;
   s.place = place;
+  return mapped(s, bytes, cg.address + place * c.place_bytes);
+}
+
+// The slot is live with `bytes` at `at`: the figures follow.
+device_span device_pool::mapped(slot_state& s, std::size_t bytes, std::byte* at)
+{
   s.bytes = bytes;
   s.live = true;
   slot_bytes_ += bytes;
   ++live_slots_;
   note_peak();
-  return {&dev_.backend(), cg.address + place * c.place_bytes, bytes};
+  return {&dev_.backend(), at, bytes};
 }
 
 void device_pool::unmap_packed(slot_state& s)
@@ -420,12 +426,7 @@ device_span device_pool::map_locked(slot_id id, slot_state& s, std::size_t bytes
     }
     s.owned = need;
   }
-  s.bytes = bytes;
-  s.live = true;
-  slot_bytes_ += bytes;
-  ++live_slots_;
-  note_peak();
-  return {&dev_.backend(), s.address, bytes};
+  return mapped(s, bytes, s.address);
 }
 
 bool device_pool::fits(slot_id slot, std::size_t bytes) const

@@ -156,6 +156,7 @@ class device_pool {
   [[noreturn]] void throw_full(std::size_t bytes, const char* what) const;
   [[nodiscard]] device_span map_locked(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce);
   [[nodiscard]] device_span map_packed(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce);
+  [[nodiscard]] device_span mapped(slot_state& s, std::size_t bytes, std::byte* at);
   void unmap_packed(slot_state& s);
   void unmap_all(slot_state& s);
   void give_from(slot_state& s, std::size_t from_granule);
