@@ -434,7 +434,12 @@ bool device_pool::fits(slot_id slot, std::size_t bytes) const
   const std::lock_guard lock(mutex_);
   TASKSWAP_EXPECTS(slot < slots_.size() && !slots_[slot].removed,
                    message("device pool: fits of slot ", slot, ", which this pool does not have"));
-  const slot_state& s = slots_[slot];
+  return has_room(slots_[slot], bytes);
+}
+
+// A packed slot needs a free place in its class or a free granule; any other, its granules.
+bool device_pool::has_room(const slot_state& s, std::size_t bytes) const
+{
   if (s.size_class != none) { return open_place(classes_[s.size_class]) != none || free_.free() >= 1; }
   return (bytes + granule_ - 1) / granule_ <= free_.free();
 }
@@ -447,9 +452,7 @@ std::optional<device_span> device_pool::try_map(slot_id slot, std::size_t bytes,
   const std::size_t max = s.size_class != none ? classes_[s.size_class].place_bytes : s.max_granules * granule_;
   TASKSWAP_EXPECTS(bytes > 0 && bytes <= max,
                    message("device pool: cannot map ", bytes, " bytes at slot ", slot, " of ", max, " bytes"));
-  const bool room = s.size_class != none ? open_place(classes_[s.size_class]) != none || free_.free() >= 1
-                                         : (bytes + granule_ - 1) / granule_ <= free_.free();
-  if (!room) { return std::nullopt; }
+  if (!has_room(s, bytes)) { return std::nullopt; }
   return map_locked(slot, s, bytes, quiesce);
 }
 

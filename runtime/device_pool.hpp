@@ -98,8 +98,12 @@ class device_pool {
   /// @throws out_of_memory naming the budget and the bytes in use
   [[nodiscard]] device_span place_pinned(std::size_t bytes);
 
-  /// Whether a slot of `max_bytes` is packed (at most half a granule).
-  [[nodiscard]] bool packs(std::size_t max_bytes) const noexcept { return round256(max_bytes) * 2 <= granule_; }
+  /// Whether a slot of `max_bytes` is packed in a pool of `granule`: at most half a granule.
+  [[nodiscard]] static bool packs(std::size_t max_bytes, std::size_t granule) noexcept
+  {
+    return round256(max_bytes) * 2 <= granule;
+  }
+  [[nodiscard]] bool packs(std::size_t max_bytes) const noexcept { return packs(max_bytes, granule_); }
   /// A slot of up to `max_bytes`, unmapped; its address is reserved now (packed: with its granule).
   [[nodiscard]] slot_id add_slot(std::size_t max_bytes);
   /// Called with each slot whose earlier users must be done before addresses it used move to
@@ -153,6 +157,7 @@ class device_pool {
   [[nodiscard]] static std::size_t round256(std::size_t bytes) noexcept { return (bytes + 255) / 256 * 256; }
   [[nodiscard]] std::uint32_t class_of(std::size_t bytes);
   [[nodiscard]] std::uint32_t open_place(const size_class& c) const;  // a class granule with a free place, or none
+  [[nodiscard]] bool has_room(const slot_state& s, std::size_t bytes) const;
   [[noreturn]] void throw_full(std::size_t bytes, const char* what) const;
   [[nodiscard]] device_span map_locked(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce);
   [[nodiscard]] device_span map_packed(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce);

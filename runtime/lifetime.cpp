@@ -130,6 +130,13 @@ runtime::impl::~impl()
   // freeing waits for the device (as cudaFree does), after a stall until the stalled work ends.
 }
 
+void runtime::impl::stalled(const std::string& why)
+{
+  const timeout_error e(why);
+  device_.backend().abandon_work(std::make_exception_ptr(e));  // the emulated device drops what is queued
+  throw e;
+}
+
 void runtime::impl::wait_streams(std::string_view what)
 {
   const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
@@ -145,13 +152,9 @@ void runtime::impl::wait_streams(std::string_view what)
       done.record(*s);
       const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
       if (!done.synchronize_for(left)) {
-        const timeout_error e(message(what, ": the runtime's ", name, " stream has not finished within ",
-                                      options_.timeout.count(),
-                                      " ms ([runtime] timeout): a copy, or the trainer's work it waits for, is stalled. "
-                                      "The runtime writes nothing more home; the home copies hold the states last "
-                                      "written back"));
-        device_.backend().abandon_work(std::make_exception_ptr(e));  // the emulated device drops what is queued
-        throw e;
+        stalled(message(what, ": the runtime's ", name, " stream has not finished within ", options_.timeout.count(),
+                        " ms ([runtime] timeout): a copy, or the trainer's work it waits for, is stalled. "
+                        "The runtime writes nothing more home; the home copies hold the states last written back"));
       }
       try {
         s->synchronize();  // done: returns at once, rethrowing a host function's error

@@ -88,7 +88,7 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
     }
     units_.emplace_back(device_, static_cast<std::uint32_t>(units_.size()), spec.name, policy, detail::make_unit_layout(spec, policy.optimizer));
     unit_record& r = units_.back();
-    r.packed = !r.pinned() && (r.layout.device_bytes + 255) / 256 * 256 * 2 <= granule_;  // as device_pool::packs
+    r.packed = !r.pinned() && detail::device_pool::packs(r.layout.device_bytes, granule_);
     if (r.pinned()) {
       pinned_bytes_ += (r.layout.device_bytes + detail::slab_alignment - 1) / detail::slab_alignment * detail::slab_alignment;
     } else {

@@ -194,6 +194,9 @@ struct runtime::impl {
   }
   // Waits (bounded by the timeout) until the runtime's streams have done their work (lifetime.cpp).
   void wait_streams(std::string_view what);
+  // A wait ran out of [runtime] timeout: the device drops its queued work and timeout_error(why)
+  // is thrown (lifetime.cpp).
+  [[noreturn]] void stalled(const std::string& why);
   std::exception_ptr failed_;
   bool load_failed_ = false;  // failed_ is a load that overwrote part of the home copies
 

@@ -3,7 +3,6 @@
 
 #include "runtime/runtime_impl.hpp"
 
-#include "device/backend.hpp"
 #include "kernels/kernels.hpp"
 
 #include <algorithm>
@@ -172,11 +171,9 @@ device_span runtime::impl::map_slot(unit_record& r, std::size_t bytes)
       if (!e.recorded() || e.query()) { return; }
       const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
       if (!e.synchronize_for(left)) {
-        const timeout_error error(detail::message(
-          "moving device memory that '", u.name, "' used: its previous use (", what, ") has not finished within ",
-          options_.timeout.count(), " ms ([runtime] timeout); the trainer's stream or a copy is stalled"));
-        device_.backend().abandon_work(std::make_exception_ptr(error));
-        throw error;
+        stalled(detail::message("moving device memory that '", u.name, "' used: its previous use (", what,
+                                ") has not finished within ", options_.timeout.count(),
+                                " ms ([runtime] timeout); the trainer's stream or a copy is stalled"));
       }
     };
     wait(u.arrived, "swap-in");
