@@ -16,27 +16,13 @@ void cpu_adamw_range_portable(const adamw_slabs&, const adamw_scalars&, std::siz
 void cpu_adamw_range_avx2(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t);
 void cpu_adamw_range_avx512(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t);
 
-adamw_scalars make_adamw_scalars(const adamw_options& o, std::int64_t step)
-{
-  const auto t = static_cast<double>(step);
-  const double bias1 = 1.0 - std::pow(o.beta1, t);
-  const double bias2 = 1.0 - std::pow(o.beta2, t);
-  return {static_cast<float>(1.0 - o.lr * o.weight_decay),
-          static_cast<float>(o.beta1),
-          static_cast<float>(1.0 - o.beta1),
-          static_cast<float>(o.beta2),
-          static_cast<float>(1.0 - o.beta2),
-          static_cast<float>(-o.lr / bias1),
-          static_cast<float>(1.0 / std::sqrt(bias2)),
-          static_cast<float>(o.eps)};
-}
-
 std::optional<adamw_option_problem> adamw_problem(const adamw_options& o) noexcept
 {
   if (!(o.lr > 0 && std::isfinite(o.lr))) { return adamw_option_problem{"lr", "must be a positive number"}; }
   if (!(o.eps > 0 && std::isfinite(o.eps))) { return adamw_option_problem{"eps", "must be a positive number"}; }
   if (!(o.weight_decay >= 0 && std::isfinite(o.weight_decay))) { return adamw_option_problem{"weight_decay", "must be 0 or more"}; }
   if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) { return adamw_option_problem{"betas", "each beta must be in [0, 1)"}; }
+  if (!(o.clip >= 0 && std::isfinite(o.clip))) { return adamw_option_problem{"clip", "must be 0 (no clipping) or more, e.g. clip = 1.0"}; }
   return std::nullopt;
 }
 

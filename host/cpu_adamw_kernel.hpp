@@ -42,8 +42,10 @@ void adamw_loop(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin,
     const auto eps = V::set1(k.eps);
     const auto neg_step_size = V::set1(k.neg_step_size);
     const auto decay = V::set1(k.decay);
+    const auto grad_unscale = V::set1(k.grad_unscale);
+    const auto grad_clip = V::set1(k.grad_clip);
     for (; i + V::width <= end; i += V::width) {
-      const auto g = load_grad_vector<V, G>(s.grad, i);
+      const auto g = V::mul(V::mul(load_grad_vector<V, G>(s.grad, i), grad_unscale), grad_clip);
       auto m = V::load(s.m + i);
       auto v = V::load(s.v + i);
       auto p = V::load(s.master + i);

@@ -74,10 +74,16 @@ __device__ inline void store_copy4(void* params, std::size_t i, float4 p)
 
 // Elements [0, head) and [head + groups * lanes, count) one at a time; the groups in between
 // four at a time with vector accesses (the host checked every slab's alignment at head).
-template <dtype G, copy_kind P>
+// Guarded: the scalars come from device memory, and a skipped step changes nothing.
+template <dtype G, copy_kind P, bool Guarded>
 __global__ void __launch_bounds__(threads_per_block)
-  adamw_kernel(adamw_slabs s, adamw_scalars k, std::size_t head, std::size_t groups)
+  adamw_kernel(adamw_slabs s, adamw_scalars k, const adamw_scalars* device_k, const step_guard* guard,
+               std::size_t head, std::size_t groups)
 {
+  if constexpr (Guarded) {
+    if (guard->skip != 0) { return; }
+    k = *device_k;
+  }
   const std::size_t stride = grid_stride();
   for (std::size_t group = first_index(); group < groups; group += stride) {
     const std::size_t i = head + group * lanes;
@@ -101,6 +107,57 @@ __global__ void __launch_bounds__(threads_per_block)
     adamw_element(widen_element(s.grad, G, i), s.master[i], s.m[i], s.v[i], k);
     store_copy<P>(s.params, i, s.master[i]);
   }
+}
+
+// Thread j of the fixed grid (square_sum_blocks x square_sum_threads) adds the elements j,
+// j + lanes, ... in order; four loads are issued before their adds, which keep that order.
+__global__ void __launch_bounds__(square_sum_threads)
+  square_sum_kernel(const void* grad, dtype type, std::size_t count, const step_guard* guard, double* block_sums)
+{
+  __shared__ double lane[square_sum_threads];
+  const float unscale = inverse_scale(guard->scale);
+  const std::size_t step = square_sum_lanes;
+  double acc = 0;
+  std::size_t i = std::size_t{blockIdx.x} * square_sum_threads + threadIdx.x;
+  for (; i + 3 * step < count; i += 4 * step) {
+    const float a = widen_element(grad, type, i);
+    const float b = widen_element(grad, type, i + step);
+    const float c = widen_element(grad, type, i + 2 * step);
+    const float d = widen_element(grad, type, i + 3 * step);
+    acc = dadd_rn(acc, unscaled_square(a, unscale));
+    acc = dadd_rn(acc, unscaled_square(b, unscale));
+    acc = dadd_rn(acc, unscaled_square(c, unscale));
+    acc = dadd_rn(acc, unscaled_square(d, unscale));
+  }
+  for (; i < count; i += step) { acc = dadd_rn(acc, unscaled_square(widen_element(grad, type, i), unscale)); }
+  lane[threadIdx.x] = acc;
+  __syncthreads();
+  for (unsigned stride = square_sum_threads / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) { lane[threadIdx.x] = dadd_rn(lane[threadIdx.x], lane[threadIdx.x + stride]); }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) { block_sums[blockIdx.x] = lane[0]; }
+}
+
+// The blocks' sums by the same tree, added to the step's sum.
+__global__ void __launch_bounds__(square_sum_blocks) square_sum_blocks_kernel(const double* block_sums, step_guard* guard)
+{
+  __shared__ double lane[square_sum_blocks];
+  lane[threadIdx.x] = block_sums[threadIdx.x];
+  __syncthreads();
+  for (unsigned stride = square_sum_blocks / 2; stride > 0; stride /= 2) {
+    if (threadIdx.x < stride) { lane[threadIdx.x] = dadd_rn(lane[threadIdx.x], lane[threadIdx.x + stride]); }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) { guard->square_sum = dadd_rn(guard->square_sum, lane[0]); }
+}
+
+__global__ void finish_guard_kernel(step_guard* guard, guard_settings settings) { finish_step_guard(*guard, settings); }
+
+__global__ void prepare_guarded_kernel(adamw_options decay, adamw_options plain, std::int64_t* step,
+                                       const step_guard* guard, adamw_scalars* out)
+{
+  prepare_guarded_scalars(decay, plain, *step, *guard, out);
 }
 
 __global__ void __launch_bounds__(threads_per_block)
@@ -163,8 +220,9 @@ unsigned grid_for(Kernel kernel, int device_index, std::size_t work_items)
 
 bool aligned(const void* p, std::size_t bytes) { return reinterpret_cast<std::uintptr_t>(p) % bytes == 0; }
 
-template <dtype G, copy_kind P>
-void launch_adamw_typed(const adamw_slabs& s, const adamw_scalars& k, int device_index, cudaStream_t stream)
+template <dtype G, copy_kind P, bool Guarded>
+void launch_adamw_typed(const adamw_slabs& s, const adamw_scalars& k, const adamw_scalars* device_k,
+                        const step_guard* guard, int device_index, cudaStream_t stream)
 {
   // Elements before the master's first 16-byte boundary go one at a time; the vector part needs
   // every slab aligned at the same element.
@@ -182,20 +240,34 @@ void launch_adamw_typed(const adamw_slabs& s, const adamw_scalars& k, int device
     head = s.count;
   }
   const std::size_t singles = s.count - groups * lanes;
-  const unsigned blocks = grid_for(adamw_kernel<G, P>, device_index, std::max(groups, singles));
-  adamw_kernel<G, P><<<blocks, threads_per_block, 0, stream>>>(s, k, head, groups);
+  const unsigned blocks = grid_for(adamw_kernel<G, P, Guarded>, device_index, std::max(groups, singles));
+  adamw_kernel<G, P, Guarded><<<blocks, threads_per_block, 0, stream>>>(s, k, device_k, guard, head, groups);
   TASKSWAP_CUDA_TRY(cudaGetLastError());
 }
 
-template <dtype G>
-void launch_adamw_grad(const adamw_slabs& s, const adamw_scalars& k, int device_index, cudaStream_t stream)
+template <dtype G, bool Guarded>
+void launch_adamw_grad(const adamw_slabs& s, const adamw_scalars& k, const adamw_scalars* device_k,
+                       const step_guard* guard, int device_index, cudaStream_t stream)
 {
   if (s.params == nullptr) {
-    launch_adamw_typed<G, copy_kind::none>(s, k, device_index, stream);
+    launch_adamw_typed<G, copy_kind::none, Guarded>(s, k, device_k, guard, device_index, stream);
   } else if (s.param_type == dtype::bf16) {
-    launch_adamw_typed<G, copy_kind::bf16>(s, k, device_index, stream);
+    launch_adamw_typed<G, copy_kind::bf16, Guarded>(s, k, device_k, guard, device_index, stream);
   } else {
-    launch_adamw_typed<G, copy_kind::f16>(s, k, device_index, stream);
+    launch_adamw_typed<G, copy_kind::f16, Guarded>(s, k, device_k, guard, device_index, stream);
+  }
+}
+
+template <bool Guarded>
+void launch_adamw_any(const adamw_slabs& slabs, const adamw_scalars& k, const adamw_scalars* device_k,
+                      const step_guard* guard, int device_index, void* stream)
+{
+  const cuda_device_guard device(device_index);
+  auto* s = static_cast<cudaStream_t>(stream);
+  switch (slabs.grad_type) {
+    case dtype::f32: launch_adamw_grad<dtype::f32, Guarded>(slabs, k, device_k, guard, device_index, s); return;
+    case dtype::bf16: launch_adamw_grad<dtype::bf16, Guarded>(slabs, k, device_k, guard, device_index, s); return;
+    case dtype::f16: launch_adamw_grad<dtype::f16, Guarded>(slabs, k, device_k, guard, device_index, s); return;
   }
 }
 
@@ -203,13 +275,39 @@ void launch_adamw_grad(const adamw_slabs& s, const adamw_scalars& k, int device_
 
 void launch_adamw(const adamw_slabs& slabs, const adamw_scalars& scalars, int device_index, void* stream)
 {
-  const cuda_device_guard guard(device_index);
+  launch_adamw_any<false>(slabs, scalars, nullptr, nullptr, device_index, stream);
+}
+
+void launch_adamw_guarded(const adamw_slabs& slabs, const adamw_scalars* scalars, const step_guard* guard,
+                          int device_index, void* stream)
+{
+  launch_adamw_any<true>(slabs, adamw_scalars{}, scalars, guard, device_index, stream);
+}
+
+void launch_square_sum(const void* grad, dtype type, std::size_t count, step_guard* guard, double* lanes,
+                       int device_index, void* stream)
+{
+  const cuda_device_guard device(device_index);
   auto* s = static_cast<cudaStream_t>(stream);
-  switch (slabs.grad_type) {
-    case dtype::f32: launch_adamw_grad<dtype::f32>(slabs, scalars, device_index, s); return;
-    case dtype::bf16: launch_adamw_grad<dtype::bf16>(slabs, scalars, device_index, s); return;
-    case dtype::f16: launch_adamw_grad<dtype::f16>(slabs, scalars, device_index, s); return;
-  }
+  square_sum_kernel<<<square_sum_blocks, square_sum_threads, 0, s>>>(grad, type, count, guard, lanes);
+  TASKSWAP_CUDA_TRY(cudaGetLastError());
+  square_sum_blocks_kernel<<<1, square_sum_blocks, 0, s>>>(lanes, guard);
+  TASKSWAP_CUDA_TRY(cudaGetLastError());
+}
+
+void launch_finish_guard(step_guard* guard, const guard_settings& settings, int device_index, void* stream)
+{
+  const cuda_device_guard device(device_index);
+  finish_guard_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(guard, settings);
+  TASKSWAP_CUDA_TRY(cudaGetLastError());
+}
+
+void launch_prepare_guarded(const adamw_options& decay, const adamw_options& plain, std::int64_t* step,
+                            const step_guard* guard, adamw_scalars* out, int device_index, void* stream)
+{
+  const cuda_device_guard device(device_index);
+  prepare_guarded_kernel<<<1, 1, 0, static_cast<cudaStream_t>(stream)>>>(decay, plain, step, guard, out);
+  TASKSWAP_CUDA_TRY(cudaGetLastError());
 }
 
 void launch_unscale_and_check(void* grad, dtype type, std::size_t count, float factor, int* found_nonfinite,

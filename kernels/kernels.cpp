@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace taskswap::detail {
 
@@ -38,6 +39,36 @@ void host_unscale_and_check(void* grad, dtype type, std::size_t count, float fac
     narrow_element(grad, type, i, y);
   }
   if (nonfinite) { *found_nonfinite = 1; }
+}
+
+void host_square_sum(const void* grad, dtype type, std::size_t count, step_guard& g)
+{
+  // Lane j takes the elements j, j + lanes, ... in order, as the CUDA kernel's thread j does.
+  thread_local std::vector<double> scratch(square_sum_lanes);
+  double* lanes = scratch.data();
+  const float unscale = inverse_scale(g.scale);
+  const std::size_t used = count < square_sum_lanes ? count : square_sum_lanes;
+  for (std::size_t j = 0; j < used; ++j) { lanes[j] = 0; }
+  for (std::size_t base = 0; base < count; base += square_sum_lanes) {
+    const std::size_t n = count - base < square_sum_lanes ? count - base : square_sum_lanes;
+    for (std::size_t j = 0; j < n; ++j) {
+      lanes[j] = dadd_rn(lanes[j], unscaled_square(widen_element(grad, type, base + j), unscale));
+    }
+  }
+  for (std::size_t j = used; j < square_sum_lanes; ++j) { lanes[j] = 0; }
+  // Each block's threads by a tree, then the blocks' sums by the same tree.
+  double blocks[square_sum_blocks];
+  for (unsigned b = 0; b < square_sum_blocks; ++b) {
+    double* lane = lanes + std::size_t{b} * square_sum_threads;
+    for (unsigned stride = square_sum_threads / 2; stride > 0; stride /= 2) {
+      for (unsigned t = 0; t < stride; ++t) { lane[t] = dadd_rn(lane[t], lane[t + stride]); }
+    }
+    blocks[b] = lane[0];
+  }
+  for (unsigned stride = square_sum_blocks / 2; stride > 0; stride /= 2) {
+    for (unsigned t = 0; t < stride; ++t) { blocks[t] = dadd_rn(blocks[t], blocks[t + stride]); }
+  }
+  g.square_sum = dadd_rn(g.square_sum, blocks[0]);
 }
 
 void host_cast(void* dst, dtype dst_type, const void* src, dtype src_type, std::size_t count)
@@ -74,6 +105,60 @@ void adamw_async(const adamw_slabs& slabs, const adamw_scalars& scalars, stream_
   s.backend().launch_host_func(s.native_handle(), [slabs, scalars] {
     cpu_adamw_range(slabs, scalars, 0, slabs.count, best_cpu_isa());
   });
+}
+
+void adamw_async(const adamw_slabs& slabs, const adamw_scalars* scalars, const step_guard* guard, stream_view s)
+{
+  if (slabs.count == 0) { return; }
+  expect_aligned(slabs.master, dtype::f32, "adamw master");
+  expect_aligned(slabs.m, dtype::f32, "adamw m");
+  expect_aligned(slabs.v, dtype::f32, "adamw v");
+  expect_aligned(slabs.grad, slabs.grad_type, "adamw gradient");
+  expect_aligned(scalars, dtype::f32, "adamw scalars");
+  expect_aligned(guard, dtype::f32, "step guard");
+  if (slabs.params != nullptr) { expect_aligned(slabs.params, slabs.param_type, "adamw params"); }
+  if (on_cuda(s)) {
+    launch_adamw_guarded(slabs, scalars, guard, s.backend().index(), s.native_handle());
+    return;
+  }
+  s.backend().launch_host_func(s.native_handle(), [slabs, scalars, guard] {
+    if (guard->skip != 0) { return; }
+    cpu_adamw_range(slabs, *scalars, 0, slabs.count, best_cpu_isa());
+  });
+}
+
+void square_sum_async(const void* grad, dtype type, std::size_t count, step_guard* guard, double* lanes,
+                      stream_view s)
+{
+  expect_aligned(grad, type, "square sum gradient");
+  expect_aligned(guard, dtype::f32, "step guard");
+  if (on_cuda(s)) {
+    launch_square_sum(grad, type, count, guard, lanes, s.backend().index(), s.native_handle());
+    return;
+  }
+  s.backend().launch_host_func(s.native_handle(), [=] { host_square_sum(grad, type, count, *guard); });
+}
+
+void finish_guard_async(step_guard* guard, const guard_settings& settings, stream_view s)
+{
+  expect_aligned(guard, dtype::f32, "step guard");
+  if (on_cuda(s)) {
+    launch_finish_guard(guard, settings, s.backend().index(), s.native_handle());
+    return;
+  }
+  s.backend().launch_host_func(s.native_handle(), [=] { finish_step_guard(*guard, settings); });
+}
+
+void prepare_guarded_async(const adamw_options& decay, const adamw_options& plain, std::int64_t* step,
+                           const step_guard* guard, adamw_scalars* out, stream_view s)
+{
+  expect_aligned(out, dtype::f32, "adamw scalars");
+  expect_aligned(guard, dtype::f32, "step guard");
+  if (on_cuda(s)) {
+    launch_prepare_guarded(decay, plain, step, guard, out, s.backend().index(), s.native_handle());
+    return;
+  }
+  s.backend().launch_host_func(s.native_handle(), [=] { prepare_guarded_scalars(decay, plain, *step, *guard, out); });
 }
 
 void unscale_and_check_async(void* grad, dtype type, std::size_t count, float factor,

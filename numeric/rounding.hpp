@@ -82,6 +82,66 @@ TASKSWAP_HOST_DEVICE static inline float sqrt_rn(float a)
 #endif
 }
 
+TASKSWAP_HOST_DEVICE static inline float add_rn(float a, float b)
+{
+#if defined(__CUDA_ARCH__)
+  return __fadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+// Double operations for the per-step scalars, computed on the host or (loss-scaled and clipped
+// steps) in a one-thread kernel: one rounding each, never contracted into a fused multiply-add.
+TASKSWAP_HOST_DEVICE static inline double dmul_rn(double a, double b)
+{
+#if defined(__CUDA_ARCH__)
+  return __dmul_rn(a, b);
+#else
+  return a * b;
+#endif
+}
+
+TASKSWAP_HOST_DEVICE static inline double dadd_rn(double a, double b)
+{
+#if defined(__CUDA_ARCH__)
+  return __dadd_rn(a, b);
+#else
+  return a + b;
+#endif
+}
+
+TASKSWAP_HOST_DEVICE static inline double ddiv_rn(double a, double b)
+{
+#if defined(__CUDA_ARCH__)
+  return __ddiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+
+TASKSWAP_HOST_DEVICE static inline double dsqrt_rn(double a)
+{
+#if defined(__CUDA_ARCH__)
+  return __dsqrt_rn(a);
+#else
+  return __builtin_sqrt(a);
+#endif
+}
+
+/// x^n for n >= 0 by repeated squaring: the same correctly rounded multiplies on every path, so
+/// the host and the device agree to the bit (a library pow need not).
+TASKSWAP_HOST_DEVICE static inline double dpow_rn(double x, std::int64_t n)
+{
+  double result = 1.0;
+  while (n > 0) {
+    if ((n & 1) != 0) { result = dmul_rn(result, x); }
+    x = dmul_rn(x, x);
+    n >>= 1;
+  }
+  return result;
+}
+
 TASKSWAP_HOST_DEVICE static inline float canonical(float x)
 {
   return x != x ? bits_to_float(canonical_nan_bits) : x;

@@ -291,6 +291,7 @@ void read_optimizer(const toml::table& t, std::string_view source, adamw_options
   if (auto v = r.number("lr")) { o.lr = *v; }
   if (auto v = r.number("eps")) { o.eps = *v; }
   if (auto v = r.number("weight_decay")) { o.weight_decay = *v; }
+  if (auto v = r.number("clip")) { o.clip = *v; }
   if (const toml::node* b = r.get("betas")) {
     const toml::array* a = b->as_array();
     const toml::node* b1 = a != nullptr && a->size() == 2 ? a->get(0) : nullptr;
@@ -330,6 +331,26 @@ void read_comm(const toml::table& t, std::string_view source, comm_options& c)
   if (auto s = r.quantity("timeout", time_units, "300 s")) {
     c.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(*s * 1000.0)));
   }
+  r.reject_unknown();
+}
+
+void read_scaler(const toml::table& t, std::string_view source, loss_scaler_options& s)
+{
+  table_reader r(t, source, "[scaler]");
+  if (auto b = r.boolean("enabled")) { s.enabled = *b; }
+  if (auto v = r.number("init_scale")) {
+    if (!(*v > 0 && *v <= 3.0e38)) { r.fail(*r.get("init_scale"), "init_scale", "must be a positive float, e.g. 65536.0"); }
+    s.init_scale = *v;
+  }
+  if (auto v = r.number("growth_factor")) {
+    if (!(*v > 1)) { r.fail(*r.get("growth_factor"), "growth_factor", "must be more than 1, e.g. 2.0"); }
+    s.growth_factor = *v;
+  }
+  if (auto v = r.number("backoff_factor")) {
+    if (!(*v > 0 && *v < 1)) { r.fail(*r.get("backoff_factor"), "backoff_factor", "must be in (0, 1), e.g. 0.5"); }
+    s.backoff_factor = *v;
+  }
+  if (auto n = r.integer("growth_interval", 1, 2'000'000'000)) { s.growth_interval = *n; }
   r.reject_unknown();
 }
 
@@ -380,16 +401,17 @@ runtime_options parse_config(std::string_view text, std::string_view source,
     if (std::find(own_tables.begin(), own_tables.end(), k) != own_tables.end()) { continue; }
     const toml::table* t = section(root, k, source);
     if (t == nullptr || (k != "device" && k != "host" && k != "defaults" && k != "optimizer" && k != "comm" &&
-                         k != "runtime")) {
+                         k != "runtime" && k != "scaler")) {
       throw config_error(message(source, ":", key.source().begin.line, ": unknown key '", k,
-                                 "'; the sections are [device], [host], [defaults], [[units]], [optimizer], [comm], "
-                                 "[runtime]"));
+                                 "'; the sections are [device], [host], [defaults], [[units]], [optimizer], [scaler], "
+                                 "[comm], [runtime]"));
     }
     if (k == "device") { read_device(*t, source, o.device); }
     if (k == "host") { read_host(*t, source, o.host); }
     if (k == "optimizer") { read_optimizer(*t, source, o.optimizer); }
     if (k == "comm") { read_comm(*t, source, o.comm); }
     if (k == "runtime") { read_runtime(*t, source, o); }
+    if (k == "scaler") { read_scaler(*t, source, o.scaler); }
     if (k == "defaults") {
       table_reader r(*t, source, "[defaults]");
       read_policy(r, o.defaults);

@@ -28,7 +28,8 @@ void runtime::impl::upload_params(unit_record& r)
 
 // Gradients home on d2h (after the previous CPU step let go of them), then the CPU AdamW on
 // host_opt; the device parameters are stale until uploaded again. Does not synchronise.
-void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, stream_view s)
+void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, stream_view s,
+                              std::optional<guarded_host_update> guarded)
 {
   const detail::unit_layout& l = r.layout;
   ensure(r.grads_done, device_).record(s);
@@ -39,20 +40,35 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   copy_async(std::span<std::byte>(r.home + l.home_grads, grad_bytes),
              const_device_span(r.slot->subspan(r.grads_at(), grad_bytes)), d2h_);
   fill_async(r.slot->subspan(r.grads_at(), grad_bytes), std::byte{0}, d2h_);
+  detail::step_guard* factors = nullptr;
+  std::int64_t* step = nullptr;
+  if (guarded) {  // the finished step's factors come home beside the gradients
+    const guard_memory& g = *guard_;
+    factors = g.unit_guards + r.index;
+    step = g.host_steps + r.index;
+    copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(factors), sizeof(detail::step_guard)),  // NOLINT
+               g.memory.span(0, sizeof(detail::step_guard)), d2h_);
+  }
   ensure(r.grads_copied, device_).record(d2h_);
   if (trace_) { trace_->close(span, d2h_); }
   current_.d2h_bytes += grad_bytes;
   r.grads_copied->wait(host_opt_);
-  std::vector<std::pair<detail::adamw_slabs, detail::adamw_scalars>> runs;
+  std::vector<std::pair<detail::adamw_slabs, bool>> runs;  // the slabs, and whether they decay
   const detail::adamw_slabs whole = l.slabs_at(r.home, l.home_grads);
-  for (const detail::adamw_run& run : l.runs) {
-    runs.emplace_back(l.run_slabs(whole, run), run.decay ? scalars.decay : scalars.no_decay);
-  }
+  for (const detail::adamw_run& run : l.runs) { runs.emplace_back(l.run_slabs(whole, run), run.decay); }
   detail::host_task_arena* cpu = &*cpu_;
   detail::trace_recorder* trace = trace_ ? &*trace_ : nullptr;
-  launch_host_func(host_opt_, [runs = std::move(runs), cpu, trace, track = host_track_, name = r.name] {
+  launch_host_func(host_opt_, [runs = std::move(runs), scalars, guarded, factors, step, cpu, trace,
+                               track = host_track_, name = r.name] {
+    update_scalars k = scalars;
+    if (guarded) {
+      detail::adamw_scalars both[2];
+      detail::prepare_guarded_scalars(guarded->decay, guarded->plain, *step, *factors, both);
+      if (factors->skip != 0) { return; }
+      k = {both[0], both[1]};
+    }
     const auto begin = detail::trace_recorder::clock::now();
-    for (const auto& [slabs, settings] : runs) { detail::cpu_adamw_step(slabs, settings, *cpu); }
+    for (const auto& [slabs, decay] : runs) { detail::cpu_adamw_step(slabs, decay ? k.decay : k.no_decay, *cpu); }
     if (trace != nullptr) { trace->host_span(track, "adamw " + name, begin, detail::trace_recorder::clock::now()); }
   });
   ensure(r.host_updated, device_).record(host_opt_);

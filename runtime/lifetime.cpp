@@ -25,8 +25,9 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
       host_opt_(dev),
       plan_(specs.size())
 {
+  check_scaler(options);
   register_units(options, std::move(specs));
-  pool_.emplace(dev, options.device.budget);
+  pool_.emplace(dev, options.device.budget - guard_reserved_);
   place_homes();
   if (options_.trace) {
     trace_.emplace(device_, h2d_.view());
@@ -34,6 +35,7 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
     d2h_track_ = trace_->track("d2h (write-back)");
     host_track_ = trace_->track("host optimizer");
   }
+  if (guard_) { aux_.emplace(dev); }  // where guarded steps are finished and their units updated
   if (!comm) { comm = make_communicator(dev, options.comm); }
   if (comm) {
     std::vector<detail::reducer_unit> units;
@@ -52,7 +54,7 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
                                              r.policy.weight_decay ? *r.policy.weight_decay : -1.0));
       units.push_back({r.name, l.reduce_bytes(), l.grad, digest});
     }
-    aux_.emplace(dev);
+    if (!aux_) { aux_.emplace(dev); }
     reducer_.emplace(dev, std::move(comm), options.comm, std::move(units));
   }
 }

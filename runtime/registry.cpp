@@ -69,7 +69,14 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
 {
   if (specs.empty()) { throw config_error("taskswap runtime: no units given; register at least one unit"); }
   granule_ = device_.backend().vm_granularity();
-  capacity_ = options.device.budget / granule_ * granule_;
+  if (guards(options)) {
+    guard_reserved_ = taken(guard_device_bytes(specs.size()));
+    if (options.device.budget <= guard_reserved_) {
+      throw config_error(message("[device] budget ", bytes_text(options.device.budget), " leaves nothing beside the ",
+                                 bytes_text(guard_reserved_), " that loss scaling and clipping take; raise it"));
+    }
+  }
+  capacity_ = (options.device.budget - guard_reserved_) / granule_ * granule_;
   std::vector<bool> rule_used(options.units.size(), false);
   for (unit_spec& spec : specs) {
     if (spec.name.empty()) { throw config_error("taskswap runtime: a unit has an empty name; name every unit"); }
@@ -129,12 +136,14 @@ void runtime::impl::place_homes()
     any_host = any_host || r.policy.optimizer == optimizer_placement::host;
   }
   pinned_arena_options o;
-  o.bytes = total;
+  const std::size_t guard_host = guards(options_) ? guard_host_bytes(units_.size()) : 0;
+  o.bytes = total + guard_host;
   o.numa_node = options_.host.numa_node;
   o.huge_pages = options_.host.huge_pages;
   arena_.emplace(device_, o);
   for (unit_record& r : units_) { r.home = arena_->allocate(r.layout.home_bytes, detail::slab_alignment).data(); }
   if (any_host) { cpu_.emplace(static_cast<int>(arena_->numa_node()), options_.host.optimizer_threads); }
+  if (guard_host != 0) { make_guard(arena_->allocate(guard_host, detail::slab_alignment)); }
   // Pinned units are packed together; every other unit has a slot of its own, mapped when resident.
   for (unit_record& r : units_) {
     if (r.pinned()) {
@@ -159,6 +168,7 @@ void runtime::impl::start()
     }
     if (r.pinned()) { fill_slot(r); }
   }
+  if (guard_) { upload_guard(); }
 }
 
 }  // namespace taskswap

@@ -186,10 +186,28 @@ void runtime::set_optimizer(const adamw_options& options)
   if (const std::string problem = adamw_options_problem(options); !problem.empty()) {
     throw config_error(message("set_optimizer: ", problem, "; nothing was changed"));
   }
+  if (options.clip > 0 && !impl_->guard_) {
+    throw config_error(message("set_optimizer: clip = ", options.clip, " on a runtime made without clipping; set "
+                               "[optimizer] clip (or enable [scaler]) when the runtime is made; nothing was changed"));
+  }
   impl_->options_.optimizer = options;
 }
 
 const adamw_options& runtime::optimizer() const noexcept { return impl_->options_.optimizer; }
+
+bool runtime::guards_steps() const noexcept { return impl_->guard_.has_value(); }
+
+const float* runtime::loss_scale() const
+{
+  TASKSWAP_EXPECTS(impl_->guard_ && impl_->options_.scaler.enabled,
+                   "loss_scale: no loss scaler is enabled; set [scaler] enabled = true");
+  return &impl_->guard_->state->scale;
+}
+
+loss_scaler_state runtime::scaler_state()
+{
+  return impl_->guarded([&] { return impl_->scaler_state(); });
+}
 
 int runtime::rank() const noexcept { return impl_->reducer_ ? impl_->reducer_->rank() : 0; }
 

@@ -10,6 +10,7 @@
 //   step_reduction.cpp      the step with a communicator: updates the runtime owns, deferrals
 //   host_optimizer.cpp      host placement: gradients home, the CPU AdamW, parameters back up
 //   step_stats.cpp          per-step stats, stall timers, trace tracks, runtime::stats
+//   step_guard.cpp          guarded steps: loss scaling and clipping over the step, updates at end_step
 //   runtime_checkpoint.cpp  checkpoint sources, save and load (agreed by the ranks)
 //   runtime.cpp             the public methods, forwarding here through guarded()
 //
@@ -34,6 +35,7 @@
 #include "device/expects.hpp"
 #include "device/message.hpp"
 #include "host/adamw_formula.hpp"
+#include "host/step_guard.hpp"
 #include "host/host_task_arena.hpp"
 #include "runtime/checkpoint.hpp"
 #include "runtime/device_pool.hpp"
@@ -140,8 +142,14 @@ struct runtime::impl {
   };
   [[nodiscard]] update_scalars scalars_for(const unit_record& r, const adamw_options& optimizer) const;
 
-  // The host optimizer's path (host_optimizer.cpp)
-  void host_step(unit_record& r, const update_scalars& scalars, stream_view s);
+  // The host optimizer's path (host_optimizer.cpp). `guarded`: the scalars come from the unit's
+  // step count and the step's factors, which the CPU reads (a skipped step changes nothing).
+  struct guarded_host_update {
+    adamw_options decay;
+    adamw_options plain;
+  };
+  void host_step(unit_record& r, const update_scalars& scalars, stream_view s,
+                 std::optional<guarded_host_update> guarded = std::nullopt);
   void upload_params(unit_record& r);
 
   // With a communicator (plan_check.cpp: plan_together; step_reduction.cpp: the rest)
@@ -163,6 +171,21 @@ struct runtime::impl {
   {
     if (reducer_) { reducer_->comm().check(); }
   }
+
+  // Guarded steps: loss scaling and clipping (step_guard.cpp)
+  static void check_scaler(const runtime_options& options);
+  [[nodiscard]] static bool guards(const runtime_options& options) noexcept;
+  [[nodiscard]] static std::size_t guard_device_bytes(std::size_t units) noexcept;
+  [[nodiscard]] static std::size_t guard_host_bytes(std::size_t units) noexcept;
+  void make_guard(std::span<std::byte> host);
+  void upload_guard();
+  void download_guard();
+  void read_guard_steps();
+  void defer_update(unit_record& r, stream_view s);
+  void defer_release(unit_record& r, stream_view s);
+  void finish_guarded_step();
+  void guarded_update(unit_record& r, const adamw_options& optimizer);
+  loss_scaler_state scaler_state();
 
   // Checkpoints (runtime_checkpoint.cpp)
   [[nodiscard]] std::vector<detail::checkpoint_source> checkpoint_sources();
@@ -276,6 +299,29 @@ struct runtime::impl {
   adamw_options step_optimizer_{};  // the optimizer settings of the current step
   std::vector<std::uint32_t> step_units_;  // units with per-step flags set, to reset at end_step
   std::optional<detail::reducer> reducer_;
+
+  // Guarded steps (step_guard.cpp): device memory taken from the budget, pinned host memory from
+  // the arena. Device: the state, the block sums, two AdamW scalars, a step count per unit.
+  // Host: the state's copy, per unit the CPU's step count (host placement) and the device's
+  // count read back, and per unit a copy of the state for the CPU AdamW.
+  struct guard_memory {
+    device_buffer memory;
+    event done;  // the last guarded step's work on aux (the scale is current after it)
+    detail::step_guard* state = nullptr;
+    double* block_sums = nullptr;
+    detail::adamw_scalars* scalars = nullptr;
+    std::int64_t* steps = nullptr;
+    detail::step_guard* host_state = nullptr;
+    std::int64_t* host_steps = nullptr;
+    std::int64_t* device_steps = nullptr;
+    detail::step_guard* unit_guards = nullptr;
+    bool wait_done = false;      // `done` was recorded
+    bool trainer_waits = false;  // the next step's first acquire orders the trainer's stream after `done`
+    bool downloaded = false;     // copies home are enqueued: read_guard_steps after the wait
+  };
+  std::optional<guard_memory> guard_;
+  std::size_t guard_reserved_ = 0;          // budget bytes (whole granules) the guard's device memory takes
+  std::vector<std::uint32_t> guard_units_;  // the units the current guarded step updates
 };
 
 }  // namespace taskswap

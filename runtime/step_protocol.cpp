@@ -21,6 +21,8 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
   check_comm();
   start();
   begin_step();
+  // After a guarded step the trainer's loss kernel reads the scale that step set.
+  if (guard_ && guard_->wait_done && !guard_->done.query()) { guard_->done.wait(s); }
   const bool frozen = use == unit_use::frozen;
   std::optional<detail::planned_acquisition> planned = plan_.peek(u);
   if (planned && (planned->use != detail::planned_use::train) != frozen) {
@@ -131,6 +133,11 @@ void runtime::impl::trainer_step(unit_id u, stream_view s)
   TASKSWAP_EXPECTS(!r.frozen, message("step('", r.name, "'): the unit is used frozen in this step and is not "
                                       "stepped; plan and acquire it with unit_use::train to train it"));
   if (!reducer_) {
+    if (guard_) {
+      TASKSWAP_EXPECTS(!r.step_requested, message("step('", r.name, "'): the unit was stepped already in this step"));
+      defer_update(r, s);
+      return;
+    }
     if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
     apply_step(r, s);
     r.stepped = true;
@@ -145,6 +152,10 @@ void runtime::impl::trainer_step(unit_id u, stream_view s)
 void runtime::impl::request_step(unit_record& r, stream_view s)
 {
   mark_ready(r, s);  // a step implies the gradients are complete
+  if (guard_) {
+    defer_update(r, s);
+    return;
+  }
   r.step_requested = true;
   if (const event* reduced = reducer_->reduced(r.index)) {
     if (!reduced->query()) { reduced->wait(s); }
@@ -192,6 +203,10 @@ void runtime::impl::trainer_release(unit_id u, stream_view s)
   check_comm();
   unit_record& r = held_record(u, "release");
   if (!reducer_ || (r.frozen && !r.frozen_reduced)) {  // a frozen use no rank trains: nothing to reduce
+    if (r.step_deferred) {  // a guarded step: the update, then the release, at end_step
+      defer_release(r, s);
+      return;
+    }
     if (!r.frozen && !r.stepped) {  // given up without a step: its gradients are zero again for the next use
       const detail::unit_layout& l = r.layout;
       fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
@@ -267,6 +282,7 @@ step_stats runtime::impl::end_step()
                        message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
     }
   }
+  if (guard_ && !guard_units_.empty()) { finish_guarded_step(); }
   if (reducer_ && step_begun_) {
     reducer_->end();
     current_.reduced_bytes = reducer_->step_bytes();
@@ -292,7 +308,9 @@ void runtime::impl::flush()
   for (unit_record& r : units_) {
     if (r.resident() && r.dirty) { write_back(r); }
   }
+  if (guard_) { download_guard(); }
   wait_streams("flush");
+  if (guard_) { read_guard_steps(); }
   resolve_stalls(true);
   check_comm();
 }

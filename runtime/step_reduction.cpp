@@ -37,6 +37,7 @@ void runtime::impl::hold_for_update(unit_record& r)
   }
   r.update_only = true;
   r.step_requested = true;
+  if (guard_) { guard_units_.push_back(r.index); }  // its update runs with the step's others
   mark_ready(r, *aux_);
 }
 
@@ -75,6 +76,7 @@ void runtime::impl::mark_ready(unit_record& r, stream_view s)
 
 void runtime::impl::on_launched(const std::vector<std::uint32_t>& units)
 {
+  if (guard_) { return; }  // a guarded step updates its units together at end_step
   for (const std::uint32_t u : units) {
     unit_record& r = units_[u];
     if (r.update_only || r.step_deferred) { update_on_aux(r); }

@@ -103,6 +103,7 @@ struct runtime_options {
   /// up with timeout_error (a stalled copy or trainer stream); the runtime then writes nothing home.
   std::chrono::milliseconds timeout{300'000};
   std::string source = "options";   ///< where these options came from, for error messages
+  loss_scaler_options scaler{};     ///< [scaler]: dynamic loss scaling (off by default)
 };
 
 /// @brief A named tensor of a unit.
@@ -440,6 +441,21 @@ class runtime {
   void set_optimizer(const adamw_options& options);
   /// @brief The hyperparameters the next step begins with.
   [[nodiscard]] const adamw_options& optimizer() const noexcept;
+
+  /// @brief Whether steps are guarded: a loss scaler or clipping ([optimizer] clip > 0) was on
+  /// when the runtime was made. A guarded step updates its units together at end_step(), once
+  /// every gradient of the step (on every rank) is known: step() and release() of a trained unit
+  /// defer its update and its room until then, and the plan check counts it to the step's end.
+  [[nodiscard]] bool guards_steps() const noexcept;
+  /// @brief The current loss scale in device memory (one float): the trainer's loss kernel reads
+  /// it (multiplying the loss, or the seed of the backward pass, by it). Valid on a stream from
+  /// the step's first acquire on it; the runtime changes it on its own stream at end_step(), and
+  /// the next step's first acquire orders that stream after it. Does not synchronise.
+  /// @throws invalid_argument when no loss scaler is enabled
+  [[nodiscard]] const float* loss_scale() const;
+  /// @brief The scaler's state and the last step's norm, read from the device. Synchronises.
+  /// @throws invalid_argument when steps are not guarded
+  [[nodiscard]] loss_scaler_state scaler_state();
 
   /// @brief This process's rank and the number of ranks (0 and 1 without a communicator). A
   /// trainer launched with mpirun uses them to pick the tasks it trains.

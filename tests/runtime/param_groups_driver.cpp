@@ -5,11 +5,21 @@
 //   [[units]] task/* lr_scale = 10, [[units]] task/1 weight_decay = 0; step k trains the trunk and
 //   task/(k % 2), whose gradients task/(k % 2) accumulates over `micro` micro-batches.
 //
-//   param_groups_driver OUT STEPS device|host MICRO
+// With CLIP, INIT_SCALE and INF_STEPS the steps are guarded: [optimizer] clip = CLIP (0: none), a
+// loss scaler from INIT_SCALE (0: none; growth_interval 3), the gradients multiplied by the
+// device's loss scale as a trainer's loss is, and at each step of INF_STEPS (comma-separated, or
+// "-") element 3 of the task's gradient is +inf. Then the scaler's state follows the masters:
+// scale, growth tracker, skipped steps (as floats). Under mpirun with TASKSWAP_TEST_MPI=1 the ranks
+// reduce over MPI and only the last rank injects the inf; each rank writes OUT.rank.
+//
+//   param_groups_driver OUT STEPS device|host MICRO [CLIP INIT_SCALE INF_STEPS]
 
 #include <taskswap/taskswap.hpp>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <limits>
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
@@ -32,14 +42,24 @@ float gradient(std::uint32_t u, std::size_t i, int step, int micro)
 
 int main(int argc, char** argv)
 {
-  if (argc != 5) {
-    std::fprintf(stderr, "usage: param_groups_driver OUT STEPS device|host MICRO\n");
+  if (argc != 5 && argc != 8) {
+    std::fprintf(stderr, "usage: param_groups_driver OUT STEPS device|host MICRO [CLIP INIT_SCALE INF_STEPS]\n");
     return 2;
   }
-  const std::string out = argv[1];
+  std::string out = argv[1];
   const int steps = std::stoi(argv[2]);
   const std::string placement = argv[3];
   const int micro = std::stoi(argv[4]);
+  const bool guarded = argc == 8;
+  std::vector<int> inf_steps;
+  if (guarded && std::string(argv[7]) != "-") {
+    std::string list = argv[7];
+    for (std::size_t at = 0; at < list.size();) {
+      const std::size_t comma = std::min(list.find(',', at), list.size());
+      inf_steps.push_back(std::stoi(list.substr(at, comma - at)));
+      at = comma + 1;
+    }
+  }
   try {
     taskswap::runtime_options o = taskswap::parse_config(R"(
 [device]
@@ -58,6 +78,14 @@ match = "task/1"
 weight_decay = 0.0
 )", "param_groups_driver");
     o.defaults.optimizer = placement == "host" ? taskswap::optimizer_placement::host : taskswap::optimizer_placement::device;
+    if (guarded) {
+      o.optimizer.clip = std::stod(argv[5]);
+      o.scaler.init_scale = std::stod(argv[6]);
+      o.scaler.enabled = o.scaler.init_scale > 0;
+      o.scaler.growth_interval = 3;
+    }
+    const char* mpi = std::getenv("TASKSWAP_TEST_MPI");
+    if (mpi != nullptr && std::string(mpi) == "1") { o.comm.backend = taskswap::comm_backend::mpi; }
     const auto unit = [](std::string name, std::size_t rows, std::size_t cols) {
       taskswap::unit_spec u;
       u.name = std::move(name);
@@ -73,7 +101,11 @@ weight_decay = 0.0
       }
     }
     taskswap::stream s(dev);
+    const bool last_rank = rt.rank() == rt.world_size() - 1;
+    if (rt.world_size() > 1) { out += "." + std::to_string(rt.rank()); }
+    const float* scale = o.scaler.enabled ? rt.loss_scale() : nullptr;
     for (int k = 0; k < steps; ++k) {
+      const bool inf = last_rank && std::find(inf_steps.begin(), inf_steps.end(), k) != inf_steps.end();
       const taskswap::unit_id trunk{0};
       const taskswap::unit_id task{static_cast<std::uint32_t>(1 + k % 2)};
       rt.plan(taskswap::step_plan{trunk, task});
@@ -84,8 +116,12 @@ weight_decay = 0.0
           for (std::size_t ti = 0; ti < v.tensors.size(); ++ti) {
             const taskswap::tensor_view g = v.grad_tensor(ti);
             const std::size_t offset = v.tensors[ti].offset;
-            taskswap::launch_host_func(s, [g, offset, u, k, m] {
-              for (std::size_t i = 0; i < g.count; ++i) { g.data<float>()[i] += gradient(u.value, offset + i, k, m); }
+            const bool poison = inf && u.value != 0 && ti == 0 && m == 0;
+            taskswap::launch_host_func(s, [g, offset, u, k, m, scale, poison] {
+              // d(scale * loss) / d(theta): the device's scale as the step's loss kernel reads it
+              const float by = scale != nullptr ? *scale : 1.0F;
+              for (std::size_t i = 0; i < g.count; ++i) { g.data<float>()[i] += gradient(u.value, offset + i, k, m) * by; }
+              if (poison) { g.data<float>()[3] = std::numeric_limits<float>::infinity(); }
             });
           }
         }
@@ -102,6 +138,11 @@ weight_decay = 0.0
       for (const taskswap::tensor_info& t : h.tensors) {
         f.write(static_cast<const char*>(h.master.data) + t.offset * sizeof(float), static_cast<std::streamsize>(t.count * sizeof(float)));
       }
+    }
+    if (guarded) {
+      const taskswap::loss_scaler_state st = rt.scaler_state();
+      const float tail[3] = {st.scale, static_cast<float>(st.growth_tracker), static_cast<float>(st.skipped_steps)};
+      f.write(reinterpret_cast<const char*>(tail), sizeof tail);  // NOLINT: the floats' bytes
     }
     if (!f.flush()) { throw std::runtime_error("cannot write " + out); }
   } catch (const std::exception& e) {
