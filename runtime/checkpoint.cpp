@@ -368,7 +368,16 @@ checkpoint_manifest parse_checkpoint_manifest(std::string_view text, std::string
     m.optimizer.beta2 = o.hex_double("beta2");
     m.optimizer.eps = o.hex_double("eps");
     m.optimizer.weight_decay = o.hex_double("weight_decay");
+    if (o.maybe("clip") != nullptr) { m.optimizer.clip = o.hex_double("clip"); }  // absent before clipping existed
+    if (!(m.optimizer.clip >= 0)) { o.fail(o.maybe("clip"), " clip: give 0 or more"); }
     o.reject_unknown();
+  }
+  if (r.maybe("scaler") != nullptr) {
+    reader sc(r.table("scaler"), source, "[scaler]");
+    const double scale = sc.hex_double("scale");
+    if (!(scale > 0 && scale <= 3.0e38)) { sc.fail(sc.maybe("scale"), " scale: give a positive float"); }
+    m.scaler = checkpoint_scaler{scale, sc.integer("growth_tracker", 0, std::int64_t{1} << 40)};
+    sc.reject_unknown();
   }
   if (const toml::node* user = r.maybe("user")) {
     const toml::table* t = user->as_table();
@@ -502,9 +511,13 @@ std::string manifest_text(const checkpoint_manifest& m)
                                              {"beta1", hex_float(m.optimizer.beta1)},
                                              {"beta2", hex_float(m.optimizer.beta2)},
                                              {"eps", hex_float(m.optimizer.eps)},
-                                             {"weight_decay", hex_float(m.optimizer.weight_decay)}}},
+                                             {"weight_decay", hex_float(m.optimizer.weight_decay)},
+                                             {"clip", hex_float(m.optimizer.clip)}}},
                    {"user", user},
                    {"units", units}};
+  if (m.scaler) {
+    root.insert("scaler", toml::table{{"scale", hex_float(m.scaler->scale)}, {"growth_tracker", m.scaler->growth_tracker}});
+  }
   std::ostringstream out;
   out << "# taskswap checkpoint manifest: slab offsets and sizes are bytes in data.bin; crc32c is CRC-32C.\n"
       << root << "\n";

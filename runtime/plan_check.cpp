@@ -31,6 +31,7 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
   struct held_unit {
     std::uint32_t unit;
     std::size_t bytes;  // what its acquisition takes of the budget
+    bool trained;
   };
   std::vector<held_unit> held;
   std::size_t held_bytes = 0;
@@ -53,8 +54,9 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
                                    "', which the step has not acquired; acquire it earlier in the step"));
       }
       // With a communicator a released unit may keep its room until its bucket is reduced, which
-      // can wait for units acquired later in the step: count it to the end of the step.
-      if (!reducer_) { held_bytes -= it->bytes; }
+      // can wait for units acquired later in the step; in a guarded step a trained unit keeps it
+      // until the step's end updates it: count it to the end of the step.
+      if (!reducer_ && !(guard_ && it->trained)) { held_bytes -= it->bytes; }
       held.erase(it);
       continue;
     }
@@ -63,7 +65,7 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
                                  "' while it is still held; release it in between"));
     }
     if (r.pinned()) {
-      held.push_back({e.unit.value, 0});
+      held.push_back({e.unit.value, 0, false});
       continue;
     }
     // A frozen use takes the parameters alone, unless other ranks train the unit in the step.
@@ -72,7 +74,7 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
     // The pool maps whole granules (a packed unit: a place, charged a granule) and never splits
     // free room, so the sum is the whole rule.
     const std::size_t need = charged(r, whole ? r.layout.device_bytes : r.layout.params_bytes);
-    held.push_back({e.unit.value, need});
+    held.push_back({e.unit.value, need, whole});
     held_bytes += need;
     if (pinned_bytes_ + held_bytes > budget) {
       throw config_error(message("plan step ", step_number, ": after acquiring '", r.name, "' the units held at once (",
@@ -82,6 +84,8 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
                                  " budget; release units earlier in the step, raise [device] budget or choose "
                                  "optimizer = \"host\"",
                                  reducer_ ? " (with a communicator, units released within a step count until it ends)"
+                                 : guard_ ? " (with loss scaling or clipping, trained units released within a step count "
+                                            "until it ends)"
                                           : ""));
     }
   }

@@ -97,6 +97,9 @@ checkpoint_manifest runtime::impl::describe(std::span<const detail::checkpoint_s
   manifest.steps_done = steps_done_;
   manifest.optimizer = options_.optimizer;
   manifest.user = user;
+  if (guard_ && options_.scaler.enabled) {  // current: save_checkpoint flushed, which read it back
+    manifest.scaler = checkpoint_scaler{guard_->host_state->scale, guard_->host_state->growth_tracker};
+  }
   return manifest;
 }
 
@@ -133,6 +136,11 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
     manifest = read_checkpoint_manifest(dir);
     detail::verify_data(dir, manifest);
     where = detail::match_units(dir, manifest, sources);
+    if (manifest.optimizer.clip > 0 && !guard_) {
+      throw checkpoint_error(message("checkpoint '", dir.string(), "' was saved with [optimizer] clip = ",
+                                     manifest.optimizer.clip, "; this runtime was made without clipping: set "
+                                     "[optimizer] clip (or enable [scaler]) to resume it; nothing was loaded"));
+    }
   } catch (const std::exception& e) {
     failure = e.what();
   }
@@ -155,6 +163,10 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
   planned_steps_ = manifest.steps_done;
   current_.step = manifest.steps_done;
   options_.optimizer = manifest.optimizer;
+  if (guard_ && options_.scaler.enabled && manifest.scaler) {  // goes to the device at start
+    guard_->host_state->scale = static_cast<float>(manifest.scaler->scale);
+    guard_->host_state->growth_tracker = static_cast<std::int32_t>(manifest.scaler->growth_tracker);
+  }
   return manifest;
 }
 

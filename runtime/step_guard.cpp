@@ -62,10 +62,12 @@ bool runtime::impl::guards(const runtime_options& options) noexcept
   return options.scaler.enabled || options.optimizer.clip > 0;
 }
 
-std::size_t runtime::impl::guard_device_bytes(std::size_t units) noexcept
+std::size_t step_guard_device_bytes(std::size_t units) noexcept
 {
   return guard_state_bytes + block_sums_bytes + scalars_bytes + round_up(units * sizeof(std::int64_t), 256);
 }
+
+std::size_t runtime::impl::guard_device_bytes(std::size_t units) noexcept { return step_guard_device_bytes(units); }
 
 std::size_t runtime::impl::guard_host_bytes(std::size_t units) noexcept
 {

@@ -44,6 +44,12 @@ struct checkpoint_unit {
   checkpoint_slab v;
 };
 
+/// @brief The loss scaler's state in a checkpoint (GradScaler.state_dict's scale and tracker).
+struct checkpoint_scaler {
+  double scale = 65536.0;
+  std::int64_t growth_tracker = 0;
+};
+
 /// @brief The manifest of a checkpoint.
 struct checkpoint_manifest {
   static constexpr std::int64_t format_version = 1;
@@ -54,6 +60,7 @@ struct checkpoint_manifest {
   adamw_options optimizer{};     ///< the settings then (restored exactly: stored as hex floats)
   std::map<std::string, std::string> user;  ///< the trainer's entries
   std::vector<checkpoint_unit> units;
+  std::optional<checkpoint_scaler> scaler{};  ///< when it was saved with a loss scaler
 };
 
 /// @brief Parses manifest text.

@@ -251,6 +251,11 @@ struct unit_footprint {
 /// @throws config_error for a unit without tensors or with an empty dimension
 [[nodiscard]] unit_footprint footprint(const unit_spec& spec, optimizer_placement placement);
 
+/// @brief The device bytes a runtime of `units` units takes of its budget, before granule
+/// rounding, for guarded steps (loss scaling or clipping): the scaler's state, the square sums'
+/// scratch and a step count per unit. 0 is not returned: call it only for guarded options.
+[[nodiscard]] std::size_t step_guard_device_bytes(std::size_t units) noexcept;
+
 /// @brief The policy the runtime gives `spec` under `options`: its own policy if it has one,
 /// else the defaults with every matching [[units]] rule applied in order.
 [[nodiscard]] unit_policy policy_for(const unit_spec& spec, const runtime_options& options);

@@ -85,7 +85,11 @@ plan_report make_plan(const plan_input& in)
   // As the runtime's pool: whole granules of the budget, each swapped unit in whole granules, the
   // pinned units packed (256-byte aligned) and then rounded together.
   const auto taken = [g = in.granule](std::size_t bytes) { return (bytes + g - 1) / g * g; };
-  const std::size_t capacity = r.budget / in.granule * in.granule;
+  // Loss scaling or clipping take their state of the budget first, in whole granules.
+  const std::size_t guard = in.options.scaler.enabled || in.options.optimizer.clip > 0
+                              ? taken(step_guard_device_bytes(in.units.size()))
+                              : 0;
+  const std::size_t capacity = r.budget > guard ? (r.budget - guard) / in.granule * in.granule : 0;
   std::size_t pinned_packed = 0;
   std::vector<std::size_t> raw_device;  // per unit, before rounding
   std::vector<std::size_t> raw_frozen;
@@ -168,8 +172,8 @@ plan_report make_plan(const plan_input& in)
       most_held_raw = raw;
     }
   }
-  r.peak_device_bytes = r.pinned_device_bytes + most_held;
-  r.rounding_bytes = r.peak_device_bytes - pinned_packed - most_held_raw;
+  r.peak_device_bytes = r.pinned_device_bytes + most_held + guard;
+  r.rounding_bytes = r.peak_device_bytes - guard - pinned_packed - most_held_raw;
 
   // Replay: Belady over the swapped units in the room the pinned ones leave, seeing only the
   // steps planned so far (the runtime knows nothing beyond), least recently used among equals.
