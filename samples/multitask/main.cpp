@@ -137,6 +137,12 @@ int train(int argc, char** argv)
     std::printf("summary: %.2f ms/step; swap-ins %zu, write-backs %zu, h2d %s, d2h %s, stall %.1f ms; reduced %s\n",
                 r.step_ms(), r.total.swap_ins, r.total.write_backs, mib(r.total.h2d_bytes).c_str(),
                 mib(r.total.d2h_bytes).c_str(), r.total.stall_ms, mib(r.total.reduced_bytes).c_str());
+    if (r.scaler) {
+      std::printf("  guarded steps: loss scale %g, %lld of %lld steps skipped (a gradient not finite), last global "
+                  "gradient norm %.4g\n",
+                  static_cast<double>(r.scaler->scale), static_cast<long long>(r.scaler->skipped_steps),
+                  static_cast<long long>(r.scaler->steps), static_cast<double>(r.scaler->last_norm));
+    }
     if (r.timed_steps > 0) {
       const double us = r.stop_agreement_seconds * 1e6 / static_cast<double>(r.timed_steps);
       std::printf("  stop agreement: %.1f us/step (%.2f%% of a step)\n", us, us / (r.step_ms() * 10.0));

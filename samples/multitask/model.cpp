@@ -75,8 +75,10 @@ model_config read_model(const toml::table& root, std::string_view source)
         m.compute = dtype::f32;
       } else if (s == "bf16") {
         m.compute = dtype::bf16;
+      } else if (s == "f16") {
+        m.compute = dtype::f16;  // its gradients underflow without [scaler] enabled = true
       } else {
-        throw config_error(where + ": use \"f32\" or \"bf16\"");
+        throw config_error(where + ": use \"f32\", \"bf16\" or \"f16\"");
       }
       continue;
     }
@@ -243,7 +245,12 @@ taskswap::runtime_options all_resident(const taskswap::runtime_options& options,
   for (const taskswap::unit_spec& u : units) {
     packed += round_up(taskswap::footprint(u, taskswap::optimizer_placement::device).device_bytes, 256);
   }
-  o.device.budget = round_up(packed, taskswap::make_device(o.device).granularity());
+  const std::size_t granule = taskswap::make_device(o.device).granularity();
+  o.device.budget = round_up(packed, granule);
+  // Loss scaling and clipping keep their state beside the units, in whole granules.
+  if (o.scaler.enabled || o.optimizer.clip > 0) {
+    o.device.budget += round_up(taskswap::step_guard_device_bytes(units.size()), granule);
+  }
   return o;
 }
 
@@ -264,6 +271,7 @@ struct trainer::impl {
         losses_home(dev, static_cast<std::size_t>(steps) * sizeof(float))
   {
     margin = plan_margin(model, options);
+    if (options.scaler.enabled) { loss_scale = rt.loss_scale(); }
     for (int l = 0; l < model.trunk_layers; ++l) { trunk.push_back(rt.find("trunk/" + std::to_string(l))); }
     for (int t = 0; t < model.tasks; ++t) { tasks.push_back(rt.find("task/" + std::to_string(t))); }
     carve();
@@ -402,7 +410,7 @@ struct trainer::impl {
     kernels->bias_activation(hidden, weight(av, 1, wide_bias), b, hd, true);
     kernels->gemm(false, false, b, o, hd, 1.0F, hidden, weight(av, 2, wide_weight), 0.0F, y);
     kernels->bias_activation(y, weight(av, 3, wide_bias), b, o, false);
-    kernels->mse(y, target, b, o, losses + step, scratch);
+    kernels->mse(y, target, b, o, losses + step, scratch, loss_scale);
 
     // Backward through the adapter (y now holds dLoss/dy).
     kernels->gemm(true, false, hd, o, b, 1.0F, hidden, y, 0.0F, grad_target(av, 2, wide_grad));
@@ -500,6 +508,7 @@ struct trainer::impl {
   float* wide_grad = nullptr;
   float* wide_bias = nullptr;
   float* wide_bias_grad = nullptr;
+  const float* loss_scale = nullptr;  // the runtime's, on the device, with [scaler] enabled
   taskswap::step_stats last_stats{};
   int margin = 1;
   std::int64_t first_step = 0;     // where run() starts (a resumed checkpoint's position)
@@ -677,6 +686,7 @@ run_result trainer::run(const run_options& options)
   }
   const taskswap::runtime_stats stats = m.rt.stats();
   r.total = stats.total;
+  if (m.rt.guards_steps()) { r.scaler = m.rt.scaler_state(); }
   for (const taskswap::step_stats& st : stats.steps) {  // the steps after the warm-up (the last 4096)
     if (st.step <= static_cast<std::uint64_t>(begin)) { continue; }
     r.timed.h2d_bytes += st.h2d_bytes;

@@ -97,6 +97,7 @@ struct run_result {
   int stopped_by = 0;            ///< the agreed stop code when the run stopped early (0: it did not)
   double stop_agreement_seconds = 0;  ///< host time in runtime::agree_stop over the timed steps
   std::int64_t steps_done = 0;   ///< the steps done in all when run() returned
+  std::optional<taskswap::loss_scaler_state> scaler;  ///< with loss scaling or clipping
   [[nodiscard]] double step_ms() const { return timed_steps == 0 ? 0 : seconds * 1e3 / static_cast<double>(timed_steps); }
 };
 

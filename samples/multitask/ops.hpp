@@ -36,12 +36,14 @@ class ops {
   virtual void relu_backward(float* dy, const float* y, std::size_t n) = 0;
   /// out[c] = sum over r of x[r][c] (overwrites out). `scratch`: scratch_floats(cols) floats.
   virtual void column_sums(float* out, const float* x, int rows, int cols, float* scratch) = 0;
-  /// Mean squared error: *loss = mean((y - t)^2); y becomes dLoss/dy = 2 (y - t) / (rows · cols).
-  /// `scratch`: scratch_floats(cols) floats.
-  virtual void mse(float* y, const float* target, int rows, int cols, float* loss, float* scratch) = 0;
-  /// dst (f32) = src of type `type` (f32 or bf16; f16 is refused).
+  /// Mean squared error: *loss = mean((y - t)^2); y becomes dLoss/dy = 2 (y - t) / (rows · cols),
+  /// times *loss_scale when it is given (a device float: the runtime's loss scale, as
+  /// GradScaler.scale(loss) multiplies the loss). `scratch`: scratch_floats(cols) floats.
+  virtual void mse(float* y, const float* target, int rows, int cols, float* loss, float* scratch,
+                   const float* loss_scale) = 0;
+  /// dst (f32) = src of type `type` (f32, bf16 or f16).
   virtual void widen(float* dst, const void* src, taskswap::dtype type, std::size_t n) = 0;
-  /// dst of type `type` (f32 or bf16) = src rounded to nearest even.
+  /// dst of type `type` (f32, bf16 or f16) = src rounded to nearest even.
   virtual void narrow(void* dst, taskswap::dtype type, const float* src, std::size_t n) = 0;
 };
 

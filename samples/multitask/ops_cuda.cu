@@ -9,6 +9,7 @@
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -81,10 +82,6 @@ unsigned blocks_for(std::size_t n)
   return static_cast<unsigned>(std::clamp<std::size_t>(b, 1, std::size_t{65535} * 16));
 }
 
-void refuse_f16(dtype type)
-{
-  if (type == dtype::f16) { throw taskswap::invalid_argument("the sample computes in f32 or bf16, not f16"); }
-}
 
 __global__ void random_kernel(float* x, std::size_t n, std::uint64_t key, float scale)
 {
@@ -146,15 +143,16 @@ __global__ void column_finish_kernel(float* out, const float* partial, int cols)
 }
 
 // MSE, pass 1: the gradient element-wise; each block's squared errors (double) by a fixed tree.
-__global__ void mse_partials_kernel(float* y, const float* t, std::size_t n, double* partial)
+__global__ void mse_partials_kernel(float* y, const float* t, std::size_t n, double* partial, const float* loss_scale)
 {
   __shared__ double tree[threads];
   const float scale = 2.0F / static_cast<float>(n);
+  const float by = loss_scale != nullptr ? *loss_scale : 1.0F;
   double sum = 0.0;
   for (std::size_t i = blockIdx.x * std::size_t{threads} + threadIdx.x; i < n; i += std::size_t{partial_blocks} * threads) {
     const float d = __fsub_rn(y[i], t[i]);
     sum += static_cast<double>(d) * d;
-    y[i] = __fmul_rn(scale, d);
+    y[i] = __fmul_rn(__fmul_rn(scale, d), by);
   }
   tree[threadIdx.x] = sum;
   __syncthreads();
@@ -189,6 +187,20 @@ __global__ void narrow_kernel(__nv_bfloat16* dst, const float* src, std::size_t 
 {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
     dst[i] = __float2bfloat16_rn(src[i]);
+  }
+}
+
+__global__ void widen_f16_kernel(float* dst, const __half* src, std::size_t n)
+{
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+    dst[i] = __half2float(src[i]);
+  }
+}
+
+__global__ void narrow_f16_kernel(__half* dst, const float* src, std::size_t n)
+{
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+    dst[i] = __float2half_rn(src[i]);
   }
 }
 
@@ -248,12 +260,13 @@ class cuda_ops final : public ops {
     MULTITASK_CUDA(cudaGetLastError());
   }
 
-  void mse(float* y, const float* target, int rows, int cols, float* loss, float* scratch) override
+  void mse(float* y, const float* target, int rows, int cols, float* loss, float* scratch,
+           const float* loss_scale) override
   {
     const device_scope scope(device_);
     const std::size_t n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols);
     auto* partial = reinterpret_cast<double*>(scratch);  // NOLINT: scratch_floats() leaves room for 256 doubles
-    mse_partials_kernel<<<partial_blocks, threads, 0, s_>>>(y, target, n, partial);
+    mse_partials_kernel<<<partial_blocks, threads, 0, s_>>>(y, target, n, partial, loss_scale);
     MULTITASK_CUDA(cudaGetLastError());
     mse_finish_kernel<<<1, partial_blocks, 0, s_>>>(partial, n, loss);
     MULTITASK_CUDA(cudaGetLastError());
@@ -261,10 +274,14 @@ class cuda_ops final : public ops {
 
   void widen(float* dst, const void* src, dtype type, std::size_t n) override
   {
-    refuse_f16(type);
     const device_scope scope(device_);
     if (type == dtype::f32) {
       MULTITASK_CUDA(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, s_));
+      return;
+    }
+    if (type == dtype::f16) {
+      widen_f16_kernel<<<blocks_for(n), threads, 0, s_>>>(dst, static_cast<const __half*>(src), n);
+      MULTITASK_CUDA(cudaGetLastError());
       return;
     }
     widen_kernel<<<blocks_for(n), threads, 0, s_>>>(dst, static_cast<const __nv_bfloat16*>(src), n);
@@ -273,10 +290,14 @@ class cuda_ops final : public ops {
 
   void narrow(void* dst, dtype type, const float* src, std::size_t n) override
   {
-    refuse_f16(type);
     const device_scope scope(device_);
     if (type == dtype::f32) {
       MULTITASK_CUDA(cudaMemcpyAsync(dst, src, n * sizeof(float), cudaMemcpyDeviceToDevice, s_));
+      return;
+    }
+    if (type == dtype::f16) {
+      narrow_f16_kernel<<<blocks_for(n), threads, 0, s_>>>(static_cast<__half*>(dst), src, n);
+      MULTITASK_CUDA(cudaGetLastError());
       return;
     }
     narrow_kernel<<<blocks_for(n), threads, 0, s_>>>(static_cast<__nv_bfloat16*>(dst), src, n);

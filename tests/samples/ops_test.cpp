@@ -4,6 +4,7 @@
 // so an operation that writes nothing fails.
 
 #include "cuda_skip.hpp"
+#include "numeric/dtype_conversion.hpp"
 #include "ops.hpp"
 
 #include <gtest/gtest.h>
@@ -13,6 +14,7 @@
 #include <cstring>
 #include <deque>
 #include <optional>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -171,9 +173,16 @@ TYPED_TEST(ops_test, column_sums_and_mse_match_double_references_and_are_determi
 
   const auto t0 = this->random(x0.size(), 8);
   float* loss = this->poisoned(1);
-  this->ops_->mse(x, this->upload(t0), rows, cols, loss, scratch);
+  float* x_scaled = this->upload(this->download(x, x0.size()));
+  this->ops_->mse(x, this->upload(t0), rows, cols, loss, scratch, nullptr);
   const auto l = this->download(loss, 1)[0];
   const auto g = this->download(x, x0.size());
+  // With a loss scale the gradient is scaled and the loss is not.
+  float* scaled_loss = this->poisoned(1);
+  this->ops_->mse(x_scaled, this->upload(t0), rows, cols, scaled_loss, scratch, this->upload(std::vector<float>{1024.0F}));
+  EXPECT_EQ(this->download(scaled_loss, 1)[0], l);
+  const auto gs = this->download(x_scaled, x0.size());
+  for (std::size_t i = 0; i < x0.size(); ++i) { ASSERT_EQ(gs[i], g[i] * 1024.0F) << i; }
   double want = 0;
   for (std::size_t i = 0; i < x0.size(); ++i) {
     const double e = static_cast<double>(x0[i] - t0[i]);
@@ -183,7 +192,7 @@ TYPED_TEST(ops_test, column_sums_and_mse_match_double_references_and_are_determi
   EXPECT_NEAR(l, want / static_cast<double>(x0.size()), 1e-6);
 }
 
-TYPED_TEST(ops_test, bf16_widen_and_narrow_round_to_nearest_even_and_f16_is_refused)
+TYPED_TEST(ops_test, bf16_and_f16_widen_and_narrow_round_to_nearest_even)
 {
   const std::vector<float> values{1.0F, 1.00390625F, 1.01171875F, -3.5F, 1e-3F, 65504.0F};
   float* src = this->upload(values);
@@ -197,8 +206,24 @@ TYPED_TEST(ops_test, bf16_widen_and_narrow_round_to_nearest_even_and_f16_is_refu
     const std::uint32_t rounded = (u + 0x7fffU + ((u >> 16U) & 1U)) & 0xffff0000U;
     EXPECT_EQ(std::bit_cast<std::uint32_t>(got[i]), rounded) << values[i];
   }
-  EXPECT_THROW(this->ops_->widen(back, half, dtype::f16, 1), taskswap::invalid_argument);
-  EXPECT_THROW(this->ops_->narrow(half, dtype::f16, back, 1), taskswap::invalid_argument);
+  // f16 against the library's conversion: ties, subnormals, the largest half, overflow, NaN.
+  const std::vector<float> f16_values{1.0F, 1.00048828125F, 1.00146484375F, -3.5F, 1e-3F, 65504.0F, 65519.0F,
+                                      65520.0F, 1e9F, -1e9F, 5.9604645e-8F, 2.9802322e-8F, 8.940697e-8F, 6.1e-5F,
+                                      -1.5e-7F, std::numeric_limits<float>::quiet_NaN(), 0.0F, -0.0F};
+  float* f16_src = this->upload(f16_values);
+  float* f16_half = this->poisoned(f16_values.size());
+  this->ops_->narrow(f16_half, dtype::f16, f16_src, f16_values.size());
+  float* f16_back = this->poisoned(f16_values.size());
+  this->ops_->widen(f16_back, f16_half, dtype::f16, f16_values.size());
+  const auto f16_got = this->download(f16_back, f16_values.size());
+  for (std::size_t i = 0; i < f16_values.size(); ++i) {
+    const float want = taskswap::detail::f16_to_float(taskswap::detail::float_to_f16(f16_values[i]));
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(f16_got[i])) << f16_values[i];
+    } else {
+      EXPECT_EQ(std::bit_cast<std::uint32_t>(f16_got[i]), std::bit_cast<std::uint32_t>(want)) << f16_values[i];
+    }
+  }
 }
 
 }  // namespace
