@@ -198,6 +198,7 @@ void reducer::begin(const step_agreement& step, std::uint64_t step_number)
   const std::size_t n = step.order.size();
   for (std::size_t i = 0; i < n; ++i) { where_[step.order[i]] = static_cast<std::int32_t>(i); }
   slabs_.assign(n, device_span{});
+  states_.assign(n, device_span{});
   ready_events_.assign(n, nullptr);
   ready_.assign(n, false);
   next_bucket_ = 0;
@@ -211,7 +212,7 @@ bool reducer::is_ready(std::uint32_t u) const noexcept
   return active(u) && ready_[static_cast<std::size_t>(where_[u])];
 }
 
-std::vector<std::uint32_t> reducer::ready(std::uint32_t u, device_span grads, const event& ready)
+std::vector<std::uint32_t> reducer::ready(std::uint32_t u, device_span grads, const event& ready, device_span state)
 {
   comm_->check();
   std::vector<std::uint32_t> launched;
@@ -221,6 +222,10 @@ std::vector<std::uint32_t> reducer::ready(std::uint32_t u, device_span grads, co
   if (ready_[i]) { return launched; }
   ready_[i] = true;
   slabs_[i] = grads;
+  TASKSWAP_EXPECTS(state.size() == units_[u].state_bytes,
+                   message("unit '", units_[u].name, "': ", state.size(), " bytes of state tensors given, ",
+                           units_[u].state_bytes, " registered"));
+  states_[i] = state;
   ready_events_[i] = &ready;
   launch_ready_buckets(launched);
   return launched;
@@ -247,6 +252,12 @@ void reducer::launch_ready_buckets(std::vector<std::uint32_t>& launched)
     comm_->allreduce_many(items, stream_,
                           message("bucket ", next_bucket_, " (", last - first, " units from '", units_[a.order[first]].name,
                                   "'), step ", step_number_));
+    for (std::size_t i = first; i < last; ++i) {  // replicas keep rank 0's state tensors (DDP's broadcast_buffers)
+      if (states_[i].size() != 0) {
+        comm_->broadcast(states_[i], 0, stream_,
+                         message("the state tensors of '", units_[a.order[i]].name, "', step ", step_number_));
+      }
+    }
     bucket_done_[next_bucket_].record(stream_);
     for (std::size_t i = first; i < last; ++i) { launched.push_back(a.order[i]); }
     ++next_bucket_;

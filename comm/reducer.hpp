@@ -34,6 +34,7 @@ struct reducer_unit {
   std::size_t grad_bytes = 0;
   dtype grad = dtype::f32;
   std::uint64_t digest = 0;  // of its name, tensor shapes and dtypes
+  std::size_t state_bytes = 0;  // its state tensors: broadcast from rank 0 after its reduction
 };
 
 /// A planned step as the ranks agreed it.
@@ -65,9 +66,11 @@ class reducer {
   void begin(const step_agreement& step, std::uint64_t step_number);
   /// Whether `u` is active in the current step.
   [[nodiscard]] bool active(std::uint32_t u) const noexcept { return u < where_.size() && where_[u] >= 0; }
-  /// `u`'s gradient slab is complete once `ready` (recorded) has; launches what became launchable
-  /// and returns the units whose reduction was enqueued by this call.
-  std::vector<std::uint32_t> ready(std::uint32_t u, device_span grads, const event& ready);
+  /// `u`'s gradient slab (and its state tensors, `state`: empty when it has none) is complete once
+  /// `ready` (recorded) has; launches what became launchable and returns the units whose
+  /// reduction was enqueued by this call. A unit's state tensors are broadcast from rank 0 right
+  /// after its bucket's allreduce, in the same order on every rank.
+  std::vector<std::uint32_t> ready(std::uint32_t u, device_span grads, const event& ready, device_span state = {});
   /// Whether `u` is marked ready in the current step.
   [[nodiscard]] bool is_ready(std::uint32_t u) const noexcept;
   /// The event after `u`'s reduction, once its bucket was launched; nullptr before.
@@ -132,6 +135,7 @@ class reducer {
   std::uint64_t step_number_ = 0;
   std::vector<std::int32_t> where_;  // unit -> index in step_->order, or -1
   std::vector<device_span> slabs_;   // by index in order
+  std::vector<device_span> states_;  // the state tensors of each, by index in order
   std::vector<const event*> ready_events_;
   std::vector<bool> ready_;
   std::size_t next_bucket_ = 0;

@@ -40,6 +40,10 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   copy_async(std::span<std::byte>(r.home + l.home_grads, grad_bytes),
              const_device_span(r.slot->subspan(r.grads_at(), grad_bytes)), d2h_);
   fill_async(r.slot->subspan(r.grads_at(), grad_bytes), std::byte{0}, d2h_);
+  if (const std::size_t state = l.state_tensor_bytes(); state != 0 && !r.grads_only) {  // written home with the update
+    copy_async(std::span<std::byte>(r.home + l.state_at(), state), const_device_span(r.slot->subspan(l.state_at(), state)), d2h_);
+    current_.d2h_bytes += state;
+  }
   detail::step_guard* factors = nullptr;
   std::int64_t* step = nullptr;
   if (guarded) {  // the finished step's factors come home beside the gradients

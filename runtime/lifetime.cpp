@@ -49,10 +49,12 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
       }
       digest = detail::fnv1a(digest, message(to_string(l.compute), "/", to_string(l.grad)));
       // What the update depends on: the ranks must update each unit alike.
-      for (const tensor_info& t : l.tensors) { digest = detail::fnv1a(digest, t.no_weight_decay ? "n" : "d"); }
+      for (const tensor_info& t : l.tensors) {
+        digest = detail::fnv1a(digest, t.state ? "s" : t.no_weight_decay ? "n" : "d");
+      }
       digest = detail::fnv1a(digest, message(std::hexfloat, r.policy.lr_scale, "/",
                                              r.policy.weight_decay ? *r.policy.weight_decay : -1.0));
-      units.push_back({r.name, l.reduce_bytes(), l.grad, digest});
+      units.push_back({r.name, l.reduce_bytes(), l.grad, digest, l.state_tensor_bytes()});
     }
     if (!aux_) { aux_.emplace(dev); }
     reducer_.emplace(dev, std::move(comm), options.comm, std::move(units));

@@ -164,7 +164,7 @@ void runtime::impl::start()
   for (unit_record& r : units_) {
     const detail::unit_layout& l = r.layout;
     if (l.compute != dtype::f32) {  // the master is the source of truth; derive the params from it
-      detail::host_cast(r.home + l.params, l.compute, r.home + l.master, dtype::f32, l.count);
+      detail::host_cast(r.home + l.params, l.compute, r.home + l.master, dtype::f32, l.trainable);  // not the state
     }
     if (r.pinned()) { fill_slot(r); }
   }

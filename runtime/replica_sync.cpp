@@ -48,6 +48,9 @@ void runtime::impl::verify_replicas()
     crc = detail::crc32c(std::span<const std::byte>(r.home + l.master, l.count * 4), crc);
     crc = detail::crc32c(std::span<const std::byte>(r.home + l.m, l.count * 4), crc);
     crc = detail::crc32c(std::span<const std::byte>(r.home + l.v, l.count * 4), crc);
+    if (l.compute != dtype::f32) {  // state tensors live in the parameters alone
+      crc = detail::crc32c(std::span<const std::byte>(r.home + l.state_at(), l.state_tensor_bytes()), crc);
+    }
     sums[rank * n + u] = crc;
   }
   red.sum(sums, "the first plan: comparison of the initial replicas");

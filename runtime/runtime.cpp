@@ -38,6 +38,8 @@ void* unit_view::grad(std::size_t i) const
   TASKSWAP_EXPECTS(i < tensors.size(), detail::message("tensor ", i, " of a unit with ", tensors.size()));
   TASKSWAP_EXPECTS(!frozen, "grad(): the unit is used frozen and has no gradients; plan and acquire it with "
                             "unit_use::train to train it");
+  TASKSWAP_EXPECTS(!tensors[i].state, detail::message("grad(", i, "): tensor '", tensors[i].name,
+                                                      "' is a state tensor; it has no gradient"));
   return static_cast<std::byte*>(grads.data) + tensors[i].offset * size_of(grads.type);
 }
 

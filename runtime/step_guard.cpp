@@ -171,7 +171,7 @@ void runtime::impl::finish_guarded_step()
       TASKSWAP_EXPECTS(reduced != nullptr, message("end_step: the reduction of '", r.name, "' was not launched"));
       if (!reduced->query()) { reduced->wait(aux); }
     }
-    detail::square_sum_async(r.slot->data() + r.grads_at(), r.layout.grad, r.layout.count, g.state, g.block_sums, aux);
+    detail::square_sum_async(r.slot->data() + r.grads_at(), r.layout.grad, r.layout.trainable, g.state, g.block_sums, aux);
   }
   const adamw_options& optimizer = reducer_ && step_begun_ ? step_optimizer_ : options_.optimizer;
   const detail::guard_settings settings{.clip = static_cast<float>(optimizer.clip),

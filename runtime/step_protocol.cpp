@@ -50,8 +50,9 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
     ++current_.frozen;
     v.grads = {nullptr, l.grad, 0};
     v.frozen = true;
-    // Other ranks train it: its gradients stay zero, so it is ready for the reduction at once.
-    if (r.frozen_reduced) { mark_ready(r, s); }
+    // Other ranks train it: its gradients stay zero, so it is ready for the reduction at once
+    // (unless rank 0's state tensors would arrive while the forward pass reads them: at release).
+    if (r.frozen_reduced && r.layout.state_tensor_bytes() == 0) { mark_ready(r, s); }
   } else {
     v.grads = {r.slot->data() + l.device_grads, l.grad, l.count};
   }

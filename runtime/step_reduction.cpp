@@ -29,7 +29,8 @@ void runtime::impl::begin_step()
 // exists on the device: the gradient goes home and the CPU updates it; no parameters travel.
 void runtime::impl::hold_for_update(unit_record& r)
 {
-  if (r.policy.optimizer == optimizer_placement::host && !r.resident()) {
+  // Its state tensors take rank 0's values in its parameter slab: that needs the parameters here.
+  if (r.policy.optimizer == optimizer_placement::host && !r.resident() && r.layout.state_tensor_bytes() == 0) {
     hold_gradients_only(r);
   } else {
     acquire(r, *aux_);
@@ -70,8 +71,11 @@ void runtime::impl::mark_ready(unit_record& r, stream_view s)
 {
   if (reducer_->is_ready(r.index)) { return; }  // the reduction waits for the first ready point
   ensure(r.grads_ready_event, device_).record(s);
-  // One contiguous range: the tensors and the gaps between them; the slab's tail padding is not sent.
-  on_launched(reducer_->ready(r.index, r.slot->subspan(r.grads_at(), r.layout.reduce_bytes()), *r.grads_ready_event));
+  // One contiguous range: the trainable tensors and the gaps between them; the slab's tail padding
+  // and the state tensors' gradient elements are not sent. The state tensors are broadcast.
+  const detail::unit_layout& l = r.layout;
+  const device_span state = l.state_tensor_bytes() == 0 ? device_span{} : r.slot->subspan(l.state_at(), l.state_tensor_bytes());
+  on_launched(reducer_->ready(r.index, r.slot->subspan(r.grads_at(), l.reduce_bytes()), *r.grads_ready_event, state));
 }
 
 void runtime::impl::on_launched(const std::vector<std::uint32_t>& units)

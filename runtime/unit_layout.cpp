@@ -40,18 +40,32 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
   unit_layout l;
   l.compute = spec.compute;
   l.grad = spec.grad.value_or(spec.compute);
-  for (const tensor_spec& t : spec.tensors) {
-    const std::size_t n = checked_product(spec, t);
-    l.count = round_up(l.count, tensor_alignment);
-    l.tensors.push_back(tensor_info{t.name, t.shape, n, l.count, t.no_weight_decay});
-    // A tensor whose flag differs from the run before starts a run; otherwise the run grows over
-    // the alignment gap and the tensor.
-    if (l.runs.empty() || l.runs.back().decay == t.no_weight_decay) {
-      if (!l.runs.empty()) { l.runs.back().count = l.count - l.runs.back().begin; }  // up to this tensor
-      l.runs.push_back(adamw_run{l.runs.empty() ? 0 : l.count, 0, !t.no_weight_decay});
+  // The trainable tensors first, in order, then the state tensors: [0, trainable) is what AdamW
+  // steps and the reducer reduces, one contiguous range. tensor_info keeps the spec's order.
+  l.tensors.resize(spec.tensors.size());
+  for (const bool state : {false, true}) {
+    if (state) { l.trainable = l.count; }
+    for (std::size_t i = 0; i < spec.tensors.size(); ++i) {
+      const tensor_spec& t = spec.tensors[i];
+      if (t.state != state) { continue; }
+      const std::size_t n = checked_product(spec, t);
+      l.count = round_up(l.count, tensor_alignment);
+      l.tensors[i] = tensor_info{t.name, t.shape, n, l.count, t.no_weight_decay && !t.state, t.state};
+      if (!state) {
+        // A tensor whose flag differs from the run before starts a run; otherwise the run grows
+        // over the alignment gap and the tensor.
+        if (l.runs.empty() || l.runs.back().decay == t.no_weight_decay) {
+          if (!l.runs.empty()) { l.runs.back().count = l.count - l.runs.back().begin; }  // up to this tensor
+          l.runs.push_back(adamw_run{l.runs.empty() ? 0 : l.count, 0, !t.no_weight_decay});
+        }
+      }
+      l.count += n;
+      if (!state) { l.runs.back().count = l.count - l.runs.back().begin; }
     }
-    l.count += n;
-    l.runs.back().count = l.count - l.runs.back().begin;
+  }
+  if (l.trainable == 0) {
+    throw config_error(message("unit '", spec.name, "' has only state tensors; give it a trainable tensor (state "
+                               "tensors travel with one)"));
   }
   const auto slab = [&](dtype type) { return round_up(l.count * size_of(type), slab_alignment); };
   const std::size_t params_bytes = slab(l.compute);

@@ -111,6 +111,14 @@ struct tensor_spec {
   std::string name;
   std::vector<std::size_t> shape;
   bool no_weight_decay = false;  ///< AdamW without weight decay (biases, norms), as torch's no-decay group
+  /// A non-trainable state tensor (torch's buffers: a norm's running statistics). It lies in the
+  /// parameter slab (compute dtype) after every trainable tensor, travels with the parameters and
+  /// is written home with the unit's update, but is never updated, clipped or reduced: its
+  /// gradient elements are ignored. With a communicator every rank takes rank 0's values when
+  /// the unit's gradients are reduced (as DDP's broadcast_buffers), so replicas stay equal.
+  /// Initialise it in home().params (with a compute dtype other than f32, the master is ignored).
+  /// Write it in trained uses only; a frozen use reads it (as torch's eval mode does).
+  bool state = false;
 };
 
 /// @brief What a trainer registers: a named set of tensors stored as one slab per kind.
@@ -135,6 +143,7 @@ struct tensor_info {
   std::size_t count = 0;   ///< elements
   std::size_t offset = 0;  ///< first element in the unit's slabs
   bool no_weight_decay = false;  ///< as the tensor_spec said: AdamW steps it without weight decay
+  bool state = false;            ///< a non-trainable state tensor (see tensor_spec::state)
 };
 
 /// @brief A flat slab: `count` elements of `type` at `data`.

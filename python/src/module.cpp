@@ -186,7 +186,24 @@ void bind_options(nb::module_& m)
       .def_rw("beta1", &adamw_options::beta1)
       .def_rw("beta2", &adamw_options::beta2)
       .def_rw("eps", &adamw_options::eps)
-      .def_rw("weight_decay", &adamw_options::weight_decay);
+      .def_rw("weight_decay", &adamw_options::weight_decay)
+      .def_rw("clip", &adamw_options::clip, "Global-norm gradient clipping (0: none).");
+
+  nb::class_<loss_scaler_options>(m, "LossScaler", "Dynamic loss scaling, as torch.cuda.amp.GradScaler.")
+      .def(nb::init<>())
+      .def_rw("enabled", &loss_scaler_options::enabled)
+      .def_rw("init_scale", &loss_scaler_options::init_scale)
+      .def_rw("growth_factor", &loss_scaler_options::growth_factor)
+      .def_rw("backoff_factor", &loss_scaler_options::backoff_factor)
+      .def_rw("growth_interval", &loss_scaler_options::growth_interval);
+
+  nb::class_<loss_scaler_state>(m, "LossScalerState", "The loss scaler's state and the last step's norm.")
+      .def_ro("scale", &loss_scaler_state::scale)
+      .def_ro("growth_tracker", &loss_scaler_state::growth_tracker)
+      .def_ro("skipped_steps", &loss_scaler_state::skipped_steps)
+      .def_ro("steps", &loss_scaler_state::steps)
+      .def_ro("last_skipped", &loss_scaler_state::last_skipped)
+      .def_ro("last_norm", &loss_scaler_state::last_norm);
 
   nb::class_<unit_policy>(m, "UnitPolicy", "A unit's residency, optimizer placement and hyperparameters.")
       .def(nb::init<>())
@@ -230,6 +247,7 @@ void bind_options(nb::module_& m)
       .def_rw("device", &runtime_options::device)
       .def_rw("defaults", &runtime_options::defaults)
       .def_rw("optimizer", &runtime_options::optimizer)
+      .def_rw("scaler", &runtime_options::scaler)
       .def_rw("comm", &runtime_options::comm)
       .def_rw("measure_stall", &runtime_options::measure_stall)
       .def_rw("trace", &runtime_options::trace)
@@ -258,11 +276,13 @@ void bind_options(nb::module_& m)
           [](runtime_options& o, int n) { o.host.numa_node = n; });
 
   nb::class_<tensor_spec>(m, "TensorSpec", "A named tensor of a unit.")
-      .def(nb::init<std::string, std::vector<std::size_t>, bool>(), "name"_a, "shape"_a,
-           "no_weight_decay"_a = false)
+      .def(nb::init<std::string, std::vector<std::size_t>, bool, bool>(), "name"_a, "shape"_a,
+           "no_weight_decay"_a = false, "state"_a = false)
       .def_rw("name", &tensor_spec::name)
       .def_rw("shape", &tensor_spec::shape)
-      .def_rw("no_weight_decay", &tensor_spec::no_weight_decay);
+      .def_rw("no_weight_decay", &tensor_spec::no_weight_decay)
+      .def_rw("state", &tensor_spec::state,
+              "A non-trainable state tensor: travels and is written home with the update; never stepped or reduced.");
 
   nb::class_<unit_spec>(m, "UnitSpec", "What a trainer registers: a named set of tensors.")
       .def(

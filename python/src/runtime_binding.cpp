@@ -294,6 +294,24 @@ void bind_runtime(nb::module_& m)
           "optimizer", [](const py_runtime& self) { return self.rt.optimizer(); },
           [](py_runtime& self, const adamw_options& o) { self.rt.set_optimizer(o); })
       .def("stats", [](const py_runtime& self) { return self.rt.stats(); })
+      .def_prop_ro("guards_steps", [](const py_runtime& self) { return self.rt.guards_steps(); },
+                   "Loss scaling or clipping: the step's units are updated together at end_step.")
+      .def(
+          "loss_scale_tensor",
+          [](nb::handle owner) {
+            const py_runtime& self = nb::cast<const py_runtime&>(owner);
+            const float* scale = self.rt.loss_scale();
+            const bool cuda = self.dev.kind() == backend_kind::cuda;
+            const std::size_t shape[1] = {1};
+            return torch_tensor(const_cast<float*>(scale), 1, shape, owner, nullptr, nb::dtype<float>(),  // NOLINT
+                                cuda ? static_cast<int>(nb::device::cuda::value) : static_cast<int>(nb::device::cpu::value),
+                                cuda ? self.dev.index() : 0);
+          },
+          "The loss scale in device memory, one float (read it on the step's stream; the runtime changes "
+          "it at end_step).")
+      .def(
+          "scaler_state", [](py_runtime& self) { return self.rt.scaler_state(); },
+          nb::call_guard<nb::gil_scoped_release>(), "The loss scaler's state, read from the device. Synchronises.")
       .def(
           "write_trace", [](py_runtime& self, const std::filesystem::path& file) { self.rt.write_trace(file); },
           "file"_a, nb::call_guard<nb::gil_scoped_release>());

@@ -214,6 +214,7 @@ class Runtime:
         self._external: dict[int, _core.Stream] = {}
         self._scope: _StepScope | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
+        self._scale_view: torch.Tensor | None = None  # the device's loss scale, once asked for
         self.last_step: _core.StepStats | None = None
         self._closed = False
         self._began = False  # a plan or a step was made: home copies are no longer what the device sees
@@ -353,6 +354,7 @@ class Runtime:
             u._hook_handles, u._accumulators = [], []
         self._external.clear()
         self._stream = None
+        self._scale_view = None
         self._closed = True
         self._core = None  # the last reference: views that still alias its memory keep it alive
 
@@ -550,6 +552,23 @@ class Runtime:
 
     def stats(self) -> _core.RuntimeStats:
         return self.core.stats()
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the runtime's loss scale, as ``GradScaler.scale``: call ``backward()`` on
+        the result inside the step. The scale stays on the device (no synchronisation); the
+        runtime unscales the gradients in the update, skips a step whose gradients are not finite
+        on any rank, and changes the scale at the step's end. Without ``[scaler] enabled`` the
+        loss itself."""
+        if not self.options.scaler.enabled:
+            return loss
+        if self._scale_view is None:
+            self._scale_view = self.core.loss_scale_tensor().reshape(())
+        return loss * self._scale_view
+
+    def scaler_state(self) -> _core.LossScalerState:
+        """The loss scaler's scale, growth tracker, skipped steps and the last step's global
+        gradient norm (with ``[scaler]`` or ``[optimizer] clip``). Synchronises."""
+        return self.core.scaler_state()
 
     @property
     def optimizer(self) -> _core.AdamW:

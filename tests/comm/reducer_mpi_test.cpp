@@ -8,6 +8,7 @@
 
 #include "expect_error.hpp"
 #include "host/adamw_formula.hpp"
+#include "numeric/dtype_conversion.hpp"
 #include "mpi_test.hpp"
 #include "test_scale.hpp"
 
@@ -454,6 +455,69 @@ TEST(reducer_mpi, a_host_placed_unit_only_others_train_moves_only_its_gradient)
   std::vector<float> root = h.master;
   MPI_Bcast(root.data(), static_cast<int>(root.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
   EXPECT_EQ(0, std::memcmp(root.data(), h.master.data(), root.size() * sizeof(float))) << "rank " << me;
+}
+
+// State tensors (running statistics) are written on each rank during its forward pass; after the
+// reduction every rank holds rank 0's (as DDP's broadcast_buffers), AdamW never touches them, and
+// they come home with the update: device and host placement, f32 and bf16.
+TEST(reducer_mpi, state_tensors_take_rank_0s_values_and_are_never_stepped)
+{
+  const int me = world_rank();
+  const auto unit = [](std::string name, dtype compute, optimizer_placement place) {
+    unit_spec u;
+    u.name = std::move(name);
+    u.tensors = {{"running", {5}, false, true}, {"w", {8, 4}}, {"b", {4}, true}};
+    u.compute = compute;
+    u.policy = unit_policy{.residency = residency::on_demand, .lookahead = 0, .optimizer = place};
+    return u;
+  };
+  const std::vector<unit_spec> units{unit("a", dtype::f32, optimizer_placement::device),
+                                     unit("b", dtype::bf16, optimizer_placement::host)};
+  const runtime_options opt = options_for({}, budget_for(units));
+  const device dev = make_device(opt.device);
+  runtime rt(dev, opt, units);
+  init_home(rt);
+  stream compute(dev);
+  constexpr int steps = 3;
+  std::vector<step_plan> plans(steps, step_plan{unit_id{0}, unit_id{1}});
+  if (me == 1) { plans[1] = step_plan{unit_id{0}}; }  // rank 1 only takes b's update in step 1
+  rt.plan(plans);
+  for (int k = 0; k < steps; ++k) {
+    for (const step_plan::entry& e : plans[static_cast<std::size_t>(k)].entries()) {
+      const unit_view v = rt.acquire(e.unit, compute);
+      ASSERT_TRUE(v.tensors[0].state);
+      expect_error_mentioning<invalid_argument>([&] { (void)v.grad(0); }, "state tensor");
+      const tensor_view running = v.param_tensor(0);
+      write_gradients(v, me, static_cast<std::uint64_t>(k), compute);  // also the state tensors' (ignored) elements
+      launch_host_func(compute, [running, me, k] {
+        for (std::size_t i = 0; i < running.count; ++i) {
+          detail::narrow_element(running.memory.data(), running.type, i, static_cast<float>(100 * me + 10 * k) + static_cast<float>(i));
+        }
+      });
+      rt.grads_ready(e.unit, compute);
+      rt.step(e.unit, compute);
+      rt.release(e.unit, compute);
+    }
+    (void)rt.end_step();
+  }
+  rt.flush();
+  for (std::uint32_t u = 0; u < 2; ++u) {
+    const home_view h = rt.home(unit_id{u});
+    const tensor_info& running = h.tensors[0];
+    for (std::size_t i = 0; i < running.count; ++i) {
+      // rank 0 wrote 10 * 2 + i in the last step; b in step 1 on rank 1 was rank 0's, too.
+      EXPECT_EQ(detail::widen_element(h.params.data, h.params.type, running.offset + i), 20.0F + static_cast<float>(i))
+        << "unit " << u << " element " << i << " rank " << me;
+    }
+    // The trainable part is equal on every rank.
+    std::vector<float> master(static_cast<const float*>(h.master.data), static_cast<const float*>(h.master.data) + h.master.count);
+    std::vector<float> root = master;
+    MPI_Bcast(root.data(), static_cast<int>(root.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
+    EXPECT_EQ(0, std::memcmp(root.data(), master.data(), root.size() * sizeof(float))) << "unit " << u << " rank " << me;
+    EXPECT_EQ(h.step, steps);
+  }
+  // Only the trainable range is reduced.
+  EXPECT_EQ(footprint(units[0], optimizer_placement::device).reduce_bytes, (64 + 4) * sizeof(float));  // w, its gap, b
 }
 
 TEST(reducer_mpi, a_unit_acquired_twice_in_a_step_is_refused_when_planned)

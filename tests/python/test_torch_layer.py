@@ -10,8 +10,8 @@ import torch
 
 import taskswap
 import taskswap.torch as tt
-from loops import (Model, batch, config, fresh, max_relative, model_state, register, schedule,
-                   train_taskswap, train_torch)
+from loops import (BETAS, EPS, LR, WD, Model, batch, config, fresh, max_relative, model_state, register,
+                   schedule, torch_param_groups, train_taskswap, train_torch)
 
 TASKS, STEPS = 16, 60
 
@@ -408,3 +408,79 @@ def test_a_comm_that_is_not_one_is_refused():
         rt.register(torch.nn.Linear(2, 2), "u")
         with pytest.raises(taskswap.ConfigError, match=match):
             rt.start()
+
+
+def test_loss_scaling_and_clipping_match_torch_and_skip_an_overflowing_step():
+    """rt.scale(loss) and [optimizer] clip against torch: GradScaler's arithmetic (its CPU kernels
+    are CUDA-only in torch 1.13, so written out), clip_grad_norm_ over the step's parameters and
+    torch.optim.AdamW; a step whose loss is inf is skipped on every unit and backs the scale off."""
+    tasks, steps, clip, init_scale, interval = 6, 24, 0.5, 2.0 ** 12, 5
+    model = Model(tasks)
+    sched = schedule(steps, tasks)
+    inf_steps = {7, 8, 15}
+    options = config("15 KiB")  # as the test above, plus the scaler's state
+    options.optimizer.clip = clip
+    options.scaler.enabled = True
+    options.scaler.init_scale = init_scale
+    options.scaler.growth_interval = interval
+    rt = tt.Runtime(options=options)
+    ours = fresh(model)
+    trunk, heads = register(rt, ours)
+    assert rt.core.guards_steps
+    rt.plan([[trunk, heads[t]] for t in sched])
+    for i, t in enumerate(sched):
+        x, y = batch(i, t)
+        with rt.step(trunk, heads[t]):
+            loss = torch.nn.functional.mse_loss(ours(x, t), y)
+            if i in inf_steps:
+                loss = loss * float("inf")
+            rt.scale(loss).backward()
+    state = rt.scaler_state()
+    assert rt.stats().total.evictions > 0, "the budget must force evictions"
+
+    ref = fresh(model)
+    opt = torch.optim.AdamW(torch_param_groups(ref), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    scale, tracker, skipped = torch.tensor(init_scale, dtype=torch.float32), 0, 0
+    for i, t in enumerate(sched):
+        x, y = batch(i, t)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(ref(x, t), y)
+        if i in inf_steps:
+            loss = loss * float("inf")
+        (loss * scale).backward()
+        params = [p for p in list(ref.trunk.parameters()) + list(ref.heads[t].parameters())]
+        inv = scale.double().reciprocal().float()
+        found_inf = False
+        for p in params:
+            p.grad.mul_(inv)
+            found_inf = found_inf or not bool(torch.isfinite(p.grad).all())
+        torch.nn.utils.clip_grad_norm_(params, clip)
+        if not found_inf:
+            opt.step()
+        if found_inf:
+            scale, tracker, skipped = scale * 0.5, 0, skipped + 1
+        elif tracker + 1 == interval:
+            scale, tracker = scale * 2.0, 0
+        else:
+            tracker += 1
+    assert (state.scale, state.growth_tracker, state.skipped_steps) == (float(scale), tracker, skipped)
+    assert skipped == len(inf_steps) and state.steps == steps
+    assert max_relative(rt.state_dict(), model_state(ref)) < 1e-5
+    assert max_relative(rt.state_dict(), model_state(model)) > 1e-2
+
+
+def test_scale_without_a_scaler_is_the_loss_and_clip_needs_a_guarded_runtime():
+    rt = tt.Runtime(options=config("64 KiB"))
+    model = Model(2)
+    trunk, heads = register(rt, model)
+    x, y = batch(0, 0)
+    with rt.step(trunk, heads[0]):
+        loss = torch.nn.functional.mse_loss(model(x, 0), y)
+        assert rt.scale(loss) is loss
+        loss.backward()
+    with pytest.raises(taskswap.InvalidArgument, match="not guarded"):
+        rt.scaler_state()
+    o = rt.optimizer
+    o.clip = 1.0
+    with pytest.raises(taskswap.ConfigError, match="without clipping"):
+        rt.optimizer = o

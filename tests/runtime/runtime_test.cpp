@@ -4,6 +4,7 @@
 #include "expect_error.hpp"
 #include "runtime/plan_queue.hpp"
 #include "host/stream_stagger.hpp"
+#include "numeric/dtype_conversion.hpp"
 #include "runtime/unit_layout.hpp"
 #include "test_scale.hpp"
 
@@ -656,6 +657,84 @@ TEST(runtime_trace, the_chrome_trace_has_a_track_per_stream_and_a_device_bytes_c
     EXPECT_NE(json.find(needle), std::string::npos) << needle;
   }
   EXPECT_EQ(std::count(json.begin(), json.end(), '{'), std::count(json.begin(), json.end(), '}'));
+}
+
+// A state tensor lies after the trainable ones, travels with the parameters, comes home with the
+// update (also through eviction) and is never stepped; its gradient elements are ignored.
+TEST(state_tensors, travel_come_home_with_the_update_and_are_never_stepped)
+{
+  for (const dtype compute : {dtype::f32, dtype::bf16}) {
+    for (const optimizer_placement place : {optimizer_placement::device, optimizer_placement::host}) {
+      SCOPED_TRACE(std::string(to_string(compute)) + "/" + std::string(to_string(place)));
+      unit_spec u;
+      u.name = "bn";
+      u.tensors = {{"mean", {3}, false, true}, {"w", {70}}, {"var", {3}, false, true}};
+      u.compute = compute;
+      u.policy = unit_policy{residency::on_demand, 0, place};
+      unit_spec other = make_unit("other", 4000, residency::on_demand, place);
+      const detail::unit_layout l = detail::make_unit_layout(u, place);
+      EXPECT_EQ(l.tensors[1].offset, 0U);  // the trainable tensor first
+      EXPECT_EQ(l.trainable, 70U);
+      EXPECT_EQ(l.tensors[0].offset, 128U);
+      EXPECT_EQ(l.tensors[2].offset, 192U);
+      EXPECT_TRUE(l.tensors[0].state && !l.tensors[1].state);
+      // Room for one of the two at a time: each step evicts the other.
+      runtime_options o = options_with_budget(footprint(other, place).device_bytes + 256);
+      const device dev = emulated(1 * MiB);
+      runtime rt(dev, o, {u, other});
+      const home_view h0 = rt.home(unit_id{0});
+      for (std::size_t i = 0; i < h0.master.count; ++i) { static_cast<float*>(h0.master.data)[i] = 0.5F; }
+      for (const std::size_t t : {std::size_t{0}, std::size_t{2}}) {  // state tensors: in the parameters
+        for (std::size_t i = 0; i < 3; ++i) { detail::narrow_element(h0.params.data, compute, h0.tensors[t].offset + i, -1.0F); }
+      }
+      stream s(dev);
+      for (int k = 0; k < 4; ++k) {
+        const unit_use use = k == 3 ? unit_use::frozen : unit_use::train;
+        rt.plan(step_plan().acquire(unit_id{0}, use));
+        const unit_view v = rt.acquire(unit_id{0}, s, use);
+        const tensor_view mean = v.param_tensor(0);
+        const tensor_view var = v.param_tensor(2);
+        launch_host_func(s, [mean, var, k, compute] {
+          for (std::size_t i = 0; i < 3; ++i) {
+            const float seen = detail::widen_element(mean.memory.data(), compute, i);
+            // The value the last trained step wrote arrived with the unit (-1 at first).
+            if (seen != (k == 0 ? -1.0F : static_cast<float>(k - 1))) { throw std::runtime_error("state did not travel"); }
+            if (k == 3) { continue; }  // a frozen use reads them (as torch's eval mode)
+            detail::narrow_element(mean.memory.data(), compute, i, static_cast<float>(k));
+            detail::narrow_element(var.memory.data(), compute, i, static_cast<float>(10 * k));
+          }
+        });
+        if (use == unit_use::train) {
+          const slab_view g = v.grads;
+          launch_host_func(s, [g] {  // every element, the state tensors' too: those are ignored
+            for (std::size_t i = 0; i < g.count; ++i) { detail::narrow_element(g.data, g.type, i, 0.25F); }
+          });
+          rt.step(unit_id{0}, s);
+        }
+        rt.release(unit_id{0}, s);
+        (void)rt.end_step();
+        rt.plan(step_plan{unit_id{1}});  // evicts "bn"
+        (void)rt.acquire(unit_id{1}, s);
+        rt.release(unit_id{1}, s);
+        (void)rt.end_step();
+      }
+      rt.flush();
+      EXPECT_GE(rt.stats().units[0].swap_ins, 4U);
+      const home_view h = rt.home(unit_id{0});
+      for (std::size_t i = 0; i < 3; ++i) {
+        // The last trained step's values came home through each eviction.
+        EXPECT_EQ(detail::widen_element(h.params.data, compute, h.tensors[0].offset + i), 2.0F);
+        EXPECT_EQ(detail::widen_element(h.params.data, compute, h.tensors[2].offset + i), 20.0F);
+      }
+      const float* master = static_cast<const float*>(h.master.data);
+      for (std::size_t i = 0; i < 70; ++i) { ASSERT_NE(master[i], 0.5F) << i; }  // stepped
+      EXPECT_EQ(h.step, 3);
+    }
+  }
+  unit_spec only;
+  only.name = "stats";
+  only.tensors = {{"mean", {3}, false, true}};
+  expect_error_mentioning<config_error>([&] { (void)footprint(only, optimizer_placement::device); }, "only state tensors");
 }
 
 }  // namespace
