@@ -19,6 +19,15 @@
 //                    size: a layout that costs more is a collapse). Both are medians of the
 //                    ratios within each iteration, which times the three in turn, each pass
 //                    starting from caches that hold none of its arrays.
+// host_adamw_guarded/<params>/<threads>: a guarded step's AdamW (loss scaling and clipping on)
+//   against the plain one, on the same separately mapped arrays in the same iterations (f32
+//   gradients, cold caches each time, the order rotating):
+//     factors_ratio  AdamW with the step's two gradient factors (1 / scale, the clipping
+//                    coefficient) over plain AdamW: the CPU optimizer's whole cost of a guarded
+//                    step under host placement, where the square sum runs on the device. Target <= 1.05.
+//     check_ratio    the square sum of the gradients (the norm and the non-finite check, as the
+//                    emulated device runs it on its CPU) plus that AdamW, over plain AdamW: a
+//                    second read of the gradients, shown.
 // host_pin: building a 1 GiB arena (bind, parallel pre-fault, page-lock), in GiB/s.
 //
 // Sizes and threads: the default rows sweep slabs of 1 MiB to 1 GiB (powers of two and sizes
@@ -27,6 +36,7 @@
 
 #include "host/cpu_adamw.hpp"
 #include "host/host_task_arena.hpp"
+#include "kernels/kernels.hpp"
 #include "runtime/unit_layout.hpp"
 
 #include <taskswap/taskswap.hpp>
@@ -281,6 +291,53 @@ void host_adamw(benchmark::State& state, layout_kind kind, std::size_t n, int th
   state.SetLabel(std::string(detail::to_string(detail::best_cpu_isa())));
 }
 
+void host_adamw_guarded(benchmark::State& state, std::size_t n, int thread_count)
+{
+  detail::host_task_arena threads(-1, thread_count);
+  const separate_arrays arrays(n, dtype::f32, threads);
+  const detail::adamw_scalars plain = detail::make_adamw_scalars({}, 1);
+  detail::adamw_scalars guarded = plain;
+  guarded.grad_unscale = 1.0F / 1024.0F;
+  guarded.grad_clip = 0.5F;
+  const auto square_sum = [&] {
+    detail::step_guard g;
+    g.scale = 1024.0F;
+    detail::host_square_sum(arrays.slabs.grad, dtype::f32, n, g);
+    benchmark::DoNotOptimize(g.square_sum);
+  };
+  detail::cpu_adamw_step(arrays.slabs, plain, threads);  // warm-up of each
+  detail::cpu_adamw_step(arrays.slabs, guarded, threads);
+  square_sum();
+  std::vector<double> own;
+  std::vector<double> factors_ratio;
+  std::vector<double> check_ratio;
+  std::size_t turn = 0;
+  cache_evictor evict;
+  for (auto _ : state) {
+    std::array<double, 3> t{};
+    for (std::size_t k = 0; k < 3; ++k) {
+      evict(threads);
+      switch ((turn + k) % 3) {
+        case 0: t[0] = seconds_of([&] { detail::cpu_adamw_step(arrays.slabs, plain, threads); }); break;
+        case 1: t[1] = seconds_of([&] { detail::cpu_adamw_step(arrays.slabs, guarded, threads); }); break;
+        default: t[2] = seconds_of(square_sum); break;
+      }
+    }
+    ++turn;
+    state.SetIterationTime(t[1]);
+    own.push_back(t[1]);
+    factors_ratio.push_back(t[1] / t[0]);
+    check_ratio.push_back((t[1] + t[2]) / t[0]);
+  }
+  if (!std::isfinite(arrays.slabs.master[n / 3])) { state.SkipWithError("the state is not finite after the run"); }
+  state.SetBytesProcessed(static_cast<std::int64_t>(n * bytes_per_param(dtype::f32)) * state.iterations());
+  state.counters["params_per_s"] = static_cast<double>(n) / median(own);
+  state.counters["factors_ratio"] = median(factors_ratio);
+  state.counters["check_ratio"] = median(check_ratio);
+  state.counters["threads"] = threads.concurrency();
+  state.SetLabel(std::string(detail::to_string(detail::best_cpu_isa())) + ", square sum single-threaded");
+}
+
 std::vector<std::size_t> list_from_env(const char* name, std::vector<std::size_t> fallback)
 {
   const char* text = std::getenv(name);
@@ -321,6 +378,18 @@ std::string size_name(std::size_t n)
             ->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(iterations);
         }
       }
+    }
+  }
+  // Guarded rows: slabs of 4 MiB to 256 MiB (params = bytes / 4), at 1 and 2 threads.
+  const std::vector<std::size_t> guarded_sizes =
+    chosen ? sizes : std::vector<std::size_t>{std::size_t{1} << 20, std::size_t{6} << 20, std::size_t{24} << 20,
+                                              std::size_t{64} << 20};
+  for (const std::size_t n : guarded_sizes) {
+    for (const std::size_t t : thread_counts) {
+      const std::string name = "host_adamw_guarded/" + size_name(n) + "/" + std::to_string(t) + "t";
+      const auto iterations = static_cast<benchmark::IterationCount>(std::clamp<double>(16e9 / static_cast<double>(n * 28), 9, 300));
+      benchmark::RegisterBenchmark(name.c_str(), host_adamw_guarded, n, static_cast<int>(t))
+        ->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(iterations);
     }
   }
   return true;

@@ -3,6 +3,13 @@
 // or bf16 gradients with a bf16 parameter copy), against a device-to-device copy that moves the
 // same bytes through memory (a copy of B/2 bytes reads B/2 and writes B/2), both in the same
 // benchmark, timed with CUDA events after warm-up. memcpy_ratio = copy time / AdamW time.
+// kernels_adamw_guarded/<grad dtype>/<params>: a guarded step's kernels against plain AdamW on the
+// same slabs, in the same iterations, with CUDA events:
+//   factors_ratio  the guarded AdamW (scalars and the skip flag read from device memory, written by
+//                  the one-thread prepare kernel, the gradients unscaled and clipped) plus that
+//                  prepare kernel, over plain AdamW. Target <= 1.05.
+//   check_ratio    the square sum (the norm and the non-finite check: one more read of the
+//                  gradients), the one-thread finish, prepare and guarded AdamW, over plain AdamW.
 // Needs a GPU; reports an error where there is none.
 
 #include "host/adamw_formula.hpp"
@@ -11,6 +18,10 @@
 #include <taskswap/taskswap.hpp>
 
 #include <benchmark/benchmark.h>
+
+#include <algorithm>
+#include <span>
+#include <vector>
 
 namespace {
 
@@ -70,7 +81,74 @@ void kernels_adamw(benchmark::State& state)
   state.SetLabel(std::string(to_string(grad_type)) + " grads" + (copy ? ", bf16 copy" : ""));
 }
 
+void kernels_adamw_guarded(benchmark::State& state)
+{
+  if (cuda_device_count() == 0) {
+    state.SkipWithError("no CUDA device: this benchmark needs a GPU (tools/gpu-check)");
+    return;
+  }
+  const auto grad_type = static_cast<dtype>(state.range(0));
+  const auto n = static_cast<std::size_t>(state.range(1));
+  const device dev = cuda_device(0);
+  stream s(dev);
+  device_buffer master(dev, n * 4), m(dev, n * 4), v(dev, n * 4), grad(dev, n * size_of(grad_type));
+  device_buffer guard_memory(dev, 4096);
+  auto* guard = reinterpret_cast<detail::step_guard*>(guard_memory.data());         // NOLINT: its layout
+  auto* block_sums = reinterpret_cast<double*>(guard_memory.data() + 256);           // NOLINT
+  auto* scalars = reinterpret_cast<detail::adamw_scalars*>(guard_memory.data() + 2560);  // NOLINT
+  auto* steps = reinterpret_cast<std::int64_t*>(guard_memory.data() + 2816);         // NOLINT
+  detail::step_guard initial;
+  initial.scale = 1024.0F;
+  copy_async(guard_memory.span(0, sizeof initial), std::as_bytes(std::span(&initial, 1)), s);
+  taskswap::fill_async(guard_memory.span(2816, 8), std::byte{0}, s);
+  detail::fill_async(master.data(), dtype::f32, n, 0.5F, s);
+  detail::fill_async(m.data(), dtype::f32, n, 0.0F, s);
+  detail::fill_async(v.data(), dtype::f32, n, 0.0F, s);
+  detail::fill_async(grad.data(), grad_type, n, 1e-3F, s);
+  s.synchronize();
+  const detail::adamw_slabs slabs{reinterpret_cast<float*>(master.data()), reinterpret_cast<float*>(m.data()),  // NOLINT
+                                  reinterpret_cast<float*>(v.data()), grad.data(), grad_type, nullptr, dtype::bf16, n};
+  const adamw_options o{};
+  adamw_options plain_o = o;
+  plain_o.weight_decay = 0;
+  const detail::guard_settings settings{.clip = 1.0F, .scaler = true};
+  const auto k = detail::make_adamw_scalars(o, 1);
+  auto plain = [&] { detail::adamw_async(slabs, k, s); };
+  auto factors = [&] {
+    detail::prepare_guarded_async(o, plain_o, steps, guard, scalars, s);
+    detail::adamw_async(slabs, scalars, guard, s);
+  };
+  auto checked = [&] {
+    detail::square_sum_async(grad.data(), grad_type, n, guard, block_sums, s);
+    detail::finish_guard_async(guard, settings, s);
+    factors();
+  };
+  timed_ms(dev, s, plain);  // warm-up
+  timed_ms(dev, s, factors);
+  timed_ms(dev, s, checked);
+  std::vector<double> factors_ratio;
+  std::vector<double> check_ratio;
+  for (auto _ : state) {
+    const double t_plain = timed_ms(dev, s, plain);
+    const double t_factors = timed_ms(dev, s, factors);
+    const double t_checked = timed_ms(dev, s, checked);
+    factors_ratio.push_back(t_factors / t_plain);
+    check_ratio.push_back(t_checked / t_plain);
+    state.SetIterationTime(t_checked / 1e3);
+  }
+  std::sort(factors_ratio.begin(), factors_ratio.end());
+  std::sort(check_ratio.begin(), check_ratio.end());
+  state.SetBytesProcessed(static_cast<std::int64_t>(n * (24 + size_of(grad_type))) * state.iterations());
+  state.counters["factors_ratio"] = factors_ratio[factors_ratio.size() / 2];
+  state.counters["check_ratio"] = check_ratio[check_ratio.size() / 2];
+  state.SetLabel(std::string(to_string(grad_type)) + " grads");
+}
+
 }  // namespace
+
+BENCHMARK(kernels_adamw_guarded)
+  ->ArgsProduct({{static_cast<int>(dtype::f32), static_cast<int>(dtype::f16)}, {1 << 20, 3 << 22, 1 << 26, 3 << 26}})
+  ->UseManualTime()->Unit(benchmark::kMillisecond);
 
 BENCHMARK(kernels_adamw)->Arg(static_cast<int>(dtype::f32))->Arg(static_cast<int>(dtype::bf16))
   ->UseManualTime()->Unit(benchmark::kMillisecond);

@@ -29,7 +29,9 @@ inline typename V::reg load_grad_vector(const void* grad, std::size_t i)
   }
 }
 
-template <typename V, dtype G, param_copy P>
+// Scaled: the gradients are unscaled and clipped first (a guarded step); the plain loop is the
+// one without those two multiplies (exact at 1, so both give the same bits at factors of 1).
+template <typename V, dtype G, param_copy P, bool Scaled>
 void adamw_loop(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin, std::size_t end)
 {
   std::size_t i = begin;
@@ -45,7 +47,8 @@ void adamw_loop(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin,
     const auto grad_unscale = V::set1(k.grad_unscale);
     const auto grad_clip = V::set1(k.grad_clip);
     for (; i + V::width <= end; i += V::width) {
-      const auto g = V::mul(V::mul(load_grad_vector<V, G>(s.grad, i), grad_unscale), grad_clip);
+      auto g = load_grad_vector<V, G>(s.grad, i);
+      if constexpr (Scaled) { g = V::mul(V::mul(g, grad_unscale), grad_clip); }
       auto m = V::load(s.m + i);
       auto v = V::load(s.v + i);
       auto p = V::load(s.master + i);
@@ -70,25 +73,35 @@ void adamw_loop(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin,
   }
 }
 
-template <typename V, dtype G>
+template <typename V, dtype G, bool Scaled>
 void adamw_for_grad(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin, std::size_t end)
 {
   if (s.params == nullptr) {
-    adamw_loop<V, G, param_copy::none>(s, k, begin, end);
+    adamw_loop<V, G, param_copy::none, Scaled>(s, k, begin, end);
   } else if (s.param_type == dtype::bf16) {
-    adamw_loop<V, G, param_copy::bf16>(s, k, begin, end);
+    adamw_loop<V, G, param_copy::bf16, Scaled>(s, k, begin, end);
   } else {
-    adamw_loop<V, G, param_copy::f16>(s, k, begin, end);
+    adamw_loop<V, G, param_copy::f16, Scaled>(s, k, begin, end);
+  }
+}
+
+template <typename V, bool Scaled>
+void adamw_range_of(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin, std::size_t end)
+{
+  switch (s.grad_type) {
+    case dtype::f32: adamw_for_grad<V, dtype::f32, Scaled>(s, k, begin, end); break;
+    case dtype::bf16: adamw_for_grad<V, dtype::bf16, Scaled>(s, k, begin, end); break;
+    case dtype::f16: adamw_for_grad<V, dtype::f16, Scaled>(s, k, begin, end); break;
   }
 }
 
 template <typename V>
 void adamw_range(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin, std::size_t end)
 {
-  switch (s.grad_type) {
-    case dtype::f32: adamw_for_grad<V, dtype::f32>(s, k, begin, end); break;
-    case dtype::bf16: adamw_for_grad<V, dtype::bf16>(s, k, begin, end); break;
-    case dtype::f16: adamw_for_grad<V, dtype::f16>(s, k, begin, end); break;
+  if (k.grad_unscale != 1.0F || k.grad_clip != 1.0F) {
+    adamw_range_of<V, true>(s, k, begin, end);
+  } else {
+    adamw_range_of<V, false>(s, k, begin, end);
   }
 }
 

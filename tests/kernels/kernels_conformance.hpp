@@ -14,6 +14,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <bit>
 #include <cstring>
 #include <limits>
@@ -115,7 +116,11 @@ TYPED_TEST_P(kernels_conformance, AdamWIsBitwiseEqualToTheCpuPath)
         std::vector<std::uint16_t> params(copy != 0 ? n : 0);
         const int steps = n > (std::size_t{1} << 21) ? 1 : 3;
         for (std::int64_t step = 1; step <= steps; ++step) {
-          const auto k = detail::make_adamw_scalars(options, step);
+          auto k = detail::make_adamw_scalars(options, step);
+          if (step == 3) {  // a guarded step's factors, by value
+            k.grad_unscale = 1.0F / 4096.0F;
+            k.grad_clip = 0.61F;
+          }
           const std::vector<float> g32 = random_floats(n, step == 2 ? 5.0F : 1e-2F, this->gen_, true);
           const std::vector<std::uint16_t> g16 = grad_type == dtype::f32 ? std::vector<std::uint16_t>{} : to_16(g32, grad_type);
           if (grad_type == dtype::f32) { d_grad.upload(g32, s); } else { d_grad.upload(g16, s); }
@@ -188,6 +193,103 @@ TYPED_TEST_P(kernels_conformance, UnscaleAndCheckMatchesTheCpuAndFlagsNonFinite)
   }
 }
 
+// A guarded step on the device against its CPU implementation, bit for bit: the square sums of
+// two units' gradients at sizes around the lane count, the finish (norm, clipping, skip, next
+// scale), each unit's scalars from its step count, and the AdamW that reads them; with an inf in
+// the second unit nothing is updated, the step counts stay and the scale backs off.
+TYPED_TEST_P(kernels_conformance, GuardedStepMatchesTheCpu)
+{
+  SCOPED_TRACE("seed " + std::to_string(this->seed_));
+  const device dev = TypeParam::make();
+  stream s(dev);
+  const adamw_options decay{.lr = 2e-3, .weight_decay = 0.05};
+  adamw_options plain = decay;
+  plain.weight_decay = 0;
+  const detail::guard_settings settings{.clip = 0.8F, .scaler = true, .growth_factor = 2.0F, .backoff_factor = 0.5F,
+                                        .growth_interval = 2};
+  for (const dtype grad_type : {dtype::f32, dtype::f16}) {
+    for (const bool with_inf : {false, true}) {
+      SCOPED_TRACE(std::string(to_string(grad_type)) + (with_inf ? " with inf" : " finite"));
+      const std::array<std::size_t, 2> sizes{detail::square_sum_lanes + 77, 1000};
+      device_buffer state(dev, 4096);
+      auto* guard = reinterpret_cast<detail::step_guard*>(state.data());                  // NOLINT: the layout below
+      auto* block_sums = reinterpret_cast<double*>(state.data() + 256);                    // NOLINT
+      auto* scalars = reinterpret_cast<detail::adamw_scalars*>(state.data() + 2560);      // NOLINT
+      auto* steps = reinterpret_cast<std::int64_t*>(state.data() + 2816);                 // NOLINT
+      detail::step_guard host_guard;
+      host_guard.scale = 1024.0F;
+      host_guard.growth_tracker = 1;
+      std::vector<std::int64_t> host_steps{4};
+      copy_async(state.span(0, sizeof host_guard), std::as_bytes(std::span(&host_guard, 1)), s);
+      copy_async(state.span(2816, 8), std::as_bytes(std::span(host_steps)), s);
+      struct unit {
+        std::vector<float> master, m, v;
+        std::vector<std::byte> grad;
+      };
+      std::vector<unit> units;
+      std::vector<std::array<device_slab, 4>> slabs;
+      for (std::size_t u = 0; u < 2; ++u) {
+        const std::size_t n = sizes[u];
+        unit h{random_floats(n, 0.3F, this->gen_, false), random_floats(n, 1e-3F, this->gen_, false), std::vector<float>(n),
+               std::vector<std::byte>(n * size_of(grad_type))};
+        for (auto& e : h.v) { e = std::abs(random_floats(1, 1e-3F, this->gen_, false)[0]); }
+        std::vector<float> g = random_floats(n, 30.0F, this->gen_, false);
+        if (with_inf && u == 1) { g[n / 2] = std::numeric_limits<float>::infinity(); }
+        detail::host_cast(h.grad.data(), grad_type, g.data(), dtype::f32, n);
+        slabs.push_back({device_slab(dev, dtype::f32, n, 0), device_slab(dev, dtype::f32, n, 0),
+                         device_slab(dev, dtype::f32, n, 0), device_slab(dev, grad_type, n, 1)});
+        slabs[u][0].upload(h.master, s);
+        slabs[u][1].upload(h.m, s);
+        slabs[u][2].upload(h.v, s);
+        slabs[u][3].upload(h.grad, s);
+        units.push_back(std::move(h));
+      }
+      for (std::size_t u = 0; u < 2; ++u) {
+        detail::square_sum_async(slabs[u][3].data(), grad_type, sizes[u], guard, block_sums, s);
+      }
+      detail::finish_guard_async(guard, settings, s);
+      for (std::size_t u = 0; u < 2; ++u) {  // both units share the step count slot: counted twice
+        detail::prepare_guarded_async(decay, plain, steps, guard, scalars, s);
+        const detail::adamw_slabs d{static_cast<float*>(slabs[u][0].data()), static_cast<float*>(slabs[u][1].data()),
+                                    static_cast<float*>(slabs[u][2].data()), slabs[u][3].data(), grad_type, nullptr,
+                                    dtype::bf16, sizes[u]};
+        detail::adamw_async(d, scalars + u, guard, s);  // unit 1 without weight decay
+      }
+      s.synchronize();
+      // The CPU: the same functions in the same order.
+      for (std::size_t u = 0; u < 2; ++u) { detail::host_square_sum(units[u].grad.data(), grad_type, sizes[u], host_guard); }
+      detail::finish_step_guard(host_guard, settings);
+      for (std::size_t u = 0; u < 2; ++u) {
+        detail::adamw_scalars k[2];
+        detail::prepare_guarded_scalars(decay, plain, host_steps[0], host_guard, k);
+        if (host_guard.skip != 0) { continue; }
+        const detail::adamw_slabs h{units[u].master.data(), units[u].m.data(), units[u].v.data(), units[u].grad.data(),
+                                    grad_type, nullptr, dtype::bf16, sizes[u]};
+        detail::cpu_adamw_range(h, k[u], 0, sizes[u], detail::cpu_isa::portable);
+      }
+      detail::step_guard got_guard;
+      std::vector<std::int64_t> got_steps(1);
+      copy_async(std::as_writable_bytes(std::span(&got_guard, 1)), state.span(0, sizeof got_guard), s);
+      copy_async(std::as_writable_bytes(std::span(got_steps)), state.span(2816, 8), s);
+      s.synchronize();
+      EXPECT_EQ(std::bit_cast<std::uint32_t>(got_guard.norm), std::bit_cast<std::uint32_t>(host_guard.norm));
+      EXPECT_EQ(got_guard.clip_coef, host_guard.clip_coef);
+      EXPECT_EQ(got_guard.skip, with_inf ? 1 : 0);
+      EXPECT_EQ(got_guard.scale, with_inf ? 512.0F : 2048.0F);  // backed off, or grown (tracker 1 + 1 = interval)
+      EXPECT_EQ(got_guard.scale, host_guard.scale);
+      EXPECT_EQ(got_steps[0], with_inf ? 4 : 6);
+      EXPECT_EQ(got_steps[0], host_steps[0]);
+      if (!with_inf) { EXPECT_LT(got_guard.clip_coef, 1.0F) << "the gradients are large enough to clip"; }
+      for (std::size_t u = 0; u < 2; ++u) {
+        std::vector<float> master(sizes[u]);
+        slabs[u][0].download(master, s);
+        s.synchronize();
+        ASSERT_EQ(0, std::memcmp(master.data(), units[u].master.data(), sizes[u] * 4)) << "unit " << u;
+      }
+    }
+  }
+}
+
 TYPED_TEST_P(kernels_conformance, CastsAndFillMatchTheCpu)
 {
   SCOPED_TRACE("seed " + std::to_string(this->seed_));
@@ -245,6 +347,6 @@ TYPED_TEST_P(kernels_conformance, RefusesMisalignedAndInconsistentSlabs)
 
 REGISTER_TYPED_TEST_SUITE_P(kernels_conformance, AdamWIsBitwiseEqualToTheCpuPath,
                             UnscaleAndCheckMatchesTheCpuAndFlagsNonFinite, CastsAndFillMatchTheCpu,
-                            RefusesMisalignedAndInconsistentSlabs);
+                            GuardedStepMatchesTheCpu, RefusesMisalignedAndInconsistentSlabs);
 
 }  // namespace taskswap::test
