@@ -386,7 +386,7 @@ std::string size_name(std::size_t n)
                                               std::size_t{64} << 20};
   for (const std::size_t n : guarded_sizes) {
     for (const std::size_t t : thread_counts) {
-      const std::string name = "host_adamw_guarded/" + size_name(n) + "/" + std::to_string(t) + "t";
+      const std::string name = std::string("host_adamw_guarded/") + size_name(n) + "/" + std::to_string(t) + "t";
       const auto iterations = static_cast<benchmark::IterationCount>(std::clamp<double>(16e9 / static_cast<double>(n * 28), 9, 300));
       benchmark::RegisterBenchmark(name.c_str(), host_adamw_guarded, n, static_cast<int>(t))
         ->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(iterations);

@@ -37,7 +37,10 @@ reducer::reducer(const device& dev, std::shared_ptr<communicator> comm, const co
 {
   TASKSWAP_EXPECTS(comm_ != nullptr, "the reducer needs a communicator");
   control_ = comm_->split();
-  for (const reducer_unit& u : units_) { all_bytes_ += u.grad_bytes; }
+  for (std::uint32_t i = 0; i < units_.size(); ++i) {
+    all_bytes_ += units_[i].grad_bytes;
+    if (units_[i].state_bytes != 0) { state_units_.push_back(i); }
+  }
   check_digests();
   stop_ = control_->split();  // after the digests: every rank is there, nothing is in flight
 }
@@ -155,12 +158,27 @@ std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint
   std::vector<step_agreement> out(local.size());
   if (local.empty()) { return out; }
   std::vector<std::int64_t>& counts = counts_;
+  // Units with state tensors take them from the lowest rank that trained them: after the counts,
+  // a bit per rank (62 to a slot) for each such unit and step, summed into a mask.
+  const auto world = static_cast<std::size_t>(comm_->size());
+  const std::size_t words = (world + 61) / 62;
+  const std::size_t masks = local.size() * n;
+  const auto mask_slot = [&](std::size_t k, std::size_t s, std::size_t w) {
+    return masks + (k * state_units_.size() + s) * words + w;
+  };
   if (options_.reduce_every_unit) {
-    counts.assign(local.size() * n, comm_->size());
+    counts.assign(local.size() * n, comm_->size());  // (state tensors: rank 0's, as DDP)
   } else {
-    counts.assign(local.size() * n, 0);
+    counts.assign(local.size() * n + local.size() * state_units_.size() * words, 0);
+    const auto me = static_cast<std::size_t>(comm_->rank());
     for (std::size_t k = 0; k < local.size(); ++k) {
-      for (const std::uint32_t u : local[k]) { counts[k * n + u] = 1; }
+      for (const std::uint32_t u : local[k]) {
+        counts[k * n + u] = 1;
+        const auto s = std::lower_bound(state_units_.begin(), state_units_.end(), u);
+        if (s != state_units_.end() && *s == u) {
+          counts[mask_slot(k, static_cast<std::size_t>(s - state_units_.begin()), me / 62)] = std::int64_t{1} << (me % 62);
+        }
+      }
     }
     control_->allreduce_counts(counts, control_stream_,
                                message("steps ", first_step, "..", first_step + local.size() - 1, " (plan)"));
@@ -183,6 +201,18 @@ std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint
       }
       a.order.push_back(static_cast<std::uint32_t>(i));
       a.counts.push_back(c);
+      int root = 0;
+      const auto s = std::lower_bound(state_units_.begin(), state_units_.end(), static_cast<std::uint32_t>(i));
+      if (!options_.reduce_every_unit && s != state_units_.end() && *s == i) {
+        for (std::size_t w = 0; w < words; ++w) {
+          const auto mask = static_cast<std::uint64_t>(counts[mask_slot(k, static_cast<std::size_t>(s - state_units_.begin()), w)]);
+          if (mask != 0) {
+            root = static_cast<int>(w * 62) + __builtin_ctzll(mask);
+            break;
+          }
+        }
+      }
+      a.state_root.push_back(root);
       bucket_bytes += bytes;
     }
     if (!a.order.empty()) { a.bucket_end.push_back(a.order.size()); }
@@ -254,7 +284,7 @@ void reducer::launch_ready_buckets(std::vector<std::uint32_t>& launched)
                                   "'), step ", step_number_));
     for (std::size_t i = first; i < last; ++i) {  // replicas keep rank 0's state tensors (DDP's broadcast_buffers)
       if (states_[i].size() != 0) {
-        comm_->broadcast(states_[i], 0, stream_,
+        comm_->broadcast(states_[i], a.state_root[i], stream_,
                          message("the state tensors of '", units_[a.order[i]].name, "', step ", step_number_));
       }
     }

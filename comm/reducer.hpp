@@ -42,6 +42,7 @@ struct step_agreement {
   std::vector<std::uint32_t> order;   // active units, in reduction order
   std::vector<std::int64_t> counts;   // contributors of each, in the same order
   std::vector<std::size_t> bucket_end;  // bucket b is order[bucket_end[b-1] .. bucket_end[b])
+  std::vector<int> state_root;  // per unit in order: the lowest rank that trained it, whose state tensors every rank takes
 };
 
 class reducer {
@@ -68,8 +69,9 @@ class reducer {
   [[nodiscard]] bool active(std::uint32_t u) const noexcept { return u < where_.size() && where_[u] >= 0; }
   /// `u`'s gradient slab (and its state tensors, `state`: empty when it has none) is complete once
   /// `ready` (recorded) has; launches what became launchable and returns the units whose
-  /// reduction was enqueued by this call. A unit's state tensors are broadcast from rank 0 right
-  /// after its bucket's allreduce, in the same order on every rank.
+  /// reduction was enqueued by this call. A unit's state tensors are broadcast right after its
+  /// bucket's allreduce, in the same order on every rank, from the lowest rank that trained it in
+  /// the step (rank 0 with reduce = "every_unit").
   std::vector<std::uint32_t> ready(std::uint32_t u, device_span grads, const event& ready, device_span state = {});
   /// Whether `u` is marked ready in the current step.
   [[nodiscard]] bool is_ready(std::uint32_t u) const noexcept;
@@ -116,6 +118,7 @@ class reducer {
   // What queued collectives write is declared before the streams, so it outlives them (a
   // stream's destruction lets its queued work finish).
   std::vector<std::int64_t> counts_;  // the agreement's buffer
+  std::vector<std::uint32_t> state_units_;  // the units with state tensors, in index order
   std::vector<std::int64_t> sum_buffer_;  // sum()'s buffer
   // The stop votes: two slots of one int64 per rank (the previous vote's and this one's) in pinned
   // memory: a device-to-host copy into pageable memory would make the host wait for the vote.

@@ -46,12 +46,9 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   }
   detail::step_guard* factors = nullptr;
   std::int64_t* step = nullptr;
-  if (guarded) {  // the finished step's factors come home beside the gradients
-    const guard_memory& g = *guard_;
-    factors = g.unit_guards + r.index;
-    step = g.host_steps + r.index;
-    copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(factors), sizeof(detail::step_guard)),  // NOLINT
-               g.memory.span(0, sizeof(detail::step_guard)), d2h_);
+  if (guarded) {  // the finished step's factors, copied home on `s` (guarded_update)
+    factors = guard_->unit_guards + r.index;
+    step = guard_->host_steps + r.index;
   }
   ensure(r.grads_copied, device_).record(d2h_);
   if (trace_) { trace_->close(span, d2h_); }

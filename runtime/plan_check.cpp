@@ -34,6 +34,7 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
     bool trained;
   };
   std::vector<held_unit> held;
+  std::vector<std::uint32_t> trained_released;  // guarded: their update waits for the step's end
   std::size_t held_bytes = 0;
   const std::size_t budget = capacity_;
   const auto held_names = [&] {
@@ -57,12 +58,18 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
       // can wait for units acquired later in the step; in a guarded step a trained unit keeps it
       // until the step's end updates it: count it to the end of the step.
       if (!reducer_ && !(guard_ && it->trained)) { held_bytes -= it->bytes; }
+      if (guard_ && it->trained) { trained_released.push_back(it->unit); }
       held.erase(it);
       continue;
     }
     if (it != held.end()) {
       throw config_error(message("plan step ", step_number, ": acquires '", r.name,
                                  "' while it is still held; release it in between"));
+    }
+    if (std::find(trained_released.begin(), trained_released.end(), e.unit.value) != trained_released.end()) {
+      throw config_error(message("plan step ", step_number, ": acquires '", r.name, "' again after training it; with "
+                                 "loss scaling or clipping a trained unit's update waits for the step's end, so a step "
+                                 "acquires it once (accumulate its micro-batches within one acquisition)"));
     }
     if (r.pinned()) {
       held.push_back({e.unit.value, 0, false});

@@ -120,6 +120,7 @@ void runtime::impl::broadcast_replicas()
   for (std::size_t u = 0; u < units_.size(); ++u) { steps[u] = root ? units_[u].step : 0; }
   red.sum(steps, "the first plan: rank 0's step counts");
   for (std::size_t u = 0; u < units_.size(); ++u) { units_[u].step = steps[u]; }
+  if (started_ && guard_) { upload_guard(); }  // the step counts went to the device before they were rank 0's
   if (started_) {  // a flush() before the first plan brought the pinned units in already
     for (unit_record& r : units_) {
       if (r.pinned() && (!root || &r == borrowed)) { fill_slot(r); }

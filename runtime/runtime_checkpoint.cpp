@@ -3,6 +3,7 @@
 
 #include "runtime/runtime_impl.hpp"
 
+#include "device/log.hpp"
 #include "runtime/crc32c.hpp"
 
 namespace taskswap {
@@ -162,7 +163,15 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
   steps_done_ = manifest.steps_done;
   planned_steps_ = manifest.steps_done;
   current_.step = manifest.steps_done;
+  const double configured_clip = options_.optimizer.clip;
   options_.optimizer = manifest.optimizer;
+  if (guard_ && manifest.optimizer.clip == 0 && configured_clip > 0) {
+    // Saved without clipping (or before taskswap had it): the configuration's clipping stays on.
+    options_.optimizer.clip = configured_clip;
+    detail::log_once("checkpoint without clip", log_level::info,
+                     message("checkpoint '", dir.string(), "' has no [optimizer] clip; keeping this runtime's clip = ",
+                             configured_clip));
+  }
   if (guard_ && options_.scaler.enabled && manifest.scaler) {  // goes to the device at start
     guard_->host_state->scale = static_cast<float>(manifest.scaler->scale);
     guard_->host_state->growth_tracker = static_cast<std::int32_t>(manifest.scaler->growth_tracker);

@@ -236,7 +236,9 @@ struct runtime::impl {
   unit_record& held_record(unit_id u, const char* what)
   {
     unit_record& r = record(u);
-    TASKSWAP_EXPECTS(r.held, detail::message(what, "('", r.name, "'): the unit is not acquired; call acquire first"));
+    TASKSWAP_EXPECTS(r.held && !r.update_only,
+                     detail::message(what, "('", r.name, "'): the unit is not acquired; call acquire first"));
+    TASKSWAP_EXPECTS(!r.release_deferred, detail::message(what, "('", r.name, "'): the unit was released already in this step"));
     return r;
   }
   int compute_track(stream_view s);
@@ -315,8 +317,7 @@ struct runtime::impl {
     std::int64_t* host_steps = nullptr;
     std::int64_t* device_steps = nullptr;
     detail::step_guard* unit_guards = nullptr;
-    bool wait_done = false;      // `done` was recorded
-    bool trainer_waits = false;  // the next step's first acquire orders the trainer's stream after `done`
+    bool wait_done = false;      // `done` was recorded: a stream that reads the state waits for it
     bool downloaded = false;     // copies home are enqueued: read_guard_steps after the wait
   };
   std::optional<guard_memory> guard_;

@@ -140,6 +140,10 @@ void runtime::impl::read_guard_steps()
 // A trained unit's step() in a guarded step: its update waits for end_step.
 void runtime::impl::defer_update(unit_record& r, stream_view s)
 {
+  // Gradients completed on another stream (grads_ready's): the step point follows them.
+  if (!reducer_ && r.grads_ready_event && r.grads_ready_event->recorded() && !r.grads_ready_event->query()) {
+    r.grads_ready_event->wait(s);
+  }
   ensure(r.step_point, device_).record(s);
   r.step_requested = true;
   r.step_deferred = true;
@@ -166,6 +170,8 @@ void runtime::impl::finish_guarded_step()
   for (const std::uint32_t u : guard_units_) {
     unit_record& r = units_[u];
     if (r.step_point && r.step_point->recorded() && !r.step_point->query()) { r.step_point->wait(aux); }
+    // The trainer's work up to its release (it may still read the parameters after step()).
+    if (r.release_deferred && !r.trainer_released->query()) { r.trainer_released->wait(aux); }
     if (reducer_) {
       const event* reduced = reducer_->reduced(u);
       TASKSWAP_EXPECTS(reduced != nullptr, message("end_step: the reduction of '", r.name, "' was not launched"));
@@ -185,10 +191,7 @@ void runtime::impl::finish_guarded_step()
     guarded_update(r, optimizer);
     r.step_deferred = false;
     r.updated_on_aux = true;
-    if (r.release_deferred) {
-      if (!r.trainer_released->query()) { r.trainer_released->wait(aux); }
-      release(r, aux);
-    } else if (r.update_only) {
+    if (r.release_deferred || r.update_only) {  // aux waited for the trainer's release above
       release(r, aux);
     }
     if (!reducer_) { reset_step_flags(r); }
@@ -196,7 +199,6 @@ void runtime::impl::finish_guarded_step()
   guard_units_.clear();
   g.done.record(aux);
   g.wait_done = true;
-  g.trainer_waits = true;
 }
 
 // One unit's update in a guarded step, on aux after the step was finished there.
@@ -210,6 +212,12 @@ void runtime::impl::guarded_update(unit_record& r, const adamw_options& optimize
   adamw_options plain = decay;
   plain.weight_decay = 0;
   if (r.policy.optimizer == optimizer_placement::host) {
+    // The step's factors come home on aux itself, right after the finish and before a later
+    // step's finish can change them, once the unit's previous CPU step has read its copy.
+    if (r.host_updated && r.host_updated->recorded() && !r.host_updated->query()) { r.host_updated->wait(aux); }
+    const guard_memory& c = g;
+    copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.unit_guards + r.index), sizeof(detail::step_guard)),  // NOLINT
+               c.memory.span(0, sizeof(detail::step_guard)), aux);
     host_step(r, update_scalars{}, aux, guarded_host_update{decay, plain});
     return;
   }

@@ -458,8 +458,9 @@ TEST(reducer_mpi, a_host_placed_unit_only_others_train_moves_only_its_gradient)
 }
 
 // State tensors (running statistics) are written on each rank during its forward pass; after the
-// reduction every rank holds rank 0's (as DDP's broadcast_buffers), AdamW never touches them, and
-// they come home with the update: device and host placement, f32 and bf16.
+// reduction every rank holds those of the lowest rank that trained the unit (rank 0's for a and
+// b, as DDP's broadcast_buffers; rank 1's for c, which rank 0 never trains), AdamW never touches
+// them, and they come home with the update: device and host placement, f32 and bf16.
 TEST(reducer_mpi, state_tensors_take_rank_0s_values_and_are_never_stepped)
 {
   const int me = world_rank();
@@ -472,15 +473,16 @@ TEST(reducer_mpi, state_tensors_take_rank_0s_values_and_are_never_stepped)
     return u;
   };
   const std::vector<unit_spec> units{unit("a", dtype::f32, optimizer_placement::device),
-                                     unit("b", dtype::bf16, optimizer_placement::host)};
+                                     unit("b", dtype::bf16, optimizer_placement::host),
+                                     unit("c", dtype::f32, optimizer_placement::device)};
   const runtime_options opt = options_for({}, budget_for(units));
   const device dev = make_device(opt.device);
   runtime rt(dev, opt, units);
   init_home(rt);
   stream compute(dev);
   constexpr int steps = 3;
-  std::vector<step_plan> plans(steps, step_plan{unit_id{0}, unit_id{1}});
-  if (me == 1) { plans[1] = step_plan{unit_id{0}}; }  // rank 1 only takes b's update in step 1
+  std::vector<step_plan> plans(steps, me == 0 ? step_plan{unit_id{0}, unit_id{1}} : step_plan{unit_id{0}, unit_id{1}, unit_id{2}});
+  if (me == 1) { plans[1] = step_plan{unit_id{0}, unit_id{2}}; }  // rank 1 only takes b's update in step 1
   rt.plan(plans);
   for (int k = 0; k < steps; ++k) {
     for (const step_plan::entry& e : plans[static_cast<std::size_t>(k)].entries()) {
@@ -501,12 +503,13 @@ TEST(reducer_mpi, state_tensors_take_rank_0s_values_and_are_never_stepped)
     (void)rt.end_step();
   }
   rt.flush();
-  for (std::uint32_t u = 0; u < 2; ++u) {
+  for (std::uint32_t u = 0; u < 3; ++u) {
     const home_view h = rt.home(unit_id{u});
     const tensor_info& running = h.tensors[0];
+    const float from = u == 2 ? 100.0F : 0.0F;  // c: rank 1's
     for (std::size_t i = 0; i < running.count; ++i) {
-      // rank 0 wrote 10 * 2 + i in the last step; b in step 1 on rank 1 was rank 0's, too.
-      EXPECT_EQ(detail::widen_element(h.params.data, h.params.type, running.offset + i), 20.0F + static_cast<float>(i))
+      // rank 0 (1 for c) wrote 100 * rank + 10 * 2 + i in the last step; b in step 1 on rank 1 was rank 0's, too.
+      EXPECT_EQ(detail::widen_element(h.params.data, h.params.type, running.offset + i), from + 20.0F + static_cast<float>(i))
         << "unit " << u << " element " << i << " rank " << me;
     }
     // The trainable part is equal on every rank.

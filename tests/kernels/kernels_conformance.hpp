@@ -199,7 +199,7 @@ TYPED_TEST_P(kernels_conformance, UnscaleAndCheckMatchesTheCpuAndFlagsNonFinite)
 // the second unit nothing is updated, the step counts stay and the scale backs off.
 TYPED_TEST_P(kernels_conformance, GuardedStepMatchesTheCpu)
 {
-  SCOPED_TRACE("seed " + std::to_string(this->seed_));
+  SCOPED_TRACE(std::string("seed ") + std::to_string(this->seed_));
   const device dev = TypeParam::make();
   stream s(dev);
   const adamw_options decay{.lr = 2e-3, .weight_decay = 0.05};

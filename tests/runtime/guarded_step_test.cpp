@@ -61,7 +61,7 @@ run_result train(const runtime_options& o, dtype compute, int first, int last, c
 {
   const device dev = make_device(o.device);
   std::vector<unit_spec> units{make_unit("trunk", 300, compute)};
-  for (int t = 0; t < 5; ++t) { units.push_back(make_unit("task/" + std::to_string(t), 200 + 37 * static_cast<std::size_t>(t), compute)); }
+  for (int t = 0; t < 5; ++t) { units.push_back(make_unit(std::string("task/") + std::to_string(t), 200 + 37 * static_cast<std::size_t>(t), compute)); }
   runtime rt(dev, o, units);
   if (!load.empty()) {
     (void)rt.load_checkpoint(load);
@@ -159,7 +159,7 @@ TEST_P(guarded_step, a_checkpoint_resumes_the_scaler_and_the_step_counts)
   const runtime_options o = guarded_options(48 * KiB, residency::prefetch, compute);
   const run_result whole = train(o, compute, 0, 12, infs);
   const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
-                                    ("guarded-ck-" + std::string(to_string(compute)));
+                                    (std::string("guarded-ck-") + std::string(to_string(compute)));
   std::filesystem::remove_all(dir);
   (void)train(o, compute, 0, 6, infs, {}, dir);
   const checkpoint_manifest m = read_checkpoint_manifest(dir);

@@ -102,7 +102,8 @@ weight_decay = 0.0
     }
     taskswap::stream s(dev);
     const bool last_rank = rt.rank() == rt.world_size() - 1;
-    if (rt.world_size() > 1) { out += "." + std::to_string(rt.rank()); }
+    if (rt.world_size() > 1) { out += '.';
+      out += std::to_string(rt.rank()); }
     const float* scale = o.scaler.enabled ? rt.loss_scale() : nullptr;
     for (int k = 0; k < steps; ++k) {
       const bool inf = last_rank && std::find(inf_steps.begin(), inf_steps.end(), k) != inf_steps.end();

@@ -48,8 +48,8 @@ TEST(multitask_config, errors_name_the_line_and_the_key)
 {
   expect_error_mentioning<taskswap::config_error>([] { (void)parse("[model]\ntasks = 5\nlayers = 3\n"); },
                                                   "test.toml:10: [model] has no key 'layers'");
-  expect_error_mentioning<taskswap::config_error>([] { (void)parse("[model]\ndtype = \"f16\"\n"); },
-                                                  "[model] dtype: use \"f32\" or \"bf16\"");
+  expect_error_mentioning<taskswap::config_error>([] { (void)parse("[model]\ndtype = \"f64\"\n"); },
+                                                  "[model] dtype: use \"f32\", \"bf16\" or \"f16\"");
   expect_error_mentioning<taskswap::config_error>([] { (void)parse("[model]\nbatch = 0\n"); },
                                                   "[model] batch: give an integer of at least 1");
   expect_error_mentioning<taskswap::config_error>([] { (void)parse("[modle]\n"); }, "unknown key 'modle'");

@@ -266,6 +266,17 @@ TEST(planner, counts_whole_granules_as_the_runtime_does)
   in.options.device.budget = r.peak_device_bytes - 1;
   expect_error_mentioning<config_error>([&] { static_cast<void>(run_on_the_runtime(in)); }, "in whole granules of 64.0 KiB");
   expect_error_mentioning<config_error>([&] { static_cast<void>(tools::make_plan(in)); }, "raise [device] budget");
+
+  // Clipping (a guarded runtime) takes the guard's state of the budget first, in whole granules.
+  in.options.optimizer.clip = 1.0;
+  in.options.device.budget = std::size_t{64} << 20U;
+  const tools::plan_report g = tools::make_plan(in);
+  EXPECT_EQ(g.peak_device_bytes, r.peak_device_bytes + whole(step_guard_device_bytes(units.size())));
+  EXPECT_EQ(g.rounding_bytes, r.rounding_bytes);
+  in.options.device.budget = g.peak_device_bytes;
+  EXPECT_LE(run_on_the_runtime(in).peak_device_bytes, g.peak_device_bytes);
+  in.options.device.budget = g.peak_device_bytes - 1;
+  expect_error_mentioning<config_error>([&] { static_cast<void>(run_on_the_runtime(in)); }, "granules");
 }
 
 TEST(planner, refuses_what_the_runtime_refuses)
