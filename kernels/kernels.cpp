@@ -41,21 +41,46 @@ void host_unscale_and_check(void* grad, dtype type, std::size_t count, float fac
   if (nonfinite) { *found_nonfinite = 1; }
 }
 
+namespace {
+
+// Lane j of [0, n) adds element base + j: each lane's adds stay in element order. One dtype per
+// instantiation, so the loop vectorizes (lanes are independent; a float's square is exact in
+// double, so the vector width changes no bit).
+// Cloned for AVX-512 and AVX2 (chosen at load time): wider vectors, the same operations per lane.
+template <dtype G>
+__attribute__((target_clones("avx512f", "avx2", "default"))) void add_to_lanes(const void* grad, std::size_t base,
+                                                                               std::size_t n, float unscale, double* lanes)
+{
+  for (std::size_t j = 0; j < n; ++j) {
+    float g = 0;
+    if constexpr (G == dtype::f32) {
+      g = static_cast<const float*>(grad)[base + j];
+    } else if constexpr (G == dtype::bf16) {
+      g = bf16_to_float(static_cast<const std::uint16_t*>(grad)[base + j]);
+    } else {
+      g = f16_to_float(static_cast<const std::uint16_t*>(grad)[base + j]);
+    }
+    lanes[j] = dadd_rn(lanes[j], unscaled_square(g, unscale));
+  }
+}
+
+}  // namespace
+
 void host_square_sum(const void* grad, dtype type, std::size_t count, step_guard& g)
 {
   // Lane j takes the elements j, j + lanes, ... in order, as the CUDA kernel's thread j does.
   thread_local std::vector<double> scratch(square_sum_lanes);
   double* lanes = scratch.data();
   const float unscale = inverse_scale(g.scale);
-  const std::size_t used = count < square_sum_lanes ? count : square_sum_lanes;
-  for (std::size_t j = 0; j < used; ++j) { lanes[j] = 0; }
+  for (std::size_t j = 0; j < square_sum_lanes; ++j) { lanes[j] = 0; }
   for (std::size_t base = 0; base < count; base += square_sum_lanes) {
     const std::size_t n = count - base < square_sum_lanes ? count - base : square_sum_lanes;
-    for (std::size_t j = 0; j < n; ++j) {
-      lanes[j] = dadd_rn(lanes[j], unscaled_square(widen_element(grad, type, base + j), unscale));
+    switch (type) {
+      case dtype::f32: add_to_lanes<dtype::f32>(grad, base, n, unscale, lanes); break;
+      case dtype::bf16: add_to_lanes<dtype::bf16>(grad, base, n, unscale, lanes); break;
+      case dtype::f16: add_to_lanes<dtype::f16>(grad, base, n, unscale, lanes); break;
     }
   }
-  for (std::size_t j = used; j < square_sum_lanes; ++j) { lanes[j] = 0; }
   // Each block's threads by a tree, then the blocks' sums by the same tree.
   double blocks[square_sum_blocks];
   for (unsigned b = 0; b < square_sum_blocks; ++b) {
