@@ -239,6 +239,24 @@ double seconds_of(F&& f)
   return std::chrono::duration<double>(clock_type::now() - start).count();
 }
 
+// Times the three passes in turn, each from cold caches, starting with a different one each
+// iteration (an order effect then averages out); returns their seconds in the passes' order.
+template <typename A, typename B, typename C>
+std::array<double, 3> three_cold(std::size_t turn, cache_evictor& evict, detail::host_task_arena& threads, A&& a, B&& b,
+                                 C&& c)
+{
+  std::array<double, 3> t{};
+  for (std::size_t k = 0; k < 3; ++k) {
+    evict(threads);
+    switch ((turn + k) % 3) {
+      case 0: t[0] = seconds_of(a); break;
+      case 1: t[1] = seconds_of(b); break;
+      default: t[2] = seconds_of(c); break;
+    }
+  }
+  return t;
+}
+
 void host_adamw(benchmark::State& state, layout_kind kind, std::size_t n, int thread_count, dtype grad)
 {
   if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) {
@@ -262,15 +280,9 @@ void host_adamw(benchmark::State& state, layout_kind kind, std::size_t n, int th
   std::size_t turn = 0;
   cache_evictor evict;
   for (auto _ : state) {
-    std::array<double, 3> t{};
-    for (std::size_t k = 0; k < 3; ++k) {
-      evict(threads);
-      switch ((turn + k) % 3) {
-        case 0: t[0] = seconds_of([&] { detail::cpu_adamw_step(judged.slabs, scalars, threads); }); break;
-        case 1: t[1] = seconds_of([&] { detail::cpu_adamw_step(separate.slabs, scalars, threads); }); break;
-        default: t[2] = seconds_of([&] { stream_like(separate.slabs, threads); }); break;
-      }
-    }
+    const std::array<double, 3> t = three_cold(
+      turn, evict, threads, [&] { detail::cpu_adamw_step(judged.slabs, scalars, threads); },
+      [&] { detail::cpu_adamw_step(separate.slabs, scalars, threads); }, [&] { stream_like(separate.slabs, threads); });
     ++turn;
     state.SetIterationTime(t[0]);
     own.push_back(t[0]);
@@ -314,15 +326,9 @@ void host_adamw_guarded(benchmark::State& state, std::size_t n, int thread_count
   std::size_t turn = 0;
   cache_evictor evict;
   for (auto _ : state) {
-    std::array<double, 3> t{};
-    for (std::size_t k = 0; k < 3; ++k) {
-      evict(threads);
-      switch ((turn + k) % 3) {
-        case 0: t[0] = seconds_of([&] { detail::cpu_adamw_step(arrays.slabs, plain, threads); }); break;
-        case 1: t[1] = seconds_of([&] { detail::cpu_adamw_step(arrays.slabs, guarded, threads); }); break;
-        default: t[2] = seconds_of(square_sum); break;
-      }
-    }
+    const std::array<double, 3> t = three_cold(
+      turn, evict, threads, [&] { detail::cpu_adamw_step(arrays.slabs, plain, threads); },
+      [&] { detail::cpu_adamw_step(arrays.slabs, guarded, threads); }, square_sum);
     ++turn;
     state.SetIterationTime(t[1]);
     own.push_back(t[1]);

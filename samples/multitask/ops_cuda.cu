@@ -176,31 +176,29 @@ __global__ void mse_finish_kernel(const double* partial, std::size_t n, float* l
   if (threadIdx.x == 0) { *loss = static_cast<float>(tree[0] / static_cast<double>(n)); }
 }
 
-__global__ void widen_kernel(float* dst, const __nv_bfloat16* src, std::size_t n)
+__device__ inline float to_f32(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ inline float to_f32(__half x) { return __half2float(x); }
+template <typename T>
+__device__ inline T from_f32(float x);
+template <>
+__device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ inline __half from_f32<__half>(float x) { return __float2half_rn(x); }
+
+// T: __nv_bfloat16 or __half; both round to nearest even.
+template <typename T>
+__global__ void widen_kernel(float* dst, const T* src, std::size_t n)
 {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
-    dst[i] = __bfloat162float(src[i]);
+    dst[i] = to_f32(src[i]);
   }
 }
 
-__global__ void narrow_kernel(__nv_bfloat16* dst, const float* src, std::size_t n)
+template <typename T>
+__global__ void narrow_kernel(T* dst, const float* src, std::size_t n)
 {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
-    dst[i] = __float2bfloat16_rn(src[i]);
-  }
-}
-
-__global__ void widen_f16_kernel(float* dst, const __half* src, std::size_t n)
-{
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
-    dst[i] = __half2float(src[i]);
-  }
-}
-
-__global__ void narrow_f16_kernel(__half* dst, const float* src, std::size_t n)
-{
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
-    dst[i] = __float2half_rn(src[i]);
+    dst[i] = from_f32<T>(src[i]);
   }
 }
 
@@ -280,7 +278,7 @@ class cuda_ops final : public ops {
       return;
     }
     if (type == dtype::f16) {
-      widen_f16_kernel<<<blocks_for(n), threads, 0, s_>>>(dst, static_cast<const __half*>(src), n);
+      widen_kernel<<<blocks_for(n), threads, 0, s_>>>(dst, static_cast<const __half*>(src), n);
       MULTITASK_CUDA(cudaGetLastError());
       return;
     }
@@ -296,7 +294,7 @@ class cuda_ops final : public ops {
       return;
     }
     if (type == dtype::f16) {
-      narrow_f16_kernel<<<blocks_for(n), threads, 0, s_>>>(static_cast<__half*>(dst), src, n);
+      narrow_kernel<<<blocks_for(n), threads, 0, s_>>>(static_cast<__half*>(dst), src, n);
       MULTITASK_CUDA(cudaGetLastError());
       return;
     }

@@ -48,6 +48,25 @@ def gradient(u, k, m):
     return lambda i: float((i * 7 + k * 3 + u * 5 + m) % 11) * 0.125 - 0.625
 
 
+def largest_relative(name, got, want):
+    """The largest difference per tensor relative to the tensor's largest magnitude (elements that
+    cancel to near zero differ by the same few 1e-8 as the rest); exits past 1e-6 or on NaN."""
+    err = 0.0
+    at = 0
+    for u in range(3):
+        for shape in SHAPES[u]:
+            n = 1
+            for d in shape:
+                n *= d
+            g, w = got[at:at + n], want[at:at + n]
+            e = ((g - w).abs().max() / w.abs().max()).item()
+            if not e <= 1e-6:  # NaN fails too
+                sys.exit(f"{name}: unit {u}, a {shape} tensor: {e:.2e} exceeds 1e-6")
+            err = max(err, e)
+            at += n
+    return err
+
+
 def torch_run(micro):
     params = [[torch.nn.Parameter(tensor(u, t, initial(u))) for t in range(2)] for u in range(3)]
     groups = [
@@ -81,22 +100,7 @@ def main():
                 got = torch.frombuffer(bytearray(f.read()), dtype=torch.float32)
             want = torch_run(micro)
             assert got.numel() == want.numel(), f"{got.numel()} values, expected {want.numel()}"
-            # Relative to each tensor's scale: elements that cancel to near zero differ by the
-            # same few 1e-8 as the rest (torch orders the decay and the step differently).
-            err = 0.0
-            at = 0
-            for u in range(3):
-                for shape in SHAPES[u]:
-                    n = 1
-                    for d in shape:
-                        n *= d
-                    g, w = got[at:at + n], want[at:at + n]
-                    e = ((g - w).abs().max() / w.abs().max()).item()
-                    if not e <= 1e-6:  # NaN fails too
-                        sys.exit(f"param_groups_vs_torch: {placement}/{micro}: unit {u}, a {shape} tensor: {e:.2e} "
-                                 "exceeds 1e-6")
-                    err = max(err, e)
-                    at += n
+            err = largest_relative(f"param_groups_vs_torch: {placement}/{micro}", got, want)
             worst = max(worst, err)
             print(f"{placement} placement, {micro} micro-batch(es): largest relative difference {err:.2e}")
             if not err <= 1e-6:
