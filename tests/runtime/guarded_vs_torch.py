@@ -144,6 +144,22 @@ def main():
                 print(f"{name}: largest relative difference {err:.2e}, scaler {want_state}")
             if read(f"{out}.0").tolist() != read(f"{out}.1").tolist():
                 sys.exit("guarded_vs_torch: the two ranks' parameters or scalers differ")
+            # f16 units (f16 gradients, scaled): the inf on rank 1 alone skips the step on both
+            # ranks, which back the scale off alike; the replicas stay bitwise equal.
+            out16 = os.path.join(work, f"guarded-mpi-f16-{clip}-{init_scale}.bin")
+            env16 = dict(env, TASKSWAP_TEST_COMPUTE="f16")
+            subprocess.run(mpirun + ["-np", "2", driver, out16, str(STEPS), "device", "1", str(clip), str(init_scale),
+                                     infs], check=True, env=env16)
+            r0, r1 = read(f"{out16}.0"), read(f"{out16}.1")
+            if r0.tolist() != r1.tolist():
+                sys.exit("guarded_vs_torch: f16: the two ranks' parameters or scalers differ")
+            if not bool(torch.isfinite(r0).all()):
+                sys.exit("guarded_vs_torch: f16: a parameter is not finite (the skipped step was applied)")
+            state16 = tuple(r0[-3:].tolist())
+            if state16 != (want_state[0], float(want_state[1]), float(want_state[2])):
+                sys.exit(f"guarded_vs_torch: f16: scaler {state16}, expected {want_state}")
+            print(f"clip {clip}, scale {init_scale}, f16 units, inf on rank 1 only at {infs}: both ranks equal, "
+                  f"scaler {state16}")
     print(f"guarded_vs_torch: every run within {worst:.2e} of torch (1e-6 allowed), scalers equal")
 
 

@@ -10,13 +10,15 @@
 // device's loss scale as a trainer's loss is, and at each step of INF_STEPS (comma-separated, or
 // "-") element 3 of the task's gradient is +inf. Then the scaler's state follows the masters:
 // scale, growth tracker, skipped steps (as floats). Under mpirun with TASKSWAP_TEST_MPI=1 the ranks
-// reduce over MPI and only the last rank injects the inf; each rank writes OUT.rank.
+// reduce over MPI and only the last rank injects the inf; each rank writes OUT.rank. With
+// TASKSWAP_TEST_COMPUTE=f16 the units compute (and keep gradients) in f16.
 //
 //   param_groups_driver OUT STEPS device|host MICRO [CLIP INIT_SCALE INF_STEPS]
 
 #include <taskswap/taskswap.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <limits>
@@ -36,6 +38,29 @@ float gradient(std::uint32_t u, std::size_t i, int step, int micro)
 {
   return static_cast<float>((i * 7 + static_cast<std::size_t>(step) * 3 + u * 5 + static_cast<std::size_t>(micro)) % 11) *
            0.125F - 0.625F;
+}
+
+// The f16 bits of x, which must be a normal half or zero exactly (the gradients here are).
+std::uint16_t half_bits(float x)
+{
+  if (x == 0.0F) { return 0; }
+  int e = 0;
+  const float m = std::frexp(std::fabs(x), &e);  // x = m * 2^e, m in [0.5, 1)
+  const float mantissa = std::ldexp(m, 11) - 1024.0F;  // 10 bits below the leading one
+  const int biased = e - 1 + 15;
+  if (biased < 1 || biased > 30 || mantissa != std::floor(mantissa)) {
+    throw std::runtime_error("param_groups_driver: " + std::to_string(x) + " is not exact in f16");
+  }
+  return static_cast<std::uint16_t>((x < 0 ? 0x8000U : 0U) | (static_cast<unsigned>(biased) << 10U) |
+                                    static_cast<unsigned>(mantissa));
+}
+
+float half_value(std::uint16_t h)
+{
+  const int biased = (h >> 10U) & 0x1F;
+  const float magnitude = biased == 0 ? std::ldexp(static_cast<float>(h & 0x3FFU), -24)
+                                      : std::ldexp(static_cast<float>((h & 0x3FFU) | 0x400U), biased - 25);
+  return (h & 0x8000U) != 0 ? -magnitude : magnitude;
 }
 
 }  // namespace
@@ -86,10 +111,13 @@ weight_decay = 0.0
     }
     const char* mpi = std::getenv("TASKSWAP_TEST_MPI");
     if (mpi != nullptr && std::string(mpi) == "1") { o.comm.backend = taskswap::comm_backend::mpi; }
-    const auto unit = [](std::string name, std::size_t rows, std::size_t cols) {
+    const char* compute = std::getenv("TASKSWAP_TEST_COMPUTE");
+    const bool f16 = compute != nullptr && std::string(compute) == "f16";
+    const auto unit = [f16](std::string name, std::size_t rows, std::size_t cols) {
       taskswap::unit_spec u;
       u.name = std::move(name);
       u.tensors = {{"w", {rows, cols}}, {"b", {cols}, true}};
+      u.compute = f16 ? taskswap::dtype::f16 : taskswap::dtype::f32;
       return u;
     };
     const taskswap::device dev = taskswap::make_device(o.device);
@@ -102,8 +130,10 @@ weight_decay = 0.0
     }
     taskswap::stream s(dev);
     const bool last_rank = rt.rank() == rt.world_size() - 1;
-    if (rt.world_size() > 1) { out += '.';
-      out += std::to_string(rt.rank()); }
+    if (rt.world_size() > 1) {
+      out += '.';
+      out += std::to_string(rt.rank());
+    }
     const float* scale = o.scaler.enabled ? rt.loss_scale() : nullptr;
     for (int k = 0; k < steps; ++k) {
       const bool inf = last_rank && std::find(inf_steps.begin(), inf_steps.end(), k) != inf_steps.end();
@@ -121,6 +151,14 @@ weight_decay = 0.0
             taskswap::launch_host_func(s, [g, offset, u, k, m, scale, poison] {
               // d(scale * loss) / d(theta): the device's scale as the step's loss kernel reads it
               const float by = scale != nullptr ? *scale : 1.0F;
+              if (g.type == taskswap::dtype::f16) {
+                std::uint16_t* h = g.data<std::uint16_t>();
+                for (std::size_t i = 0; i < g.count; ++i) {
+                  h[i] = half_bits(half_value(h[i]) + gradient(u.value, offset + i, k, m) * by);
+                }
+                if (poison) { h[3] = 0x7C00U; }  // +inf
+                return;
+              }
               for (std::size_t i = 0; i < g.count; ++i) { g.data<float>()[i] += gradient(u.value, offset + i, k, m) * by; }
               if (poison) { g.data<float>()[3] = std::numeric_limits<float>::infinity(); }
             });
