@@ -46,10 +46,9 @@ namespace {
 // Lane j of [0, n) adds element base + j: each lane's adds stay in element order. One dtype per
 // instantiation, so the loop vectorizes (lanes are independent; a float's square is exact in
 // double, so the vector width changes no bit).
-// Cloned for AVX-512 and AVX2 (chosen at load time): wider vectors, the same operations per lane.
 template <dtype G>
-__attribute__((target_clones("avx512f", "avx2", "default"))) void add_to_lanes(const void* grad, std::size_t base,
-                                                                               std::size_t n, float unscale, double* lanes)
+__attribute__((always_inline)) inline void lanes_body(const void* grad, std::size_t base, std::size_t n, float unscale,
+                                                      double* lanes)
 {
   for (std::size_t j = 0; j < n; ++j) {
     float g = 0;
@@ -62,6 +61,34 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void add_to_lanes(c
     }
     lanes[j] = dadd_rn(lanes[j], unscaled_square(g, unscale));
   }
+}
+
+// The same loop compiled for wider vectors, chosen at run time as the CPU AdamW chooses its path
+// (not target_clones: its ifunc resolvers run before a sanitizer's runtime is up).
+template <dtype G>
+__attribute__((target("avx512f"))) void add_to_lanes_avx512(const void* grad, std::size_t base, std::size_t n,
+                                                            float unscale, double* lanes)
+{
+  lanes_body<G>(grad, base, n, unscale, lanes);
+}
+
+template <dtype G>
+__attribute__((target("avx2"))) void add_to_lanes_avx2(const void* grad, std::size_t base, std::size_t n, float unscale,
+                                                      double* lanes)
+{
+  lanes_body<G>(grad, base, n, unscale, lanes);
+}
+
+template <dtype G>
+void add_to_lanes(const void* grad, std::size_t base, std::size_t n, float unscale, double* lanes)
+{
+  static const cpu_isa isa = best_cpu_isa();
+  switch (isa) {
+    case cpu_isa::avx512: add_to_lanes_avx512<G>(grad, base, n, unscale, lanes); return;
+    case cpu_isa::avx2: add_to_lanes_avx2<G>(grad, base, n, unscale, lanes); return;
+    case cpu_isa::portable: break;
+  }
+  lanes_body<G>(grad, base, n, unscale, lanes);
 }
 
 }  // namespace

@@ -18,9 +18,10 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
 {
   unit_record& r = record(u);
   TASKSWAP_EXPECTS(!r.release_deferred,
-                   message("acquire('", r.name, "'): the unit was trained and released earlier in this step; with loss "
-                           "scaling or clipping its update waits for end_step, so a step acquires a trained unit once "
-                           "(accumulate its micro-batches within one acquisition)"));
+                   message("acquire('", r.name, "'): the unit was trained and released earlier in this step and its "
+                           "update has not run yet (it waits for its reduction, or with loss scaling or clipping for "
+                           "end_step); acquire a trained unit once per step (accumulate its micro-batches within one "
+                           "acquisition)"));
   TASKSWAP_EXPECTS(!r.held, message("acquire('", r.name, "'): the unit is already held; release it first"));
   check_comm();
   start();
