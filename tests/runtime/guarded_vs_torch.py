@@ -26,7 +26,7 @@ except ImportError:
     sys.exit(77)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from param_groups_vs_torch import LR, WD, gradient, initial, largest_relative, tensor  # noqa: E402
+from param_groups_vs_torch import gradient, largest_relative, model_and_optimizer, tensor  # noqa: E402
 
 STEPS = 12
 GROWTH_INTERVAL = 3
@@ -65,14 +65,7 @@ class CpuGradScaler:
 
 
 def torch_run(clip, init_scale, inf_steps):
-    params = [[torch.nn.Parameter(tensor(u, t, initial(u))) for t in range(2)] for u in range(3)]
-    groups = [
-        {"params": [params[0][0]], "lr": LR, "weight_decay": WD},
-        {"params": [params[0][1]], "lr": LR, "weight_decay": 0.0},
-        {"params": [params[1][0]], "lr": 10 * LR, "weight_decay": WD},
-        {"params": [params[1][1], params[2][0], params[2][1]], "lr": 10 * LR, "weight_decay": 0.0},
-    ]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
+    params, opt = model_and_optimizer()
     scaler = CpuGradScaler(init_scale) if init_scale > 0 else None
     for k in range(STEPS):
         opt.zero_grad(set_to_none=True)

@@ -67,7 +67,8 @@ def largest_relative(name, got, want):
     return err
 
 
-def torch_run(micro):
+def model_and_optimizer():
+    """The driver's three units as torch parameters, and AdamW over the driver's param groups."""
     params = [[torch.nn.Parameter(tensor(u, t, initial(u))) for t in range(2)] for u in range(3)]
     groups = [
         {"params": [params[0][0]], "lr": LR, "weight_decay": WD},
@@ -75,7 +76,11 @@ def torch_run(micro):
         {"params": [params[1][0]], "lr": 10 * LR, "weight_decay": WD},
         {"params": [params[1][1], params[2][0], params[2][1]], "lr": 10 * LR, "weight_decay": 0.0},
     ]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
+    return params, torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD)
+
+
+def torch_run(micro):
+    params, opt = model_and_optimizer()
     for k in range(STEPS):
         opt.zero_grad(set_to_none=True)  # the task not trained this step has no gradient: not stepped
         for u in (0, 1 + k % 2):
