@@ -29,6 +29,8 @@ namespace {
 }  // namespace
 
 nccl_unique_id make_nccl_unique_id() { no_nccl(); }
+nccl_library_info nccl_library() { no_nccl(); }
+void prefer_nccl_library(const std::string&) {}
 std::shared_ptr<communicator> make_nccl_communicator(const device&, const nccl_unique_id&, int, int,
                                                      std::chrono::milliseconds)
 {

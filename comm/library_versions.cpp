@@ -8,7 +8,7 @@
 #include <array>
 
 #if TASKSWAP_WITH_NCCL
-#include <nccl.h>
+#include "comm/nccl_library.hpp"
 #endif
 #if TASKSWAP_WITH_MPI
 #include <mpi.h>
@@ -16,16 +16,15 @@
 
 namespace taskswap::detail {
 
-std::string nccl_version()
+nccl_status nccl_version()
 {
 #if TASKSWAP_WITH_NCCL
-  int code = 0;
-  const ncclResult_t status = ncclGetVersion(&code);
-  if (status != ncclSuccess) {
-    throw comm_error(message("taskswap: ncclGetVersion failed: ", ncclGetErrorString(status)));
+  try {
+    const nccl_library& lib = nccl();
+    return {lib.version_text(), lib.path};
+  } catch (const comm_error& e) {
+    return {{}, e.what()};
   }
-  // NCCL >= 2.9 encodes major * 10000 + minor * 100 + patch.
-  return message(code / 10000, ".", (code % 10000) / 100, ".", code % 100);
 #else
   return {};
 #endif

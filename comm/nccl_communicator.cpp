@@ -11,14 +11,13 @@
 
 #include "comm/comm_failure.hpp"
 #include "comm/mpi_session.hpp"
+#include "comm/nccl_library.hpp"
 #include "comm/reduce_checks.hpp"
 #include "device/cuda/cuda_device_guard.hpp"
 #include "device/expects.hpp"
 #include "device/log.hpp"
 #include "device/message.hpp"
 #include "kernels/kernels.hpp"
-
-#include <nccl.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -40,7 +39,7 @@ void check_nccl(ncclResult_t rc, const char* call, std::string_view what = {})
 {
   if (rc != ncclSuccess) {
     throw comm_error(message("taskswap: ", call, what.empty() ? "" : " (", what, what.empty() ? "" : ")",
-                             " failed: ", ncclGetErrorString(rc), "; ", ncclGetLastError(nullptr)));
+                             " failed: ", nccl().get_error_string(rc), "; ", nccl().get_last_error(nullptr)));
   }
 }
 
@@ -59,8 +58,8 @@ class nccl_communicator final : public communicator {
   nccl_communicator(device dev, ncclComm_t comm, bool owned, std::chrono::milliseconds timeout)
       : device_(std::move(dev)), comm_(comm), owned_(owned), timeout_(timeout), scratch_(device_, flag_bytes + 64)
   {
-    check_nccl(ncclCommUserRank(comm_, &rank_), "ncclCommUserRank");
-    check_nccl(ncclCommCount(comm_, &size_), "ncclCommCount");
+    check_nccl(nccl().comm_user_rank(comm_, &rank_), "ncclCommUserRank");
+    check_nccl(nccl().comm_count(comm_, &size_), "ncclCommCount");
     watchdog_ = std::thread([this] { watch(); });
   }
   ~nccl_communicator() override
@@ -72,8 +71,8 @@ class nccl_communicator final : public communicator {
     wake_.notify_all();
     watchdog_.join();
     if (owned_ && !aborted_) {
-      const ncclResult_t rc = ncclCommDestroy(comm_);
-      if (rc != ncclSuccess) { log(log_level::warning, message("taskswap: ncclCommDestroy: ", ncclGetErrorString(rc))); }
+      const ncclResult_t rc = nccl().comm_destroy(comm_);
+      if (rc != ncclSuccess) { log(log_level::warning, message("taskswap: ncclCommDestroy: ", nccl().get_error_string(rc))); }
     }
   }
 
@@ -97,7 +96,7 @@ class nccl_communicator final : public communicator {
       }
     }
     watched(s, message("allreduce of ", what), [&](cudaStream_t cs) {
-      check_nccl(ncclGroupStart(), "ncclGroupStart", what);
+      check_nccl(nccl().group_start(), "ncclGroupStart", what);
       std::vector<ncclRedOp_t> premuls;
       ncclResult_t rc = ncclSuccess;
       for (const reduce_item& it : items) {
@@ -107,15 +106,15 @@ class nccl_communicator final : public communicator {
         if (it.op == reduce_op::premul_sum && it.type == dtype::f32) {
           // A host-immediate scalar of the data's type, read during the call.
           float factor = static_cast<float>(it.factor);
-          rc = ncclRedOpCreatePreMulSum(&op, &factor, t, ncclScalarHostImmediate, comm_);
+          rc = nccl().red_op_create_pre_mul_sum(&op, &factor, t, ncclScalarHostImmediate, comm_);
           if (rc != ncclSuccess) { break; }
           premuls.push_back(op);
         }
-        rc = ncclAllReduce(it.data.data(), it.data.data(), count, t, op, comm_, cs);
+        rc = nccl().all_reduce(it.data.data(), it.data.data(), count, t, op, comm_, cs);
         if (rc != ncclSuccess) { break; }
       }
-      const ncclResult_t end = ncclGroupEnd();
-      for (const ncclRedOp_t op : premuls) { ncclRedOpDestroy(op, comm_); }
+      const ncclResult_t end = nccl().group_end();
+      for (const ncclRedOp_t op : premuls) { nccl().red_op_destroy(op, comm_); }
       check_nccl(rc, "ncclAllReduce", what);
       check_nccl(end, "ncclGroupEnd", what);
     });
@@ -134,7 +133,7 @@ class nccl_communicator final : public communicator {
     const device_span d = scratch_.span(flag_bytes, bytes);
     copy_async(d, std::as_bytes(values), s);
     watched(s, message("count allreduce of ", what), [&](cudaStream_t cs) {
-      check_nccl(ncclAllReduce(d.data(), d.data(), values.size(), ncclInt64, ncclSum, comm_, cs), "ncclAllReduce", what);
+      check_nccl(nccl().all_reduce(d.data(), d.data(), values.size(), ncclInt64, ncclSum, comm_, cs), "ncclAllReduce", what);
     });
     copy_async(std::as_writable_bytes(values), const_device_span(d), s);
   }
@@ -145,7 +144,7 @@ class nccl_communicator final : public communicator {
     check_broadcast(data, root, size_, device_, "NCCL", what, "give a buffer of the communicator's device");
     if (data.size() == 0) { return; }
     watched(s, message("broadcast of ", what), [&](cudaStream_t cs) {
-      check_nccl(ncclBroadcast(data.data(), data.data(), data.size(), ncclUint8, root, comm_, cs), "ncclBroadcast", what);
+      check_nccl(nccl().broadcast(data.data(), data.data(), data.size(), ncclUint8, root, comm_, cs), "ncclBroadcast", what);
     });
   }
 
@@ -154,7 +153,7 @@ class nccl_communicator final : public communicator {
     check();
     const device_span d = scratch_.span(flag_bytes, sizeof(std::int64_t));
     watched(s, "barrier", [&](cudaStream_t cs) {
-      check_nccl(ncclAllReduce(d.data(), d.data(), 1, ncclInt64, ncclSum, comm_, cs), "ncclAllReduce", "barrier");
+      check_nccl(nccl().all_reduce(d.data(), d.data(), 1, ncclInt64, ncclSum, comm_, cs), "ncclAllReduce", "barrier");
     });
   }
 
@@ -164,7 +163,7 @@ class nccl_communicator final : public communicator {
     const cuda_device_guard guard(device_.index());
     ncclComm_t child = nullptr;
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    check_nccl(ncclCommSplit(comm_, 0, rank_, &child, &config), "ncclCommSplit");
+    check_nccl(nccl().comm_split(comm_, 0, rank_, &child, &config), "ncclCommSplit");
     return std::make_unique<nccl_communicator>(device_, child, true, timeout_);
   }
 
@@ -206,10 +205,10 @@ class nccl_communicator final : public communicator {
       wake_.wait_for(lock, std::chrono::milliseconds(pending_.empty() ? 100 : 5));
       if (aborted_) { continue; }
       ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      if (nccl().comm_get_async_error(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
         abort_with(comm_error(message("taskswap: NCCL reported an asynchronous error on rank ", rank_, " of ", size_,
                                       (pending_.empty() ? std::string() : " during " + pending_.front().what), ": ",
-                                      ncclGetErrorString(async), "; the communicator is aborted")));
+                                      nccl().get_error_string(async), "; the communicator is aborted")));
         continue;
       }
       const auto now = clock::now();
@@ -238,8 +237,8 @@ class nccl_communicator final : public communicator {
     failure_.fail(std::make_exception_ptr(e));
     log(log_level::warning, e.what());
     aborted_ = true;
-    const ncclResult_t rc = ncclCommAbort(comm_);  // its kernels return; the streams drain
-    if (rc != ncclSuccess) { log(log_level::warning, message("taskswap: ncclCommAbort: ", ncclGetErrorString(rc))); }
+    const ncclResult_t rc = nccl().comm_abort(comm_);  // its kernels return; the streams drain
+    if (rc != ncclSuccess) { log(log_level::warning, message("taskswap: ncclCommAbort: ", nccl().get_error_string(rc))); }
     pending_.clear();
   }
 
@@ -273,10 +272,18 @@ void require_cuda(const device& dev)
 }  // namespace
 }  // namespace detail
 
+nccl_library_info nccl_library()
+{
+  const detail::nccl_library& lib = detail::nccl();
+  return {lib.path, lib.version_text()};
+}
+
+void prefer_nccl_library(const std::string& path) { detail::prefer_nccl_library(path); }
+
 nccl_unique_id make_nccl_unique_id()
 {
   ncclUniqueId id;
-  detail::check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  detail::check_nccl(detail::nccl().get_unique_id(&id), "ncclGetUniqueId");
   nccl_unique_id out{};
   static_assert(sizeof(id) == sizeof(out));
   std::memcpy(out.data(), &id, sizeof(id));
@@ -293,7 +300,7 @@ std::shared_ptr<communicator> make_nccl_communicator(const device& dev, const nc
   ncclUniqueId nid;
   std::memcpy(&nid, id.data(), sizeof(nid));
   ncclComm_t comm = nullptr;
-  detail::check_nccl(ncclCommInitRank(&comm, size, nid, rank), "ncclCommInitRank");
+  detail::check_nccl(detail::nccl().comm_init_rank(&comm, size, nid, rank), "ncclCommInitRank");
   return std::make_shared<detail::nccl_communicator>(dev, comm, true, timeout);
 }
 

@@ -93,7 +93,8 @@ class backend {
   virtual void register_host(void* p, std::size_t bytes) = 0;
   virtual void unregister_host(void* p, std::size_t bytes) noexcept = 0;
 
-  [[nodiscard]] virtual void* create_stream(int priority) = 0;
+  // host_synchronous: see stream_options (the emulated backend only).
+  [[nodiscard]] virtual void* create_stream(int priority, bool host_synchronous) = 0;
   // A stream another library made (a framework's current stream), by its integer handle; 0 is the
   // device's legacy default stream. Never destroyed by taskswap.
   [[nodiscard]] virtual void* adopt_stream(std::uintptr_t handle) = 0;

@@ -104,7 +104,7 @@ stream::stream(const device& dev, stream_options options) : device_(dev), priori
   TASKSWAP_EXPECTS(options.priority >= lo && options.priority <= hi,
                    detail::message("stream priority ", options.priority, " is outside device ",
                                    where(dev.backend()), "'s range [", lo, ", ", hi, "]"));
-  handle_ = dev.backend().create_stream(options.priority);
+  handle_ = dev.backend().create_stream(options.priority, options.host_synchronous);
   dev.backend().open_error_slot(handle_);
 }
 

@@ -211,10 +211,16 @@ checkpoint_unit read_unit(const toml::node& node, std::string_view source, std::
   }
   if (u.tensors.empty()) { r.fail(&tensors, " tensors: a unit has at least one tensor"); }
   u.params = read_slab(r, "params");
+  if (const toml::node* trainable = r.maybe("trainable")) {
+    const std::optional<bool> b = trainable->value_exact<bool>();
+    if (!b) { r.fail(trainable, " trainable: give true or false"); }
+    u.trainable = *b;
+  }
   if (r.maybe("master") != nullptr) { u.master = read_slab(r, "master"); }
-  if (u.master.has_value() != (u.compute != dtype::f32)) {
+  if (u.master.has_value() != (u.compute != dtype::f32 && u.trainable)) {
     r.fail(nullptr, u.compute == dtype::f32 ? " has a master slab, which f32 units do not"
-                                            : " has no master slab, which non-f32 units need");
+                    : u.trainable         ? " has no master slab, which trainable non-f32 units need"
+                                          : " has a master slab, which units never trained do not");
   }
   u.m = read_slab(r, "m");
   u.v = read_slab(r, "v");
@@ -451,7 +457,7 @@ namespace detail {
 checkpoint_manifest describe_checkpoint(std::span<const checkpoint_source> units)
 {
   checkpoint_manifest m;
-  m.taskswap_version = get_build_info().version;
+  m.taskswap_version = build_features().version;
   std::uint64_t at = 0;
   const auto slab = [&](std::span<const std::byte> s) {
     checkpoint_slab c{.offset = at, .bytes = s.size(), .crc32c = crc32c(s)};
@@ -468,6 +474,7 @@ checkpoint_manifest describe_checkpoint(std::span<const checkpoint_source> units
     if (!u.master.empty()) { c.master = slab(u.master); }
     c.m = slab(u.m);
     c.v = slab(u.v);
+    c.trainable = u.trainable;
     m.units.push_back(std::move(c));
   }
   m.data_bytes = at;
@@ -497,6 +504,7 @@ std::string manifest_text(const checkpoint_manifest& m)
                   {"m", slab(u.m)},
                   {"v", slab(u.v)}};
     if (u.master) { t.insert("master", slab(*u.master)); }
+    if (!u.trainable) { t.insert("trainable", false); }  // absent: trainable (as before units could be frozen)
     units.push_back(std::move(t));
   }
   toml::table user;
@@ -660,6 +668,11 @@ std::vector<std::size_t> match_units(const std::filesystem::path& dir, const che
     if (c.compute != u.compute) {
       throw checkpoint_error(message(where, ": unit '", u.name, "' is ", to_string(c.compute), " in the checkpoint but ",
                                      to_string(u.compute), " in this runtime"));
+    }
+    if (c.trainable != u.trainable) {
+      const auto what = [](bool trainable) { return trainable ? "trainable" : "never trained (trainable = false)"; };
+      throw checkpoint_error(message(where, ": unit '", u.name, "' is ", what(c.trainable), " in the checkpoint but ",
+                                     what(u.trainable), " in this runtime; register it as it was saved"));
     }
     if (c.tensors.size() != u.tensors.size()) {
       throw checkpoint_error(message(where, ": unit '", u.name, "' has ", c.tensors.size(), " tensors in the checkpoint but ",

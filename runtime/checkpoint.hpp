@@ -26,6 +26,7 @@ struct checkpoint_source {
   std::span<std::byte> master;  // empty when the compute dtype is f32 (the params are the master)
   std::span<std::byte> m;
   std::span<std::byte> v;
+  bool trainable = true;  // false: never trained; master, m and v are empty
 };
 
 /// The manifest of `units` laid out in data.bin in order, with every slab's checksum.

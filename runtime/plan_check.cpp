@@ -66,6 +66,11 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
       throw config_error(message("plan step ", step_number, ": acquires '", r.name,
                                  "' while it is still held; release it in between"));
     }
+    if (e.use == unit_use::train && r.layout.frozen) {
+      throw config_error(message("plan step ", step_number, ": trains '", r.name,
+                                 "', which is registered never trained (trainable = false); plan it frozen, or "
+                                 "register it trainable"));
+    }
     if (std::find(trained_released.begin(), trained_released.end(), e.unit.value) != trained_released.end()) {
       throw config_error(message("plan step ", step_number, ": acquires '", r.name, "' again after training it; with "
                                  "loss scaling or clipping a trained unit's update waits for the step's end, so a step "

@@ -133,7 +133,7 @@ void runtime::impl::place_homes()
   bool any_host = false;
   for (const unit_record& r : units_) {
     total += r.layout.home_bytes;
-    any_host = any_host || r.policy.optimizer == optimizer_placement::host;
+    any_host = any_host || (r.policy.optimizer == optimizer_placement::host && !r.layout.frozen);
   }
   pinned_arena_options o;
   const std::size_t guard_host = guards(options_) ? guard_host_bytes(units_.size()) : 0;
@@ -163,7 +163,7 @@ void runtime::impl::start()
   started_ = true;
   for (unit_record& r : units_) {
     const detail::unit_layout& l = r.layout;
-    if (l.compute != dtype::f32) {  // the master is the source of truth; derive the params from it
+    if (l.compute != dtype::f32 && !l.frozen) {  // the master is the source of truth; derive the params from it
       detail::host_cast(r.home + l.params, l.compute, r.home + l.master, dtype::f32, l.trainable);  // not the state
     }
     if (r.pinned()) { fill_slot(r); }

@@ -16,7 +16,8 @@ using detail::message;
 namespace {
 
 // The part of a home block that is a replica's state: params (derived from the master for
-// bf16/f16 units, equal anyway), master, m and v; never the home gradients of host placement.
+// bf16/f16 units, equal anyway), master, m and v (a unit never trained: its params alone);
+// never the home gradients of host placement.
 std::size_t state_bytes_of(const detail::unit_layout& l) { return l.v + l.state_bytes; }
 
 }  // namespace
@@ -45,6 +46,10 @@ void runtime::impl::verify_replicas()
     const unit_record& r = units_[u];
     const detail::unit_layout& l = r.layout;
     std::uint32_t crc = detail::crc32c(std::as_bytes(std::span(&r.step, 1)));
+    if (l.frozen) {  // its parameters are its whole state
+      sums[rank * n + u] = detail::crc32c(std::span<const std::byte>(r.home + l.params, l.params_bytes), crc);
+      continue;
+    }
     crc = detail::crc32c(std::span<const std::byte>(r.home + l.master, l.count * 4), crc);
     crc = detail::crc32c(std::span<const std::byte>(r.home + l.m, l.count * 4), crc);
     crc = detail::crc32c(std::span<const std::byte>(r.home + l.v, l.count * 4), crc);

@@ -125,9 +125,10 @@ home_view runtime::home(unit_id u)
   v.id = u;
   v.tensors = l.tensors;
   v.params = {r.home + l.params, l.compute, l.count};
-  v.master = {r.home + l.master, dtype::f32, l.count};
-  v.m = {r.home + l.m, dtype::f32, l.count};
-  v.v = {r.home + l.v, dtype::f32, l.count};
+  const std::size_t state = l.frozen ? 0 : l.count;  // a unit never trained has no optimizer state
+  v.master = {r.home + l.master, dtype::f32, state};
+  v.m = {r.home + l.m, dtype::f32, state};
+  v.v = {r.home + l.v, dtype::f32, state};
   v.step = r.step;
   return v;
 }

@@ -22,7 +22,8 @@ std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
     c.tensors = l.tensors;
     c.step = r.step;
     c.params = {r.home + l.params, l.params_bytes};
-    if (l.compute != dtype::f32) { c.master = {r.home + l.master, f32_bytes}; }
+    if (l.compute != dtype::f32 && !l.frozen) { c.master = {r.home + l.master, f32_bytes}; }
+    c.trainable = !l.frozen;
     c.m = {r.home + l.m, f32_bytes};
     c.v = {r.home + l.v, f32_bytes};
     out.push_back(std::move(c));

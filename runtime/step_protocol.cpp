@@ -23,6 +23,9 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
                            "end_step); acquire a trained unit once per step (accumulate its micro-batches within one "
                            "acquisition)"));
   TASKSWAP_EXPECTS(!r.held, message("acquire('", r.name, "'): the unit is already held; release it first"));
+  TASKSWAP_EXPECTS(use == unit_use::frozen || !r.layout.frozen,
+                   message("acquire('", r.name, "', train): the unit is registered never trained (trainable = "
+                           "false); acquire it with unit_use::frozen, or register it trainable"));
   check_comm();
   start();
   begin_step();

@@ -63,6 +63,21 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
       if (!state) { l.runs.back().count = l.count - l.runs.back().begin; }
     }
   }
+  if (!spec.trainable) {
+    // Never trained: the parameter slab is the whole unit, at home and on the device. The
+    // master, m, v and gradient offsets point past it at empty slabs.
+    l.frozen = true;
+    l.trainable = 0;
+    l.runs.clear();
+    l.params_bytes = round_up(l.count * size_of(l.compute), slab_alignment);
+    l.state_bytes = 0;
+    l.grad_bytes = 0;
+    l.params = 0;
+    l.master = l.m = l.v = l.home_grads = l.device_grads = l.params_bytes;
+    l.home_bytes = l.device_bytes = l.travel_bytes = l.params_bytes;
+    l.writeback_bytes = 0;
+    return l;
+  }
   if (l.trainable == 0) {
     throw config_error(message("unit '", spec.name, "' has only state tensors; give it a trainable tensor (state "
                                "tensors travel with one)"));

@@ -35,6 +35,7 @@ struct unit_layout {
   std::vector<adamw_run> runs;  // consecutive tensors with the same weight-decay flag, and the gaps between them
   std::size_t count = 0;       // elements per slab, tensor padding included
   std::size_t trainable = 0;   // elements [0, trainable) hold the trainable tensors; state tensors follow
+  bool frozen = false;         // never trained (unit_spec::trainable false): the parameter slab alone
   dtype compute = dtype::f32;
   dtype grad = dtype::f32;
   std::size_t params_bytes = 0;  // slab sizes, alignment padding included
@@ -56,7 +57,10 @@ struct unit_layout {
   /// between them (one contiguous range), not the slab's tail padding.
   [[nodiscard]] std::size_t reduce_bytes() const noexcept { return trainable * size_of(grad); }
   /// The state tensors' bytes in the parameter slab, from state_at().
-  [[nodiscard]] std::size_t state_tensor_bytes() const noexcept { return (count - trainable) * size_of(compute); }
+  [[nodiscard]] std::size_t state_tensor_bytes() const noexcept
+  {
+    return frozen ? 0 : (count - trainable) * size_of(compute);  // a frozen unit's tensors never change
+  }
   [[nodiscard]] std::size_t state_at() const noexcept { return params + trainable * size_of(compute); }
   /// The AdamW operands of a copy of this unit whose block starts at `base` (home or device) and
   /// whose gradients lie at `grads` bytes from it.

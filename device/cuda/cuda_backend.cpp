@@ -379,8 +379,10 @@ class cuda_backend final : public backend {
     TASKSWAP_ASSERT_CUDA_SUCCESS(cudaFreeHost(p));
   }
 
-  [[nodiscard]] void* create_stream(int priority) override
+  [[nodiscard]] void* create_stream(int priority, bool host_synchronous) override
   {
+    TASKSWAP_EXPECTS(!host_synchronous, message("a host-synchronous stream on ", name(), ": only the emulated device "
+                                                "runs a stream's work in the enqueuing thread; make a normal stream"));
     const cuda_device_guard guard(index_);
     cudaStream_t s = nullptr;
     TASKSWAP_CUDA_TRY(cudaStreamCreateWithPriority(&s, cudaStreamNonBlocking, priority));

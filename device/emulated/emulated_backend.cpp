@@ -103,10 +103,14 @@ event_ref& event_of(void* e) { return *static_cast<event_ref*>(e); }
 constexpr std::chrono::microseconds host_poll{50};
 constexpr std::chrono::microseconds worker_poll{50};
 
-// A stream: a worker thread running its operations in the order they were pushed.
+// A stream: a worker thread running its operations in the order they were pushed; or, host
+// synchronous, the pushing thread running each one as it pushes it (stream_options).
 class emulated_queue {
  public:
-  emulated_queue() : worker_([this] { run(); }) {}
+  explicit emulated_queue(bool host_synchronous) : host_synchronous_(host_synchronous)
+  {
+    if (!host_synchronous_) { worker_ = std::thread([this] { run(); }); }
+  }
 
   ~emulated_queue()
   {
@@ -115,7 +119,7 @@ class emulated_queue {
       stopping_ = true;
     }
     work_.notify_one();
-    worker_.join();  // the worker drains the queue before it exits
+    if (worker_.joinable()) { worker_.join(); }  // the worker drains the queue before it exits
   }
 
   emulated_queue(const emulated_queue&) = delete;
@@ -125,6 +129,15 @@ class emulated_queue {
 
   void push(std::function<void()> op)
   {
+    if (host_synchronous_) {
+      const std::lock_guard lock(mutex_);  // one operation at a time, in push order
+      ++enqueued_;
+      pushed_.store(enqueued_, std::memory_order_release);
+      op();  // operations never throw: host functions are wrapped by run_host_func
+      ++completed_;
+      done_.store(completed_, std::memory_order_release);
+      return;
+    }
     bool wake = false;
     {
       const std::lock_guard lock(mutex_);
@@ -206,7 +219,8 @@ class emulated_queue {
   std::atomic<std::uint64_t> done_{0};
   bool stopping_ = false;
   bool waiting_ = false;  // the worker sleeps on work_
-  std::thread worker_;  // last: starts once the members above exist
+  bool host_synchronous_ = false;
+  std::thread worker_;  // last: starts once the members above exist (none when host synchronous)
 };
 
 namespace {
@@ -448,9 +462,9 @@ void emulated_backend::unregister_host(void* p, std::size_t bytes) noexcept
   static_cast<void>(::munlock(p, bytes));
 }
 
-void* emulated_backend::create_stream(int /*priority*/)
+void* emulated_backend::create_stream(int /*priority*/, bool host_synchronous)
 {
-  auto queue = std::make_unique<emulated_queue>();
+  auto queue = std::make_unique<emulated_queue>(host_synchronous);
   const std::lock_guard lock(queues_mutex_);
   queues_.insert(queue.get());
   return queue.release();

@@ -54,7 +54,7 @@ class emulated_backend final : public backend {
   void register_host(void* p, std::size_t bytes) override;
   void unregister_host(void* p, std::size_t bytes) noexcept override;
 
-  [[nodiscard]] void* create_stream(int priority) override;
+  [[nodiscard]] void* create_stream(int priority, bool host_synchronous) override;
   [[nodiscard]] void* adopt_stream(std::uintptr_t handle) override;
   void destroy_stream(void* s) noexcept override;
   void synchronize_stream(void* s) override;

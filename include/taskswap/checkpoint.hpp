@@ -39,9 +39,10 @@ struct checkpoint_unit {
   std::vector<std::pair<std::string, std::vector<std::size_t>>> tensors;  ///< name, shape
   std::int64_t step = 0;  ///< AdamW steps taken
   checkpoint_slab params;
-  std::optional<checkpoint_slab> master;  ///< only when the compute dtype is not f32
+  std::optional<checkpoint_slab> master;  ///< only when the compute dtype is not f32 and the unit is trainable
   checkpoint_slab m;
   checkpoint_slab v;
+  bool trainable = true;  ///< false: a unit never trained (unit_spec::trainable), whose m and v are empty
 };
 
 /// @brief The loss scaler's state in a checkpoint (GradScaler.state_dict's scale and tracker).

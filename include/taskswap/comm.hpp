@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <string_view>
 
 namespace taskswap {
@@ -120,6 +121,27 @@ class communicator {
  protected:
   communicator() = default;
 };
+
+/// @brief The NCCL library taskswap uses: the file and the version it reports ("2.28.3").
+struct nccl_library_info {
+  std::string path;
+  std::string version;
+};
+
+/// @brief Loads the NCCL taskswap calls, if not yet loaded, and says which it is. taskswap does
+/// not link NCCL: it loads it at first use, taking, in order, the file the environment variable
+/// TASKSWAP_NCCL_LIBRARY names; an NCCL the process has loaded already (PyTorch's, once torch is
+/// imported); the file prefer_nccl_library() named; the NCCL taskswap was built against; and
+/// `libnccl.so.2` on the loader's path. So importing taskswap before torch never puts an older
+/// NCCL in the way of torch's. A communicator passed to make_nccl_communicator(dev, ncclComm_t)
+/// must come from this library.
+/// @throws comm_error naming each file tried and why it failed, or when built without NCCL
+[[nodiscard]] nccl_library_info nccl_library();
+
+/// @brief The NCCL file to try before the one taskswap was built against, when neither the
+/// environment nor the process has chosen one (the Python package names the `nvidia-nccl`
+/// wheel's, PyTorch's). Without effect once NCCL is loaded.
+void prefer_nccl_library(const std::string& path);
 
 /// @brief The bytes of an NCCL unique id (ncclUniqueId), made by rank 0 and sent to the others.
 using nccl_unique_id = std::array<char, 128>;

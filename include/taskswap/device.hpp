@@ -181,6 +181,11 @@ class stream_view {
 /// @brief Settings of a new stream.
 struct stream_options {
   int priority = 0;  ///< within device::stream_priority_range()
+  /// The emulated device only: the thread that enqueues an operation runs it before the call
+  /// returns (waits included), instead of a worker thread later. For a trainer that computes on
+  /// the host (torch on the CPU) and would wait for its stream at every step anyway, this saves
+  /// two thread wake-ups per step; the runtime's copy streams stay asynchronous.
+  bool host_synchronous = false;
 };
 
 /// @brief An owning stream: a queue of operations that run in the order they were enqueued.
@@ -189,7 +194,8 @@ struct stream_options {
 class stream {
  public:
   /// @brief Creates a stream on the device.
-  /// @throws invalid_argument if the priority is outside the device's range
+  /// @throws invalid_argument if the priority is outside the device's range, or for a host
+  /// synchronous stream on a CUDA device
   /// @throws cuda_error if the backend fails
   explicit stream(const device& dev, stream_options options = {});
   ~stream();

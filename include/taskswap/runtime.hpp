@@ -128,6 +128,11 @@ struct unit_spec {
   dtype compute = dtype::f32;          ///< parameters on the device
   std::optional<dtype> grad{};         ///< gradients; default: the compute dtype
   std::optional<unit_policy> policy{}; ///< overrides the options' defaults and rules
+  /// false: a unit that is never trained (a frozen base model). It has its parameter slab alone,
+  /// at home and on the device: no gradients, master, m or v anywhere, no write-back, no
+  /// reduction; its footprint, the plan check and the planner count its parameters. Every use
+  /// is unit_use::frozen (a trained use is refused), and its placement does not matter.
+  bool trainable = true;
 };
 
 /// @brief A registered unit's handle.

@@ -288,15 +288,18 @@ void bind_options(nb::module_& m)
       .def(
           "__init__",
           [](unit_spec* self, std::string name, std::vector<tensor_spec> tensors, dtype compute,
-             std::optional<dtype> grad, std::optional<unit_policy> policy) {
-            new (self) unit_spec{std::move(name), std::move(tensors), compute, grad, policy};
+             std::optional<dtype> grad, std::optional<unit_policy> policy, bool trainable) {
+            new (self) unit_spec{std::move(name), std::move(tensors), compute, grad, policy, trainable};
           },
-          "name"_a, "tensors"_a, "compute"_a = dtype::f32, "grad"_a = nb::none(), "policy"_a = nb::none())
+          "name"_a, "tensors"_a, "compute"_a = dtype::f32, "grad"_a = nb::none(), "policy"_a = nb::none(),
+          "trainable"_a = true)
       .def_rw("name", &unit_spec::name)
       .def_rw("tensors", &unit_spec::tensors)
       .def_rw("compute", &unit_spec::compute)
       .def_rw("grad", &unit_spec::grad)
-      .def_rw("policy", &unit_spec::policy);
+      .def_rw("policy", &unit_spec::policy)
+      .def_rw("trainable", &unit_spec::trainable,
+              "False: never trained (a frozen base): the parameters alone at home and on the device, every use frozen.");
 
   nb::class_<unit_footprint>(m, "UnitFootprint", "What one unit costs, from its spec and placement.")
       .def_ro("device_bytes", &unit_footprint::device_bytes)
@@ -342,12 +345,14 @@ void bind_devices(nb::module_& m)
   nb::class_<py_stream>(m, "Stream", "A stream the runtime created, or a view of another library's.")
       .def(
           "__init__",
-          [](py_stream* self, const device& dev) {
-            stream owned(dev);
+          [](py_stream* self, const device& dev, bool host_synchronous) {
+            stream owned(dev, stream_options{.priority = 0, .host_synchronous = host_synchronous});
             const stream_view view = owned.view();
             new (self) py_stream{dev, std::move(owned), view};
           },
-          "device"_a, "A new stream on `device`.")
+          "device"_a, "host_synchronous"_a = false,
+          "A new stream on `device`. host_synchronous (emulated device only): each operation runs in the "
+          "calling thread before the call returns (for a trainer computing on the host).")
       .def_prop_ro("device", [](const py_stream& s) { return s.dev; })
       .def_prop_ro("handle", [](const py_stream& s) { return reinterpret_cast<std::uintptr_t>(s.view.native_handle()); })
       .def_prop_ro("external", [](const py_stream& s) { return !s.owned.has_value(); })
@@ -376,6 +381,22 @@ void bind_comm(nb::module_& m)
       [](const device& dev, double timeout_s) { return make_mpi_communicator(dev, to_ms(timeout_s)); },
       "device"_a, "timeout_s"_a = 300.0, nb::call_guard<nb::gil_scoped_release>(),
       "An MPI communicator over MPI_COMM_WORLD (initialises MPI when needed).");
+  m.def(
+      "nccl_library",
+      []() {
+        nccl_library_info info;
+        {
+          nb::gil_scoped_release release;
+          info = nccl_library();
+        }
+        return nb::make_tuple(info.path, info.version);
+      },
+      "Loads the NCCL taskswap uses (if not yet loaded) and returns (its file, its version): the file "
+      "TASKSWAP_NCCL_LIBRARY names, else an NCCL the process has already (torch's), else the one "
+      "prefer_nccl_library named, else the build's, else libnccl.so.2 on the loader's path.");
+  m.def("prefer_nccl_library", &prefer_nccl_library, "path"_a,
+        "The NCCL file to try before the build's when the process has none loaded yet (taskswap names "
+        "the nvidia-nccl wheel's at import).");
   m.def(
       "nccl_unique_id",
       []() {
@@ -421,7 +442,7 @@ NB_MODULE(_core, m)
   bind_devices(m);
   bind_comm(m);
   bind_runtime(m);
-  const taskswap::build_info info = taskswap::get_build_info();
+  const taskswap::build_info info = taskswap::build_features();  // loads no library: Note [NCCL at run time]
   m.attr("__version__") = info.version;
   m.attr("with_cuda") = info.cuda;
   m.attr("with_nccl") = info.nccl;

@@ -421,7 +421,7 @@ class TensorSpec:
 class UnitSpec:
     """What a trainer registers: a named set of tensors."""
 
-    def __init__(self, name: str, tensors: Sequence[TensorSpec], compute: DType = DType.f32, grad: DType | None = None, policy: UnitPolicy | None = None) -> None: ...
+    def __init__(self, name: str, tensors: Sequence[TensorSpec], compute: DType = DType.f32, grad: DType | None = None, policy: UnitPolicy | None = None, trainable: bool = True) -> None: ...
 
     @property
     def name(self) -> str: ...
@@ -452,6 +452,15 @@ class UnitSpec:
 
     @policy.setter
     def policy(self, arg: UnitPolicy | None, /) -> None: ...
+
+    @property
+    def trainable(self) -> bool:
+        """
+        False: never trained (a frozen base): the parameters alone at home and on the device, every use frozen.
+        """
+
+    @trainable.setter
+    def trainable(self, arg: bool, /) -> None: ...
 
 class UnitFootprint:
     """What one unit costs, from its spec and placement."""
@@ -525,8 +534,10 @@ def cuda_device_count() -> int:
 class Stream:
     """A stream the runtime created, or a view of another library's."""
 
-    def __init__(self, device: Device) -> None:
-        """A new stream on `device`."""
+    def __init__(self, device: Device, host_synchronous: bool = False) -> None:
+        """
+        A new stream on `device`. host_synchronous (emulated device only): each operation runs in the calling thread before the call returns (for a trainer computing on the host).
+        """
 
     @property
     def device(self) -> Device: ...
@@ -561,6 +572,16 @@ class Communicator:
 
 def mpi_communicator(device: Device, timeout_s: float = 300.0) -> Communicator:
     """An MPI communicator over MPI_COMM_WORLD (initialises MPI when needed)."""
+
+def nccl_library() -> tuple:
+    """
+    Loads the NCCL taskswap uses (if not yet loaded) and returns (its file, its version): the file TASKSWAP_NCCL_LIBRARY names, else an NCCL the process has already (torch's), else the one prefer_nccl_library named, else the build's, else libnccl.so.2 on the loader's path.
+    """
+
+def prefer_nccl_library(path: str) -> None:
+    """
+    The NCCL file to try before the build's when the process has none loaded yet (taskswap names the nvidia-nccl wheel's at import).
+    """
 
 def nccl_unique_id() -> bytes:
     """A new NCCL unique id (128 bytes), made on one rank and given to all."""

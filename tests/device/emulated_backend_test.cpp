@@ -112,6 +112,37 @@ TEST(emulated_backend, CopiesInOneDirectionShareTheLink)
   EXPECT_GE(seconds_since(start), 32.0 * MiB / rate);
 }
 
+TEST(emulated_backend, AHostSynchronousStreamRunsEachOperationBeforeTheCallReturns)
+{
+  constexpr double rate = 1e9;
+  const device dev = emulated_device({.memory_bytes = 64 * MiB, .link = {.bytes_per_second = rate}});
+  stream inline_stream(dev, {.priority = 0, .host_synchronous = true});
+  stream worker(dev);
+  device_buffer d(dev, 8 * MiB);
+  pinned_buffer h(dev, 8 * MiB);
+  std::memset(h.data(), 3, h.size());
+  // A copy is done, at the link's rate, when copy_async returns; an event recorded after it too.
+  auto start = clock_type::now();
+  copy_async(d.span(), h.span(), inline_stream);
+  EXPECT_GE(seconds_since(start), 8.0 * MiB / rate);
+  event e(dev);
+  e.record(inline_stream);
+  EXPECT_TRUE(e.query());
+  EXPECT_TRUE(inline_stream.query());
+  int ran = 0;
+  launch_host_func(inline_stream, [&] { ++ran; });
+  EXPECT_EQ(ran, 1);
+  // A wait on another stream's work blocks the enqueuing thread until that work is done.
+  event other(dev);
+  start = clock_type::now();
+  copy_async(h.span(), d.span(), worker);
+  other.record(worker);
+  other.wait(inline_stream);
+  EXPECT_TRUE(other.query());
+  EXPECT_GE(seconds_since(start), 8.0 * MiB / rate);
+  EXPECT_EQ(static_cast<int>(h.data()[8 * MiB - 1]), 3);
+}
+
 TEST(build_info, DescribesThisBuild)
 {
   const build_info info = get_build_info();
@@ -119,9 +150,14 @@ TEST(build_info, DescribesThisBuild)
   EXPECT_EQ(info.cuda, !info.cuda_runtime_version.empty());
   EXPECT_EQ(info.nccl, !info.nccl_version.empty());
   EXPECT_EQ(info.mpi, !info.mpi_library_version.empty());
+  EXPECT_EQ(info.nccl, !info.nccl_library.empty());  // the file loaded, or why none could be
   if (info.nccl) {
     EXPECT_EQ(std::count(info.nccl_version.begin(), info.nccl_version.end(), '.'), 2) << info.nccl_version;
   }
+  const build_info features = build_features();
+  EXPECT_EQ(features.version, info.version);
+  EXPECT_EQ(features.nccl, info.nccl);
+  EXPECT_TRUE(features.nccl_version.empty());
   if (!info.cuda) { EXPECT_EQ(cuda_device_count(), 0); }
 }
 
