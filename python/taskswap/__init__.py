@@ -6,10 +6,33 @@ is the layer a PyTorch trainer uses (registers modules, aliases their parameters
 into the unit slabs, steps on torch's current stream).
 """
 
+import importlib.util as _importlib_util
+import os as _os
+
 from ._core import (  # noqa: F401
     AdamW, Average, Backend, CheckpointError, CommBackend, CommError, CommOptions, Communicator,
     ConfigError, CudaError, Device, DeviceError, DeviceOptions, DType, Error, InvalidArgument, Options,
     OptimizerPlacement, OutOfMemory, Residency, Runtime, RuntimeStats, StepStats, Stream, TensorSpec,
     TimeoutError, UnitFootprint, UnitPolicy, UnitSpec, UnitState, UnitStats, __version__, cuda_device_count,
     external_stream, footprint, load_config, make_communicator, make_device, mpi_communicator,
-    nccl_communicator, nccl_unique_id, parse_config, parse_size, policy_for, with_cuda, with_mpi, with_nccl)
+    nccl_communicator, nccl_library, nccl_unique_id, parse_config, prefer_nccl_library, parse_size, policy_for, with_cuda, with_mpi, with_nccl)
+
+
+def _prefer_the_wheels_nccl() -> None:
+    """PyTorch's wheels load the `nvidia-nccl` wheel's libnccl.so.2. taskswap loads NCCL only when
+    it first needs it, and takes one the process has loaded already (torch's, once imported); if
+    taskswap needs it before torch is imported, it takes the wheel's too, so that torch, imported
+    later, finds the NCCL it was built for (Note [NCCL at run time], comm/nccl_library.hpp)."""
+    try:
+        spec = _importlib_util.find_spec("nvidia.nccl")
+    except (ImportError, ValueError):
+        return
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        library = _os.path.join(folder, "lib", "libnccl.so.2")
+        if _os.path.exists(library):
+            prefer_nccl_library(library)
+            return
+
+
+if with_nccl:
+    _prefer_the_wheels_nccl()

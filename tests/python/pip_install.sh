@@ -2,7 +2,8 @@
 # SPDX-License-Identifier: Apache-2.0
 # `pip install .` works: builds a wheel of the source tree with scikit-build-core (no network: the
 # build venv has it and nanobind), installs it into a fresh venv of the same interpreter (which
-# sees the system's torch), and trains a few steps there, outside the source and build trees.
+# sees the build venv's packages, torch among them, after its own), and trains a few steps there,
+# outside the source and build trees.
 # usage: pip_install.sh PYTHON SOURCE_DIR WORK_DIR
 set -euo pipefail
 python=$1 source=$2 work=$3
@@ -10,7 +11,10 @@ rm -rf "$work" && mkdir -p "$work"
 "$python" -m pip wheel --quiet --no-build-isolation --no-deps -w "$work/wheel" "$source" \
   --config-settings=build-dir="$work/build" --config-settings=cmake.define.TASKSWAP_CUDA=OFF
 base=$("$python" -c "import sys; print(sys._base_executable)")
-"$base" -m venv --system-site-packages "$work/venv"
+"$base" -m venv "$work/venv"
+# The build venv's torch without installing it again (5 GB): its site-packages after the venv's own.
+"$python" -c "import site; print('\n'.join(site.getsitepackages()))" \
+  > "$("$work/venv/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/build-venv.pth"
 "$work/venv/bin/python" -m pip install --quiet --no-index --no-deps "$work"/wheel/taskswap-*.whl
 cd "$work"
 # No PYTHONPATH, no LD_LIBRARY_PATH: the venv's package, and libtaskswap through the RPATH $ORIGIN.

@@ -214,7 +214,9 @@ def test_errors_from_the_runtime(tmp_path):
     rt.register(torch.nn.Linear(4, 4), "u")
     with pytest.raises(taskswap.CheckpointError):
         rt.load_checkpoint(tmp_path / "missing")
+    assert rt.device is None, "a refused load leaves the runtime unstarted"
     # the emulated device has no CUDA streams to wrap
+    rt.start()
     with pytest.raises(taskswap.InvalidArgument, match="emulated"):
         taskswap.external_stream(rt.device, 0)
     # steps do not nest, and a module's parameters belong to one unit
@@ -227,7 +229,7 @@ def test_errors_from_the_runtime(tmp_path):
                 pass
     rt = tt.Runtime(options=config("64 KiB"))
     rt.register(model.trunk, "a")
-    with pytest.raises(taskswap.ConfigError, match="shares parameters"):
+    with pytest.raises(taskswap.ConfigError, match="already in unit 'a'"):
         rt.register(model.trunk, "b")
 
 

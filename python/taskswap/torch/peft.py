@@ -1,0 +1,248 @@
+# SPDX-License-Identifier: Apache-2.0
+"""taskswap for PEFT models: one unit per adapter, the frozen base weights as units that cost
+their parameters alone.
+
+An adapter of a PEFT model ("task7") is not one module: it is a ``lora_A``/``lora_B`` pair in
+every adapted projection of every layer (``lora_A["task7"]``, ...). ``register`` gathers each
+adapter's parameters, wherever they are, into one unit, and the base model's frozen weights into
+units registered ``trainable=False`` (one per decoder layer, or one in all). A step then
+activates one adapter and acquires the base and that adapter; the other adapters hold no memory::
+
+    model = get_peft_model(base, LoraConfig(...), adapter_name="task0")
+    for t in range(1, 64):
+        model.add_adapter(f"task{t}", LoraConfig(...))
+    rt = taskswap.torch.Runtime("taskswap.toml")
+    adapters = taskswap.torch.peft.register(rt, model)            # units "base/0".., "adapter/task0"..
+    rt.plan([adapters.uses(f"task{t}") for t in upcoming])
+    for t, batch in zip(upcoming, loader):
+        with adapters.step(f"task{t}"):                          # set_adapter, then rt.step(...)
+            model(**batch).loss.backward()
+
+``model.set_adapter(name)`` followed by ``rt.step(*adapters.uses(name))`` works too: a step makes
+the adapters it trains require gradients. ``adapters.step`` switches the active adapter without
+PEFT's walk over every adapter of every layer (milliseconds with many adapters).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Sequence
+
+import torch
+
+from .. import _core
+from . import Runtime, Unit, _Entry, _module_entries, _StepScope
+
+__all__ = ["Adapters", "register"]
+
+
+def _adapter_holders(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules that hold adapter weights by adapter name: PEFT's tuner layers (LoRA's
+    ``lora_A``, ``lora_B``, ...) and auxiliary wrappers (``modules_to_save``); each names its
+    containers in ``adapter_layer_names``."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(getattr(type(m), "adapter_layer_names", None), tuple) and m.adapter_layer_names]
+
+
+def _adapter_entries(model: torch.nn.Module) -> dict[str, list[_Entry]]:
+    """Every adapter's parameters, by adapter name, named by their place in the model."""
+    out: dict[str, list[_Entry]] = defaultdict(list)
+    for mname, holder in _adapter_holders(model):
+        prefix = f"{mname}." if mname else ""
+        for attr in holder.adapter_layer_names:
+            container = getattr(holder, attr, None)
+            if isinstance(container, torch.nn.ModuleDict):
+                for key, sub in container.items():
+                    params, _ = _module_entries(sub)
+                    for e in params:
+                        e.name = f"{prefix}{attr}.{key}.{e.name}"
+                    out[key] += params
+            elif isinstance(container, torch.nn.ParameterDict):
+                for key, p in container.items():
+                    out[key].append(_Entry(f"{prefix}{attr}.{key}", p, container, key, False))
+    return dict(out)
+
+
+def _layer_list(model: torch.nn.Module, adapter_ids: set[int]) -> tuple[str, torch.nn.ModuleList] | None:
+    """The model's list of decoder layers: the ModuleList holding the most base parameters."""
+    best, best_count = None, 0
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) > 1:
+            count = sum(p.numel() for p in m.parameters() if id(p) not in adapter_ids)
+            if count > best_count:
+                best, best_count = (name, m), count
+    return best
+
+
+class Adapters:
+    """The units ``register`` made: ``base`` (never trained) and one per adapter (``units``)."""
+
+    def __init__(self, rt: Runtime, model: torch.nn.Module, base: list[Unit], units: dict[str, Unit]):
+        self.rt = rt
+        self.model = model
+        self.base = base
+        self.units = units
+        self._tuners = [m for _, m in _adapter_holders(model) if hasattr(m, "_active_adapter")]
+        # The fast switch sets what PEFT's set_adapter sets on each tuner layer (the active names;
+        # requires_grad is the step's business); anything else (auxiliary wrappers such as
+        # modules_to_save, a merged layer) goes through PEFT's own set_adapter.
+        self._fast = (all(type(m).__module__.startswith("peft.tuners.") and not getattr(m, "merged", False)
+                           for m in self._tuners)
+                      and len(self._tuners) == len(_adapter_holders(model)))
+        self._active: tuple[str, ...] | None = None
+
+    def __getitem__(self, name: str) -> Unit:
+        unit = self.units.get(name)
+        if unit is None:
+            self._missing(name)
+        return unit
+
+    def __len__(self) -> int:
+        return len(self.units)
+
+    def __iter__(self):
+        return iter(self.units)
+
+    def _missing(self, name: str):
+        config = getattr(self.model, "peft_config", {})
+        if name in config:
+            raise _core.InvalidArgument(f"taskswap: adapter '{name}' was added to the model after registration; "
+                                        "add every adapter first, then register the model (with a new runtime)")
+        known = sorted(self.units)
+        raise _core.InvalidArgument(f"taskswap: the model has no adapter '{name}' (it has {len(known)}: "
+                                    f"{', '.join(known[:8])}{', ...' if len(known) > 8 else ''})")
+
+    def _names(self, names: str | Sequence[str]) -> tuple[str, ...]:
+        names = (names,) if isinstance(names, str) else tuple(names)
+        config = getattr(self.model, "peft_config", None)
+        for n in names:
+            if n not in self.units:
+                self._missing(n)
+            if config is not None and n not in config:
+                raise _core.InvalidArgument(f"taskswap: adapter '{n}' was deleted from the model after registration; "
+                                            "its unit still holds its values (rt.state_dict())")
+        return names
+
+    def uses(self, names: str | Sequence[str], *extra) -> list:
+        """A step's units as plan() and step() take them: the base (frozen) and the adapters
+        ``names`` (trained), then ``extra`` units (a task head, ...)."""
+        return [*self.base, *(self.units[n] for n in self._names(names)), *extra]
+
+    def activate(self, names: str | Sequence[str]) -> None:
+        """Makes ``names`` the model's active adapter(s), as ``model.set_adapter`` does."""
+        names = self._names(names)
+        if names == self._active:
+            return
+        if self._fast:
+            active = list(names)
+            for m in self._tuners:
+                m._active_adapter = active
+            base_model = getattr(self.model, "base_model", None)
+            if base_model is not None and hasattr(base_model, "active_adapter"):
+                base_model.active_adapter = names[0] if len(names) == 1 else active
+        elif len(names) == 1 and hasattr(self.model, "set_adapter"):
+            self.model.set_adapter(names[0])
+        else:
+            self.model.base_model.set_adapter(list(names))
+        self._active = names
+
+    def step(self, names: str | Sequence[str], *extra, micro_batches: int = 1) -> _StepScope:
+        """Activates the adapter(s) ``names`` and opens ``rt.step`` over the base, them and
+        ``extra``: the base is used frozen, the adapters are trained."""
+        uses = self.uses(names, *extra)
+        self.activate(names)
+        return self.rt.step(*uses, micro_batches=micro_batches)
+
+
+def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | None = None,
+             base: str | None = "per_layer", prefix: str = "adapter/", base_prefix: str = "base/",
+             base_residency: str | None = None, **adapter_settings) -> Adapters:
+    """Registers a PEFT model with ``rt``: one unit per adapter (``prefix + name``, trained) and
+    the base model's weights, which PEFT froze, as units registered ``trainable=False``.
+
+    ``adapters``: the adapters to register (default: all the model has). ``base``:
+    ``"per_layer"`` (a unit per decoder layer, ``base_prefix + index``, and one for the rest,
+    ``base_prefix + "rest"``), ``"one"`` (one unit, ``base_prefix + "all"``) or None (the base is
+    not registered: it stays where torch has it). Units whose parameters differ in dtype are split
+    by dtype (a ``.float32`` suffix). ``base_residency`` and ``adapter_settings`` (residency,
+    lookahead, optimizer, lr_scale, weight_decay, no_weight_decay) are passed to ``register``;
+    left out, the config's rules decide. Refused, it registers nothing."""
+    if base not in ("per_layer", "one", None):
+        raise _core.ConfigError(f"taskswap: base is \"per_layer\", \"one\" or None, not {base!r}")
+    found = _adapter_entries(model)
+    if not found:
+        raise _core.ConfigError("taskswap: the model has no PEFT adapter layers (lora_A, lora_B, ...); make it with "
+                                "peft.get_peft_model and add the adapters first")
+    names = list(found) if adapters is None else list(adapters)
+    unknown = [n for n in names if n not in found]
+    if unknown:
+        raise _core.InvalidArgument(f"taskswap: the model has no adapter {unknown[:5]} (it has {len(found)}: "
+                                    f"{', '.join(sorted(found)[:8])}{', ...' if len(found) > 8 else ''})")
+    adapter_ids = {id(e.tensor) for entries in found.values() for e in entries}
+
+    groups: list[tuple[str, list[_Entry], list[_Entry]]] = []  # (unit name, params, buffers)
+    if base is not None:
+        params, buffers = _module_entries(model)
+        params = [e for e in params if id(e.tensor) not in adapter_ids]
+        if base == "one":
+            groups.append((f"{base_prefix}all", params, buffers))
+        else:
+            layers = _layer_list(model, adapter_ids)
+            if layers is None:
+                raise _core.ConfigError("taskswap: base=\"per_layer\" found no list of layers in the model; pass "
+                                        "base=\"one\"")
+            lname, layer_list = layers
+            placed: set[int] = set()
+            for i, layer in enumerate(layer_list):
+                lp, lb = _module_entries(layer)
+                lp = [e for e in lp if id(e.tensor) not in adapter_ids]
+                for e in lp + lb:
+                    e.name = f"{lname}.{i}.{e.name}"
+                placed.update(id(e.tensor) for e in lp + lb)
+                groups.append((f"{base_prefix}{i}", lp, lb))
+            rest_p = [e for e in params if id(e.tensor) not in placed]
+            rest_b = [e for e in buffers if id(e.tensor) not in placed]
+            if rest_p:
+                groups.append((f"{base_prefix}rest", rest_p, rest_b))
+    # A unit's parameters share one dtype: split a group whose parameters do not.
+    split: list[tuple[str, list[_Entry], list[_Entry]]] = []
+    for gname, gp, gb in groups:
+        if not gp:
+            continue
+        by_dtype: dict[torch.dtype, list[_Entry]] = defaultdict(list)
+        for e in gp:
+            by_dtype[e.tensor.dtype].append(e)
+        main = max(by_dtype, key=lambda d: sum(e.tensor.numel() for e in by_dtype[d]))
+        for dtype, entries in by_dtype.items():
+            suffix = "" if dtype == main else f".{str(dtype).removeprefix('torch.')}"
+            split.append((gname + suffix, entries, [b for b in gb if b.tensor.dtype == dtype]))
+
+    made: list[Unit] = []
+    try:
+        base_units = [rt._register_entries(gname, gp, gb, None, trainable=False, residency=base_residency,
+                                           lookahead=None, optimizer=None, lr_scale=None, weight_decay=None,
+                                           no_weight_decay=None)
+                      for gname, gp, gb in split]
+        made += base_units
+        units: dict[str, Unit] = {}
+        for n in names:
+            settings = {k: adapter_settings.get(k) for k in
+                        ("residency", "lookahead", "optimizer", "lr_scale", "weight_decay", "no_weight_decay")}
+            unexpected = set(adapter_settings) - set(settings)
+            if unexpected:
+                raise _core.ConfigError(f"taskswap: register() takes no {sorted(unexpected)}")
+            units[n] = rt._register_entries(f"{prefix}{n}", found[n], [], None, trainable=True, **settings)
+            made.append(units[n])
+    except BaseException:
+        _unregister(rt, made)
+        raise
+    return Adapters(rt, model, base_units, units)
+
+
+def _unregister(rt: Runtime, units: list[Unit]) -> None:
+    """Takes back units registered by a call that failed (the runtime has not started)."""
+    for u in units:
+        rt.units.remove(u)
+        del rt._by_name[u.name]
+        for e in u._entries:
+            rt._owner_of.pop(id(e.tensor), None)
