@@ -169,7 +169,10 @@ class Unit:
         self._views: list[torch.Tensor] = []  # every tensor's device view, in spec order
         self._grad_addr = None
         self._grad_views: list[torch.Tensor] = []  # the parameters' gradients
-        self._buffer_versions: list[int] | None = None  # a frozen use: the buffers' versions at attach
+        # Norm layers whose train mode updates the unit's buffers (running statistics) in forward.
+        self._stat_modules = ([m for m in module.modules() if getattr(m, "track_running_stats", False)
+                               and any(b is getattr(m, "running_mean", None) for b in self._buffers)]
+                              if module is not None and self._buffers else [])
         self._placeholders: list[torch.Tensor] = []  # per tensor, between steps (set at start)
         self._train_use = _Use(self, _TRAIN)
         self._frozen_use = _Use(self, _FROZEN)
@@ -207,6 +210,14 @@ class Unit:
         for holder, attr, t in self._holders:
             if holder.get(attr) is not t:
                 self._model_changed()
+
+    def _check_eval(self) -> None:
+        training = [type(m).__name__ for m in self._stat_modules if m.training]
+        if training:
+            raise _core.InvalidArgument(
+                f"taskswap: unit '{self.name}' is used frozen while its {training[0]} layers are in train mode, which "
+                "would update running statistics in forward; a frozen use only reads a unit and keeps no change. "
+                "Put those modules in eval mode (module.eval()) for frozen uses, or train the unit")
 
     def _model_changed(self) -> None:
         for e in self._owned:
@@ -451,8 +462,9 @@ class Runtime:
         ids = [core.find(u.name) for u in self.units]
         for u, uid in zip(self.units, ids):
             self._write_home(core, u, uid)
-        # Nothing below can fail: the modules' values are at home, the runtime is started. The
-        # values stay referenced until the call that started the runtime succeeded (_starting).
+        # The modules' values are at home, the runtime is started. The values stay referenced
+        # until the call that started the runtime succeeded (_starting); a failure from here on
+        # gives them back.
         self._core, self.device = core, device
         # Gradient hooks hand each unit to the reduction as soon as backward completes it, so the
         # allreduce overlaps the rest of backward. Without a communicator there is nothing to
@@ -460,29 +472,35 @@ class Runtime:
         self._hooks = core.has_communicator
         self._torch_device = (torch.device("cuda", device.index)
                               if device.kind == _core.Backend.cuda else torch.device("cpu"))
-        # On the emulated device torch computes on the host, after the step's swap-ins and the last
-        # step's updates: the scope's stream runs its work in this thread as it is enqueued (the
-        # copy streams stay asynchronous), so no step waits for a worker thread to wake.
-        self._stream = (_core.Stream(device, host_synchronous=True) if device.kind == _core.Backend.emulated
-                        else None)
         if not self._at_exit:
             atexit.register(_close_at_exit, weakref.ref(self))
             self._at_exit = True
-        for u, uid in zip(self.units, ids):
-            u.id = uid
-            u._placeholders = [self._placeholder(e.tensor.dtype) for e in u._entries]
-            for e, empty in zip(u._entries, u._placeholders):
-                e.original = e.tensor.data
-                if not e.state:
-                    e.original_grad, e.tensor.grad = e.tensor.grad, None
-                e.tensor.data = empty
-            if not u.trainable:
+        try:
+            # On the emulated device torch computes on the host, after the step's swap-ins and the
+            # last step's updates: the scope's stream runs its work in this thread as it is
+            # enqueued (the copy streams stay asynchronous), so no step waits for a worker to wake.
+            self._stream = (_core.Stream(device, host_synchronous=True) if device.kind == _core.Backend.emulated
+                            else None)
+            for u, uid in zip(self.units, ids):
+                u.id = uid
+                u._placeholders = [self._placeholder(e.tensor.dtype) for e in u._entries]
+                for e, empty in zip(u._entries, u._placeholders):
+                    e.original = e.tensor.data
+                    if not e.state:
+                        e.original_grad, e.tensor.grad = e.tensor.grad, None
+                    e.tensor.data = empty
+                # A unit never trained never requires gradients; a trained one always does (a
+                # PEFT adapter that is not active was registered without), so hooks can be set.
                 for p in u._params:
-                    p.requires_grad_(False)
-            elif self._hooks:
-                for j, p in enumerate(u._params):
-                    u._hook_handles.append(p.register_hook(self._make_pre_hook(u)))
-                    u._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(u, j)))
+                    if p.requires_grad != u.trainable:
+                        p.requires_grad_(u.trainable)
+                if u.trainable and self._hooks:
+                    for j, p in enumerate(u._params):
+                        u._hook_handles.append(p.register_hook(self._make_pre_hook(u)))
+                        u._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(u, j)))
+        except BaseException:
+            self._unstart()
+            raise
 
     def _starting(self):
         """A context for a call that may start the runtime: if the call fails, a runtime it
@@ -662,13 +680,11 @@ class Runtime:
 
     def _attach(self, u: Unit, kind: int, addrs: tuple[int, int]) -> None:
         core = self._core
-        # Every view first, and the model checked: a failure then leaves the tensors as they were.
+        # Every view first (the scope checked the model): a failure then leaves the tensors as they were.
         if u._param_addr != addrs[0]:
             u._views, u._param_addr = u._shaped(core.param_tensors(u.id)), addrs[0]
         if kind == _TRAIN and u._grad_addr != addrs[1]:
             u._grad_views, u._grad_addr = u._shaped(core.grad_tensors(u.id))[:len(u._params)], addrs[1]
-        if u._holders:
-            u._check_model()
         try:
             for t, v in zip(u._tensors, u._views):
                 t.data = v
@@ -676,8 +692,6 @@ class Runtime:
                 for p in u._params:
                     if p.requires_grad:
                         p.requires_grad_(False)
-                if u._buffers:
-                    u._buffer_versions = [b._version for b in u._buffers]
                 return
             for p, g in zip(u._params, u._grad_views):
                 if not p.requires_grad:
@@ -691,9 +705,8 @@ class Runtime:
             raise
 
     @staticmethod
-    def _detach(u: Unit, kind: int) -> list[str]:
-        """Points the unit's tensors back at empty placeholders; returns the names of buffers a
-        frozen use changed in place (its changes are not kept)."""
+    def _detach(u: Unit, kind: int) -> None:
+        """Points the unit's tensors back at empty placeholders."""
         for p in u._params:
             p.grad = None
         for t, empty in zip(u._tensors, u._placeholders):
@@ -701,14 +714,6 @@ class Runtime:
         if kind == _FROZEN and u.trainable:
             for p in u._params:
                 p.requires_grad_(True)
-        if not u._buffers:
-            return []
-        changed = []
-        if kind == _FROZEN and u._buffer_versions is not None:
-            changed = [e.name for e, b, v in zip(u._entries[len(u._params):], u._buffers, u._buffer_versions)
-                       if b._version != v]
-        u._buffer_versions = None
-        return changed
 
     @staticmethod
     def _repair_grads(u: Unit) -> None:
@@ -868,8 +873,13 @@ class _StepScope:
             raise _core.InvalidArgument("taskswap: a step scope is already open; steps do not nest")
         uses = self.uses
         for use in uses:  # before anything is started or acquired: a bad scope changes nothing
-            if use.unit._owner is not rt or (use.kind == _TRAIN and not use.unit.trainable):
+            u = use.unit
+            if u._owner is not rt or (use.kind == _TRAIN and not u.trainable):
                 rt._own(use)
+            if u._holders:
+                u._check_model()
+            if use.frozen and u._stat_modules:
+                u._check_eval()
         if len(uses) > 1 and len({id(use.unit) for use in uses}) != len(uses):
             seen: set[int] = set()
             for use in uses:
@@ -938,7 +948,7 @@ class _StepScope:
         except BaseException:
             self._abandon(stepped)
             raise
-        buffers = self._end()
+        self._end()
         if changed:
             raise _core.InvalidArgument(
                 f"taskswap: the gradients of {changed} were replaced or changed in place (zero_grad, clipping, "
@@ -946,11 +956,6 @@ class _StepScope:
                 "reading them; the step used them as the reduction found them. With a communicator, change "
                 "gradients before the last backward pass (or raise micro_batches); for global-norm clipping set "
                 "[optimizer] clip")
-        if buffers:
-            raise _core.InvalidArgument(
-                f"taskswap: a frozen use changed the buffers {buffers[:5]} in place (a norm layer's running "
-                "statistics in train mode); a frozen use only reads a unit, so those changes are not kept. Put the "
-                "modules used frozen in eval mode (module.eval()), or train the unit")
 
     def _abandon(self, stepped: frozenset | set = frozenset()) -> None:
         """An exception in the scope: the gradients of the units not yet handed to the reduction
@@ -977,12 +982,11 @@ class _StepScope:
                         first = first or e
         self._end(first)
 
-    def _end(self, first: BaseException | None = None) -> list[str]:
+    def _end(self, first: BaseException | None = None) -> None:
         """Releases every unit and ends the step, each whatever the other does; raises the first
-        error (`first`: one from before) after both. Returns the buffers frozen uses changed."""
-        changed: list[str] = []
+        error (`first`: one from before) after both."""
         try:
-            changed = self._release()
+            self._release()
         except BaseException as e:  # noqa: BLE001: the step still ends
             first = first or e
         try:
@@ -991,13 +995,11 @@ class _StepScope:
             first = first or e
         if first is not None:
             raise first
-        return changed
 
-    def _release(self) -> list[str]:
+    def _release(self) -> None:
         """Releases every unit acquired (in reverse order, each whatever the others do) and points
         the parameters back at their empty placeholders; raises the first error after all."""
         first = None
-        changed: list[str] = []
         core, stream = self.rt._core, self.stream
         for use in reversed(self.acquired):
             try:
@@ -1007,11 +1009,8 @@ class _StepScope:
         try:
             detach = Runtime._detach
             for use in self.attached:
-                buffers = detach(use.unit, use.kind)
-                if buffers:
-                    changed += buffers
+                detach(use.unit, use.kind)
         finally:
             self.rt._scope = None
         if first is not None:
             raise first
-        return changed

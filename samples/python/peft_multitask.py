@@ -1,0 +1,233 @@
+#!/usr/bin/env python3
+# SPDX-License-Identifier: Apache-2.0
+"""A multi-task LoRA trainer on taskswap: a Llama-style model from transformers (built from a small
+config, seeded, no downloads) with its base frozen, and one PEFT LoRA adapter per task. Each step
+trains one task, drawn by a seeded sampler and planned ahead; the frozen base (a unit per decoder
+layer, pinned) costs its parameters alone, and the adapters with their AdamW state are swapped in
+and out of a device budget that holds a few of them.
+
+    python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml
+    python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml --all-resident
+    python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml --reference torch
+    mpirun -np 2 python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml --comm mpi
+
+``--reference torch`` trains the same model with plain torch, peft and torch.optim.AdamW on the
+CPU (``--adamw`` picks torch's for-loop, foreach or fused implementation): what the tests compare
+taskswap with.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python < 3.11
+    import tomli as tomllib
+
+import torch
+
+warnings.filterwarnings("ignore", category=FutureWarning)  # transformers' deprecations, seen through peft
+
+from peft import LoraConfig, get_peft_model  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import taskswap  # noqa: E402
+import taskswap.torch as tt  # noqa: E402
+import taskswap.torch.peft as tpeft  # noqa: E402
+
+PLAN_AHEAD = 64  # steps planned at a time
+
+
+def build_model(m: dict, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The base model and its task adapters, the same for every run with the same [model] table."""
+    torch.manual_seed(m["seed"])
+    config = LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["intermediate"],
+                         num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
+                         num_key_value_heads=m["kv_heads"], max_position_embeddings=2 * m["sequence"],
+                         tie_word_embeddings=False, attn_implementation="eager")
+    base = LlamaForCausalLM(config).to(dtype)
+    lora = LoraConfig(r=m["rank"], lora_alpha=2 * m["rank"], target_modules=m["targets"], lora_dropout=0.0)
+    model = get_peft_model(base, lora, adapter_name="task0")
+    for t in range(1, m["tasks"]):
+        model.add_adapter(f"task{t}", lora)
+    return model
+
+
+def task_answers(m: dict) -> torch.Tensor:
+    """Each task's two answer tokens: the target of token x is answers[task][x % 2]."""
+    g = torch.Generator().manual_seed(m["seed"] + 1)
+    return torch.randint(0, m["vocab"], (m["tasks"], 2), generator=g)
+
+
+def schedule(m: dict, steps: int, rank: int = 0) -> list[int]:
+    """The task of every step, as a seeded sampler draws them (each rank its own)."""
+    g = torch.Generator().manual_seed(1000 + 17 * rank + m["seed"])
+    return torch.randint(0, m["tasks"], (steps,), generator=g).tolist()
+
+
+def batch(m: dict, answers: torch.Tensor, task: int, step: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7919 * step + 104729 * rank + 13)
+    x = torch.randint(0, m["vocab"], (m["batch"], m["sequence"]), generator=g)
+    return x, answers[task][x % 2]
+
+
+def loss_of(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    logits = model(input_ids=x).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def adapter_state(model: torch.nn.Module, tasks: int) -> dict[str, torch.Tensor]:
+    """Every adapter's parameters, keyed as taskswap.torch.peft names them ("adapter/taskN.<name>")."""
+    out = {}
+    for name, p in model.named_parameters():
+        for t in range(tasks):
+            if f".task{t}." in name:
+                out[f"adapter/task{t}.{name}"] = p.detach().clone()
+    return out
+
+
+def train_taskswap(m: dict, options: taskswap.Options, steps: int, all_resident: bool = False, comm=None,
+                   log_every: int = 0) -> dict:
+    model = build_model(m)
+    rt = tt.Runtime(options=options, comm=comm)
+    pin = "pinned" if all_resident else None
+    adapters = tpeft.register(rt, model, base="per_layer", base_residency="pinned", residency=pin)
+    if all_resident:  # the baseline: the budget every unit needs, each resident
+        rt.options.device.budget = sum(
+            taskswap.footprint(u.spec(), taskswap.policy_for(u.spec(), rt.options).optimizer).device_bytes
+            for u in rt.units)
+    rt.start()
+    rank = rt.rank
+    sched, answers = schedule(m, steps, rank), task_answers(m)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for i, t in enumerate(sched):
+        if i % PLAN_AHEAD == 0:  # the plan: the next steps' units, as the sampler drew them
+            rt.plan([adapters.uses(f"task{u}") for u in sched[i:i + PLAN_AHEAD]])
+        x, y = batch(m, answers, t, i, rank)
+        with adapters.step(f"task{t}"):
+            loss = loss_of(model, x, y)
+            loss.backward()
+        losses.append(loss.item())
+        if log_every and rank == 0 and (i + 1) % log_every == 0:
+            s = rt.last_step
+            print(f"step {i + 1:5d}  loss {sum(losses[-log_every:]) / log_every:.4f}  h2d {s.h2d_bytes / 1024:.0f} KiB"
+                  f"  hits {s.hits} misses {s.misses}", flush=True)
+    elapsed = time.perf_counter() - t0
+    stats = rt.stats()
+    state = rt.state_dict()
+    out = {"schedule": sched, "losses": losses, "seconds": elapsed, "rank": rank, "world": rt.world_size,
+           "stats": stats, "budget": stats.budget, "units": len(rt.units),
+           "state": {k: v for k, v in state.items() if k.startswith("adapter/")}}
+    rt.close()  # the model gets its trained adapters back
+    out["model_state"] = adapter_state(model, m["tasks"])
+    return out
+
+
+def fast_switch(model: torch.nn.Module):
+    """An adapter switch that leaves requires_grad alone (for DDP, whose parameters are fixed when it
+    wraps the model); the PEFT tuner layers' active adapter, as set_adapter sets it."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+    layers = [mod for mod in model.modules() if isinstance(mod, BaseTunerLayer)]
+
+    def switch(name: str) -> None:
+        for layer in layers:
+            layer._active_adapter = [name]
+        model.base_model.active_adapter = name
+    return switch
+
+
+def train_torch(m: dict, opt: dict, steps: int, adamw: str = "foreach", rank: int = 0, wrap=None) -> dict:
+    """Plain torch + peft + torch.optim.AdamW on the CPU: set_adapter, zero_grad, backward, step.
+    With ``wrap`` (DDP), every adapter requires gradients and the switch leaves them so."""
+    model = build_model(m)
+    params = [p for n, p in model.named_parameters() if "lora_" in n]
+    kinds = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[adamw]
+    optimizer = torch.optim.AdamW(params, lr=opt["lr"], betas=tuple(opt.get("betas", (0.9, 0.999))),
+                                  eps=opt.get("eps", 1e-8), weight_decay=opt.get("weight_decay", 0.01), **kinds)
+    net, switch = model, model.set_adapter
+    if wrap is not None:
+        for p in params:
+            p.requires_grad_(True)
+        net, switch = wrap(model), fast_switch(model)
+    sched, answers = schedule(m, steps, rank), task_answers(m)
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for i, t in enumerate(sched):
+        switch(f"task{t}")
+        x, y = batch(m, answers, t, i, rank)
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(net, x, y)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"schedule": sched, "losses": losses, "seconds": time.perf_counter() - t0,
+            "model_state": adapter_state(model, m["tasks"])}
+
+
+def per_task(sched: list[int], losses: list[float]) -> tuple[dict[int, float], dict[int, float]]:
+    """Each task's mean loss over its first two and its last two steps, for the tasks trained at
+    least four times (one batch is too noisy a measure)."""
+    seen: dict[int, list[float]] = {}
+    for t, loss in zip(sched, losses):
+        seen.setdefault(t, []).append(loss)
+    first = {t: sum(v[:2]) / 2 for t, v in seen.items() if len(v) >= 4}
+    last = {t: sum(v[-2:]) / 2 for t, v in seen.items() if len(v) >= 4}
+    return first, last
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("config", help="a taskswap configuration with a [model] table (samples/configs/peft-*.toml)")
+    ap.add_argument("--steps", type=int, help="override [model] steps")
+    ap.add_argument("--all-resident", action="store_true", help="every unit pinned, budget = their bytes (baseline)")
+    ap.add_argument("--comm", choices=["config", "none", "mpi"], default="config",
+                    help="the communicator: the config's [comm] table, none, or MPI (emulated devices, under mpirun)")
+    ap.add_argument("--reference", choices=["torch"], help="train with plain torch + peft + torch.optim.AdamW instead")
+    ap.add_argument("--adamw", choices=["for-loop", "foreach", "fused"], default="foreach",
+                    help="the reference's AdamW implementation")
+    ap.add_argument("--save", help="torch.save the run (schedule, per-step losses, adapters) to this file")
+    args = ap.parse_args()
+
+    with open(args.config, "rb") as f:
+        tables = tomllib.load(f)
+    m = tables["model"]
+    steps = args.steps or m["steps"]
+    torch.set_num_threads(m.get("threads", 1))
+    if args.reference:
+        run = train_torch(m, tables.get("optimizer", {}), steps, args.adamw)
+        label = f"torch + peft + AdamW ({args.adamw})"
+    else:
+        options = taskswap.load_config(args.config, ["model"])
+        comm = {"config": None, "none": "none", "mpi": tt.mpi()}[args.comm]
+        run = train_taskswap(m, options, steps, args.all_resident, comm, m.get("log_every", 0))
+        label = "all-resident" if args.all_resident else "taskswap"
+    first, last = per_task(run["schedule"], run["losses"])
+    fell = [t for t in first if last[t] < first[t]]
+    if run.get("rank", 0) == 0:
+        print(f"{label}: {steps} steps, {m['tasks']} LoRA adapters, {len(first)} tasks trained 4 times or more, "
+              f"{1e3 * run['seconds'] / steps:.2f} ms/step")
+        print(f"loss fell on {len(fell)} of {len(first)} tasks (mean first {sum(first.values()) / len(first):.4f}, "
+              f"last {sum(last.values()) / len(last):.4f})")
+        if "stats" in run:
+            s = run["stats"].total
+            print(f"h2d {s.h2d_bytes / 2**20:.1f} MiB, d2h {s.d2h_bytes / 2**20:.1f} MiB, hits {s.hits}, "
+                  f"misses {s.misses}, unplanned {s.unplanned}, stall {s.stall_ms:.1f} ms, evictions {s.evictions}, "
+                  f"peak device {s.peak_device_bytes / 2**20:.2f} MiB of a {run['budget'] / 2**20:.2f} MiB budget, "
+                  f"{run['units']} units")
+    if args.save:
+        keep = {k: run[k] for k in ("schedule", "losses", "seconds", "model_state")}
+        if "stats" in run:
+            keep["state"] = run["state"]
+            keep["reduced_bytes"] = run["stats"].total.reduced_bytes
+        path = args.save if run.get("world", 1) == 1 else f"{args.save}.rank{run['rank']}"
+        torch.save(keep, path)
+    return 0 if len(fell) == len(first) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
