@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The Python sample's step time with taskswap swapping the adapters, against the same loop with
+"""A Python sample's step time with taskswap swapping the adapters, against the same loop with
 every unit resident (its anchor), from the same run: the two alternate, `--repeats` times each,
-and the medians and their ratio are printed.
+and the medians and their ratio are printed. `--sample peft` times samples/python/peft_multitask.py
+(its default config: samples/configs/peft-emulated.toml), else samples/python/multitask.py.
 
-usage: python3 bench/python/sample_step_time.py [CONFIG] [--steps N] [--repeats R] [sample flags...]
+usage: python3 bench/python/sample_step_time.py [CONFIG] [--sample multitask|peft] [--steps N] [--repeats R]
+                                                [sample flags...]
 """
 
 from __future__ import annotations
@@ -19,26 +21,34 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def step_ms(config: str, steps: int, extra: list[str]) -> float:
-    out = subprocess.run([sys.executable, str(ROOT / "samples/python/multitask.py"), config, "--steps", str(steps),
-                          *extra], capture_output=True, text=True, env=os.environ)
+SAMPLES = {"multitask": ("samples/python/multitask.py", "samples/configs/emulated.toml"),
+           "peft": ("samples/python/peft_multitask.py", "samples/configs/peft-emulated.toml")}
+
+
+def step_ms(script: str, config: str, steps: int, extra: list[str]) -> float:
+    out = subprocess.run([sys.executable, str(ROOT / script), config, "--steps", str(steps), *extra],
+                         capture_output=True, text=True, env=os.environ)
     if out.returncode != 0:
         sys.exit(out.stdout + out.stderr)
-    return float(re.search(r"\(([0-9.]+) ms/step\)", out.stdout).group(1))
+    return float(re.search(r"([0-9.]+) ms/step", out.stdout).group(1))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("config", nargs="?", default=str(ROOT / "samples/configs/emulated.toml"))
+    ap.add_argument("config", nargs="?")
+    ap.add_argument("--sample", choices=sorted(SAMPLES), default="multitask")
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--repeats", type=int, default=3)
     args, extra = ap.parse_known_args()
+    script, default_config = SAMPLES[args.sample]
+    args.config = args.config or str(ROOT / default_config)
     swapped, resident = [], []
     for _ in range(args.repeats):
-        swapped.append(step_ms(args.config, args.steps, extra))
-        resident.append(step_ms(args.config, args.steps, extra + ["--all-resident"]))
+        swapped.append(step_ms(script, args.config, args.steps, extra))
+        resident.append(step_ms(script, args.config, args.steps, extra + ["--all-resident"]))
     s, r = statistics.median(swapped), statistics.median(resident)
-    print(f"config {args.config}, {args.steps} steps, {args.repeats} alternating runs each, flags {extra or 'none'}")
+    print(f"{script}, config {args.config}, {args.steps} steps, {args.repeats} alternating runs each, "
+          f"flags {extra or 'none'}")
     print(f"all-resident (anchor) {r:.3f} ms/step  {resident}")
     print(f"taskswap              {s:.3f} ms/step  {swapped}")
     print(f"ratio taskswap / all-resident: {s / r:.3f}")

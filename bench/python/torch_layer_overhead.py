@@ -2,8 +2,10 @@
 """The Python layer's cost per unit per step, with its anchors from the same run.
 
 1,000 units (small linear layers) are registered and resident; each step trains `k` of them.
-Three loops over the same steps and data:
+Loops over the same steps and data:
   torch      forward + backward of the k modules, plain torch (the anchor: what a trainer pays anyway)
+  torch+opt  the same with torch.optim.AdamW (foreach) stepping the k modules' parameters and
+             zero_grad: what a plain torch training loop pays (context, not the anchor)
   core       taskswap._core's acquire / grads_ready / step / release of the k units, no torch
   layer      forward + backward inside `with rt.step(...)` (taskswap.torch: acquire, aliasing,
              gradient hooks, step, release, end_step)
@@ -49,6 +51,7 @@ def main() -> None:
     dev = torch.device("cuda") if cuda else torch.device("cpu")
     modules = [torch.nn.Linear(16, 16).to(dev) for _ in range(args.units)]
     reference = [torch.nn.Linear(16, 16).to(dev) for _ in range(args.units)]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for m in reference]
     rt = tt.Runtime(options=options(args.units, args.device))
     units = [rt.register(m, f"u/{i}") for i, m in enumerate(modules)]
     rt.start()
@@ -60,7 +63,7 @@ def main() -> None:
     print(f"taskswap {taskswap.__version__}, torch {torch.__version__}, device {rt.device.name}, "
           f"{args.units} units registered, {os.cpu_count()} CPUs")
     print(f"{'units/step':>10} {'torch us/unit':>14} {'layer us/unit':>14} {'overhead us/unit':>17} "
-          f"{'core us/unit':>13}")
+          f"{'core us/unit':>13} {'torch+opt us/unit':>18}")
     for k in args.per_step:
         steps = [[(s * k + j) % args.units for j in range(k)] for s in range(args.steps)]
 
@@ -70,6 +73,13 @@ def main() -> None:
                     reference[i].weight.grad = None
                     reference[i].bias.grad = None
                     reference[i](x).sum().backward()
+
+        def torch_opt_loop():
+            for ids in steps:
+                for i in ids:
+                    optimizers[i].zero_grad(set_to_none=True)
+                    reference[i](x).sum().backward()
+                    optimizers[i].step()
 
         def layer_loop():
             rt.plan([[units[i] for i in ids] for ids in steps])
@@ -103,8 +113,8 @@ def main() -> None:
             return min(times) / (args.steps * k) * 1e6
 
         best(layer_loop)  # warm-up: first-touch of views and hooks
-        t_torch, t_layer, t_core = best(torch_loop), best(layer_loop), best(core_loop)
-        print(f"{k:>10} {t_torch:>14.1f} {t_layer:>14.1f} {t_layer - t_torch:>17.1f} {t_core:>13.1f}")
+        t_torch, t_layer, t_core, t_opt = best(torch_loop), best(layer_loop), best(core_loop), best(torch_opt_loop)
+        print(f"{k:>10} {t_torch:>14.1f} {t_layer:>14.1f} {t_layer - t_torch:>17.1f} {t_core:>13.1f} {t_opt:>18.1f}")
 
 
 if __name__ == "__main__":
