@@ -92,7 +92,11 @@ def adapter_state(model: torch.nn.Module, tasks: int) -> dict[str, torch.Tensor]
 
 def train_taskswap(m: dict, options: taskswap.Options, steps: int, all_resident: bool = False, comm=None,
                    log_every: int = 0) -> dict:
-    model = build_model(m)
+    cuda = options.device.backend == taskswap.Backend.cuda
+    device = torch.device("cuda", options.device.index) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    model = build_model(m).to(device)  # what the runtime does not hold (none here) computes there too
     rt = tt.Runtime(options=options, comm=comm)
     pin = "pinned" if all_resident else None
     adapters = tpeft.register(rt, model, base="per_layer", base_residency="pinned", residency=pin)
@@ -108,11 +112,11 @@ def train_taskswap(m: dict, options: taskswap.Options, steps: int, all_resident:
     for i, t in enumerate(sched):
         if i % PLAN_AHEAD == 0:  # the plan: the next steps' units, as the sampler drew them
             rt.plan([adapters.uses(f"task{u}") for u in sched[i:i + PLAN_AHEAD]])
-        x, y = batch(m, answers, t, i, rank)
+        x, y = (v.to(device) for v in batch(m, answers, t, i, rank))
         with adapters.step(f"task{t}"):
             loss = loss_of(model, x, y)
             loss.backward()
-        losses.append(loss.item())
+        losses.append(loss.item())  # synchronises on CUDA: the per-step losses are what the tests compare
         if log_every and rank == 0 and (i + 1) % log_every == 0:
             s = rt.last_step
             print(f"step {i + 1:5d}  loss {sum(losses[-log_every:]) / log_every:.4f}  h2d {s.h2d_bytes / 1024:.0f} KiB"
@@ -124,7 +128,7 @@ def train_taskswap(m: dict, options: taskswap.Options, steps: int, all_resident:
            "stats": stats, "budget": stats.budget, "units": len(rt.units),
            "state": {k: v for k, v in state.items() if k.startswith("adapter/")}}
     rt.close()  # the model gets its trained adapters back
-    out["model_state"] = adapter_state(model, m["tasks"])
+    out["model_state"] = {k: v.cpu() for k, v in adapter_state(model, m["tasks"]).items()}
     return out
 
 
