@@ -136,6 +136,25 @@ def max_relative(a: dict, b: dict) -> float:
     return worst
 
 
+def counting_ddp(world: int, counter: list[int]):
+    """A wrapper making a model DDP (find_unused_parameters=True) whose buckets are averaged by a
+    comm hook that adds the bytes it reduces to counter[0]."""
+    import torch.distributed as dist
+
+    def wrap(model: torch.nn.Module) -> torch.nn.Module:
+        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+
+        def counting_allreduce(state, bucket):
+            buf = bucket.buffer()
+            counter[0] += buf.numel() * buf.element_size()
+            buf.div_(world)
+            return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
+
+        ddp.register_comm_hook(None, counting_allreduce)
+        return ddp
+    return wrap
+
+
 def gloo_under_mpirun(port: str) -> tuple[int, int]:
     """torch.distributed over gloo among the ranks mpirun started; returns (rank, world)."""
     import os

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import taskswap.torch as tt
-from loops import (Model, config, fresh, gloo_under_mpirun, max_relative, model_state, schedule, train_taskswap,
-                   train_torch)
+from loops import (Model, config, counting_ddp, fresh, gloo_under_mpirun, max_relative, model_state, schedule,
+                   train_taskswap, train_torch)
 
 TASKS, STEPS = 12, 40
 
@@ -28,18 +28,7 @@ def main() -> int:
     sched = schedule(STEPS, TASKS, rank)
 
     ddp_bytes = [0]
-
-    def wrap(m):
-        ddp = torch.nn.parallel.DistributedDataParallel(m, find_unused_parameters=True)
-
-        def counting_allreduce(state, bucket):
-            buf = bucket.buffer()
-            ddp_bytes[0] += buf.numel() * buf.element_size()
-            buf.div_(world)
-            return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
-
-        ddp.register_comm_hook(None, counting_allreduce)
-        return ddp
+    wrap = counting_ddp(world, ddp_bytes)
 
     ddp_state = model_state(train_torch(fresh(model), sched, rank, wrap=wrap))
 

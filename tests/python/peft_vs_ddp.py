@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import taskswap.torch as tt
-from loops import gloo_under_mpirun
+from loops import counting_ddp, gloo_under_mpirun
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "samples/python"))
@@ -41,18 +41,7 @@ def main() -> int:
     m, opt = tables["model"], dict(tables["optimizer"], eps=EPS)
 
     ddp_bytes = [0]
-
-    def wrap(model):
-        ddp = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-
-        def counting_allreduce(state, bucket):
-            buf = bucket.buffer()
-            ddp_bytes[0] += buf.numel() * buf.element_size()
-            buf.div_(world)
-            return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
-
-        ddp.register_comm_hook(None, counting_allreduce)
-        return ddp
+    wrap = counting_ddp(world, ddp_bytes)
 
     ddp = sample.train_torch(m, opt, STEPS, "for-loop", rank, wrap=wrap)
 
