@@ -16,13 +16,15 @@ LR, BETAS, EPS, WD = 1e-2, (0.9, 0.999), 1e-8, 0.01
 
 
 class Model(torch.nn.Module):
-    """A trunk of two layers and one head per task."""
+    """A trunk of two layers and one head per task; `norm`: a BatchNorm after the trunk's first
+    layer (which then has no bias: a bias before a norm gets only rounding noise as gradient)."""
 
-    def __init__(self, tasks: int, width: int = 16, seed: int = 0):
+    def __init__(self, tasks: int, width: int = 16, seed: int = 0, norm: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
-        self.trunk = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh(),
-                                         torch.nn.Linear(width, width), torch.nn.Tanh())
+        first = ([torch.nn.Linear(width, width, bias=False), torch.nn.BatchNorm1d(width)] if norm
+                 else [torch.nn.Linear(width, width)])
+        self.trunk = torch.nn.Sequential(*first, torch.nn.Tanh(), torch.nn.Linear(width, width), torch.nn.Tanh())
         self.heads = torch.nn.ModuleList(torch.nn.Linear(width, 3) for _ in range(tasks))
         with torch.no_grad():
             for p in self.parameters():
@@ -118,6 +120,7 @@ def flat_state(rt: tt.Runtime) -> dict[str, torch.Tensor]:
 
 def model_state(model: Model) -> dict[str, torch.Tensor]:
     out = {f"trunk.{n}": p.detach().clone() for n, p in model.trunk.named_parameters()}
+    out.update({f"trunk.{n}": b.detach().clone() for n, b in model.trunk.named_buffers() if b.is_floating_point()})
     for t, h in enumerate(model.heads):
         out.update({f"task/{t}.{n}": p.detach().clone() for n, p in h.named_parameters()})
     return out
