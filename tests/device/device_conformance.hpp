@@ -6,6 +6,7 @@
 // backend is missing here skips every test with the reason.
 
 #include "expect_error.hpp"
+#include "test_seed.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -28,8 +29,7 @@ constexpr std::size_t MiB = std::size_t{1} << 20;
 
 inline std::mt19937_64 fresh_generator(std::uint64_t& seed)
 {
-  seed = std::random_device{}();
-  seed = (seed << 32) ^ std::random_device{}();
+  seed = test_seed();
   return std::mt19937_64{seed};
 }
 

@@ -85,6 +85,10 @@ TEST(cpu_adamw_public, BitwiseTheRuntimesHostStepAtAnyThreadCount)
 TEST(cpu_adamw_public, RefusesWhatTheConfigLoaderRefusesAndBadOperands)
 {
   operands o(64, dtype::f32, false, 1);
+  // The state before any refused call: each refusal must leave it as it was.
+  const std::vector<float> master = o.master;
+  const std::vector<float> m = o.m;
+  const std::vector<float> v = o.v;
   cpu_adamw opt({.threads = 1});
   const auto with = [](auto change) {
     adamw_options h;
@@ -116,9 +120,13 @@ TEST(cpu_adamw_public, RefusesWhatTheConfigLoaderRefusesAndBadOperands)
   expect_error_mentioning<invalid_argument>([&] { opt.step(t, {}, 1); }, "pass params = nullptr");
   expect_error_mentioning<invalid_argument>([] { cpu_adamw bad({.threads = -1}); }, "threads is -1");
   expect_error_mentioning<invalid_argument>([] { cpu_adamw bad({.numa_node = -2}); }, "numa_node is -2");
-  const std::vector<float> before = o.master;
-  EXPECT_TRUE(same_bits(o.master, before));  // nothing refused touched the state
-  opt.step({}, {}, 1);                        // nothing to do is fine
+  EXPECT_TRUE(same_bits(o.master, master));  // nothing refused touched the state
+  EXPECT_TRUE(same_bits(o.m, m));
+  EXPECT_TRUE(same_bits(o.v, v));
+  opt.step({}, {}, 1);  // nothing to do is fine
+  EXPECT_TRUE(same_bits(o.master, master));
+  opt.step(o.tensors(), {}, 1);  // and the operands the refused calls were given do step
+  EXPECT_FALSE(same_bits(o.master, master));
 }
 
 // Arrays cut from one block a multiple of 128 MiB apart run at a fraction of the speed on some

@@ -5,6 +5,7 @@
 
 #include "host/cpu_adamw.hpp"
 #include "test_scale.hpp"
+#include "test_seed.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -160,10 +161,9 @@ class cpu_adamw : public ::testing::TestWithParam<std::tuple<dtype, int>> {
 
 TEST_P(cpu_adamw, MatchesDoubleReferenceOverManyStepsOnEveryPath)
 {
-  std::mt19937_64 gen{std::random_device{}()};
-  const std::uint64_t seed = gen();
-  gen.seed(seed);
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::uint64_t seed = test_seed();
+  std::mt19937_64 gen{seed};
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (TASKSWAP_TEST_SEED to replay)");
   const adamw_options options{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
   detail::host_task_arena threads(-1, 2);
   for (const std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{15}, std::size_t{17},
@@ -204,7 +204,9 @@ INSTANTIATE_TEST_SUITE_P(dtypes, cpu_adamw,
 
 TEST(cpu_adamw_determinism, BitwiseIndependentOfThreadCount)
 {
-  std::mt19937_64 gen{std::random_device{}()};
+  const std::uint64_t seed = test_seed();
+  std::mt19937_64 gen{seed};
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (TASKSWAP_TEST_SEED to replay)");
   const adamw_scalars k = detail::make_adamw_scalars({}, 3);
   const unit_state start = random_unit(large_case((std::size_t{3} << 20) + 11, (std::size_t{5} << 16) + 11), dtype::bf16, dtype::bf16, gen);
   std::vector<unit_state> results;

@@ -2,6 +2,7 @@
 #include "host/topology.hpp"
 #include "expect_error.hpp"
 #include "round_trip.hpp"
+#include "test_seed.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -111,10 +112,9 @@ TEST(pinned_arena, FragmentationFollowsTheFreeBlocks)
 
 TEST(pinned_arena, RandomAllocationsMatchAModel)
 {
-  std::mt19937_64 gen{std::random_device{}()};
-  const std::uint64_t seed = gen();
-  gen.seed(seed);
-  SCOPED_TRACE("seed " + std::to_string(seed));
+  const std::uint64_t seed = test_seed();
+  std::mt19937_64 gen{seed};
+  SCOPED_TRACE("seed " + std::to_string(seed) + " (TASKSWAP_TEST_SEED to replay)");
   pinned_arena arena(emulated(), {.bytes = 16 * MiB});
   std::map<std::byte*, std::size_t> live;  // the model: start -> size
   std::size_t failures = 0;

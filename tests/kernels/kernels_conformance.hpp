@@ -9,6 +9,7 @@
 #include "host/cpu_adamw.hpp"
 #include "kernels/kernels.hpp"
 #include "test_scale.hpp"
+#include "test_seed.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -77,7 +78,7 @@ class kernels_conformance : public ::testing::Test {
   void SetUp() override
   {
     if (const std::string reason = Backend::skip_reason(); !reason.empty()) { GTEST_SKIP() << reason; }
-    seed_ = std::random_device{}();
+    seed_ = test_seed();
     gen_.seed(seed_);
   }
   std::uint64_t seed_ = 0;

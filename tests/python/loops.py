@@ -45,7 +45,7 @@ def schedule(steps: int, tasks: int, rank: int = 0) -> list[int]:
 
 
 def config(budget: str, residency: str = "prefetch", average: str | None = None,
-           backend: str = "emulated") -> taskswap.Options:
+           backend: str = "emulated", eps: float = EPS) -> taskswap.Options:
     text = f"""
 [device]
 backend = "{backend}"
@@ -58,7 +58,7 @@ lookahead = 2
 [optimizer]
 lr = {LR}
 betas = [{BETAS[0]}, {BETAS[1]}]
-eps = {EPS}
+eps = {eps}
 weight_decay = {WD}
 """
     if average:
@@ -102,10 +102,10 @@ def torch_param_groups(model: Model) -> list[dict]:
     return groups
 
 
-def train_torch(model: Model, sched: list[int], rank: int = 0, wrap=None) -> torch.nn.Module:
+def train_torch(model: Model, sched: list[int], rank: int = 0, wrap=None, eps: float = EPS) -> torch.nn.Module:
     """Plain torch: AdamW on the CPU; a head not used in a step has no gradient and is skipped."""
     net = wrap(model) if wrap else model
-    opt = torch.optim.AdamW(torch_param_groups(model), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    opt = torch.optim.AdamW(torch_param_groups(model), lr=LR, betas=BETAS, eps=eps, weight_decay=WD)
     for i, t in enumerate(sched):
         x, y = batch(i, t, rank)
         opt.zero_grad(set_to_none=True)

@@ -2,7 +2,8 @@
 """Under mpirun: the same multi-task loop with taskswap (MPI communicator, average = "world") and
 with torch DDP (gloo, find_unused_parameters=True). Each rank trains its own task schedule. Checks
 that the final parameters agree within 1e-5, that taskswap's replicas are bitwise equal, and
-reports the gradient bytes each moved per step (DDP's counted by a comm hook on its buckets). Then
+reports the gradient bytes each moved per step (DDP's counted by a comm hook on its buckets). AdamW's
+eps is 1e-3 here, so that a sum where an average belongs changes the result (see EPS). Then
 again with a BatchNorm in the trunk: its running statistics travel as state tensors, broadcast
 from the lowest rank that trained the unit, as DDP's broadcast_buffers gives every rank rank 0's.
 
@@ -21,6 +22,9 @@ from loops import (Model, config, counting_ddp, fresh, gloo_under_mpirun, max_re
                    train_taskswap, train_torch)
 
 TASKS, STEPS = 12, 40
+# AdamW's eps, raised from 1e-8 so that an update depends on the gradient's scale: with the default
+# a reduction that summed instead of averaging would move the parameters (nearly) the same.
+EPS = 1e-3
 
 
 def compare(rank: int, world: int, norm: bool) -> bool:
@@ -29,7 +33,7 @@ def compare(rank: int, world: int, norm: bool) -> bool:
 
     ddp_bytes = [0]
     wrap = counting_ddp(world, ddp_bytes)
-    trained = train_torch(fresh(model), sched, rank, wrap=wrap)
+    trained = train_torch(fresh(model), sched, rank, wrap=wrap, eps=EPS)
     # DDP broadcasts rank 0's buffers at each forward (broadcast_buffers): the next step's values.
     for b in trained.trunk.buffers():
         dist.broadcast(b, 0)
@@ -38,7 +42,7 @@ def compare(rank: int, world: int, norm: bool) -> bool:
     # At -np 3 this budget (17 KiB) once passed the plan check and then failed an acquire with
     # OutOfMemory: the contiguous pool's free room had split. The granule pool cannot (issue 19).
     budget = (13 if norm else 11) + 2 * world  # KiB: the trunk (pinned; 2 KiB more with the norm) and 2-3 heads
-    rt = train_taskswap(fresh(model), sched, config(f"{budget} KiB", average="world"), comm=tt.mpi(), rank=rank)
+    rt = train_taskswap(fresh(model), sched, config(f"{budget} KiB", average="world", eps=EPS), comm=tt.mpi(), rank=rank)
     ts_state = rt.state_dict()
     ts_bytes = rt.stats().total.reduced_bytes
     assert rt.world_size == world and rt.rank == rank

@@ -412,14 +412,59 @@ def test_a_comm_that_is_not_one_is_refused():
             rt.start()
 
 
+def scaled_torch_run(model, sched, inf_steps, clip, init_scale, interval):
+    """GradScaler's arithmetic (written out, as its CPU kernels once were CUDA-only), clip_grad_norm_
+    over the step's parameters (clip 0: none) and torch.optim.AdamW. Returns the model and per
+    step (global norm of the unscaled gradients, scale after the step, skipped)."""
+    ref = fresh(model)
+    opt = torch.optim.AdamW(torch_param_groups(ref), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    scale, tracker = torch.tensor(init_scale, dtype=torch.float32), 0
+    steps = []
+    for i, t in enumerate(sched):
+        x, y = batch(i, t)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(ref(x, t), y)
+        if i in inf_steps:
+            loss = loss * float("inf")
+        (loss * scale).backward()
+        params = [p for p in list(ref.trunk.parameters()) + list(ref.heads[t].parameters())]
+        inv = scale.double().reciprocal().float()
+        found_inf = False
+        for p in params:
+            p.grad.mul_(inv)
+            found_inf = found_inf or not bool(torch.isfinite(p.grad).all())
+        norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params])))
+        if clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, clip)
+        if not found_inf:
+            opt.step()
+        if found_inf:
+            scale, tracker = scale * 0.5, 0
+        elif tracker + 1 == interval:
+            scale, tracker = scale * 2.0, 0
+        else:
+            tracker += 1
+        steps.append((norm, float(scale), found_inf))
+    return ref, steps, tracker
+
+
 def test_loss_scaling_and_clipping_match_torch_and_skip_an_overflowing_step():
-    """rt.scale(loss) and [optimizer] clip against torch: GradScaler's arithmetic (its CPU kernels
-    are CUDA-only in torch 1.13, so written out), clip_grad_norm_ over the step's parameters and
-    torch.optim.AdamW; a step whose loss is inf is skipped on every unit and backs the scale off."""
-    tasks, steps, clip, init_scale, interval = 6, 24, 0.5, 2.0 ** 12, 5
+    """rt.scale(loss) and [optimizer] clip against torch: a step whose loss is inf is skipped on
+    every unit and backs the scale off. Every step's global norm (unscaled), scale and skip are
+    compared, and the clipping threshold lies between the steps' norms, so that it binds on some
+    steps only: a threshold every step exceeded would leave only "clipped or not" to see, which
+    AdamW, nearly blind to a uniform factor, would not tell from a wrong threshold."""
+    tasks, steps, init_scale, interval = 6, 24, 2.0 ** 12, 5
     model = Model(tasks)
     sched = schedule(steps, tasks)
     inf_steps = {7, 8, 15}
+    _, unclipped, _ = scaled_torch_run(model, sched, inf_steps, 0.0, init_scale, interval)
+    norms = sorted(n for n, _, skipped in unclipped if not skipped)
+    clip = norms[len(norms) // 2]
+    ref, want, tracker = scaled_torch_run(model, sched, inf_steps, clip, init_scale, interval)
+    clipped = sum(n > clip for n, _, skipped in want if not skipped)
+    assert 0 < clipped < len(norms), f"clip {clip} binds on {clipped} of {len(norms)} steps"
+
     options = config("15 KiB")  # as the test above, plus the scaler's state
     options.optimizer.clip = clip
     options.scaler.enabled = True
@@ -437,36 +482,15 @@ def test_loss_scaling_and_clipping_match_torch_and_skip_an_overflowing_step():
             if i in inf_steps:
                 loss = loss * float("inf")
             rt.scale(loss).backward()
+        got = rt.scaler_state()
+        norm, scale, skipped = want[i]
+        assert got.last_skipped == skipped and got.scale == scale, (i, got.last_skipped, got.scale, want[i])
+        if not skipped:
+            assert abs(got.last_norm - norm) <= 1e-5 * norm, (i, got.last_norm, norm)
     state = rt.scaler_state()
     assert rt.stats().total.evictions > 0, "the budget must force evictions"
-
-    ref = fresh(model)
-    opt = torch.optim.AdamW(torch_param_groups(ref), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    scale, tracker, skipped = torch.tensor(init_scale, dtype=torch.float32), 0, 0
-    for i, t in enumerate(sched):
-        x, y = batch(i, t)
-        opt.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(ref(x, t), y)
-        if i in inf_steps:
-            loss = loss * float("inf")
-        (loss * scale).backward()
-        params = [p for p in list(ref.trunk.parameters()) + list(ref.heads[t].parameters())]
-        inv = scale.double().reciprocal().float()
-        found_inf = False
-        for p in params:
-            p.grad.mul_(inv)
-            found_inf = found_inf or not bool(torch.isfinite(p.grad).all())
-        torch.nn.utils.clip_grad_norm_(params, clip)
-        if not found_inf:
-            opt.step()
-        if found_inf:
-            scale, tracker, skipped = scale * 0.5, 0, skipped + 1
-        elif tracker + 1 == interval:
-            scale, tracker = scale * 2.0, 0
-        else:
-            tracker += 1
-    assert (state.scale, state.growth_tracker, state.skipped_steps) == (float(scale), tracker, skipped)
-    assert skipped == len(inf_steps) and state.steps == steps
+    assert (state.scale, state.growth_tracker, state.skipped_steps) == (want[-1][1], tracker, len(inf_steps))
+    assert state.steps == steps
     assert max_relative(rt.state_dict(), model_state(ref)) < 1e-5
     assert max_relative(rt.state_dict(), model_state(model)) > 1e-2
 

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "runtime/device_pool.hpp"
 #include "expect_error.hpp"
+#include "test_seed.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -53,7 +54,10 @@ TEST_P(device_pool_at, TakesTheWholeGranulesOfTheBudget)
 // request of at most the free granules is met, and nothing held moves or changes.
 TEST_P(device_pool_at, AnyRequestWithinTheFreeGranulesIsMetAndHeldBytesStay)
 {
-  std::mt19937_64 gen{std::random_device{}()};
+  // A fresh seed each run, printed so that a failure can be replayed (TASKSWAP_TEST_SEED=<seed>).
+  const std::uint64_t seed = test_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed << " (TASKSWAP_TEST_SEED to replay)");
+  std::mt19937_64 gen{seed};
   const std::size_t g = GetParam();
   const std::size_t budget = 256 * g;
   const device dev = make(2 * budget);

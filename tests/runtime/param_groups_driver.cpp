@@ -9,7 +9,8 @@
 // loss scaler from INIT_SCALE (0: none; growth_interval 3), the gradients multiplied by the
 // device's loss scale as a trainer's loss is, and at each step of INF_STEPS (comma-separated, or
 // "-") element 3 of the task's gradient is +inf. Then the scaler's state follows the masters:
-// scale, growth tracker, skipped steps (as floats). Under mpirun with TASKSWAP_TEST_MPI=1 the ranks
+// scale, growth tracker, skipped steps (as floats), and for each step its global gradient norm
+// (unscaled), the scale after it and whether it was skipped (1 or 0), as floats. Under mpirun with TASKSWAP_TEST_MPI=1 the ranks
 // reduce over MPI and only the last rank injects the inf; each rank writes OUT.rank. With
 // TASKSWAP_TEST_COMPUTE=f16 the units compute (and keep gradients) in f16.
 //
@@ -34,10 +35,13 @@ namespace {
 // The formulas param_groups_vs_torch.py repeats; the gradients are multiples of 1/8, exact in f32
 // and in their sums, and both sides round the initial values the same way.
 float initial(std::uint32_t u, std::size_t i) { return static_cast<float>((i * 13 + u * 3) % 17) * 0.01F - 0.08F; }
+// Multiples of 1/8 times 1, 2 or 4 by step: exact in f16, and global norms that differ by step (so
+// that a clipping threshold between them binds on some steps only).
 float gradient(std::uint32_t u, std::size_t i, int step, int micro)
 {
-  return static_cast<float>((i * 7 + static_cast<std::size_t>(step) * 3 + u * 5 + static_cast<std::size_t>(micro)) % 11) *
-           0.125F - 0.625F;
+  const float by = static_cast<float>(1 << (step % 3));
+  return (static_cast<float>((i * 7 + static_cast<std::size_t>(step) * 3 + u * 5 + static_cast<std::size_t>(micro)) % 11) *
+            0.125F - 0.625F) * by;
 }
 
 // The f16 bits of x, which must be a normal half or zero exactly (the gradients here are).
@@ -135,6 +139,7 @@ weight_decay = 0.0
       out += std::to_string(rt.rank());
     }
     const float* scale = o.scaler.enabled ? rt.loss_scale() : nullptr;
+    std::vector<float> per_step;  // guarded: norm, scale after, skipped; per step
     for (int k = 0; k < steps; ++k) {
       const bool inf = last_rank && std::find(inf_steps.begin(), inf_steps.end(), k) != inf_steps.end();
       const taskswap::unit_id trunk{0};
@@ -169,6 +174,10 @@ weight_decay = 0.0
         rt.release(u, s);
       }
       (void)rt.end_step();
+      if (guarded) {  // synchronises: the step's figures, read back as a test may
+        const taskswap::loss_scaler_state st = rt.scaler_state();
+        per_step.insert(per_step.end(), {st.last_norm, st.scale, st.last_skipped ? 1.0F : 0.0F});
+      }
     }
     rt.flush();
     std::ofstream f(out, std::ios::binary | std::ios::trunc);
@@ -182,6 +191,8 @@ weight_decay = 0.0
       const taskswap::loss_scaler_state st = rt.scaler_state();
       const float tail[3] = {st.scale, static_cast<float>(st.growth_tracker), static_cast<float>(st.skipped_steps)};
       f.write(reinterpret_cast<const char*>(tail), sizeof tail);  // NOLINT: the floats' bytes
+      f.write(reinterpret_cast<const char*>(per_step.data()),     // NOLINT: the floats' bytes
+              static_cast<std::streamsize>(per_step.size() * sizeof(float)));
     }
     if (!f.flush()) { throw std::runtime_error("cannot write " + out); }
   } catch (const std::exception& e) {

@@ -45,7 +45,8 @@ def initial(u):
 
 
 def gradient(u, k, m):
-    return lambda i: float((i * 7 + k * 3 + u * 5 + m) % 11) * 0.125 - 0.625
+    """As param_groups_driver.cpp's: multiples of 1/8, times 1, 2 or 4 by step."""
+    return lambda i: (float((i * 7 + k * 3 + u * 5 + m) % 11) * 0.125 - 0.625) * (1 << (k % 3))
 
 
 def largest_relative(name, got, want):
