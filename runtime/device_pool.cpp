@@ -124,18 +124,35 @@ device_pool::device_pool(const device& dev, std::size_t budget)
 
 device_pool::~device_pool()
 {
+  if (closed_) { return; }
+  for (const std::string& problem : close()) {
+    std::fprintf(stderr, "taskswap: device pool teardown: %s\n", problem.c_str());
+  }
+}
+
+std::vector<std::string> device_pool::close() noexcept
+{
+  std::vector<std::string> problems;
+  if (closed_) { return problems; }
+  closed_ = true;
+  const auto keep = [&](const error& e) noexcept {
+    try {
+      problems.emplace_back(e.what());
+    } catch (...) {  // out of memory while tearing down: the report is shorter
+    }
+  };
   backend& b = dev_.backend();
   try {
     b.synchronize();  // nothing may use a range while it is unmapped
   } catch (const error& e) {  // a faulted device: its queued work was abandoned
-    std::fprintf(stderr, "taskswap: device pool teardown: %s\n", e.what());
+    keep(e);
   }
   // A range still mapped after a failure is left reserved (and its memory held): freeing either
   // under a live mapping is undefined.
   bool all_unmapped = true;
   const auto report = [&](const error& e) {
     all_unmapped = false;
-    std::fprintf(stderr, "taskswap: device pool teardown: %s\n", e.what());
+    keep(e);
   };
   for (slot_state& s : slots_) {
     if (s.address == nullptr) { continue; }  // removed, or packed
@@ -165,6 +182,7 @@ device_pool::~device_pool()
     report(e);
   }
   if (all_unmapped) { b.vm_release(physical_, granules_); }
+  return problems;
 }
 
 std::size_t device_pool::free() const

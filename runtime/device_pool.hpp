@@ -34,6 +34,7 @@
 #include <optional>
 #include <set>
 #include <utility>
+#include <string>
 #include <vector>
 
 namespace taskswap::detail {
@@ -82,7 +83,12 @@ class device_pool {
   /// @throws invalid_argument for a budget smaller than one granule
   /// @throws out_of_memory when the device cannot hold the budget, with what it has free
   device_pool(const device& dev, std::size_t budget);
+  /// Prints what close() found, if close() was not called.
   ~device_pool();
+  /// Waits for the device, unmaps and frees every range; returns what went wrong (a faulted
+  /// device's error, a range that could not be unmapped: then its memory stays reserved) for the
+  /// owner to report once with its own. Never throws; the pool is unusable afterwards.
+  [[nodiscard]] std::vector<std::string> close() noexcept;
   device_pool(const device_pool&) = delete;
   device_pool& operator=(const device_pool&) = delete;
   device_pool(device_pool&&) = delete;
@@ -184,6 +190,7 @@ class device_pool {
   std::size_t pinned_ranges_ = 0;
   std::size_t pinned_asked_ = 0;   // bytes asked for
   std::vector<slot_state> slots_;
+  bool closed_ = false;
   std::vector<size_class> classes_;
   std::vector<class_granule> shared_;
   std::size_t slot_bytes_ = 0;  // asked for by the mapped slots

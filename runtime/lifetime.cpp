@@ -117,6 +117,11 @@ runtime::impl::~impl()
       note(e.what());
     }
   }
+  // The pool waits for the device and unmaps: what it finds is reported here, once, with the rest
+  // (a faulted device's error is the failure the trainer has seen).
+  if (pool_) {
+    for (const std::string& p : pool_->close()) { note(p); }
+  }
   try {  // a destructor never throws: not even a log handler's exception or bad_alloc
     if (failed || !problems.empty()) {
       std::string text = "runtime teardown";

@@ -3,8 +3,8 @@
 # Usage: run_stalled_rank.sh WORKDIR mpiexec 2 -- TRAINER CONFIG
 # One rank of two is stopped (SIGSTOP) in the middle of training, with [comm] timeout = "15 s". Passes
 # when the job ends within 90 s (the watchdog ends the other rank's wait) and the failure is told
-# a few times, not once per unit: the text of the timeout appears at most 3 times on the rank
-# that saw it. 15 s, not less: under tsan on 2 cores a rank once fell 5 s behind in its first
+# once on the rank that saw it (by the trainer; the runtime's teardown and the device pool's do
+# not repeat it), not once per unit or once per part. 15 s, not less: under tsan on 2 cores a rank once fell 5 s behind in its first
 # steps, before this script had stopped anything.
 set -uo pipefail
 source "$(dirname "$0")/launch.sh" "$@"
@@ -29,5 +29,5 @@ rank0=$(find "$work/out" -path '*rank.0*' -name 'std*' -exec cat {} +)
 echo "$rank0" | grep -v "^  step " | tail -n 8
 count=$(grep -c "did not finish within" <<<"$rank0")
 [ "$count" -ge 1 ] || { echo "run_stalled_rank: rank 0 never reported the timeout"; exit 1; }
-[ "$count" -le 3 ] || { echo "run_stalled_rank: the timeout's text appears $count times on rank 0 (at most 3)"; exit 1; }
+[ "$count" -eq 1 ] || { echo "run_stalled_rank: the timeout's text appears $count times on rank 0 (once is enough)"; exit 1; }
 echo "run_stalled_rank: the job ended (exit $rc); rank 0 told the timeout $count time(s)"
