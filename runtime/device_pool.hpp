@@ -24,6 +24,8 @@
 //
 // docs/runtime.md gives the design and why.
 
+#include "runtime/residency_model.hpp"
+
 #include <taskswap/device.hpp>
 
 #include <cstddef>
@@ -96,7 +98,7 @@ class device_pool {
 
   [[nodiscard]] std::size_t granule() const noexcept { return granule_; }
   /// The bytes a range of `bytes` takes: whole granules.
-  [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return (bytes + granule_ - 1) / granule_ * granule_; }
+  [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return whole_granules(bytes, granule_); }
   /// The bytes of the free granules.
   [[nodiscard]] std::size_t free() const;
 
@@ -107,7 +109,7 @@ class device_pool {
   /// Whether a slot of `max_bytes` is packed in a pool of `granule`: at most half a granule.
   [[nodiscard]] static bool packs(std::size_t max_bytes, std::size_t granule) noexcept
   {
-    return round256(max_bytes) * 2 <= granule;
+    return detail::packs(max_bytes, granule);  // the residency model's rule
   }
   [[nodiscard]] bool packs(std::size_t max_bytes) const noexcept { return packs(max_bytes, granule_); }
   /// A slot of up to `max_bytes`, unmapped; its address is reserved now (packed: with its granule).

@@ -27,7 +27,7 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
 {
   check_scaler(options);
   register_units(options, std::move(specs));
-  pool_.emplace(dev, options.device.budget - guard_reserved_);
+  pool_.emplace(dev, options.device.budget - model_->guard_bytes());
   place_homes();
   if (options_.trace) {
     trace_.emplace(device_, h2d_.view());

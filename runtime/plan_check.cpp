@@ -28,79 +28,9 @@ void runtime::impl::plan(std::span<const step_plan> steps)
 void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
                                std::span<const std::uint32_t> frozen_reduced) const
 {
-  struct held_unit {
-    std::uint32_t unit;
-    std::size_t bytes;  // what its acquisition takes of the budget
-    bool trained;
-  };
-  std::vector<held_unit> held;
-  std::vector<std::uint32_t> trained_released;  // guarded: their update waits for the step's end
-  std::size_t held_bytes = 0;
-  const std::size_t budget = capacity_;
-  const auto held_names = [&] {
-    std::string s;
-    for (const held_unit& h : held) { s += (s.empty() ? "'" : ", '") + units_[h.unit].name + "'"; }
-    return s;
-  };
-  for (const step_plan::entry& e : step.entries()) {
-    if (e.unit.value >= units_.size()) {
-      throw config_error(message("plan step ", step_number, ": unit id ", e.unit.value, " is not registered (",
-                                 units_.size(), " units)"));
-    }
-    const unit_record& r = units_[e.unit.value];
-    const auto it = std::find_if(held.begin(), held.end(), [&](const held_unit& h) { return h.unit == e.unit.value; });
-    if (!e.acquire) {
-      if (it == held.end()) {
-        throw config_error(message("plan step ", step_number, ": releases '", r.name,
-                                   "', which the step has not acquired; acquire it earlier in the step"));
-      }
-      // With a communicator a released unit may keep its room until its bucket is reduced, which
-      // can wait for units acquired later in the step; in a guarded step a trained unit keeps it
-      // until the step's end updates it: count it to the end of the step.
-      if (!reducer_ && !(guard_ && it->trained)) { held_bytes -= it->bytes; }
-      if (guard_ && it->trained) { trained_released.push_back(it->unit); }
-      held.erase(it);
-      continue;
-    }
-    if (it != held.end()) {
-      throw config_error(message("plan step ", step_number, ": acquires '", r.name,
-                                 "' while it is still held; release it in between"));
-    }
-    if (e.use == unit_use::train && r.layout.frozen) {
-      throw config_error(message("plan step ", step_number, ": trains '", r.name,
-                                 "', which is registered never trained (trainable = false); plan it frozen, or "
-                                 "register it trainable"));
-    }
-    if (std::find(trained_released.begin(), trained_released.end(), e.unit.value) != trained_released.end()) {
-      throw config_error(message("plan step ", step_number, ": acquires '", r.name, "' again after training it; with "
-                                 "loss scaling or clipping a trained unit's update waits for the step's end, so a step "
-                                 "acquires it once (accumulate its micro-batches within one acquisition)"));
-    }
-    if (r.pinned()) {
-      held.push_back({e.unit.value, 0, false});
-      continue;
-    }
-    // A frozen use takes the parameters alone, unless other ranks train the unit in the step.
-    const bool whole = e.use == unit_use::train ||
-                       std::find(frozen_reduced.begin(), frozen_reduced.end(), e.unit.value) != frozen_reduced.end();
-    // The pool maps whole granules (a packed unit: a place, charged a granule) and never splits
-    // free room, so the sum is the whole rule.
-    const std::size_t need = charged(r, whole ? r.layout.device_bytes : r.layout.params_bytes);
-    held.push_back({e.unit.value, need, whole});
-    held_bytes += need;
-    if (pinned_bytes_ + held_bytes > budget) {
-      throw config_error(message("plan step ", step_number, ": after acquiring '", r.name, "' the units held at once (",
-                                 held_names(), ") take ", bytes_text(held_bytes), granule_note(), " and the pinned units ",
-                                 bytes_text(pinned_bytes_), ", together ", bytes_text(pinned_bytes_ + held_bytes),
-                                 " of a ", bytes_text(budget),
-                                 " budget; release units earlier in the step, raise [device] budget or choose "
-                                 "optimizer = \"host\"",
-                                 reducer_ ? " (with a communicator, units released within a step count until it ends)"
-                                 : guard_ ? " (with loss scaling or clipping, trained units released within a step count "
-                                            "until it ends)"
-                                          : ""));
-    }
-  }
+  (void)model_->check_step(step, step_number,
+                           {.released_count_to_end = reducer_.has_value(), .trained_count_to_end = guard_.has_value()},
+                           frozen_reduced);
 }
 
 // ---- with a communicator ----------------------------------------------------------------------

@@ -36,13 +36,6 @@ unit_policy resolve_policy(const unit_spec& spec, const runtime_options& options
   return p;
 }
 
-std::string policy_hint(const detail::unit_record& r)
-{
-  return r.policy.optimizer == optimizer_placement::device
-           ? "raise [device] budget or choose optimizer = \"host\" for it"
-           : "raise [device] budget";
-}
-
 }  // namespace
 
 unit_policy policy_for(const unit_spec& spec, const runtime_options& options)
@@ -68,16 +61,9 @@ unit_footprint footprint(const unit_spec& spec, optimizer_placement placement)
 void runtime::impl::register_units(const runtime_options& options, std::vector<unit_spec> specs)
 {
   if (specs.empty()) { throw config_error("taskswap runtime: no units given; register at least one unit"); }
-  granule_ = device_.backend().vm_granularity();
-  if (guards(options)) {
-    guard_reserved_ = taken(guard_device_bytes(specs.size()));
-    if (options.device.budget <= guard_reserved_) {
-      throw config_error(message("[device] budget ", bytes_text(options.device.budget), " leaves nothing beside the ",
-                                 bytes_text(guard_reserved_), " that loss scaling and clipping take; raise it"));
-    }
-  }
-  capacity_ = (options.device.budget - guard_reserved_) / granule_ * granule_;
   std::vector<bool> rule_used(options.units.size(), false);
+  std::vector<detail::modelled_unit> modelled;
+  modelled.reserve(specs.size());
   for (unit_spec& spec : specs) {
     if (spec.name.empty()) { throw config_error("taskswap runtime: a unit has an empty name; name every unit"); }
     const unit_policy policy = resolve_policy(spec, options, rule_used);
@@ -94,11 +80,14 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
       throw config_error(message("unit '", spec.name, "' is registered twice; unit names must be unique"));
     }
     units_.emplace_back(device_, static_cast<std::uint32_t>(units_.size()), spec.name, policy, detail::make_unit_layout(spec, policy.optimizer));
-    unit_record& r = units_.back();
-    r.packed = !r.pinned() && detail::device_pool::packs(r.layout.device_bytes, granule_);
-    if (r.pinned()) {
-      pinned_bytes_ += (r.layout.device_bytes + detail::slab_alignment - 1) / detail::slab_alignment * detail::slab_alignment;
-    } else {
+    const unit_record& r = units_.back();
+    modelled.push_back({.name = r.name,
+                        .device_bytes = r.layout.device_bytes,
+                        .params_bytes = r.layout.params_bytes,
+                        .pinned = r.pinned(),
+                        .host_placement = policy.optimizer == optimizer_placement::host,
+                        .never_trained = r.layout.frozen});
+    if (!r.pinned()) {
       largest_swapped_ = std::max(largest_swapped_, r.layout.device_bytes);
       if (policy.residency == residency::prefetch) {
         max_lookahead_ = std::max(max_lookahead_, static_cast<std::size_t>(policy.lookahead));
@@ -112,19 +101,9 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
                                  rule.match, "\" matches no registered unit; fix the pattern or remove the rule"));
     }
   }
-  pinned_bytes_ = taken(pinned_bytes_);  // packed, in whole granules
-  const std::size_t budget = capacity_;
-  if (pinned_bytes_ > budget) {
-    throw config_error(message("the pinned units need ", bytes_text(pinned_bytes_), " of device memory", granule_note(),
-                               " but the budget is ", bytes_text(budget), "; raise [device] budget or pin fewer units"));
-  }
-  for (const unit_record& r : units_) {
-    if (!r.pinned() && charged(r, r.layout.device_bytes) > budget - pinned_bytes_) {
-      throw config_error(message("unit '", r.name, "' needs ", bytes_text(charged(r, r.layout.device_bytes)),
-                                 " of device memory", granule_note(), " but the budget leaves ",
-                                 bytes_text(budget - pinned_bytes_), " after pinned units; ", policy_hint(r)));
-    }
-  }
+  model_.emplace(options.device.budget, device_.backend().vm_granularity(),
+                 guards(options) ? guard_device_bytes(specs.size()) : 0, std::move(modelled));
+  for (unit_record& r : units_) { r.packed = model_->packed(r.index); }
 }
 
 void runtime::impl::place_homes()

@@ -96,7 +96,7 @@ void runtime::impl::broadcast_replicas()
   if (free > 0 && (borrowed == nullptr || free >= std::min(largest, borrowed->slot->size()))) {
     // At least a granule (free room is whole granules), so the staging range is never a packed
     // place among units' places: its removal below unmaps nothing another slot shares.
-    const std::size_t bytes = std::max(std::min({largest, std::size_t{64} << 20, free}), granule_);
+    const std::size_t bytes = std::max(std::min({largest, std::size_t{64} << 20, free}), model_->granule());
     own_slot = pool_->add_slot(bytes);
     own = pool_->map(*own_slot, bytes, [](detail::device_pool::slot_id) {});  // a new slot has had no users
   }

@@ -2,6 +2,7 @@
 #pragma once
 
 // The runtime's state (runtime::impl), shared by the files that implement it. Who does what:
+//   residency_model.cpp     the residency rules the planner shares: budget arithmetic, checks, Belady
 //   registry.cpp            policies from the rules, registration and its budget checks, homes, start
 //   lifetime.cpp            construction (pool, trace, reducer), waiting for the streams, teardown
 //   swap_engine.cpp         residency: fill, write-back, evict, make_room, prefetch (Belady)
@@ -40,6 +41,7 @@
 #include "runtime/checkpoint.hpp"
 #include "runtime/device_pool.hpp"
 #include "runtime/plan_queue.hpp"
+#include "runtime/residency_model.hpp"
 #include "runtime/trace.hpp"
 #include "runtime/unit_record.hpp"
 
@@ -102,17 +104,13 @@ struct runtime::impl {
   bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, bool for_acquire);
   // Maps the unit's slot for `bytes`, after make_room().
   device_span map_slot(unit_record& r, std::size_t bytes);
-  /// The bytes a range of `bytes` takes of the budget: whole granules.
-  [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return (bytes + granule_ - 1) / granule_ * granule_; }
-  /// What `r` holding `bytes` is charged of the budget: whole granules, or for a packed unit (at
-  /// most half a granule, sharing granules by size class) one granule, the most its place can
-  /// cost whichever other places are taken.
+  // The residency model's arithmetic (runtime/residency_model.hpp).
+  [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return model_->taken(bytes); }
   [[nodiscard]] std::size_t charged(const unit_record& r, std::size_t bytes) const noexcept
   {
-    return r.packed ? granule_ : taken(bytes);
+    return model_->charged(r.index, bytes);
   }
-  /// " (in granules of 2.0 MiB)" where the granule rounds more than the slab alignment does.
-  [[nodiscard]] std::string granule_note() const;
+  [[nodiscard]] std::string granule_note() const { return model_->granule_note(); }
   unit_record* pick_victim(std::uint64_t use, bool for_acquire);
   void evict(unit_record& r);
   void narrow_to_params(unit_record& r);
@@ -247,10 +245,8 @@ struct runtime::impl {
   runtime_options options_;
   std::deque<unit_record> units_;  // stable addresses: events are referenced from pending waits
   std::unordered_map<std::string, std::uint32_t> by_name_;
-  std::size_t pinned_bytes_ = 0;    // what the pinned units take: packed, in whole granules
+  std::optional<detail::residency_model> model_;  // the budget's rules, the plan check, Belady
   std::size_t largest_swapped_ = 0;
-  std::size_t granule_ = 256;       // the device pool maps whole granules of this many bytes
-  std::size_t capacity_ = 0;        // the whole granules of the budget
   std::vector<std::uint32_t> unit_of_slot_;  // device pool slot -> unit
   std::optional<pinned_arena> arena_;
   std::optional<detail::device_pool> pool_;  // taken once the units are known to be valid
@@ -264,6 +260,7 @@ struct runtime::impl {
   detail::plan_queue plan_;
   std::size_t max_lookahead_ = 0;
   std::vector<std::uint32_t> resident_;  // non-pinned resident units
+  std::vector<detail::victim_candidate> victim_candidates_;  // pick_victim's, kept to reuse its memory
   std::vector<const event*> h2d_waits_;  // must precede the next write into pool memory
   std::size_t held_count_ = 0;
   std::size_t held_bytes_ = 0;
@@ -321,7 +318,6 @@ struct runtime::impl {
     bool downloaded = false;     // copies home are enqueued: read_guard_steps after the wait
   };
   std::optional<guard_memory> guard_;
-  std::size_t guard_reserved_ = 0;          // budget bytes (whole granules) the guard's device memory takes
   std::vector<std::uint32_t> guard_units_;  // the units the current guarded step updates
 };
 

@@ -88,7 +88,7 @@ void runtime::impl::acquire(unit_record& r, stream_view s, bool whole, bool as_p
       throw out_of_memory(
         message("acquire('", r.name, "') needs ", bytes_text(needed), " of device memory", granule_note(), "; ",
                 held_count_, " units held now take ", bytes_text(held_bytes_), " and the pinned units ",
-                bytes_text(pinned_bytes_), " of the ", bytes_text(capacity_),
+                bytes_text(model_->pinned_bytes()), " of the ", bytes_text(model_->capacity()),
                 " budget; release units earlier or plan the step so the runtime checks it ahead"),
         needed, pool_->free(), budget);
     }

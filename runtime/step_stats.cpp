@@ -81,7 +81,7 @@ runtime_stats runtime::impl::stats()
   s.steps.assign(history_.begin(), history_.end());
   const detail::device_pool_stats pool = pool_->stats();
   s.budget = pool.budget;
-  s.pinned_device_bytes = pinned_bytes_;
+  s.pinned_device_bytes = model_->pinned_bytes();
   s.device_bytes_in_use = pool.used;
   s.device_granule = pool.granule;
   s.device_rounding_bytes = pool.used - pool.requested;

@@ -100,34 +100,26 @@ void runtime::impl::evict(unit_record& r)
   note_device_bytes();
 }
 
-// Belady: the unit used furthest in the future, least recently released among equals.
-// An acquire (a use now) may take any unit not held. A prefetch for the use at `use` is
-// conservative (Cao et al., 1995): it displaces the unit that Belady would displace when `use`
-// comes, and only if that unit is neither held nor needed before then; otherwise it waits. So
-// prefetching moves fetches earlier but never adds one. Among units used equally far after
-// `use` (typically never again in the plan), those idle until `use` were released before the
-// others will have been by then, so Belady at `use` takes one of them: a tie with a unit that is
-// held or needed first does not stop the prefetch.
+// The victim, by the residency model's rule (Note [One residency model]): an acquire (a use now)
+// may take any unit not held, by its next use; a prefetch for the use at `use` is conservative
+// (Cao et al., 1995): it displaces the unit that Belady would displace when `use` comes, and only
+// if that unit is neither held nor needed before then; otherwise it waits. So prefetching moves
+// fetches earlier but never adds one. Among units used equally far after `use` (typically never
+// again in the plan), those idle until `use` were released before the others will have been by
+// then, so Belady at `use` takes one of them: a tie with a unit that is held or needed first does
+// not stop the prefetch.
 runtime::impl::unit_record* runtime::impl::pick_victim(std::uint64_t use, bool for_acquire)
 {
-  unit_record* best = nullptr;
-  std::uint64_t best_use = 0;
-  bool best_idle = false;
+  victim_candidates_.clear();
   for (const std::uint32_t i : resident_) {
-    unit_record& r = units_[i];
+    const unit_record& r = units_[i];
     if (for_acquire && r.held) { continue; }
     const std::uint64_t next = for_acquire ? plan_.next_use(unit_id{i}) : plan_.next_use_after(unit_id{i}, use);
     const bool idle = for_acquire || (!r.held && plan_.next_use(unit_id{i}) >= use);
-    const bool released_earlier =
-        (idle && !best_idle) || (idle == best_idle && best != nullptr && r.last_release < best->last_release);
-    if (best == nullptr || next > best_use || (next == best_use && released_earlier)) {
-      best = &r;
-      best_use = next;
-      best_idle = idle;
-    }
+    victim_candidates_.push_back({.unit = i, .next_use = next, .last_release = r.last_release, .idle = idle});
   }
-  if (best != nullptr && !best_idle) { return nullptr; }
-  return best;
+  const std::size_t k = detail::residency_model::choose_victim(victim_candidates_);
+  return k == victim_candidates_.size() ? nullptr : &units_[victim_candidates_[k].unit];
 }
 
 // A unit held for a frozen use in its whole slot gives up everything but its parameters: the plan
@@ -147,12 +139,6 @@ void runtime::impl::narrow_to_params(unit_record& r)
   r.slot = pool_->shrink(r.pool_slot, keep);
   r.params_only = true;
   note_device_bytes();
-}
-
-std::string runtime::impl::granule_note() const
-{
-  return granule_ > detail::slab_alignment ? detail::message(" (in whole granules of ", detail::bytes_text(granule_), ")")
-                                           : std::string();
 }
 
 // The slot moves to other granules only after its previous users are done: a host wait, rarely

@@ -296,7 +296,7 @@ TEST(planner, refuses_what_the_runtime_refuses)
   in.options.device.budget = 2 * footprint(in.units[1], optimizer_placement::device).device_bytes;
   in.units.push_back(unit("task2", 65536));
   in.steps = {{0, 1, 2}};
-  expect_error_mentioning<config_error>([&] { (void)tools::make_plan(in); }, "plan step 0: the units held at once need");
+  expect_error_mentioning<config_error>([&] { (void)tools::make_plan(in); }, "plan step 0: after acquiring");
 }
 
 TEST(planner, largest_batch_and_rates)

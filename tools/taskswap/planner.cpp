@@ -1,6 +1,8 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "planner.hpp"
 
+#include "runtime/residency_model.hpp"
+
 #include <fnmatch.h>
 
 #include <algorithm>
@@ -82,18 +84,11 @@ plan_report make_plan(const plan_input& in)
   r.budget = in.options.device.budget;
   r.steps = in.steps.size();
   r.granule = in.granule;
-  // As the runtime's pool: whole granules of the budget, each swapped unit in whole granules, the
-  // pinned units packed (256-byte aligned) and then rounded together.
-  const auto taken = [g = in.granule](std::size_t bytes) { return (bytes + g - 1) / g * g; };
-  // Loss scaling or clipping take their state of the budget first, in whole granules.
-  const std::size_t guard = in.options.scaler.enabled || in.options.optimizer.clip > 0
-                              ? taken(step_guard_device_bytes(in.units.size()))
-                              : 0;
-  const std::size_t capacity = r.budget > guard ? (r.budget - guard) / in.granule * in.granule : 0;
-  std::size_t pinned_packed = 0;
-  std::vector<std::size_t> raw_device;  // per unit, before rounding
-  std::vector<std::size_t> raw_frozen;
+  // The budget's rules, the registration checks and the plan check are the runtime's own
+  // (Note [One residency model]): the planner adds the replay and the figures.
+  const bool guarded = in.options.scaler.enabled || in.options.optimizer.clip > 0;
   std::vector<planned_unit> units;
+  std::vector<detail::modelled_unit> modelled;
   for (const unit_spec& spec : in.units) {
     planned_unit p;
     p.policy = policy_for(spec, in.options);
@@ -104,19 +99,20 @@ plan_report make_plan(const plan_input& in)
     p.fp = footprint(spec, p.policy.optimizer);
     r.all_resident_bytes += (footprint(spec, optimizer_placement::device).device_bytes + 255) / 256 * 256;
     r.pinned_host_bytes += p.fp.home_bytes;
-    raw_device.push_back(p.fp.device_bytes);
-    raw_frozen.push_back(p.fp.frozen_device_bytes);
-    if (p.pinned()) {
-      ++r.pinned_units;
-      pinned_packed += (p.fp.device_bytes + 255) / 256 * 256;
-    } else {  // from here on, what the unit takes of the budget
-      p.fp.device_bytes = taken(p.fp.device_bytes);
-      p.fp.frozen_device_bytes = taken(p.fp.frozen_device_bytes);
-    }
+    if (p.pinned()) { ++r.pinned_units; }
+    modelled.push_back({.name = spec.name,
+                        .device_bytes = p.fp.device_bytes,
+                        .params_bytes = p.fp.frozen_device_bytes,
+                        .pinned = p.pinned(),
+                        .host_placement = p.host(),
+                        .never_trained = !spec.trainable});
     units.push_back(std::move(p));
   }
-  r.pinned_device_bytes = taken(pinned_packed);
-  r.all_resident_bytes = taken(r.all_resident_bytes);  // all pinned: packed, then whole granules
+  const detail::residency_model model(r.budget, in.granule, guarded ? step_guard_device_bytes(in.units.size()) : 0,
+                                      std::move(modelled));
+  const std::size_t guard = model.guard_bytes();
+  r.pinned_device_bytes = model.pinned_bytes();
+  r.all_resident_bytes = model.taken(r.all_resident_bytes);  // all pinned: packed, then whole granules
   r.pinned_host_bytes = (r.pinned_host_bytes + page - 1) / page * page;
   if (!in.frozen.empty() && in.frozen.size() != in.steps.size()) {
     throw config_error("the plan has " + std::to_string(in.steps.size()) + " steps but frozen uses for " +
@@ -133,47 +129,35 @@ plan_report make_plan(const plan_input& in)
       }
     }
   }
-
-  // What the runtime refuses at registration and at plan().
-  if (r.pinned_device_bytes > capacity) {
-    throw config_error("the pinned units need " + bytes_text(static_cast<double>(r.pinned_device_bytes)) +
-                       " of device memory but the budget is " + bytes_text(static_cast<double>(r.budget)) +
-                       "; raise [device] budget or pin fewer units");
-  }
-  const std::size_t room = capacity - r.pinned_device_bytes;
-  for (std::size_t i = 0; i < units.size(); ++i) {
-    if (!units[i].pinned() && units[i].fp.device_bytes > room) {
-      throw config_error("unit '" + in.units[i].name + "' needs " + bytes_text(static_cast<double>(units[i].fp.device_bytes)) +
-                         " of device memory but the budget leaves " + bytes_text(static_cast<double>(room)) +
-                         " after pinned units; " +
-                         (units[i].host() ? "raise [device] budget" : "raise [device] budget or choose optimizer = \"host\" for it"));
-    }
-  }
+  // Each step as the runtime checks it (its frozen uses first, as the replay acquires them).
   std::size_t most_held = 0;
   std::size_t most_held_raw = 0;  // the same units' slabs, before rounding
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
-    std::size_t held = 0;
+    step_plan step;
     std::size_t raw = 0;
-    for (std::size_t u : in.steps[s]) {
-      held += units[u].pinned() ? 0 : units[u].fp.device_bytes;
-      raw += units[u].pinned() ? 0 : raw_device[u];
-    }
     for (std::size_t u : frozen_of(s)) {
-      held += units[u].pinned() ? 0 : units[u].fp.frozen_device_bytes;
-      raw += units[u].pinned() ? 0 : raw_frozen[u];
+      step.acquire(unit_id{static_cast<std::uint32_t>(u)}, unit_use::frozen);
+      raw += units[u].pinned() ? 0 : units[u].fp.frozen_device_bytes;
     }
-    if (held > room) {
-      throw config_error("plan step " + std::to_string(s) + ": the units held at once need " +
-                         bytes_text(static_cast<double>(r.pinned_device_bytes + held)) + " of a " +
-                         bytes_text(static_cast<double>(r.budget)) + " budget; raise [device] budget");
+    for (std::size_t u : in.steps[s]) {
+      step.acquire(unit_id{static_cast<std::uint32_t>(u)});
+      raw += units[u].pinned() ? 0 : units[u].fp.device_bytes;
     }
+    const std::size_t held = model.check_step(step, s, {});
     if (held > most_held || (held == most_held && raw > most_held_raw)) {
       most_held = held;
       most_held_raw = raw;
     }
   }
   r.peak_device_bytes = r.pinned_device_bytes + most_held + guard;
-  r.rounding_bytes = r.peak_device_bytes - guard - pinned_packed - most_held_raw;
+  r.rounding_bytes = r.peak_device_bytes - guard - model.pinned_packed_bytes() - most_held_raw;
+  const std::size_t room = model.capacity() - model.pinned_bytes();
+  // From here on, what each swapped unit's uses take of the budget.
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    if (units[i].pinned()) { continue; }
+    units[i].fp.device_bytes = model.use_charge(static_cast<std::uint32_t>(i), true);
+    units[i].fp.frozen_device_bytes = model.use_charge(static_cast<std::uint32_t>(i), false);
+  }
 
   // Replay: Belady over the swapped units in the room the pinned ones leave, seeing only the
   // steps planned so far (the runtime knows nothing beyond), least recently used among equals.
@@ -196,6 +180,7 @@ plan_report make_plan(const plan_input& in)
   double h2d = 0;
   double d2h = 0;
   double swap_ins = 0;
+  std::vector<detail::victim_candidate> candidates;
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
     const std::vector<std::size_t>& trained = in.steps[s];
     const std::vector<std::size_t>& frozen = frozen_of(s);
@@ -221,18 +206,18 @@ plan_report make_plan(const plan_input& in)
         resident.erase(u);
       }
       while (used + bytes > room) {
-        std::size_t victim = never;
-        std::size_t furthest = 0;
+        candidates.clear();
         for (const auto& [v, dirty] : resident) {
           if (held_now(v)) { continue; }
           // A unit this step acquires later is needed now: Belady takes it last.
           const bool later_now = std::find(need.begin() + static_cast<std::ptrdiff_t>(k), need.end(), v) != need.end();
-          const std::size_t next = later_now ? s : next_use(units[v], s);
-          if (victim == never || next > furthest || (next == furthest && last_use[v] < last_use[victim])) {
-            victim = v;
-            furthest = next;
-          }
+          candidates.push_back({.unit = static_cast<std::uint32_t>(v),
+                                .next_use = later_now ? s : next_use(units[v], s),
+                                .last_release = last_use[v],
+                                .idle = true});
         }
+        const std::size_t chosen = detail::residency_model::choose_victim(candidates);  // the runtime's rule
+        const std::size_t victim = chosen == candidates.size() ? never : candidates[chosen].unit;
         if (victim != never) {
           if (resident[victim]) { d2h += counted * static_cast<double>(units[victim].fp.write_back_bytes); }
           used -= slot_bytes(victim);

@@ -1,0 +1,125 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The residency model: the rules of what is on the device, in one device-free place.
+//
+// Note [One residency model]: the runtime's swap engine and the planner (`taskswap plan`) both
+// call this, so what the planner predicts is what the runtime does, and a rule changes in one
+// edit. It holds:
+// - the budget's arithmetic: whole granules, the pinned units packed (256-byte aligned) into one
+//   region, a packed unit (at most half a granule) charged a granule, the guard's share first;
+// - the checks at registration (the pinned units fit; every other unit fits beside them) and of
+//   a planned step (the units held at once, at every point of the step, fit beside the pinned);
+// - Belady's rule for the victim of an eviction (choose_victim).
+// It knows units by their sizes and policies only: no device, no events, no home copies.
+
+#include <taskswap/runtime.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace taskswap::detail {
+
+/// `bytes` in whole granules of `granule`: what a range of them takes of the budget.
+[[nodiscard]] constexpr std::size_t whole_granules(std::size_t bytes, std::size_t granule) noexcept
+{
+  return (bytes + granule - 1) / granule * granule;
+}
+
+/// The packing rule: a slot of at most half a granule (256-byte aligned) takes a place in a
+/// granule shared by its size class (runtime/device_pool.hpp).
+[[nodiscard]] constexpr bool packs(std::size_t bytes, std::size_t granule) noexcept
+{
+  return (bytes + 255) / 256 * 256 * 2 <= granule;
+}
+
+/// What the model knows of a unit.
+struct modelled_unit {
+  std::string name;
+  std::size_t device_bytes = 0;  // its whole slot
+  std::size_t params_bytes = 0;  // its parameter slab: what a frozen use holds
+  bool pinned = false;
+  bool host_placement = false;   // for the hint of a message
+  bool never_trained = false;    // unit_spec::trainable false: every use frozen
+};
+
+/// How a step counts a unit released before the step's end.
+struct step_rules {
+  bool released_count_to_end = false;  // with a communicator: the room waits for the reduction
+  bool trained_count_to_end = false;   // guarded (scaler, clip): a trained unit's update waits for end_step
+};
+
+/// A resident unit that an eviction could take, as choose_victim sees it.
+struct victim_candidate {
+  std::uint32_t unit = 0;
+  std::uint64_t next_use = 0;      // when it is used next (positions or steps; larger is later)
+  std::uint64_t last_release = 0;  // when it was last let go (larger is more recent)
+  bool idle = true;                // not held and not needed before the use the room is for
+};
+
+class residency_model {
+ public:
+  /// The model of `units` in a budget of `budget` bytes mapped in granules of `granule`, of which
+  /// `guard_bytes` (loss scaling, clipping; 0: none) are taken first, in whole granules.
+  /// @throws config_error when the guard leaves nothing, the pinned units do not fit, or a unit
+  /// can never fit beside them, with the numbers and what to change
+  residency_model(std::size_t budget, std::size_t granule, std::size_t guard_bytes, std::vector<modelled_unit> units);
+
+  [[nodiscard]] std::size_t granule() const noexcept { return granule_; }
+  /// The bytes a range of `bytes` takes of the budget: whole granules.
+  [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return whole_granules(bytes, granule_); }
+  /// The guard's share of the budget (whole granules), 0 without a guard.
+  [[nodiscard]] std::size_t guard_bytes() const noexcept { return guard_; }
+  /// The whole granules of the budget the units may take (after the guard's).
+  [[nodiscard]] std::size_t capacity() const noexcept { return capacity_; }
+  /// What the pinned units take: packed, then in whole granules.
+  [[nodiscard]] std::size_t pinned_bytes() const noexcept { return pinned_; }
+  /// The pinned units' slabs packed (256-byte aligned), before granule rounding.
+  [[nodiscard]] std::size_t pinned_packed_bytes() const noexcept { return pinned_packed_; }
+  /// Whether unit `u` (not pinned) is packed.
+  [[nodiscard]] bool packed(std::uint32_t u) const noexcept { return packed_[u]; }
+  /// What unit `u` holding `bytes` is charged of the budget: whole granules, or for a packed unit
+  /// one granule, the most its place can cost whichever other places are taken.
+  [[nodiscard]] std::size_t charged(std::uint32_t u, std::size_t bytes) const noexcept
+  {
+    return packed_[u] ? granule_ : taken(bytes);
+  }
+  /// What a use of unit `u` is charged: its whole slot, or (a frozen use) its parameters alone.
+  [[nodiscard]] std::size_t use_charge(std::uint32_t u, bool whole) const noexcept
+  {
+    const modelled_unit& m = units_[u];
+    return charged(u, whole ? m.device_bytes : m.params_bytes);
+  }
+  /// " (in whole granules of 2.0 MiB)" where the granule rounds more than the slab alignment does.
+  [[nodiscard]] std::string granule_note() const;
+
+  /// Checks one planned step: at every point, the units held at once fit beside the pinned ones.
+  /// `whole_frozen`: units the step uses frozen that take their whole slot all the same (with a
+  /// communicator, units other ranks train in the step). Returns the most the step holds at once,
+  /// pinned units excluded.
+  /// @throws config_error naming the step, the units held and the bytes, or a release of a unit
+  /// not held, an acquire of a unit held, a trained use of a unit never trained, a re-acquire of a
+  /// trained unit in a guarded step
+  std::size_t check_step(const step_plan& step, std::uint64_t step_number, const step_rules& rules,
+                         std::span<const std::uint32_t> whole_frozen = {}) const;
+
+  /// Belady's rule: the candidate used furthest in the future, least recently released among
+  /// equals; an idle one before one that is not. Returns the chosen candidate's index, or
+  /// `candidates.size()` when there is none or the choice is not idle (a prefetch then waits:
+  /// it moves fetches earlier but never adds one; docs/runtime.md, "conservative").
+  [[nodiscard]] static std::size_t choose_victim(std::span<const victim_candidate> candidates) noexcept;
+
+ private:
+  std::size_t granule_;
+  std::size_t guard_ = 0;
+  std::size_t capacity_ = 0;
+  std::size_t pinned_packed_ = 0;
+  std::size_t pinned_ = 0;
+  std::vector<modelled_unit> units_;
+  std::vector<bool> packed_;
+};
+
+}  // namespace taskswap::detail
