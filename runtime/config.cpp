@@ -5,6 +5,7 @@
 #include <taskswap/config.hpp>
 
 #include "device/message.hpp"
+#include "runtime/home_tier.hpp"
 #include "host/cpu_adamw.hpp"
 
 #include <toml++/toml.h>
@@ -257,6 +258,14 @@ void read_policy(table_reader& r, Policy& p)
   if (auto v = r.number("weight_decay")) {
     if (!(*v >= 0 && std::isfinite(*v))) { r.fail(*r.get("weight_decay"), "weight_decay", "must be 0 or more"); }
     p.weight_decay = *v;
+  }
+  if (auto v = r.string("home")) {  // a home tier (Note [Home tiers])
+    try {
+      (void)detail::home_tier_named(*v);
+    } catch (const config_error&) {
+      r.fail(*r.get("home"), "home", message("\"", *v, "\" is not a home tier; the tiers are ", detail::home_tier_names()));
+    }
+    p.home = *v;
   }
 }
 

@@ -19,7 +19,7 @@ void runtime::impl::upload_params(unit_record& r)
   r.released.wait(h2d_);
   r.host_updated->wait(h2d_);
   const std::size_t span = trace_ ? trace_->open(h2d_track_, "params " + r.name, h2d_) : 0;
-  copy_async(r.slot->subspan(0, l.travel_bytes), std::span<const std::byte>(r.home, l.travel_bytes), h2d_);
+  r.stage_in(0, r.slot->subspan(0, l.travel_bytes), h2d_);
   r.arrived.record(h2d_);
   if (trace_) { trace_->close(span, h2d_); }
   r.params_stale = false;
@@ -37,11 +37,10 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   if (r.host_updated && r.host_updated->recorded()) { r.host_updated->wait(d2h_); }
   const std::size_t grad_bytes = l.device_grad_bytes();
   const std::size_t span = trace_ ? trace_->open(d2h_track_, "grads " + r.name, d2h_) : 0;
-  copy_async(std::span<std::byte>(r.home + l.home_grads, grad_bytes),
-             const_device_span(r.slot->subspan(r.grads_at(), grad_bytes)), d2h_);
+  r.write_home(l.home_grads, const_device_span(r.slot->subspan(r.grads_at(), grad_bytes)), d2h_);
   fill_async(r.slot->subspan(r.grads_at(), grad_bytes), std::byte{0}, d2h_);
   if (const std::size_t state = l.state_tensor_bytes(); state != 0 && !r.grads_only) {  // written home with the update
-    copy_async(std::span<std::byte>(r.home + l.state_at(), state), const_device_span(r.slot->subspan(l.state_at(), state)), d2h_);
+    r.write_home(l.state_at(), const_device_span(r.slot->subspan(l.state_at(), state)), d2h_);
     current_.d2h_bytes += state;
   }
   detail::step_guard* factors = nullptr;
@@ -55,7 +54,7 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   current_.d2h_bytes += grad_bytes;
   r.grads_copied->wait(host_opt_);
   std::vector<std::pair<detail::adamw_slabs, bool>> runs;  // the slabs, and whether they decay
-  const detail::adamw_slabs whole = l.slabs_at(r.home, l.home_grads);
+  const detail::adamw_slabs whole = l.slabs_at(r.home_block(), l.home_grads);
   for (const detail::adamw_run& run : l.runs) { runs.emplace_back(l.run_slabs(whole, run), run.decay); }
   detail::host_task_arena* cpu = &*cpu_;
   detail::trace_recorder* trace = trace_ ? &*trace_ : nullptr;

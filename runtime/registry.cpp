@@ -32,6 +32,7 @@ unit_policy resolve_policy(const unit_spec& spec, const runtime_options& options
     if (r.optimizer) { p.optimizer = *r.optimizer; }
     if (r.lr_scale) { p.lr_scale = *r.lr_scale; }
     if (r.weight_decay) { p.weight_decay = *r.weight_decay; }
+    if (r.home) { p.home = *r.home; }
   }
   return p;
 }
@@ -76,6 +77,11 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
     if (policy.lookahead < 0) {
       throw config_error(message("unit '", spec.name, "': lookahead ", policy.lookahead, " is negative; use 0 or more"));
     }
+    try {
+      (void)detail::home_tier_named(policy.home);
+    } catch (const config_error& e) {
+      throw config_error(message("unit '", spec.name, "': ", e.what()));
+    }
     if (!by_name_.emplace(spec.name, static_cast<std::uint32_t>(units_.size())).second) {
       throw config_error(message("unit '", spec.name, "' is registered twice; unit names must be unique"));
     }
@@ -110,19 +116,16 @@ void runtime::impl::place_homes()
 {
   std::size_t total = 0;
   bool any_host = false;
-  for (const unit_record& r : units_) {
-    total += r.layout.home_bytes;
+  for (unit_record& r : units_) {
+    r.home.tier = &detail::home_tier_named(r.policy.home);
+    total += r.home.tier->pinned_bytes(r.layout.home_bytes);
     any_host = any_host || (r.policy.optimizer == optimizer_placement::host && !r.layout.frozen);
   }
-  pinned_arena_options o;
   const std::size_t guard_host = guards(options_) ? guard_host_bytes(units_.size()) : 0;
-  o.bytes = total + guard_host;
-  o.numa_node = options_.host.numa_node;
-  o.huge_pages = options_.host.huge_pages;
-  arena_.emplace(device_, o);
-  for (unit_record& r : units_) { r.home = arena_->allocate(r.layout.home_bytes, detail::slab_alignment).data(); }
-  if (any_host) { cpu_.emplace(static_cast<int>(arena_->numa_node()), options_.host.optimizer_threads); }
-  if (guard_host != 0) { make_guard(arena_->allocate(guard_host, detail::slab_alignment)); }
+  detail::setup_homes(homes_, device_, total + guard_host, options_.host.numa_node, options_.host.huge_pages);
+  for (unit_record& r : units_) { r.home.tier->place(homes_, r.home, r.layout.home_bytes); }
+  if (any_host) { cpu_.emplace(static_cast<int>(homes_.arena->numa_node()), options_.host.optimizer_threads); }
+  if (guard_host != 0) { make_guard(homes_.arena->allocate(guard_host, detail::slab_alignment)); }
   // Pinned units are packed together; every other unit has a slot of its own, mapped when resident.
   for (unit_record& r : units_) {
     if (r.pinned()) {
@@ -143,7 +146,8 @@ void runtime::impl::start()
   for (unit_record& r : units_) {
     const detail::unit_layout& l = r.layout;
     if (l.compute != dtype::f32 && !l.frozen) {  // the master is the source of truth; derive the params from it
-      detail::host_cast(r.home + l.params, l.compute, r.home + l.master, dtype::f32, l.trainable);  // not the state
+      std::byte* home = r.home_block();
+      detail::host_cast(home + l.params, l.compute, home + l.master, dtype::f32, l.trainable);  // not the state
     }
     if (r.pinned()) { fill_slot(r); }
   }

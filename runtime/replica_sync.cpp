@@ -45,16 +45,17 @@ void runtime::impl::verify_replicas()
   for (std::size_t u = 0; u < n; ++u) {
     const unit_record& r = units_[u];
     const detail::unit_layout& l = r.layout;
+    const std::byte* home = r.home_block();
     std::uint32_t crc = detail::crc32c(std::as_bytes(std::span(&r.step, 1)));
     if (l.frozen) {  // its parameters are its whole state
-      sums[rank * n + u] = detail::crc32c(std::span<const std::byte>(r.home + l.params, l.params_bytes), crc);
+      sums[rank * n + u] = detail::crc32c(std::span<const std::byte>(home + l.params, l.params_bytes), crc);
       continue;
     }
-    crc = detail::crc32c(std::span<const std::byte>(r.home + l.master, l.count * 4), crc);
-    crc = detail::crc32c(std::span<const std::byte>(r.home + l.m, l.count * 4), crc);
-    crc = detail::crc32c(std::span<const std::byte>(r.home + l.v, l.count * 4), crc);
+    crc = detail::crc32c(std::span<const std::byte>(home + l.master, l.count * 4), crc);
+    crc = detail::crc32c(std::span<const std::byte>(home + l.m, l.count * 4), crc);
+    crc = detail::crc32c(std::span<const std::byte>(home + l.v, l.count * 4), crc);
     if (l.compute != dtype::f32) {  // state tensors live in the parameters alone
-      crc = detail::crc32c(std::span<const std::byte>(r.home + l.state_at(), l.state_tensor_bytes()), crc);
+      crc = detail::crc32c(std::span<const std::byte>(home + l.state_at(), l.state_tensor_bytes()), crc);
     }
     sums[rank * n + u] = crc;
   }
@@ -113,9 +114,9 @@ void runtime::impl::broadcast_replicas()
     for (std::size_t at = 0; at < bytes; at += staging.size()) {
       const std::size_t piece = std::min(staging.size(), bytes - at);
       const device_span s = staging.subspan(0, piece);
-      if (root) { copy_async(s, std::span<const std::byte>(r.home + at, piece), h2d_); }
+      if (root) { r.stage_in(at, s, h2d_); }
       red.comm().broadcast(s, 0, h2d_, message("the initial replica of '", r.name, "'"));
-      if (!root) { copy_async(std::span<std::byte>(r.home + at, piece), const_device_span(s), h2d_); }
+      if (!root) { r.write_home(at, const_device_span(s), h2d_); }
     }
   }
   wait_streams("the initial broadcast");

@@ -124,11 +124,12 @@ home_view runtime::home(unit_id u)
   home_view v;
   v.id = u;
   v.tensors = l.tensors;
-  v.params = {r.home + l.params, l.compute, l.count};
+  std::byte* home = r.home_block();
+  v.params = {home + l.params, l.compute, l.count};
   const std::size_t state = l.frozen ? 0 : l.count;  // a unit never trained has no optimizer state
-  v.master = {r.home + l.master, dtype::f32, state};
-  v.m = {r.home + l.m, dtype::f32, state};
-  v.v = {r.home + l.v, dtype::f32, state};
+  v.master = {home + l.master, dtype::f32, state};
+  v.m = {home + l.m, dtype::f32, state};
+  v.v = {home + l.v, dtype::f32, state};
   v.step = r.step;
   return v;
 }

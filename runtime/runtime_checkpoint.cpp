@@ -21,11 +21,12 @@ std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
     c.compute = l.compute;
     c.tensors = l.tensors;
     c.step = r.step;
-    c.params = {r.home + l.params, l.params_bytes};
-    if (l.compute != dtype::f32 && !l.frozen) { c.master = {r.home + l.master, f32_bytes}; }
+    std::byte* home = r.home_block();
+    c.params = {home + l.params, l.params_bytes};
+    if (l.compute != dtype::f32 && !l.frozen) { c.master = {home + l.master, f32_bytes}; }
     c.trainable = !l.frozen;
-    c.m = {r.home + l.m, f32_bytes};
-    c.v = {r.home + l.v, f32_bytes};
+    c.m = {home + l.m, f32_bytes};
+    c.v = {home + l.v, f32_bytes};
     out.push_back(std::move(c));
   }
   return out;

@@ -248,7 +248,7 @@ struct runtime::impl {
   std::optional<detail::residency_model> model_;  // the budget's rules, the plan check, Belady
   std::size_t largest_swapped_ = 0;
   std::vector<std::uint32_t> unit_of_slot_;  // device pool slot -> unit
-  std::optional<pinned_arena> arena_;
+  detail::home_store homes_;  // where the home tiers keep the homes (Note [Home tiers])
   std::optional<detail::device_pool> pool_;  // taken once the units are known to be valid
   // What queued work touches is declared before the streams, so it is destroyed after them (a
   // stream's destruction lets its queued work finish).

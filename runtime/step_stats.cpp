@@ -85,7 +85,7 @@ runtime_stats runtime::impl::stats()
   s.device_bytes_in_use = pool.used;
   s.device_granule = pool.granule;
   s.device_rounding_bytes = pool.used - pool.requested;
-  const pinned_arena_stats arena = arena_->stats();
+  const pinned_arena_stats arena = homes_.arena->stats();
   s.home_bytes = arena.used;
   s.host_bytes_pinned = arena.pinned;
   s.units.reserve(units_.size());

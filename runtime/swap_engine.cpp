@@ -54,7 +54,7 @@ void runtime::impl::fill_slot(unit_record& r)
   }
   const std::size_t bytes = r.params_only ? l.params_bytes : l.travel_bytes;  // the params lie first in both
   const std::size_t span = trace_ ? trace_->open(h2d_track_, "swap-in " + r.name, h2d_) : 0;
-  copy_async(r.slot->subspan(0, bytes), std::span<const std::byte>(r.home, bytes), h2d_);
+  r.stage_in(0, r.slot->subspan(0, bytes), h2d_);
   if (!r.params_only) { fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, h2d_); }
   r.arrived.record(h2d_);
   if (trace_) { trace_->close(span, h2d_); }
@@ -71,8 +71,7 @@ void runtime::impl::write_back(unit_record& r)
   const detail::unit_layout& l = r.layout;
   if (r.released.recorded() && !r.released.query()) { r.released.wait(d2h_); }
   const std::size_t span = trace_ ? trace_->open(d2h_track_, "write-back " + r.name, d2h_) : 0;
-  copy_async(std::span<std::byte>(r.home, l.writeback_bytes), const_device_span(r.slot->subspan(0, l.writeback_bytes)),
-             d2h_);
+  r.write_home(0, const_device_span(r.slot->subspan(0, l.writeback_bytes)), d2h_);
   ensure(r.written_back, device_).record(d2h_);
   if (trace_) { trace_->close(span, d2h_); }
   r.dirty = false;

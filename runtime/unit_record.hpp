@@ -4,6 +4,7 @@
 // A registered unit as the runtime tracks it: its layout, home block and slot, its residency
 // state, and the events that order its swaps, updates and releases across streams.
 
+#include "runtime/home_tier.hpp"
 #include "runtime/unit_layout.hpp"
 
 #include <taskswap/device.hpp>
@@ -20,7 +21,7 @@ struct unit_record {
   std::string name;
   unit_policy policy;
   unit_layout layout;
-  std::byte* home = nullptr;  // the unit's block in the pinned arena
+  unit_home home;               // its home copy, where its tier keeps it (Note [Home tiers])
   std::optional<device_span> slot;
   std::uint32_t pool_slot = 0;  // its slot in the device pool (not pinned)
   bool packed = false;          // its slot is a place in a granule shared by its size class
@@ -67,6 +68,15 @@ struct unit_record {
   /// the parameters.
   [[nodiscard]] bool resident_for(bool whole) const noexcept { return resident() && !(whole && params_only); }
   [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
+  /// Its home copy as host memory (for the CPU AdamW, checkpoints, replica checks, home()).
+  [[nodiscard]] std::byte* home_block() const { return home.tier->host_block(home).data(); }
+  /// Enqueues on `s` the copy of home bytes [offset, offset + dst.size()) to `dst`.
+  void stage_in(std::size_t offset, device_span dst, stream_view s) const { home.tier->stage_in(home, offset, dst, s); }
+  /// Enqueues on `s` the copy of `src` into home bytes [offset, offset + src.size()).
+  void write_home(std::size_t offset, const_device_span src, stream_view s) const
+  {
+    home.tier->write_back(home, offset, src, s);
+  }
   /// Where the gradients start in its slot.
   [[nodiscard]] std::size_t grads_at() const noexcept { return grads_only ? 0 : layout.device_grads; }
 };

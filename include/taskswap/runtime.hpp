@@ -60,6 +60,9 @@ struct unit_policy {
   /// The unit's weight decay (>= 0); none: the optimizer's. A unit with its own is not affected by
   /// the weight decay set_optimizer() sets (its lr still scales with the optimizer's).
   std::optional<double> weight_decay{};
+  /// The home tier that keeps its home copy: "host" (the pinned, NUMA-local arena; the only tier
+  /// so far).
+  std::string home = "host";
 };
 
 /// @brief A policy rule: applies to the units whose name matches the glob (fnmatch syntax);
@@ -72,6 +75,7 @@ struct unit_rule {
   std::string origin;  ///< where the rule came from ("file:line"), for error messages
   std::optional<double> lr_scale{};      ///< see unit_policy
   std::optional<double> weight_decay{};  ///< see unit_policy
+  std::optional<std::string> home{};     ///< see unit_policy
 };
 
 /// @brief Which device the runtime uses, and how much of it.

@@ -211,7 +211,8 @@ void bind_options(nb::module_& m)
       .def_rw("lookahead", &unit_policy::lookahead)
       .def_rw("optimizer", &unit_policy::optimizer)
       .def_rw("lr_scale", &unit_policy::lr_scale)
-      .def_rw("weight_decay", &unit_policy::weight_decay);
+      .def_rw("weight_decay", &unit_policy::weight_decay)
+      .def_rw("home", &unit_policy::home, "The home tier that keeps its home copy (\"host\").");
 
   nb::class_<emulated_options>(m, "EmulatedOptions", "The emulated device's memory and link model.")
       .def_rw("memory_bytes", &emulated_options::memory_bytes)

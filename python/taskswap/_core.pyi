@@ -211,6 +211,13 @@ class UnitPolicy:
     @weight_decay.setter
     def weight_decay(self, arg: float | None, /) -> None: ...
 
+    @property
+    def home(self) -> str:
+        """The home tier that keeps its home copy ("host")."""
+
+    @home.setter
+    def home(self, arg: str, /) -> None: ...
+
 class EmulatedOptions:
     """The emulated device's memory and link model."""
 

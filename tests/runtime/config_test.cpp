@@ -146,6 +146,25 @@ TEST(config, param_groups_per_rule_and_their_errors)
         "my.toml:5: [[units]] weight_decay: must be 0 or more");
 }
 
+TEST(config, a_units_home_tier_is_named_by_a_rule_and_checked)
+{
+  const runtime_options o = parse_config("[device]\nbudget = \"1 GiB\"\n[defaults]\nhome = \"host\"\n"
+                                         "[[units]]\nmatch = \"task/*\"\nhome = \"host\"\n",
+                                         "my.toml");
+  EXPECT_EQ(o.defaults.home, "host");
+  EXPECT_EQ(o.units[0].home, std::optional<std::string>("host"));
+  EXPECT_EQ(policy_for(unit_spec{.name = "task/1", .tensors = {{"w", {4}}}}, o).home, "host");
+  expect_error_mentioning<config_error>(
+    [] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[[units]]\nmatch = \"a\"\nhome = \"tape\"\n", "my.toml"); },
+    "my.toml:5: [[units]] home: \"tape\" is not a home tier; the tiers are \"host\"");
+  runtime_options code;
+  code.device.budget = 1 << 20;
+  code.defaults.home = "tape";
+  expect_error_mentioning<config_error>(
+    [&] { runtime rt(emulated_device({.memory_bytes = 1 << 20}), code, {unit_spec{.name = "u", .tensors = {{"w", {4}}}}}); },
+    "unit 'u': home \"tape\" is not a home tier");
+}
+
 TEST(config, errors_name_the_file_the_line_and_the_key)
 {
   const auto fails = [](const std::string& text, const std::string& needle) {

@@ -1,0 +1,42 @@
+// SPDX-License-Identifier: Apache-2.0
+// The host home tier: every home copy in the pinned, NUMA-local arena (Note [Home tiers]).
+
+#include "runtime/home_tier.hpp"
+
+#include "runtime/unit_layout.hpp"
+
+namespace taskswap::detail {
+
+namespace {
+
+std::size_t host_pinned_bytes(std::size_t bytes) { return bytes; }
+
+void host_place(home_store& store, unit_home& home, std::size_t bytes)
+{
+  home.block = store.arena->allocate(bytes, slab_alignment).data();
+  home.bytes = bytes;
+}
+
+void host_stage_in(const unit_home& home, std::size_t offset, device_span dst, stream_view s)
+{
+  copy_async(dst, std::span<const std::byte>(home.block + offset, dst.size()), s);
+}
+
+void host_write_back(const unit_home& home, std::size_t offset, const_device_span src, stream_view s)
+{
+  copy_async(std::span<std::byte>(home.block + offset, src.size()), src, s);
+}
+
+std::span<std::byte> host_block(const unit_home& home) { return {home.block, home.bytes}; }
+
+}  // namespace
+
+extern const home_tier host_home_tier;
+const home_tier host_home_tier{.name = "host",
+                               .pinned_bytes = host_pinned_bytes,
+                               .place = host_place,
+                               .stage_in = host_stage_in,
+                               .write_back = host_write_back,
+                               .host_block = host_block};
+
+}  // namespace taskswap::detail
