@@ -103,14 +103,17 @@ void comm_reducer(benchmark::State& state)
   state.counters["bytes_active"] = active.bytes_per_step;
   state.counters["bytes_all"] = all.bytes_per_step;
   state.counters["bytes_ratio"] = active.bytes_per_step / all.bytes_per_step;
-  state.counters["expected_ratio"] =
-    static_cast<double>(trunk + head) / static_cast<double>(trunk + heads * head);
+  state.counters["expected_ratio"] = static_cast<double>(trunk + head) / static_cast<double>(trunk + heads * head);
   state.counters["ms_active"] = active.ms_per_step;
   state.counters["ms_all"] = all.ms_per_step;
   state.counters["time_ratio"] = active.ms_per_step / all.ms_per_step;
 }
 // Every rank must run the same number of iterations (each one is collective): fixed, not timed.
-BENCHMARK(comm_reducer)->Args({1 << 20, 1 << 18})->Args({1 << 18, 1 << 18})->Iterations(1)->Unit(benchmark::kMillisecond);
+BENCHMARK(comm_reducer)
+  ->Args({1 << 20, 1 << 18})
+  ->Args({1 << 18, 1 << 18})
+  ->Iterations(1)
+  ->Unit(benchmark::kMillisecond);
 
 }  // namespace
 

@@ -91,13 +91,19 @@ void duplex(benchmark::State& state, const device& dev, std::size_t bytes)
   stream down(dev);
   auto h2d = [&] { copy_async(buffers.device_in.span(), buffers.host_in.span(), up); };
   auto d2h = [&] { copy_async(buffers.host_out.span(), buffers.device_out.span(), down); };
-  timed(dev, up, down, [&] { h2d(); d2h(); });  // warm-up
+  timed(dev, up, down, [&] {
+    h2d();
+    d2h();
+  });  // warm-up
   double alone = 0.0;
   double together = 0.0;
   for (auto _ : state) {
     const double t_up = timed(dev, up, up, h2d);
     const double t_down = timed(dev, down, down, d2h);
-    const double t_both = timed(dev, up, down, [&] { h2d(); d2h(); });
+    const double t_both = timed(dev, up, down, [&] {
+      h2d();
+      d2h();
+    });
     state.SetIterationTime(t_both);
     alone += t_up + t_down;
     together += t_both;
@@ -127,5 +133,9 @@ void cuda_copy_duplex(benchmark::State& state)
 }  // namespace
 
 BENCHMARK(device_link_model)->RangeMultiplier(4)->Range(MiB, GiB)->UseManualTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(device_link_model_duplex)->RangeMultiplier(4)->Range(MiB, GiB)->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(device_link_model_duplex)
+  ->RangeMultiplier(4)
+  ->Range(MiB, GiB)
+  ->UseManualTime()
+  ->Unit(benchmark::kMillisecond);
 BENCHMARK(cuda_copy_duplex)->RangeMultiplier(4)->Range(MiB, GiB)->UseManualTime()->Unit(benchmark::kMillisecond);

@@ -116,9 +116,11 @@ struct judged_layout {
       const std::size_t bytes = 3 * f + (grad == dtype::f32 ? f : 2 * h);
       arena = std::make_unique<pinned_arena>(dev, pinned_arena_options{.bytes = bytes});
       std::byte* b = arena->allocate(bytes).data();
-      slabs = {reinterpret_cast<float*>(b), reinterpret_cast<float*>(b + f),  // NOLINT: slabs of floats
-               reinterpret_cast<float*>(b + 2 * f), b + 3 * f, grad,          // NOLINT
-               grad == dtype::f32 ? nullptr : b + 3 * f + h, dtype::bf16, n};
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): slabs of floats
+      slabs = {reinterpret_cast<float*>(b), reinterpret_cast<float*>(b + f),
+               // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+               reinterpret_cast<float*>(b + 2 * f), b + 3 * f, grad, grad == dtype::f32 ? nullptr : b + 3 * f + h,
+               dtype::bf16, n};
       grads = b + 3 * f;
     }
     fill(slabs, grads, threads);
@@ -139,9 +141,12 @@ struct separate_arrays {
       arenas.push_back(std::make_unique<pinned_arena>(dev, pinned_arena_options{.bytes = bytes + shift}));
       return arenas.back()->allocate(bytes + shift).data() + shift;
     };
-    slabs.master = reinterpret_cast<float*>(array(n * 4));  // NOLINT: slabs of floats
-    slabs.m = reinterpret_cast<float*>(array(n * 4));       // NOLINT
-    slabs.v = reinterpret_cast<float*>(array(n * 4));       // NOLINT
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): slabs of floats
+    slabs.master = reinterpret_cast<float*>(array(n * 4));
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+    slabs.m = reinterpret_cast<float*>(array(n * 4));
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+    slabs.v = reinterpret_cast<float*>(array(n * 4));
     std::byte* grads = array(n * size_of(grad));
     slabs.grad = grads;
     slabs.grad_type = grad;
@@ -169,19 +174,25 @@ __attribute__((target("avx2,fma"))) inline void step8(const detail::adamw_slabs&
   _mm256_storeu_ps(s.master + i, _mm256_add_ps(_mm256_loadu_ps(s.master + i), x));
 }
 
-__attribute__((target("avx2,fma"))) void stream_like_range(const detail::adamw_slabs& s, std::size_t begin, std::size_t end)
+__attribute__((target("avx2,fma"))) void stream_like_range(const detail::adamw_slabs& s, std::size_t begin,
+                                                           std::size_t end)
 {
   std::size_t i = begin;
   if (s.grad_type == dtype::f32) {
-    const auto* g = reinterpret_cast<const float*>(s.grad);  // NOLINT: slab of floats
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): slab of floats
+    const auto* g = reinterpret_cast<const float*>(s.grad);
     for (; i + 8 <= end; i += 8) { step8(s, i, _mm256_loadu_ps(g + i)); }
   } else {
-    const auto* g = reinterpret_cast<const std::uint16_t*>(s.grad);  // NOLINT: slab of bf16
-    auto* copy = reinterpret_cast<std::uint16_t*>(s.params);         // NOLINT
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): slab of bf16
+    const auto* g = reinterpret_cast<const std::uint16_t*>(s.grad);
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+    auto* copy = reinterpret_cast<std::uint16_t*>(s.params);
     for (; i + 8 <= end; i += 8) {
-      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i));  // NOLINT
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+      const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(g + i));
       step8(s, i, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(copy + i), h);  // NOLINT
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(copy + i), h);
     }
   }
   for (; i < end; ++i) {
@@ -209,7 +220,8 @@ class cache_evictor {
   cache_evictor()
   {
     const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
-    const std::size_t bytes = std::max<std::size_t>(std::size_t{64} << 20, l3 > 0 ? 2 * static_cast<std::size_t>(l3) : 0);
+    const std::size_t bytes =
+      std::max<std::size_t>(std::size_t{64} << 20, l3 > 0 ? 2 * static_cast<std::size_t>(l3) : 0);
     scratch_.assign(bytes / sizeof(std::uint64_t), 1);
   }
   void operator()(detail::host_task_arena& threads)
@@ -376,26 +388,32 @@ std::string size_name(std::size_t n)
       for (const dtype grad : {dtype::f32, dtype::bf16}) {
         if (grad == dtype::bf16 && !chosen && n != (std::size_t{64} << 20)) { continue; }
         for (const layout_kind kind : {layout_kind::unit, layout_kind::packed}) {
-          const std::string name = std::string("host_adamw/") + (kind == layout_kind::unit ? "unit/" : "packed/") + size_name(n) +
-                                   "/" + std::to_string(t) + "t/" + std::string(to_string(grad));
+          const std::string name = std::string("host_adamw/") + (kind == layout_kind::unit ? "unit/" : "packed/") +
+                                   size_name(n) + "/" + std::to_string(t) + "t/" + std::string(to_string(grad));
           const auto iterations = static_cast<benchmark::IterationCount>(
             std::clamp<double>(32e9 / static_cast<double>(n * bytes_per_param(grad)), 9, 300));
           benchmark::RegisterBenchmark(name.c_str(), host_adamw, kind, n, static_cast<int>(t), grad)
-            ->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(iterations);
+            ->UseManualTime()
+            ->Unit(benchmark::kMillisecond)
+            ->Iterations(iterations);
         }
       }
     }
   }
   // Guarded rows: slabs of 4 MiB to 256 MiB (params = bytes / 4), at 1 and 2 threads.
   const std::vector<std::size_t> guarded_sizes =
-    chosen ? sizes : std::vector<std::size_t>{std::size_t{1} << 20, std::size_t{6} << 20, std::size_t{24} << 20,
-                                              std::size_t{64} << 20};
+    chosen ? sizes
+           : std::vector<std::size_t>{std::size_t{1} << 20, std::size_t{6} << 20, std::size_t{24} << 20,
+                                      std::size_t{64} << 20};
   for (const std::size_t n : guarded_sizes) {
     for (const std::size_t t : thread_counts) {
       const std::string name = std::string("host_adamw_guarded/") + size_name(n) + "/" + std::to_string(t) + "t";
-      const auto iterations = static_cast<benchmark::IterationCount>(std::clamp<double>(16e9 / static_cast<double>(n * 28), 9, 300));
+      const auto iterations =
+        static_cast<benchmark::IterationCount>(std::clamp<double>(16e9 / static_cast<double>(n * 28), 9, 300));
       benchmark::RegisterBenchmark(name.c_str(), host_adamw_guarded, n, static_cast<int>(t))
-        ->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(iterations);
+        ->UseManualTime()
+        ->Unit(benchmark::kMillisecond)
+        ->Iterations(iterations);
     }
   }
   return true;

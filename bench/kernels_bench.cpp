@@ -59,8 +59,10 @@ void kernels_adamw(benchmark::State& state)
   detail::fill_async(v.data(), dtype::f32, params, 0.0F, s);
   detail::fill_async(grad.data(), grad_type, params, 1e-3F, s);
   taskswap::fill_async(copy_src.span(), std::byte{1}, s);
-  const detail::adamw_slabs slabs{reinterpret_cast<float*>(master.data()), reinterpret_cast<float*>(m.data()),  // NOLINT
-                                  reinterpret_cast<float*>(v.data()), grad.data(), grad_type,                    // NOLINT
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  const detail::adamw_slabs slabs{reinterpret_cast<float*>(master.data()), reinterpret_cast<float*>(m.data()),
+                                  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+                                  reinterpret_cast<float*>(v.data()), grad.data(), grad_type,
                                   copy ? out.data() : nullptr, dtype::bf16, params};
   const auto k = detail::make_adamw_scalars({}, 1);
   auto adamw = [&] { detail::adamw_async(slabs, k, s); };
@@ -76,7 +78,8 @@ void kernels_adamw(benchmark::State& state)
     state.SetIterationTime(t / 1e3);
   }
   state.SetBytesProcessed(static_cast<std::int64_t>(bytes) * state.iterations());
-  state.counters["bytes_per_s"] = static_cast<double>(bytes) * static_cast<double>(state.iterations()) / (adamw_ms / 1e3);
+  state.counters["bytes_per_s"] =
+    static_cast<double>(bytes) * static_cast<double>(state.iterations()) / (adamw_ms / 1e3);
   state.counters["memcpy_ratio"] = copy_ms / adamw_ms;
   state.SetLabel(std::string(to_string(grad_type)) + " grads" + (copy ? ", bf16 copy" : ""));
 }
@@ -93,10 +96,14 @@ void kernels_adamw_guarded(benchmark::State& state)
   stream s(dev);
   device_buffer master(dev, n * 4), m(dev, n * 4), v(dev, n * 4), grad(dev, n * size_of(grad_type));
   device_buffer guard_memory(dev, 4096);
-  auto* guard = reinterpret_cast<detail::step_guard*>(guard_memory.data());         // NOLINT: its layout
-  auto* block_sums = reinterpret_cast<double*>(guard_memory.data() + 256);           // NOLINT
-  auto* scalars = reinterpret_cast<detail::adamw_scalars*>(guard_memory.data() + 2560);  // NOLINT
-  auto* steps = reinterpret_cast<std::int64_t*>(guard_memory.data() + 2816);         // NOLINT
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): its layout
+  auto* guard = reinterpret_cast<detail::step_guard*>(guard_memory.data());
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  auto* block_sums = reinterpret_cast<double*>(guard_memory.data() + 256);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  auto* scalars = reinterpret_cast<detail::adamw_scalars*>(guard_memory.data() + 2560);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  auto* steps = reinterpret_cast<std::int64_t*>(guard_memory.data() + 2816);
   detail::step_guard initial;
   initial.scale = 1024.0F;
   copy_async(guard_memory.span(0, sizeof initial), std::as_bytes(std::span(&initial, 1)), s);
@@ -106,7 +113,9 @@ void kernels_adamw_guarded(benchmark::State& state)
   detail::fill_async(v.data(), dtype::f32, n, 0.0F, s);
   detail::fill_async(grad.data(), grad_type, n, 1e-3F, s);
   s.synchronize();
-  const detail::adamw_slabs slabs{reinterpret_cast<float*>(master.data()), reinterpret_cast<float*>(m.data()),  // NOLINT
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  const detail::adamw_slabs slabs{reinterpret_cast<float*>(master.data()), reinterpret_cast<float*>(m.data()),
+                                  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
                                   reinterpret_cast<float*>(v.data()), grad.data(), grad_type, nullptr, dtype::bf16, n};
   const adamw_options o{};
   adamw_options plain_o = o;
@@ -148,7 +157,11 @@ void kernels_adamw_guarded(benchmark::State& state)
 
 BENCHMARK(kernels_adamw_guarded)
   ->ArgsProduct({{static_cast<int>(dtype::f32), static_cast<int>(dtype::f16)}, {1 << 20, 3 << 22, 1 << 26, 3 << 26}})
-  ->UseManualTime()->Unit(benchmark::kMillisecond);
+  ->UseManualTime()
+  ->Unit(benchmark::kMillisecond);
 
-BENCHMARK(kernels_adamw)->Arg(static_cast<int>(dtype::f32))->Arg(static_cast<int>(dtype::bf16))
-  ->UseManualTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(kernels_adamw)
+  ->Arg(static_cast<int>(dtype::f32))
+  ->Arg(static_cast<int>(dtype::bf16))
+  ->UseManualTime()
+  ->Unit(benchmark::kMillisecond);

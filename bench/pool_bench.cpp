@@ -91,14 +91,16 @@ void device_pool_swap(benchmark::State& state)
   }
   const std::size_t granule = cuda ? cuda_device(0).granularity() : static_cast<std::size_t>(state.range(0));
   const workload w = make_workload(granule);
-  const device dev = cuda ? cuda_device(0) : emulated_device({.memory_bytes = 2 * w.budget, .link = {}, .granularity = granule});
+  const device dev =
+    cuda ? cuda_device(0) : emulated_device({.memory_bytes = 2 * w.budget, .link = {}, .granularity = granule});
 
   detail::device_pool pool(dev, w.budget);
   std::vector<detail::device_pool::slot_id> slots;
   for (const std::size_t bytes : w.sizes) { slots.push_back(pool.add_slot(bytes)); }
   const auto quiesce = [](detail::device_pool::slot_id) {};  // nothing runs on the device here
   device_buffer region(dev, w.budget);
-  detail::best_fit_ranges ranges(w.budget, reinterpret_cast<std::uintptr_t>(region.data()));  // NOLINT: alignment
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): alignment
+  detail::best_fit_ranges ranges(w.budget, reinterpret_cast<std::uintptr_t>(region.data()));
   std::vector<std::size_t> offsets(w.sizes.size());
 
   double new_seconds = 0;
@@ -134,4 +136,11 @@ void device_pool_swap(benchmark::State& state)
 }  // namespace
 
 // Emulated at 256 B, 4 KiB and 64 KiB granules; 0: the CUDA device at its own granule (skipped without one).
-BENCHMARK(device_pool_swap)->Arg(256)->Arg(4096)->Arg(64 << 10)->Arg(0)->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(0.5);
+BENCHMARK(device_pool_swap)
+  ->Arg(256)
+  ->Arg(4096)
+  ->Arg(64 << 10)
+  ->Arg(0)
+  ->UseManualTime()
+  ->Unit(benchmark::kMicrosecond)
+  ->MinTime(0.5);

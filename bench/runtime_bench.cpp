@@ -48,7 +48,9 @@ void runtime_acquire_release(benchmark::State& state)
   stream s(dev);
   std::size_t next_planned = 0;
   const auto plan_ahead = [&](std::size_t upto) {
-    for (; next_planned < upto; ++next_planned) { rt.plan(step_plan{unit_id{static_cast<std::uint32_t>(next_planned % units)}}); }
+    for (; next_planned < upto; ++next_planned) {
+      rt.plan(step_plan{unit_id{static_cast<std::uint32_t>(next_planned % units)}});
+    }
   };
   plan_ahead(8);
   std::size_t k = 0;
@@ -135,8 +137,10 @@ void runtime_overlap(benchmark::State& state)
   swapped_options.device.budget = 3 * unit_bytes;
   runtime_options resident_options;
   resident_options.device.budget = tasks * unit_bytes;
-  const device swapped_dev = emulated_device({.memory_bytes = swapped_options.device.budget, .link = {.bytes_per_second = link}});
-  const device resident_dev = emulated_device({.memory_bytes = resident_options.device.budget, .link = {.bytes_per_second = link}});
+  const device swapped_dev =
+    emulated_device({.memory_bytes = swapped_options.device.budget, .link = {.bytes_per_second = link}});
+  const device resident_dev =
+    emulated_device({.memory_bytes = resident_options.device.budget, .link = {.bytes_per_second = link}});
   runtime swapped(swapped_dev, swapped_options, swapped_specs);
   runtime resident(resident_dev, resident_options, resident_specs);
   stream swapped_stream(swapped_dev);
@@ -179,7 +183,17 @@ void runtime_overlap(benchmark::State& state)
 // {registered units, units the budget holds}: all resident (every acquire a hit, no copies), and
 // 64 resident (every step evicts one unit and prefetches another).
 BENCHMARK(runtime_acquire_release)
-  ->Args({1000, 1000})->Args({10000, 10000})->Args({1000, 64})->Args({10000, 64})
-  ->UseManualTime()->Unit(benchmark::kMicrosecond)->MinTime(1.0);
+  ->Args({1000, 1000})
+  ->Args({10000, 10000})
+  ->Args({1000, 64})
+  ->Args({10000, 64})
+  ->UseManualTime()
+  ->Unit(benchmark::kMicrosecond)
+  ->MinTime(1.0);
 // 1 Mi f32 elements: 12 MiB travel each way per step, 2.5 ms at 5 GB/s; compute 1.25× and 2×.
-BENCHMARK(runtime_overlap)->Args({1 << 20, 125})->Args({1 << 20, 200})->UseManualTime()->Unit(benchmark::kMillisecond)->Iterations(4);
+BENCHMARK(runtime_overlap)
+  ->Args({1 << 20, 125})
+  ->Args({1 << 20, 200})
+  ->UseManualTime()
+  ->Unit(benchmark::kMillisecond)
+  ->Iterations(4);

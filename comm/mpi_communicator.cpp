@@ -96,7 +96,8 @@ void ensure_mpi()
     MPI_Query_thread(&thread_level);
     if (thread_level < MPI_THREAD_MULTIPLE) {
       throw comm_error(message("taskswap: MPI provides thread level ", thread_level, " (MPI_THREAD_MULTIPLE is ",
-                               MPI_THREAD_MULTIPLE, "); taskswap calls MPI from its stream threads while the "
+                               MPI_THREAD_MULTIPLE,
+                               "); taskswap calls MPI from its stream threads while the "
                                "trainer may call it too. Initialise MPI with MPI_Init_thread(..., "
                                "MPI_THREAD_MULTIPLE, ...), or let taskswap initialise it, with an MPI built "
                                "with thread support"));
@@ -191,12 +192,12 @@ class mpi_communicator final : public communicator {
   void allreduce_counts(std::span<std::int64_t> values, stream_view s, std::string_view what) override
   {
     check();
-    TASKSWAP_EXPECTS(&s.backend() == &device_.backend(), message("MPI allreduce_counts of ", what,
-                                                                 ": the stream is not on the communicator's device"));
+    TASKSWAP_EXPECTS(&s.backend() == &device_.backend(),
+                     message("MPI allreduce_counts of ", what, ": the stream is not on the communicator's device"));
     enqueue(s, [this, values, name = std::string(what)] {
       run("count allreduce of " + name, 1, [&](std::size_t, MPI_Request* r) {
-        return MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T, MPI_SUM,
-                              comm_, r);
+        return MPI_Iallreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()), MPI_INT64_T, MPI_SUM, comm_,
+                              r);
       });
     });
   }
@@ -204,12 +205,14 @@ class mpi_communicator final : public communicator {
   void broadcast(device_span data, int root, stream_view s, std::string_view what) override
   {
     check();
-    check_broadcast(data, root, size_, device_, "MPI", what, "the mpi backend broadcasts emulated-device buffers, use nccl for cuda");
+    check_broadcast(data, root, size_, device_, "MPI", what,
+                    "the mpi backend broadcasts emulated-device buffers, use nccl for cuda");
     enqueue(s, [this, data, root, name = std::string(what)] {
-      run("broadcast of " + name, (data.size() + broadcast_piece - 1) / broadcast_piece, [&](std::size_t k, MPI_Request* r) {
-        const std::size_t n = std::min(broadcast_piece, data.size() - k * broadcast_piece);
-        return MPI_Ibcast(data.data() + k * broadcast_piece, static_cast<int>(n), MPI_BYTE, root, comm_, r);
-      });
+      run("broadcast of " + name, (data.size() + broadcast_piece - 1) / broadcast_piece,
+          [&](std::size_t k, MPI_Request* r) {
+            const std::size_t n = std::min(broadcast_piece, data.size() - k * broadcast_piece);
+            return MPI_Ibcast(data.data() + k * broadcast_piece, static_cast<int>(n), MPI_BYTE, root, comm_, r);
+          });
     });
   }
 
@@ -266,15 +269,17 @@ class mpi_communicator final : public communicator {
     failure_.rethrow();
     std::vector<MPI_Request> requests(n, MPI_REQUEST_NULL);
     for (std::size_t k = 0; k < n; ++k) {
-        const int rc = start(k, &requests[k]);
-      if (rc != MPI_SUCCESS) { fail(comm_error(message("taskswap: MPI ", what, " failed to start: ", mpi_error_text(rc)))); }
+      const int rc = start(k, &requests[k]);
+      if (rc != MPI_SUCCESS) {
+        fail(comm_error(message("taskswap: MPI ", what, " failed to start: ", mpi_error_text(rc))));
+      }
     }
     const auto begin = std::chrono::steady_clock::now();
     for (int polls = 0;; ++polls) {
       int done = 0;
       int rc = MPI_SUCCESS;
       {
-            rc = MPI_Testall(static_cast<int>(n), requests.data(), &done, MPI_STATUSES_IGNORE);
+        rc = MPI_Testall(static_cast<int>(n), requests.data(), &done, MPI_STATUSES_IGNORE);
       }
       if (rc != MPI_SUCCESS) {
         fail(comm_error(message("taskswap: MPI ", what, " failed on rank ", rank_, " of ", size_, ": ",
@@ -282,8 +287,8 @@ class mpi_communicator final : public communicator {
       }
       if (done != 0) { return; }
       if (std::chrono::steady_clock::now() - begin > timeout_) {
-        fail(timeout_error(message("taskswap: MPI ", what, " did not finish within ", timeout_.count(),
-                                   " ms on rank ", rank_, " of ", size_,
+        fail(timeout_error(message("taskswap: MPI ", what, " did not finish within ", timeout_.count(), " ms on rank ",
+                                   rank_, " of ", size_,
                                    ": another rank died, stalled or issued a different collective; the communicator "
                                    "is aborted. Look for the first error on the other ranks; raise [comm] timeout only "
                                    "if a step legitimately takes longer")));
@@ -320,10 +325,11 @@ class mpi_communicator final : public communicator {
 std::shared_ptr<communicator> make_mpi_communicator(const device& dev, std::chrono::milliseconds timeout)
 {
   if (dev.kind() != backend_kind::emulated) {
-    throw config_error(detail::message("taskswap: the mpi communicator reduces emulated-device buffers, and ", dev.name(),
-                               " is a cuda device; set [comm] backend = \"nccl\""));
+    throw config_error(detail::message("taskswap: the mpi communicator reduces emulated-device buffers, and ",
+                                       dev.name(), " is a cuda device; set [comm] backend = \"nccl\""));
   }
-  TASKSWAP_EXPECTS(timeout.count() > 0, detail::message("communicator timeout ", timeout.count(), " ms; give a positive timeout"));
+  TASKSWAP_EXPECTS(timeout.count() > 0,
+                   detail::message("communicator timeout ", timeout.count(), " ms; give a positive timeout"));
   detail::ensure_mpi();
   return std::make_shared<detail::mpi_communicator>(dev, MPI_COMM_WORLD, timeout);
 }

@@ -72,7 +72,9 @@ class nccl_communicator final : public communicator {
     watchdog_.join();
     if (owned_ && !aborted_) {
       const ncclResult_t rc = nccl().comm_destroy(comm_);
-      if (rc != ncclSuccess) { log(log_level::warning, message("taskswap: ncclCommDestroy: ", nccl().get_error_string(rc))); }
+      if (rc != ncclSuccess) {
+        log(log_level::warning, message("taskswap: ncclCommDestroy: ", nccl().get_error_string(rc)));
+      }
     }
   }
 
@@ -85,7 +87,8 @@ class nccl_communicator final : public communicator {
   {
     check();
     for (const reduce_item& it : items) {
-      check_reduce_item(it, device_, "NCCL", what, "the nccl backend reduces cuda buffers, use mpi for emulated devices");
+      check_reduce_item(it, device_, "NCCL", what,
+                        "the nccl backend reduces cuda buffers, use mpi for emulated devices");
     }
     // A 16-bit factor would bias every average (1/3 is 0.33398 in bf16): 16-bit slabs are scaled
     // in f32 first (the MPI path's rounding) and then summed.
@@ -133,7 +136,8 @@ class nccl_communicator final : public communicator {
     const device_span d = scratch_.span(flag_bytes, bytes);
     copy_async(d, std::as_bytes(values), s);
     watched(s, message("count allreduce of ", what), [&](cudaStream_t cs) {
-      check_nccl(nccl().all_reduce(d.data(), d.data(), values.size(), ncclInt64, ncclSum, comm_, cs), "ncclAllReduce", what);
+      check_nccl(nccl().all_reduce(d.data(), d.data(), values.size(), ncclInt64, ncclSum, comm_, cs), "ncclAllReduce",
+                 what);
     });
     copy_async(std::as_writable_bytes(values), const_device_span(d), s);
   }
@@ -144,7 +148,8 @@ class nccl_communicator final : public communicator {
     check_broadcast(data, root, size_, device_, "NCCL", what, "give a buffer of the communicator's device");
     if (data.size() == 0) { return; }
     watched(s, message("broadcast of ", what), [&](cudaStream_t cs) {
-      check_nccl(nccl().broadcast(data.data(), data.data(), data.size(), ncclUint8, root, comm_, cs), "ncclBroadcast", what);
+      check_nccl(nccl().broadcast(data.data(), data.data(), data.size(), ncclUint8, root, comm_, cs), "ncclBroadcast",
+                 what);
     });
   }
 
@@ -205,7 +210,8 @@ class nccl_communicator final : public communicator {
       wake_.wait_for(lock, std::chrono::milliseconds(pending_.empty() ? 100 : 5));
       if (aborted_) { continue; }
       ncclResult_t async = ncclSuccess;
-      if (nccl().comm_get_async_error(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      if (nccl().comm_get_async_error(comm_, &async) == ncclSuccess && async != ncclSuccess &&
+          async != ncclInProgress) {
         abort_with(comm_error(message("taskswap: NCCL reported an asynchronous error on rank ", rank_, " of ", size_,
                                       (pending_.empty() ? std::string() : " during " + pending_.front().what), ": ",
                                       nccl().get_error_string(async), "; the communicator is aborted")));
@@ -238,7 +244,9 @@ class nccl_communicator final : public communicator {
     log(log_level::warning, e.what());
     aborted_ = true;
     const ncclResult_t rc = nccl().comm_abort(comm_);  // its kernels return; the streams drain
-    if (rc != ncclSuccess) { log(log_level::warning, message("taskswap: ncclCommAbort: ", nccl().get_error_string(rc))); }
+    if (rc != ncclSuccess) {
+      log(log_level::warning, message("taskswap: ncclCommAbort: ", nccl().get_error_string(rc)));
+    }
     pending_.clear();
   }
 
@@ -249,6 +257,7 @@ class nccl_communicator final : public communicator {
   int rank_ = 0;
   int size_ = 1;
   static constexpr std::size_t flag_bytes = 256;  // the scaling kernel's non-finite flag, then the counts
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): its first bytes
   [[nodiscard]] int* flag() { return reinterpret_cast<int*>(scratch_.data()); }
   device_buffer scratch_;
   std::vector<device_buffer> retired_;
@@ -295,7 +304,8 @@ std::shared_ptr<communicator> make_nccl_communicator(const device& dev, const nc
 {
   detail::require_cuda(dev);
   TASKSWAP_EXPECTS(size > 0 && rank >= 0 && rank < size, detail::message("NCCL rank ", rank, " of ", size));
-  TASKSWAP_EXPECTS(timeout.count() > 0, detail::message("communicator timeout ", timeout.count(), " ms; give a positive timeout"));
+  TASKSWAP_EXPECTS(timeout.count() > 0,
+                   detail::message("communicator timeout ", timeout.count(), " ms; give a positive timeout"));
   const detail::cuda_device_guard guard(dev.index());
   ncclUniqueId nid;
   std::memcpy(&nid, id.data(), sizeof(nid));
@@ -309,7 +319,8 @@ std::shared_ptr<communicator> make_nccl_communicator(const device& dev, void* nc
 {
   detail::require_cuda(dev);
   TASKSWAP_EXPECTS(nccl_comm != nullptr, "make_nccl_communicator: the ncclComm_t is null");
-  TASKSWAP_EXPECTS(timeout.count() > 0, detail::message("communicator timeout ", timeout.count(), " ms; give a positive timeout"));
+  TASKSWAP_EXPECTS(timeout.count() > 0,
+                   detail::message("communicator timeout ", timeout.count(), " ms; give a positive timeout"));
   return std::make_shared<detail::nccl_communicator>(dev, static_cast<ncclComm_t>(nccl_comm), false, timeout);
 }
 

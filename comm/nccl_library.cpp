@@ -27,7 +27,7 @@ namespace taskswap::detail {
 namespace {
 
 std::mutex load_mutex;
-std::string preferred;                         // guarded by load_mutex
+std::string preferred;  // guarded by load_mutex
 std::atomic<const nccl_library*> loaded{nullptr};
 
 std::string dl_error()

@@ -26,7 +26,7 @@ namespace taskswap::detail {
 
 struct nccl_library {
   std::string path;  // the file loaded (as dlinfo reports it)
-  int version = 0;   // ncclGetVersion: major * 10000 + minor * 100 + patch
+  int version = 0;  // ncclGetVersion: major * 10000 + minor * 100 + patch
   decltype(&::ncclGetVersion) get_version = nullptr;
   decltype(&::ncclGetErrorString) get_error_string = nullptr;
   decltype(&::ncclGetLastError) get_last_error = nullptr;

@@ -14,8 +14,8 @@ namespace taskswap::detail {
 
 /// Each slab is on `dev` and a whole number of elements; `backend` and `hint` name the
 /// communicator and the one to use instead.
-inline void check_reduce_item(const reduce_item& it, const device& dev, std::string_view backend,
-                              std::string_view what, std::string_view hint)
+inline void check_reduce_item(const reduce_item& it, const device& dev, std::string_view backend, std::string_view what,
+                              std::string_view hint)
 {
   TASKSWAP_EXPECTS(it.data.owner() == &dev.backend(),
                    message(backend, " allreduce of ", what, ": the buffer is not on the communicator's device (",

@@ -48,7 +48,8 @@ reducer::reducer(const device& dev, std::shared_ptr<communicator> comm, const co
 std::span<std::int64_t> reducer::stop_slot(std::size_t i) noexcept
 {
   const auto world = static_cast<std::size_t>(comm_->size());
-  return {reinterpret_cast<std::int64_t*>(stop_slots_.data()) + i * world, world};  // NOLINT: int64 slots
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): int64 slots
+  return {reinterpret_cast<std::int64_t*>(stop_slots_.data()) + i * world, world};
 }
 
 reducer::~reducer()
@@ -108,8 +109,8 @@ void reducer::check_digests()
     }
   }
   if (!differing.empty()) {
-    throw config_error(message("taskswap: the ranks registered different units or [comm] settings: rank ", me,
-                               " has ", units_.size(), " units with digest ", std::hex, digest, std::dec,
+    throw config_error(message("taskswap: the ranks registered different units or [comm] settings: rank ", me, " has ",
+                               units_.size(), " units with digest ", std::hex, digest, std::dec,
                                ", and these ranks differ from it: ", differing,
                                ". Every rank must register the same units (names, tensor shapes, dtypes, "
                                "no_weight_decay flags, lr_scale and weight_decay) in the same order, with the same "
@@ -176,15 +177,16 @@ std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint
         counts[k * n + u] = 1;
         const auto s = std::lower_bound(state_units_.begin(), state_units_.end(), u);
         if (s != state_units_.end() && *s == u) {
-          counts[mask_slot(k, static_cast<std::size_t>(s - state_units_.begin()), me / 62)] = std::int64_t{1} << (me % 62);
+          counts[mask_slot(k, static_cast<std::size_t>(s - state_units_.begin()), me / 62)] = std::int64_t{1}
+                                                                                              << (me % 62);
         }
       }
     }
     control_->allreduce_counts(counts, control_stream_,
                                message("steps ", first_step, "..", first_step + local.size() - 1, " (plan)"));
     control_done_.record(control_stream_);
-    wait_channel(*control_, control_stream_, control_done_, message("agreement on the units of steps ", first_step, "..",
-                                        first_step + local.size() - 1));
+    wait_channel(*control_, control_stream_, control_done_,
+                 message("agreement on the units of steps ", first_step, "..", first_step + local.size() - 1));
   }
   for (std::size_t k = 0; k < local.size(); ++k) {
     step_agreement& a = out[k];
@@ -205,7 +207,8 @@ std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint
       const auto s = std::lower_bound(state_units_.begin(), state_units_.end(), static_cast<std::uint32_t>(i));
       if (!options_.reduce_every_unit && s != state_units_.end() && *s == i) {
         for (std::size_t w = 0; w < words; ++w) {
-          const auto mask = static_cast<std::uint64_t>(counts[mask_slot(k, static_cast<std::size_t>(s - state_units_.begin()), w)]);
+          const auto mask =
+            static_cast<std::uint64_t>(counts[mask_slot(k, static_cast<std::size_t>(s - state_units_.begin()), w)]);
           if (mask != 0) {
             root = static_cast<int>(w * 62) + __builtin_ctzll(mask);
             break;
@@ -275,13 +278,13 @@ void reducer::launch_ready_buckets(std::vector<std::uint32_t>& launched)
     for (std::size_t i = first; i < last; ++i) {
       if (!ready_events_[i]->query()) { ready_events_[i]->wait(stream_); }
       const std::uint32_t u = a.order[i];
-      const double factor = options_.average == average_mode::world ? 1.0 / comm_->size()
-                                                                     : 1.0 / static_cast<double>(a.counts[i]);
+      const double factor =
+        options_.average == average_mode::world ? 1.0 / comm_->size() : 1.0 / static_cast<double>(a.counts[i]);
       items.push_back({slabs_[i], units_[u].grad, reduce_op::premul_sum, factor});
     }
     comm_->allreduce_many(items, stream_,
-                          message("bucket ", next_bucket_, " (", last - first, " units from '", units_[a.order[first]].name,
-                                  "'), step ", step_number_));
+                          message("bucket ", next_bucket_, " (", last - first, " units from '",
+                                  units_[a.order[first]].name, "'), step ", step_number_));
     for (std::size_t i = first; i < last; ++i) {  // replicas keep rank 0's state tensors (DDP's broadcast_buffers)
       if (states_[i].size() != 0) {
         comm_->broadcast(states_[i], a.state_root[i], stream_,

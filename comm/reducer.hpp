@@ -39,10 +39,11 @@ struct reducer_unit {
 
 /// A planned step as the ranks agreed it.
 struct step_agreement {
-  std::vector<std::uint32_t> order;   // active units, in reduction order
-  std::vector<std::int64_t> counts;   // contributors of each, in the same order
+  std::vector<std::uint32_t> order;  // active units, in reduction order
+  std::vector<std::int64_t> counts;  // contributors of each, in the same order
   std::vector<std::size_t> bucket_end;  // bucket b is order[bucket_end[b-1] .. bucket_end[b])
-  std::vector<int> state_root;  // per unit in order: the lowest rank that trained it, whose state tensors every rank takes
+  std::vector<int>
+    state_root;  // per unit in order: the lowest rank that trained it, whose state tensors every rank takes
 };
 
 class reducer {
@@ -124,9 +125,9 @@ class reducer {
   // memory: a device-to-host copy into pageable memory would make the host wait for the vote.
   pinned_buffer stop_slots_;
   std::unique_ptr<communicator> stop_;
-  stream stream_;          // gradients
+  stream stream_;  // gradients
   stream control_stream_;  // agreements
-  stream stop_stream_;     // stop votes
+  stream stop_stream_;  // stop votes
   event control_done_;
   std::array<event, 2> stop_done_;
   std::uint64_t stop_calls_ = 0;
@@ -137,7 +138,7 @@ class reducer {
   const step_agreement* step_ = nullptr;
   std::uint64_t step_number_ = 0;
   std::vector<std::int32_t> where_;  // unit -> index in step_->order, or -1
-  std::vector<device_span> slabs_;   // by index in order
+  std::vector<device_span> slabs_;  // by index in order
   std::vector<device_span> states_;  // the state tensors of each, by index in order
   std::vector<const event*> ready_events_;
   std::vector<bool> ready_;

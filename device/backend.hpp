@@ -58,7 +58,7 @@ class backend {
   // work: the emulated backend skips every later copy, fill and host function, and every later
   // call rethrows `why` (as after its injected faults). CUDA has no such switch: there the runtime
   // stops writing home once it sees the failure.
-  virtual void abandon_work(std::exception_ptr /*why*/) noexcept {}
+  virtual void abandon_work(const std::exception_ptr& /*why*/) noexcept {}
 
   // Device memory: 256-byte aligned. deallocate waits for the device's queued work.
   [[nodiscard]] virtual std::byte* allocate(std::size_t bytes) = 0;
@@ -102,8 +102,7 @@ class backend {
   virtual void synchronize_stream(void* s) = 0;
   [[nodiscard]] virtual bool query_stream(void* s) = 0;
 
-  virtual void copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction,
-                          void* s) = 0;
+  virtual void copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction, void* s) = 0;
   virtual void fill_async(void* dst, std::byte value, std::size_t bytes, void* s) = 0;
   virtual void launch_host_func(void* s, std::function<void()> fn) = 0;
 

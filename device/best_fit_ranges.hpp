@@ -42,7 +42,7 @@ class best_fit_ranges {
   struct extent {
     std::size_t block_offset;  // where the block starts (alignment padding first)
     std::size_t block_size;
-    std::size_t size;          // bytes asked for
+    std::size_t size;  // bytes asked for
   };
   void insert_free(std::size_t offset, std::size_t size);
   void erase_free(std::map<std::size_t, std::size_t>::iterator it);
@@ -50,9 +50,9 @@ class best_fit_ranges {
   std::size_t capacity_;
   std::uintptr_t base_address_;
   std::size_t used_ = 0;
-  std::map<std::size_t, std::size_t> free_by_offset_;           // offset -> size
+  std::map<std::size_t, std::size_t> free_by_offset_;  // offset -> size
   std::set<std::pair<std::size_t, std::size_t>> free_by_size_;  // (size, offset)
-  std::map<std::size_t, extent> live_;                          // range offset -> extent
+  std::map<std::size_t, extent> live_;  // range offset -> extent
 };
 
 }  // namespace taskswap::detail

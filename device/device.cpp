@@ -14,10 +14,7 @@
 
 namespace taskswap {
 
-std::string_view to_string(backend_kind kind) noexcept
-{
-  return kind == backend_kind::cuda ? "cuda" : "emulated";
-}
+std::string_view to_string(backend_kind kind) noexcept { return kind == backend_kind::cuda ? "cuda" : "emulated"; }
 
 // --- device -----------------------------------------------------------------
 
@@ -42,10 +39,10 @@ device emulated_device(const emulated_options& options, const emulated_faults& f
 {
   TASKSWAP_EXPECTS(options.memory_bytes > 0,
                    "emulated device needs memory_bytes > 0; give it the device memory to emulate");
-  TASKSWAP_EXPECTS(options.link.bytes_per_second >= 0.0 && options.link.latency_seconds >= 0.0,
-                   detail::message("emulated link model needs non-negative numbers, got ",
-                                   options.link.bytes_per_second, " B/s and ",
-                                   options.link.latency_seconds, " s latency"));
+  TASKSWAP_EXPECTS(
+    options.link.bytes_per_second >= 0.0 && options.link.latency_seconds >= 0.0,
+    detail::message("emulated link model needs non-negative numbers, got ", options.link.bytes_per_second, " B/s and ",
+                    options.link.latency_seconds, " s latency"));
   TASKSWAP_EXPECTS(options.granularity >= 256 && (options.granularity & (options.granularity - 1)) == 0,
                    detail::message("emulated device granularity must be a power of two of at least 256 bytes, got ",
                                    options.granularity));
@@ -54,29 +51,24 @@ device emulated_device(const emulated_options& options, const emulated_faults& f
 
 namespace {
 
-std::string where(const detail::backend& b)
-{
-  return detail::message(to_string(b.kind()), ":", b.index());
-}
+std::string where(const detail::backend& b) { return detail::message(to_string(b.kind()), ":", b.index()); }
 
-void expect_same_device(const detail::backend* memory_owner, const detail::backend& stream_owner,
-                        const char* what)
+void expect_same_device(const detail::backend* memory_owner, const detail::backend& stream_owner, const char* what)
 {
-  TASKSWAP_EXPECTS(memory_owner == &stream_owner,
-                   detail::message(what, " belongs to device ",
-                                   memory_owner ? where(*memory_owner) : std::string{"<none>"},
-                                   " but the stream belongs to device ", where(stream_owner),
-                                   "; use a stream of the device that owns the memory"));
+  TASKSWAP_EXPECTS(
+    memory_owner == &stream_owner,
+    detail::message(what, " belongs to device ", memory_owner ? where(*memory_owner) : std::string{"<none>"},
+                    " but the stream belongs to device ", where(stream_owner),
+                    "; use a stream of the device that owns the memory"));
 }
 
 void expect_copy_sizes(std::size_t dst, std::size_t src, const void* dst_data, const void* src_data)
 {
-  TASKSWAP_EXPECTS(dst == src, detail::message("copy_async: destination has ", dst,
-                                               " bytes but source has ", src,
+  TASKSWAP_EXPECTS(dst == src, detail::message("copy_async: destination has ", dst, " bytes but source has ", src,
                                                "; pass ranges of equal size (subspan)"));
   TASKSWAP_EXPECTS(src == 0 || (dst_data != nullptr && src_data != nullptr),
-                   detail::message("copy_async: null ", dst_data == nullptr ? "destination" : "source",
-                                   " pointer for ", src, " bytes"));
+                   detail::message("copy_async: null ", dst_data == nullptr ? "destination" : "source", " pointer for ",
+                                   src, " bytes"));
 }
 
 }  // namespace
@@ -102,18 +94,20 @@ stream::stream(const device& dev, stream_options options) : device_(dev), priori
   const int lo = std::min(least, greatest);
   const int hi = std::max(least, greatest);
   TASKSWAP_EXPECTS(options.priority >= lo && options.priority <= hi,
-                   detail::message("stream priority ", options.priority, " is outside device ",
-                                   where(dev.backend()), "'s range [", lo, ", ", hi, "]"));
+                   detail::message("stream priority ", options.priority, " is outside device ", where(dev.backend()),
+                                   "'s range [", lo, ", ", hi, "]"));
   handle_ = dev.backend().create_stream(options.priority, options.host_synchronous);
   dev.backend().open_error_slot(handle_);
 }
 
 stream::~stream() { reset(); }
 
+// The moved-from stream keeps its device (a handle), for its destructor.
 stream::stream(stream&& other) noexcept
-    : device_(other.device_), handle_(std::exchange(other.handle_, nullptr)), priority_(other.priority_)
-{
-}
+    : device_(other.device_),  // NOLINT(performance-move-constructor-init)
+      handle_(std::exchange(other.handle_, nullptr)),
+      priority_(other.priority_)
+{}
 
 stream& stream::operator=(stream&& other) noexcept
 {
@@ -138,18 +132,17 @@ void stream::reset() noexcept
 
 event::event(const device& dev, event_options options)
     : device_(dev), handle_(dev.backend().create_event(options.timing)), timing_(options.timing)
-{
-}
+{}
 
 event::~event() { reset(); }
 
+// The moved-from event keeps its device (a handle), for its destructor.
 event::event(event&& other) noexcept
-    : device_(other.device_),
+    : device_(other.device_),  // NOLINT(performance-move-constructor-init)
       handle_(std::exchange(other.handle_, nullptr)),
       timing_(other.timing_),
       recorded_(std::exchange(other.recorded_, false))
-{
-}
+{}
 
 event& event::operator=(event&& other) noexcept
 {
@@ -199,11 +192,9 @@ double elapsed_ms(const event& start, const event& end)
 {
   TASKSWAP_EXPECTS(start.timing() && end.timing(),
                    "elapsed_ms needs two events created with event_options{.timing = true}");
-  TASKSWAP_EXPECTS(start.get_device() == end.get_device(),
-                   "elapsed_ms needs two events of the same device");
+  TASKSWAP_EXPECTS(start.get_device() == end.get_device(), "elapsed_ms needs two events of the same device");
   TASKSWAP_EXPECTS(start.recorded() && end.recorded(), "elapsed_ms needs two recorded events");
-  TASKSWAP_EXPECTS(start.query() && end.query(),
-                   "elapsed_ms: an event has not completed; synchronize it first");
+  TASKSWAP_EXPECTS(start.query() && end.query(), "elapsed_ms: an event has not completed; synchronize it first");
   return start.get_device().backend().elapsed_ms(start.native_handle(), end.native_handle());
 }
 
@@ -212,9 +203,9 @@ double elapsed_ms(const event& start, const event& end)
 template <typename T>
 basic_device_span<T> basic_device_span<T>::subspan(std::size_t offset, std::size_t count) const
 {
-  TASKSWAP_EXPECTS(offset <= size_ && count <= size_ - offset,
-                   detail::message("range [", offset, ", ", offset + count,
-                                   ") reaches beyond a device span of ", size_, " bytes"));
+  TASKSWAP_EXPECTS(
+    offset <= size_ && count <= size_ - offset,
+    detail::message("range [", offset, ", ", offset + count, ") reaches beyond a device span of ", size_, " bytes"));
   return {owner_, data_ + offset, count};
 }
 
@@ -228,13 +219,11 @@ void release_pinned(detail::backend& b, std::byte* p, std::size_t bytes) noexcep
 
 device_buffer::device_buffer(const device& dev, std::size_t bytes)
     : bytes_(dev, bytes > 0 ? dev.backend().allocate(bytes) : nullptr, bytes, release_device)
-{
-}
+{}
 
 pinned_buffer::pinned_buffer(const device& dev, std::size_t bytes)
     : bytes_(dev, bytes > 0 ? dev.backend().allocate_pinned(bytes) : nullptr, bytes, release_pinned)
-{
-}
+{}
 
 // --- operations on a stream --------------------------------------------------
 
@@ -243,8 +232,7 @@ void copy_async(device_span dst, std::span<const std::byte> src, stream_view s)
   expect_copy_sizes(dst.size(), src.size(), dst.data(), src.data());
   if (src.empty()) { return; }
   expect_same_device(dst.owner(), s.backend(), "copy_async: the destination");
-  s.backend().copy_async(dst.data(), src.data(), src.size(), detail::copy_direction::host_to_device,
-                         s.native_handle());
+  s.backend().copy_async(dst.data(), src.data(), src.size(), detail::copy_direction::host_to_device, s.native_handle());
 }
 
 void copy_async(std::span<std::byte> dst, const_device_span src, stream_view s)
@@ -252,8 +240,7 @@ void copy_async(std::span<std::byte> dst, const_device_span src, stream_view s)
   expect_copy_sizes(dst.size(), src.size(), dst.data(), src.data());
   if (src.empty()) { return; }
   expect_same_device(src.owner(), s.backend(), "copy_async: the source");
-  s.backend().copy_async(dst.data(), src.data(), src.size(), detail::copy_direction::device_to_host,
-                         s.native_handle());
+  s.backend().copy_async(dst.data(), src.data(), src.size(), detail::copy_direction::device_to_host, s.native_handle());
 }
 
 void copy_async(device_span dst, const_device_span src, stream_view s)
@@ -262,8 +249,8 @@ void copy_async(device_span dst, const_device_span src, stream_view s)
   if (src.empty()) { return; }
   expect_same_device(dst.owner(), s.backend(), "copy_async: the destination");
   expect_same_device(src.owner(), s.backend(), "copy_async: the source");
-  s.backend().copy_async(dst.data(), src.data(), src.size(),
-                         detail::copy_direction::device_to_device, s.native_handle());
+  s.backend().copy_async(dst.data(), src.data(), src.size(), detail::copy_direction::device_to_device,
+                         s.native_handle());
 }
 
 void fill_async(device_span dst, std::byte value, stream_view s)

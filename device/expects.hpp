@@ -11,10 +11,10 @@
 #define TASKSWAP_STRINGIFY(x) TASKSWAP_STRINGIFY_DETAIL(x)
 
 /// Throws taskswap::invalid_argument(msg) when `cond` is false. `msg` is evaluated only then.
-#define TASKSWAP_EXPECTS(cond, msg)                                                       \
-  do {                                                                                    \
-    if (!(cond)) [[unlikely]] {                                                           \
-      throw ::taskswap::invalid_argument(::taskswap::detail::message(                     \
-        "taskswap: ", msg, " [" __FILE__ ":" TASKSWAP_STRINGIFY(__LINE__) "]"));          \
-    }                                                                                     \
+#define TASKSWAP_EXPECTS(cond, msg)                                                                          \
+  do {                                                                                                       \
+    if (!(cond)) [[unlikely]] {                                                                              \
+      throw ::taskswap::invalid_argument(                                                                    \
+        ::taskswap::detail::message("taskswap: ", msg, " [" __FILE__ ":" TASKSWAP_STRINGIFY(__LINE__) "]")); \
+    }                                                                                                        \
   } while (false)

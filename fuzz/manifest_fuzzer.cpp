@@ -34,9 +34,9 @@ bool same(const taskswap::checkpoint_manifest& a, const taskswap::checkpoint_man
   for (std::size_t i = 0; i < a.units.size(); ++i) {
     const auto& x = a.units[i];
     const auto& y = b.units[i];
-    if (x.name != y.name || x.compute != y.compute || x.tensors != y.tensors || x.step != y.step || !same(x.params, y.params) ||
-        !same(x.m, y.m) || !same(x.v, y.v) || x.master.has_value() != y.master.has_value() ||
-        (x.master && !same(*x.master, *y.master))) {
+    if (x.name != y.name || x.compute != y.compute || x.tensors != y.tensors || x.step != y.step ||
+        !same(x.params, y.params) || !same(x.m, y.m) || !same(x.v, y.v) ||
+        x.master.has_value() != y.master.has_value() || (x.master && !same(*x.master, *y.master))) {
       return false;
     }
   }
@@ -47,7 +47,8 @@ bool same(const taskswap::checkpoint_manifest& a, const taskswap::checkpoint_man
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size)
 {
-  const std::string_view text(reinterpret_cast<const char*>(data), size);  // NOLINT: bytes as text
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): bytes as text
+  const std::string_view text(reinterpret_cast<const char*>(data), size);
   taskswap::checkpoint_manifest m;
   try {
     m = taskswap::parse_checkpoint_manifest(text, "fuzz/manifest.toml");

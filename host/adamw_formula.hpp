@@ -35,16 +35,16 @@ namespace taskswap::detail {
 
 /// The per-step scalars, identical on every path.
 struct adamw_scalars {
-  float decay;            // 1 - lr * weight_decay
+  float decay;  // 1 - lr * weight_decay
   float beta1;
   float one_minus_beta1;
   float beta2;
   float one_minus_beta2;
-  float neg_step_size;    // -lr / (1 - beta1^t)
-  float inv_sqrt_bias2;   // 1 / sqrt(1 - beta2^t)
+  float neg_step_size;  // -lr / (1 - beta1^t)
+  float inv_sqrt_bias2;  // 1 / sqrt(1 - beta2^t)
   float eps;
   float grad_unscale = 1.0F;  // 1 / the loss scale (1: none)
-  float grad_clip = 1.0F;     // the global-norm clipping coefficient (1: none)
+  float grad_clip = 1.0F;  // the global-norm clipping coefficient (1: none)
 };
 
 /// Scalars for step `step` (1 for the first update); checks happen in the caller. The same

@@ -20,9 +20,15 @@ std::optional<adamw_option_problem> adamw_problem(const adamw_options& o) noexce
 {
   if (!(o.lr > 0 && std::isfinite(o.lr))) { return adamw_option_problem{"lr", "must be a positive number"}; }
   if (!(o.eps > 0 && std::isfinite(o.eps))) { return adamw_option_problem{"eps", "must be a positive number"}; }
-  if (!(o.weight_decay >= 0 && std::isfinite(o.weight_decay))) { return adamw_option_problem{"weight_decay", "must be 0 or more"}; }
-  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) { return adamw_option_problem{"betas", "each beta must be in [0, 1)"}; }
-  if (!(o.clip >= 0 && std::isfinite(o.clip))) { return adamw_option_problem{"clip", "must be 0 (no clipping) or more, e.g. clip = 1.0"}; }
+  if (!(o.weight_decay >= 0 && std::isfinite(o.weight_decay))) {
+    return adamw_option_problem{"weight_decay", "must be 0 or more"};
+  }
+  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1)) {
+    return adamw_option_problem{"betas", "each beta must be in [0, 1)"};
+  }
+  if (!(o.clip >= 0 && std::isfinite(o.clip))) {
+    return adamw_option_problem{"clip", "must be 0 (no clipping) or more, e.g. clip = 1.0"};
+  }
   return std::nullopt;
 }
 
@@ -71,8 +77,8 @@ cpu_isa best_cpu_isa() noexcept
   return best;
 }
 
-void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin,
-                     std::size_t end, cpu_isa isa)
+void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin, std::size_t end,
+                     cpu_isa isa)
 {
   switch (isa) {
     case cpu_isa::avx512: cpu_adamw_range_avx512(slabs, scalars, begin, end); return;
@@ -86,8 +92,7 @@ void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host
   cpu_adamw_step(slabs, scalars, arena, best_cpu_isa());
 }
 
-void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena,
-                    cpu_isa isa)
+void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena, cpu_isa isa)
 {
   if (slabs.count == 0) { return; }
   TASKSWAP_EXPECTS(slabs.master != nullptr && slabs.m != nullptr && slabs.v != nullptr && slabs.grad != nullptr,

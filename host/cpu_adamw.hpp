@@ -32,13 +32,12 @@ enum class cpu_isa { portable, avx2, avx512 };
 [[nodiscard]] cpu_isa best_cpu_isa() noexcept;
 
 /// Updates elements [begin, end) on the calling thread with the given instruction set.
-void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin,
-                     std::size_t end, cpu_isa isa);
+void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin, std::size_t end,
+                     cpu_isa isa);
 
 /// Updates every element, in parallel inside `arena`, with the best instruction set (or `isa`).
 /// @throws invalid_argument for null slabs, a params copy in f32, or an ISA this CPU lacks
 void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena);
-void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena,
-                    cpu_isa isa);
+void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena, cpu_isa isa);
 
 }  // namespace taskswap::detail

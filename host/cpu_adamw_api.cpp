@@ -51,11 +51,12 @@ void warn_if_aliased(const std::array<operand, 5>& ops, std::size_t used)
       const std::size_t d = a > b ? a - b : b - a;
       const std::size_t r = std::min(d % period, period - d % period);
       if (d >= period && r < detail::stagger_min_gap) {
-        detail::log_once("cpu-adamw-alias", log_level::warning,
-                         detail::message("cpu_adamw: ", ops[i].name, " and ", ops[j].name, " start ", detail::bytes_text(d),
-                                         " apart; arrays (nearly) a multiple of 128 MiB apart ran the step at 0.33-0.87 of "
-                                         "the speed of separate ones on a test machine. Allocate them separately or start "
-                                         "each 12.75 KiB further into a 64 KiB period (docs/host.md#array-layout)"));
+        detail::log_once(
+          "cpu-adamw-alias", log_level::warning,
+          detail::message("cpu_adamw: ", ops[i].name, " and ", ops[j].name, " start ", detail::bytes_text(d),
+                          " apart; arrays (nearly) a multiple of 128 MiB apart ran the step at 0.33-0.87 of "
+                          "the speed of separate ones on a test machine. Allocate them separately or start "
+                          "each 12.75 KiB further into a 64 KiB period (docs/host.md#array-layout)"));
         return;
       }
     }
@@ -66,8 +67,10 @@ void warn_if_aliased(const std::array<operand, 5>& ops, std::size_t used)
 
 cpu_adamw::cpu_adamw(cpu_adamw_options options)
 {
-  TASKSWAP_EXPECTS(options.threads >= 0, detail::message("cpu_adamw: threads is ", options.threads, "; give 0 (every CPU) or more"));
-  TASKSWAP_EXPECTS(options.numa_node >= -1, detail::message("cpu_adamw: numa_node is ", options.numa_node, "; give -1 (none) or a node's OS index"));
+  TASKSWAP_EXPECTS(options.threads >= 0,
+                   detail::message("cpu_adamw: threads is ", options.threads, "; give 0 (every CPU) or more"));
+  TASKSWAP_EXPECTS(options.numa_node >= -1, detail::message("cpu_adamw: numa_node is ", options.numa_node,
+                                                            "; give -1 (none) or a node's OS index"));
   impl_ = std::make_unique<impl>(options.numa_node, options.threads);
 }
 
@@ -87,14 +90,17 @@ void cpu_adamw::step(const adamw_tensors& t, const adamw_options& hyper, std::in
   const std::size_t n = t.master.size();
   TASKSWAP_EXPECTS(step >= 1, detail::message("cpu_adamw: step is ", step, "; the first update of a tensor is step 1"));
   TASKSWAP_EXPECTS(t.m.size() == n && t.v.size() == n,
-                   detail::message("cpu_adamw: master has ", n, " elements but m has ", t.m.size(), " and v ", t.v.size(), "; give each as many"));
+                   detail::message("cpu_adamw: master has ", n, " elements but m has ", t.m.size(), " and v ",
+                                   t.v.size(), "; give each as many"));
   if (n == 0) { return; }
   TASKSWAP_EXPECTS(t.grad != nullptr, "cpu_adamw: no gradients; point grad at master.size() values of grad_type");
   TASKSWAP_EXPECTS(t.params == nullptr || t.param_type != dtype::f32,
                    "cpu_adamw: an f32 params copy would be the master itself; pass params = nullptr for f32 training");
   const std::size_t g = size_of(t.grad_type);
-  const auto addr = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };  // NOLINT: address arithmetic
-  TASKSWAP_EXPECTS(addr(t.grad) % g == 0, detail::message("cpu_adamw: grad is not aligned to its ", g, "-byte elements"));
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): address arithmetic
+  const auto addr = [](const void* p) { return reinterpret_cast<std::uintptr_t>(p); };
+  TASKSWAP_EXPECTS(addr(t.grad) % g == 0,
+                   detail::message("cpu_adamw: grad is not aligned to its ", g, "-byte elements"));
   TASKSWAP_EXPECTS(t.params == nullptr || addr(t.params) % 2 == 0, "cpu_adamw: params is not aligned to 2 bytes");
   std::array<operand, 5> ops{{{"master", addr(t.master.data()), n * 4},
                               {"m", addr(t.m.data()), n * 4},
@@ -105,11 +111,13 @@ void cpu_adamw::step(const adamw_tensors& t, const adamw_options& hyper, std::in
   for (std::size_t i = 0; i < used; ++i) {
     for (std::size_t j = i + 1; j < used; ++j) {
       const bool apart = ops[i].begin + ops[i].bytes <= ops[j].begin || ops[j].begin + ops[j].bytes <= ops[i].begin;
-      TASKSWAP_EXPECTS(apart, detail::message("cpu_adamw: ", ops[i].name, " and ", ops[j].name, " overlap; give each its own memory"));
+      TASKSWAP_EXPECTS(
+        apart, detail::message("cpu_adamw: ", ops[i].name, " and ", ops[j].name, " overlap; give each its own memory"));
     }
   }
   if (n * 4 >= detail::stagger_min_array_bytes) { warn_if_aliased(ops, used); }
-  const detail::adamw_slabs slabs{t.master.data(), t.m.data(), t.v.data(), t.grad, t.grad_type, t.params, t.param_type, n};
+  const detail::adamw_slabs slabs{t.master.data(), t.m.data(), t.v.data(),   t.grad,
+                                  t.grad_type,     t.params,   t.param_type, n};
   detail::cpu_adamw_step(slabs, detail::make_adamw_scalars(hyper, step), impl_->arena);
 }
 

@@ -15,12 +15,14 @@ struct avx512_lanes {
   static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
   static reg load_bf16(const std::uint16_t* p)
   {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));  // NOLINT: intrinsic API
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): intrinsic API
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
   static reg load_f16(const std::uint16_t* p)
   {
-    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));  // NOLINT
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
   static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
@@ -37,11 +39,12 @@ struct avx512_lanes {
     const __m512i u = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
     const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));  // NOLINT
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
   }
   static void store_f16(std::uint16_t* p, reg x)
   {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),  // NOLINT
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),  // NOLINT(cppcoreguidelines-pro-type-reinterpret-cast)
                         _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   }
 };

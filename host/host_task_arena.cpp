@@ -47,10 +47,11 @@ host_task_arena::host_task_arena(int numa_node, int threads)
       arena_(constraints_for(numa_node, threads, constrained_))
 {
   if (numa_node >= 0 && !constrained_) {
-    log_once("tbb-numa", log_level::info,
-             message(tbb_numa_disabled() ? "TASKSWAP_TBB_NUMA=off" : "oneTBB has no NUMA information (tbbbind not loaded)",
-                     "; host threads for node ", numa_node,
-                     " run unconstrained, memory placement still follows the arena's hwloc binding"));
+    log_once(
+      "tbb-numa", log_level::info,
+      message(tbb_numa_disabled() ? "TASKSWAP_TBB_NUMA=off" : "oneTBB has no NUMA information (tbbbind not loaded)",
+              "; host threads for node ", numa_node,
+              " run unconstrained, memory placement still follows the arena's hwloc binding"));
   }
   arena_.initialize();
 }

@@ -26,15 +26,15 @@ namespace taskswap::detail {
 
 /// The guarded step's state in device memory (one per runtime).
 struct step_guard {
-  double square_sum = 0;   // this step's unscaled gradients, unit by unit (reset when the step finishes)
-  float scale = 1.0F;      // the loss scale the gradients of the current step carry
-  float unscale = 1.0F;    // the finished step's 1 / scale, for its updates
+  double square_sum = 0;  // this step's unscaled gradients, unit by unit (reset when the step finishes)
+  float scale = 1.0F;  // the loss scale the gradients of the current step carry
+  float unscale = 1.0F;  // the finished step's 1 / scale, for its updates
   float clip_coef = 1.0F;  // the finished step's min(1, clip / (norm + 1e-6)); 1 without clipping
-  float norm = 0;          // the finished step's global norm of the unscaled gradients
-  std::int32_t skip = 0;   // the finished step is skipped: a gradient was not finite (with a scaler)
+  float norm = 0;  // the finished step's global norm of the unscaled gradients
+  std::int32_t skip = 0;  // the finished step is skipped: a gradient was not finite (with a scaler)
   std::int32_t growth_tracker = 0;  // finite steps since the scale last changed (GradScaler's)
-  std::int64_t skipped_steps = 0;   // steps skipped since the start
-  std::int64_t steps = 0;           // guarded steps finished since the start
+  std::int64_t skipped_steps = 0;  // steps skipped since the start
+  std::int64_t steps = 0;  // guarded steps finished since the start
 };
 
 /// What finishing a step needs from the options.
@@ -47,7 +47,7 @@ struct guard_settings {
 };
 
 inline constexpr unsigned square_sum_threads = 256;  // per block; a power of two
-inline constexpr unsigned square_sum_blocks = 256;   // a power of two
+inline constexpr unsigned square_sum_blocks = 256;  // a power of two
 inline constexpr std::size_t square_sum_lanes = std::size_t{square_sum_threads} * square_sum_blocks;
 
 /// GradScaler's inverse scale: scale.double().reciprocal().float().

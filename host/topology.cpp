@@ -54,7 +54,8 @@ topology& topology::instance()
 {
   // Never destroyed: arenas destroyed during static destruction may still query it, and hwloc's
   // PCI plugin is not unloaded behind them.
-  static topology* const loaded = new topology();  // NOLINT: intentionally immortal
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): intentionally immortal
+  static topology* const loaded = new topology();
   return *loaded;
 }
 
@@ -77,8 +78,8 @@ std::vector<numa_node_info> topology::nodes() const
   std::vector<numa_node_info> result;
   hwloc_obj_t node = nullptr;
   while ((node = hwloc_get_next_obj_by_type(topology_, HWLOC_OBJ_NUMANODE, node)) != nullptr) {
-    result.push_back({node->os_index, static_cast<std::size_t>(node->attr->numanode.local_memory),
-                      bitmap_indexes(node->cpuset)});
+    result.push_back(
+      {node->os_index, static_cast<std::size_t>(node->attr->numanode.local_memory), bitmap_indexes(node->cpuset)});
   }
   return result;
 }
@@ -91,7 +92,7 @@ std::vector<unsigned> topology::cpus_of_node(unsigned os_index) const
   return node == nullptr ? std::vector<unsigned>{} : bitmap_indexes(node->cpuset);
 }
 
-device_locality topology::calling_thread_locality(std::string why) const
+device_locality topology::calling_thread_locality(const std::string& why) const
 {
   auto cpus = make_bitmap();
   auto nodes = make_bitmap();
@@ -105,22 +106,17 @@ device_locality topology::calling_thread_locality(std::string why) const
   if (locality.numa_nodes.empty()) { locality.numa_nodes.push_back(0); }
   locality.cpus = cpus_of_node(locality.numa_nodes.front());
   locality.from_device = false;
-  locality.source = message("fallback: ", why, "; using node ", locality.numa_nodes.front(),
-                            " of the calling thread");
+  locality.source = message("fallback: ", why, "; using node ", locality.numa_nodes.front(), " of the calling thread");
   return locality;
 }
 
 device_locality topology::locality_of(const device& dev) const
 {
   const std::string bus_id = dev.pci_bus_id();
-  if (bus_id.empty()) {
-    return calling_thread_locality(message(dev.name(), " has no PCI location"));
-  }
+  if (bus_id.empty()) { return calling_thread_locality(message(dev.name(), " has no PCI location")); }
   const std::lock_guard lock(mutex_);
   hwloc_obj_t pci = hwloc_get_pcidev_by_busidstring(topology_, bus_id.c_str());
-  if (pci == nullptr) {
-    return calling_thread_locality(message("hwloc does not list PCI device ", bus_id));
-  }
+  if (pci == nullptr) { return calling_thread_locality(message("hwloc does not list PCI device ", bus_id)); }
   hwloc_obj_t ancestor = hwloc_get_non_io_ancestor_obj(topology_, pci);
   if (ancestor == nullptr || ancestor->nodeset == nullptr || hwloc_bitmap_iszero(ancestor->nodeset)) {
     return calling_thread_locality(message("no NUMA locality for PCI device ", bus_id));
@@ -200,8 +196,8 @@ std::string topology_report::text() const
   }
   if (!devices.empty()) { out << "devices\n"; }
   for (const auto& [name, locality] : devices) {
-    out << "  " << name << " -> node " << index_list(locality.numa_nodes) << ", cpus "
-        << index_list(locality.cpus) << " (" << locality.source << ")\n";
+    out << "  " << name << " -> node " << index_list(locality.numa_nodes) << ", cpus " << index_list(locality.cpus)
+        << " (" << locality.source << ")\n";
   }
   return out.str();
 }

@@ -41,7 +41,7 @@ class topology {
 
  private:
   topology();
-  [[nodiscard]] device_locality calling_thread_locality(std::string why) const;
+  [[nodiscard]] device_locality calling_thread_locality(const std::string& why) const;
   hwloc_topology_t topology_ = nullptr;
   mutable std::mutex mutex_;
 };

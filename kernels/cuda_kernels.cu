@@ -77,8 +77,8 @@ __device__ inline void store_copy4(void* params, std::size_t i, float4 p)
 // Guarded: the scalars come from device memory, and a skipped step changes nothing.
 template <dtype G, copy_kind P, bool Guarded>
 __global__ void __launch_bounds__(threads_per_block)
-  adamw_kernel(adamw_slabs s, adamw_scalars k, const adamw_scalars* device_k, const step_guard* guard,
-               std::size_t head, std::size_t groups)
+  adamw_kernel(adamw_slabs s, adamw_scalars k, const adamw_scalars* device_k, const step_guard* guard, std::size_t head,
+               std::size_t groups)
 {
   if constexpr (Guarded) {
     if (guard->skip != 0) { return; }
@@ -140,7 +140,8 @@ __global__ void __launch_bounds__(square_sum_threads)
 }
 
 // The blocks' sums by the same tree, added to the step's sum.
-__global__ void __launch_bounds__(square_sum_blocks) square_sum_blocks_kernel(const double* block_sums, step_guard* guard)
+__global__ void __launch_bounds__(square_sum_blocks)
+  square_sum_blocks_kernel(const double* block_sums, step_guard* guard)
 {
   __shared__ double lane[square_sum_blocks];
   lane[threadIdx.x] = block_sums[threadIdx.x];
@@ -180,12 +181,14 @@ __global__ void __launch_bounds__(threads_per_block)
   }
 }
 
-__global__ void __launch_bounds__(threads_per_block) fill32_kernel(std::uint32_t* dst, std::size_t count, std::uint32_t bits)
+__global__ void __launch_bounds__(threads_per_block)
+  fill32_kernel(std::uint32_t* dst, std::size_t count, std::uint32_t bits)
 {
   for (std::size_t i = first_index(); i < count; i += grid_stride()) { dst[i] = bits; }
 }
 
-__global__ void __launch_bounds__(threads_per_block) fill16_kernel(std::uint16_t* dst, std::size_t count, std::uint16_t bits)
+__global__ void __launch_bounds__(threads_per_block)
+  fill16_kernel(std::uint16_t* dst, std::size_t count, std::uint16_t bits)
 {
   for (std::size_t i = first_index(); i < count; i += grid_stride()) { dst[i] = bits; }
 }
@@ -197,7 +200,8 @@ std::size_t resident_blocks(Kernel kernel, int device_index)
 {
   static std::mutex mutex;
   static std::map<std::pair<const void*, int>, std::size_t> known;
-  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device_index};  // NOLINT
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  const std::pair<const void*, int> key{reinterpret_cast<const void*>(kernel), device_index};
   const std::lock_guard lock(mutex);
   if (auto found = known.find(key); found != known.end()) { return found->second; }
   int sms = 0;
@@ -229,10 +233,9 @@ void launch_adamw_typed(const adamw_slabs& s, const adamw_scalars& k, const adam
   const auto master_address = reinterpret_cast<std::uintptr_t>(s.master);
   std::size_t head = std::min<std::size_t>(s.count, ((16 - master_address % 16) % 16) / 4);
   const std::size_t grad_bytes = G == dtype::f32 ? 4 : 2;
-  const bool vectorizable =
-    aligned(s.m + head, 16) && aligned(s.v + head, 16) &&
-    aligned(static_cast<const std::byte*>(s.grad) + head * grad_bytes, 4 * grad_bytes) &&
-    (P == copy_kind::none || aligned(static_cast<const std::byte*>(s.params) + head * 2, 8));
+  const bool vectorizable = aligned(s.m + head, 16) && aligned(s.v + head, 16) &&
+                            aligned(static_cast<const std::byte*>(s.grad) + head * grad_bytes, 4 * grad_bytes) &&
+                            (P == copy_kind::none || aligned(static_cast<const std::byte*>(s.params) + head * 2, 8));
   std::size_t groups = 0;
   if (vectorizable) {
     groups = (s.count - head) / lanes;
@@ -325,8 +328,7 @@ void launch_cast(void* dst, dtype dst_type, const void* src, dtype src_type, std
 {
   const cuda_device_guard guard(device_index);
   const unsigned blocks = grid_for(cast_kernel, device_index, count);
-  cast_kernel<<<blocks, threads_per_block, 0, static_cast<cudaStream_t>(stream)>>>(dst, dst_type, src, src_type,
-                                                                                   count);
+  cast_kernel<<<blocks, threads_per_block, 0, static_cast<cudaStream_t>(stream)>>>(dst, dst_type, src, src_type, count);
   TASKSWAP_CUDA_TRY(cudaGetLastError());
 }
 
@@ -340,8 +342,8 @@ void launch_fill(void* dst, dtype type, std::size_t count, float value, int devi
                                                        float_to_bits(canonical(value)));
   } else {
     const unsigned blocks = grid_for(fill16_kernel, device_index, count);
-    fill16_kernel<<<blocks, threads_per_block, 0, s>>>(static_cast<std::uint16_t*>(dst), count,
-                                                       type == dtype::bf16 ? float_to_bf16(value) : float_to_f16(value));
+    fill16_kernel<<<blocks, threads_per_block, 0, s>>>(
+      static_cast<std::uint16_t*>(dst), count, type == dtype::bf16 ? float_to_bf16(value) : float_to_f16(value));
   }
   TASKSWAP_CUDA_TRY(cudaGetLastError());
 }

@@ -24,8 +24,8 @@ void launch_prepare_guarded(const adamw_options& decay, const adamw_options& pla
                             const step_guard* guard, adamw_scalars* out, int device_index, void* stream);
 void launch_unscale_and_check(void* grad, dtype type, std::size_t count, float factor, int* found_nonfinite,
                               int device_index, void* stream);
-void launch_cast(void* dst, dtype dst_type, const void* src, dtype src_type, std::size_t count,
-                 int device_index, void* stream);
+void launch_cast(void* dst, dtype dst_type, const void* src, dtype src_type, std::size_t count, int device_index,
+                 void* stream);
 void launch_fill(void* dst, dtype type, std::size_t count, float value, int device_index, void* stream);
 
 }  // namespace taskswap::detail

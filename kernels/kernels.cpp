@@ -19,11 +19,11 @@ namespace {
 
 void expect_aligned(const void* p, dtype type, const char* what)
 {
-  const auto address = reinterpret_cast<std::uintptr_t>(p);  // NOLINT: alignment check
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): alignment check
+  const auto address = reinterpret_cast<std::uintptr_t>(p);
   TASKSWAP_EXPECTS(p != nullptr, message(what, ": null pointer"));
   TASKSWAP_EXPECTS(address % size_of(type) == 0,
-                   message(what, ": ", to_string(type), " slab at ", p, " is not ", size_of(type),
-                           "-byte aligned"));
+                   message(what, ": ", to_string(type), " slab at ", p, " is not ", size_of(type), "-byte aligned"));
 }
 
 bool on_cuda(stream_view s) { return s.backend().kind() == backend_kind::cuda; }
@@ -74,7 +74,7 @@ __attribute__((target("avx512f"))) void add_to_lanes_avx512(const void* grad, st
 
 template <dtype G>
 __attribute__((target("avx2"))) void add_to_lanes_avx2(const void* grad, std::size_t base, std::size_t n, float unscale,
-                                                      double* lanes)
+                                                       double* lanes)
 {
   lanes_body<G>(grad, base, n, unscale, lanes);
 }
@@ -154,9 +154,8 @@ void adamw_async(const adamw_slabs& slabs, const adamw_scalars& scalars, stream_
     return;
   }
   // The emulated device's "kernel": the CPU path on the stream's worker, in stream order.
-  s.backend().launch_host_func(s.native_handle(), [slabs, scalars] {
-    cpu_adamw_range(slabs, scalars, 0, slabs.count, best_cpu_isa());
-  });
+  s.backend().launch_host_func(s.native_handle(),
+                               [slabs, scalars] { cpu_adamw_range(slabs, scalars, 0, slabs.count, best_cpu_isa()); });
 }
 
 void adamw_async(const adamw_slabs& slabs, const adamw_scalars* scalars, const step_guard* guard, stream_view s)
@@ -179,8 +178,7 @@ void adamw_async(const adamw_slabs& slabs, const adamw_scalars* scalars, const s
   });
 }
 
-void square_sum_async(const void* grad, dtype type, std::size_t count, step_guard* guard, double* lanes,
-                      stream_view s)
+void square_sum_async(const void* grad, dtype type, std::size_t count, step_guard* guard, double* lanes, stream_view s)
 {
   expect_aligned(grad, type, "square sum gradient");
   expect_aligned(guard, dtype::f32, "step guard");
@@ -213,8 +211,8 @@ void prepare_guarded_async(const adamw_options& decay, const adamw_options& plai
   s.backend().launch_host_func(s.native_handle(), [=] { prepare_guarded_scalars(decay, plain, *step, *guard, out); });
 }
 
-void unscale_and_check_async(void* grad, dtype type, std::size_t count, float factor,
-                             int* found_nonfinite, stream_view s)
+void unscale_and_check_async(void* grad, dtype type, std::size_t count, float factor, int* found_nonfinite,
+                             stream_view s)
 {
   if (count == 0) { return; }
   expect_aligned(grad, type, "unscale gradient");
@@ -223,9 +221,8 @@ void unscale_and_check_async(void* grad, dtype type, std::size_t count, float fa
     launch_unscale_and_check(grad, type, count, factor, found_nonfinite, s.backend().index(), s.native_handle());
     return;
   }
-  s.backend().launch_host_func(s.native_handle(), [=] {
-    host_unscale_and_check(grad, type, count, factor, found_nonfinite);
-  });
+  s.backend().launch_host_func(s.native_handle(),
+                               [=] { host_unscale_and_check(grad, type, count, factor, found_nonfinite); });
 }
 
 void cast_async(void* dst, dtype dst_type, const void* src, dtype src_type, std::size_t count, stream_view s)

@@ -29,8 +29,7 @@ void adamw_async(const adamw_slabs& slabs, const adamw_scalars* scalars, const s
 /// Adds the square sum of `count` gradients, unscaled by 1 / guard->scale, to guard->square_sum
 /// in the fixed order of step_guard.hpp. `lanes`: device scratch of square_sum_blocks doubles
 /// (unused on the emulated device, whose worker sums on the CPU).
-void square_sum_async(const void* grad, dtype type, std::size_t count, step_guard* guard, double* lanes,
-                      stream_view s);
+void square_sum_async(const void* grad, dtype type, std::size_t count, step_guard* guard, double* lanes, stream_view s);
 
 /// finish_step_guard on the device, one thread.
 void finish_guard_async(step_guard* guard, const guard_settings& settings, stream_view s);
@@ -42,12 +41,11 @@ void prepare_guarded_async(const adamw_options& decay, const adamw_options& plai
 /// g = g * factor in place, in the gradient's dtype (widen, multiply, round to nearest even);
 /// sets *found_nonfinite (an int in device memory, which the caller zeroes) to 1 if any result is
 /// not finite. The flag is only ever set, never cleared.
-void unscale_and_check_async(void* grad, dtype type, std::size_t count, float factor,
-                             int* found_nonfinite, stream_view s);
+void unscale_and_check_async(void* grad, dtype type, std::size_t count, float factor, int* found_nonfinite,
+                             stream_view s);
 
 /// dst = src converted element by element (exact widening, round-to-nearest-even narrowing).
-void cast_async(void* dst, dtype dst_type, const void* src, dtype src_type, std::size_t count,
-                stream_view s);
+void cast_async(void* dst, dtype dst_type, const void* src, dtype src_type, std::size_t count, stream_view s);
 
 /// Every element of dst = value rounded to dst_type.
 void fill_async(void* dst, dtype type, std::size_t count, float value, stream_view s);

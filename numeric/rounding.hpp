@@ -142,9 +142,6 @@ TASKSWAP_HOST_DEVICE static inline double dpow_rn(double x, std::int64_t n)
   return result;
 }
 
-TASKSWAP_HOST_DEVICE static inline float canonical(float x)
-{
-  return x != x ? bits_to_float(canonical_nan_bits) : x;
-}
+TASKSWAP_HOST_DEVICE static inline float canonical(float x) { return x != x ? bits_to_float(canonical_nan_bits) : x; }
 
 }  // namespace taskswap::detail

@@ -11,7 +11,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
-#include <stdio.h>  // NOLINT: renameat2
+#include <stdio.h>  // NOLINT(modernize-deprecated-headers): renameat2
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -74,13 +74,12 @@ class reader {
  public:
   reader(const toml::table& t, std::string_view source, std::string where)
       : t_(t), source_(source), where_(std::move(where))
-  {
-  }
+  {}
 
   [[noreturn]] void fail(const toml::node* n, std::string_view what) const
   {
-    throw checkpoint_error(message(source_, ":", n != nullptr ? n->source().begin.line : t_.source().begin.line, ": ",
-                                   where_, what));
+    throw checkpoint_error(
+      message(source_, ":", n != nullptr ? n->source().begin.line : t_.source().begin.line, ": ", where_, what));
   }
 
   const toml::node& need(std::string_view key)
@@ -100,7 +99,9 @@ class reader {
   {
     const toml::node& n = need(key);
     const auto v = n.value_exact<std::int64_t>();
-    if (!v || *v < least || *v > most) { fail(&n, message(" ", key, ": give an integer in [", least, ", ", most, "]")); }
+    if (!v || *v < least || *v > most) {
+      fail(&n, message(" ", key, ": give an integer in [", least, ", ", most, "]"));
+    }
     return *v;
   }
   std::string string(std::string_view key)
@@ -198,7 +199,9 @@ checkpoint_unit read_unit(const toml::node& node, std::string_view source, std::
     std::uint64_t count = 1;
     for (const toml::node& dn : tr.array("shape")) {
       const auto d = dn.value_exact<std::int64_t>();
-      if (!d || *d < 1 || *d > max_bytes) { tr.fail(&dn, message(" '", name, "' shape: give dimensions of at least 1")); }
+      if (!d || *d < 1 || *d > max_bytes) {
+        tr.fail(&dn, message(" '", name, "' shape: give dimensions of at least 1"));
+      }
       if (static_cast<std::uint64_t>(*d) > static_cast<std::uint64_t>(max_bytes) / count) {
         tr.fail(&dn, message(" '", name, "' shape: too many elements"));
       }
@@ -219,8 +222,8 @@ checkpoint_unit read_unit(const toml::node& node, std::string_view source, std::
   if (r.maybe("master") != nullptr) { u.master = read_slab(r, "master"); }
   if (u.master.has_value() != (u.compute != dtype::f32 && u.trainable)) {
     r.fail(nullptr, u.compute == dtype::f32 ? " has a master slab, which f32 units do not"
-                    : u.trainable         ? " has no master slab, which trainable non-f32 units need"
-                                          : " has a master slab, which units never trained do not");
+                    : u.trainable           ? " has no master slab, which trainable non-f32 units need"
+                                            : " has a master slab, which units never trained do not");
   }
   u.m = read_slab(r, "m");
   u.v = read_slab(r, "v");
@@ -240,8 +243,8 @@ void check_slabs(const checkpoint_manifest& m, std::string_view source)
   for (const checkpoint_unit& u : m.units) {
     const auto add = [&](const checkpoint_slab& s, std::string_view what) {
       if (s.offset + s.bytes > m.data_bytes) {
-        throw checkpoint_error(message(source, ": unit '", u.name, "' slab ", what, " (", s.bytes, " bytes at ", s.offset,
-                                       ") reaches beyond data.bin's ", m.data_bytes, " bytes"));
+        throw checkpoint_error(message(source, ": unit '", u.name, "' slab ", what, " (", s.bytes, " bytes at ",
+                                       s.offset, ") reaches beyond data.bin's ", m.data_bytes, " bytes"));
       }
       all.push_back({s.offset, s.offset + s.bytes, message("unit '", u.name, "' slab ", what)});
     };
@@ -292,8 +295,8 @@ class fd_file {
       const ssize_t n = ::pread(fd_, data.data(), std::min(data.size(), io_chunk), static_cast<off_t>(offset));
       if (n < 0 && errno == EINTR) { continue; }
       if (n <= 0) {
-        throw checkpoint_error(message("reading '", path_.string(), "' at ", offset, " failed: ",
-                                       n == 0 ? "it ends there" : system_reason()));
+        throw checkpoint_error(message("reading '", path_.string(), "' at ", offset,
+                                       " failed: ", n == 0 ? "it ends there" : system_reason()));
       }
       data = data.subspan(static_cast<std::size_t>(n));
       offset += static_cast<std::uint64_t>(n);
@@ -301,12 +304,16 @@ class fd_file {
   }
   void sync()
   {
-    if (::fsync(fd_) != 0) { throw checkpoint_error(message("flushing '", path_.string(), "' failed: ", system_reason())); }
+    if (::fsync(fd_) != 0) {
+      throw checkpoint_error(message("flushing '", path_.string(), "' failed: ", system_reason()));
+    }
   }
   [[nodiscard]] std::uint64_t size() const
   {
     struct stat st {};
-    if (::fstat(fd_, &st) != 0) { throw checkpoint_error(message("cannot stat '", path_.string(), "': ", system_reason())); }
+    if (::fstat(fd_, &st) != 0) {
+      throw checkpoint_error(message("cannot stat '", path_.string(), "': ", system_reason()));
+    }
     return static_cast<std::uint64_t>(st.st_size);
   }
 
@@ -359,8 +366,8 @@ checkpoint_manifest parse_checkpoint_manifest(std::string_view text, std::string
   }
   const std::int64_t version = r.integer("version", 1, 1'000'000);
   if (version != checkpoint_manifest::format_version) {
-    r.fail(root.get("version"), message(" version ", version, ": this taskswap reads version ",
-                                        checkpoint_manifest::format_version));
+    r.fail(root.get("version"),
+           message(" version ", version, ": this taskswap reads version ", checkpoint_manifest::format_version));
   }
   checkpoint_manifest m;
   m.taskswap_version = r.string("taskswap");
@@ -412,17 +419,19 @@ checkpoint_manifest read_checkpoint_manifest(const std::filesystem::path& dir)
   const std::filesystem::path file = dir / manifest_file;
   std::error_code ec;
   if (!std::filesystem::is_directory(dir, ec)) {
-    throw checkpoint_error(message("there is no checkpoint at '", dir.string(), "' (no such directory); check the path"));
+    throw checkpoint_error(
+      message("there is no checkpoint at '", dir.string(), "' (no such directory); check the path"));
   }
   std::ifstream in(file, std::ios::binary);
   if (!in) {
-    throw checkpoint_error(message("'", dir.string(), "' is not a complete checkpoint: it has no readable ", manifest_file,
-                                   " (a save that did not finish leaves none); use another checkpoint"));
+    throw checkpoint_error(message("'", dir.string(), "' is not a complete checkpoint: it has no readable ",
+                                   manifest_file, " (a save that did not finish leaves none); use another checkpoint"));
   }
   const auto size = std::filesystem::file_size(file, ec);
   if (ec || size > max_manifest_bytes) {
     throw checkpoint_error(message(file.string(), " is ", ec ? std::string("unreadable") : detail::bytes_text(size),
-                                   "; a manifest is at most ", detail::bytes_text(max_manifest_bytes), ": this is not a taskswap checkpoint"));
+                                   "; a manifest is at most ", detail::bytes_text(max_manifest_bytes),
+                                   ": this is not a taskswap checkpoint"));
   }
   std::ostringstream text;
   text << in.rdbuf();
@@ -436,17 +445,19 @@ void detail::verify_data(const std::filesystem::path& dir, const checkpoint_mani
   fd_file f(dir / data_file, O_RDONLY);
   const std::uint64_t size = f.size();
   if (size != m.data_bytes) {
-    throw checkpoint_error(message("checkpoint '", dir.string(), "': ", data_file, " has ", size, " bytes but the manifest says ",
-                                   m.data_bytes, ": it is incomplete or was changed; use another checkpoint"));
+    throw checkpoint_error(message("checkpoint '", dir.string(), "': ", data_file, " has ", size,
+                                   " bytes but the manifest says ", m.data_bytes,
+                                   ": it is incomplete or was changed; use another checkpoint"));
   }
   std::vector<std::byte> buffer;
   for (const checkpoint_unit& u : m.units) {
     for_each_slab(u, [&](const checkpoint_slab& s, std::string_view what) {
       const std::uint32_t crc = slab_crc(f, s, buffer);
       if (crc != s.crc32c) {
-        throw checkpoint_error(message("checkpoint '", dir.string(), "': unit '", u.name, "' slab ", what, " (", s.bytes,
-                                       " bytes at ", s.offset, ") has CRC-32C ", hex(crc), " but the manifest says ",
-                                       hex(s.crc32c), ": the checkpoint is corrupted; use another one"));
+        throw checkpoint_error(message("checkpoint '", dir.string(), "': unit '", u.name, "' slab ", what, " (",
+                                       s.bytes, " bytes at ", s.offset, ") has CRC-32C ", hex(crc),
+                                       " but the manifest says ", hex(s.crc32c),
+                                       ": the checkpoint is corrupted; use another one"));
       }
     });
   }
@@ -524,7 +535,8 @@ std::string manifest_text(const checkpoint_manifest& m)
                    {"user", user},
                    {"units", units}};
   if (m.scaler) {
-    root.insert("scaler", toml::table{{"scale", hex_float(m.scaler->scale)}, {"growth_tracker", m.scaler->growth_tracker}});
+    root.insert("scaler",
+                toml::table{{"scale", hex_float(m.scaler->scale)}, {"growth_tracker", m.scaler->growth_tracker}});
   }
   std::ostringstream out;
   out << "# taskswap checkpoint manifest: slab offsets and sizes are bytes in data.bin; crc32c is CRC-32C.\n"
@@ -560,7 +572,8 @@ void remove_stale_temporaries(const std::filesystem::path& parent, const std::st
     if (pid.empty() || *end != '\0' || value <= 0 || value == ::getpid()) { continue; }
     if (::kill(static_cast<pid_t>(value), 0) != 0 && errno == ESRCH) {
       std::filesystem::remove_all(entry.path(), ec);
-      detail::log(log_level::info, message("checkpoint: removed '", entry.path().string(), "', left by a save that died"));
+      detail::log(log_level::info,
+                  message("checkpoint: removed '", entry.path().string(), "', left by a save that died"));
     }
   }
 }
@@ -575,13 +588,15 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
   if (target.filename().empty()) { target = target.parent_path(); }  // "ck/" names "ck"
   const fs::path parent = target.parent_path();
   std::error_code ec;
-  if (fs::exists(target, ec) && (!fs::is_directory(target, ec) || (!fs::is_empty(target, ec) && !holds_a_checkpoint(target)))) {
-    throw checkpoint_error(message("'", target.string(), "' exists and is not a taskswap checkpoint; choose another path "
+  if (fs::exists(target, ec) &&
+      (!fs::is_directory(target, ec) || (!fs::is_empty(target, ec) && !holds_a_checkpoint(target)))) {
+    throw checkpoint_error(message("'", target.string(),
+                                   "' exists and is not a taskswap checkpoint; choose another path "
                                    "or move it away"));
   }
   if (!fs::is_directory(parent, ec)) {
-    throw checkpoint_error(message("cannot write the checkpoint '", target.string(), "': the directory '", parent.string(),
-                                   "' does not exist; create it first"));
+    throw checkpoint_error(message("cannot write the checkpoint '", target.string(), "': the directory '",
+                                   parent.string(), "' does not exist; create it first"));
   }
   const std::string temporary = message(".", target.filename().string(), ".tmp-");
   remove_stale_temporaries(parent, temporary);
@@ -589,8 +604,8 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
   const fs::path old = parent / message(".", target.filename().string(), ".old-", ::getpid());
   fs::remove_all(tmp, ec);  // a leftover of this process's earlier failure
   if (::mkdir(tmp.c_str(), 0755) != 0) {
-    throw checkpoint_error(message("cannot create '", tmp.string(), "': ", system_reason(), "; check that '", parent.string(),
-                                   "' is writable"));
+    throw checkpoint_error(message("cannot create '", tmp.string(), "': ", system_reason(), "; check that '",
+                                   parent.string(), "' is writable"));
   }
   bool placed = false;  // the new checkpoint is at `target`
   fs::path leftover = tmp;
@@ -614,7 +629,8 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
     sync_directory(tmp);
     if (!fs::exists(target, ec)) {
       if (::rename(tmp.c_str(), target.c_str()) != 0) {
-        throw checkpoint_error(message("cannot rename '", tmp.string(), "' to '", target.string(), "': ", system_reason()));
+        throw checkpoint_error(
+          message("cannot rename '", tmp.string(), "' to '", target.string(), "': ", system_reason()));
       }
       leftover.clear();
     } else if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, target.c_str(), RENAME_EXCHANGE) == 0) {
@@ -624,7 +640,8 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
       // the new one in place, then remove the old. A crash between the two renames leaves the old
       // checkpoint complete at `old`.
       if (::rename(target.c_str(), old.c_str()) != 0) {
-        throw checkpoint_error(message("cannot move the old checkpoint '", target.string(), "' aside: ", system_reason()));
+        throw checkpoint_error(
+          message("cannot move the old checkpoint '", target.string(), "' aside: ", system_reason()));
       }
       if (::rename(tmp.c_str(), target.c_str()) != 0) {
         const std::string reason = system_reason();
@@ -633,7 +650,8 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
       }
       leftover = old;
     } else {
-      throw checkpoint_error(message("cannot put the new checkpoint in place of '", target.string(), "': ", system_reason()));
+      throw checkpoint_error(
+        message("cannot put the new checkpoint in place of '", target.string(), "': ", system_reason()));
     }
     placed = true;
     sync_directory(parent);
@@ -644,11 +662,14 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
     }
     // In place, but the directory's new entry may not be on the disk yet.
     fs::remove_all(leftover, ec);
-    throw checkpoint_error(message("the checkpoint '", target.string(), "' is in place, but flushing its directory failed (",
-                                   e.what(), "); after a crash the old one may come back"));
+    throw checkpoint_error(message("the checkpoint '", target.string(),
+                                   "' is in place, but flushing its directory failed (", e.what(),
+                                   "); after a crash the old one may come back"));
   }
   if (!leftover.empty()) { fs::remove_all(leftover, ec); }
-  if (ec) { detail::log(log_level::warning, message("checkpoint: could not remove '", leftover.string(), "': ", ec.message())); }
+  if (ec) {
+    detail::log(log_level::warning, message("checkpoint: could not remove '", leftover.string(), "': ", ec.message()));
+  }
 }
 
 std::vector<std::size_t> match_units(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
@@ -666,8 +687,8 @@ std::vector<std::size_t> match_units(const std::filesystem::path& dir, const che
     }
     const checkpoint_unit& c = *it;
     if (c.compute != u.compute) {
-      throw checkpoint_error(message(where, ": unit '", u.name, "' is ", to_string(c.compute), " in the checkpoint but ",
-                                     to_string(u.compute), " in this runtime"));
+      throw checkpoint_error(message(where, ": unit '", u.name, "' is ", to_string(c.compute),
+                                     " in the checkpoint but ", to_string(u.compute), " in this runtime"));
     }
     if (c.trainable != u.trainable) {
       const auto what = [](bool trainable) { return trainable ? "trainable" : "never trained (trainable = false)"; };
@@ -675,8 +696,8 @@ std::vector<std::size_t> match_units(const std::filesystem::path& dir, const che
                                      what(u.trainable), " in this runtime; register it as it was saved"));
     }
     if (c.tensors.size() != u.tensors.size()) {
-      throw checkpoint_error(message(where, ": unit '", u.name, "' has ", c.tensors.size(), " tensors in the checkpoint but ",
-                                     u.tensors.size(), " in this runtime"));
+      throw checkpoint_error(message(where, ": unit '", u.name, "' has ", c.tensors.size(),
+                                     " tensors in the checkpoint but ", u.tensors.size(), " in this runtime"));
     }
     for (std::size_t i = 0; i < u.tensors.size(); ++i) {
       const auto& [name, shape] = c.tensors[i];
@@ -706,8 +727,9 @@ std::vector<std::size_t> match_units(const std::filesystem::path& dir, const che
   }
   for (std::size_t i = 0; i < used.size(); ++i) {
     if (!used[i]) {
-      throw checkpoint_error(message(where, " has unit '", manifest.units[i].name,
-                                     "', which this runtime does not register; register it or use a checkpoint of this model"));
+      throw checkpoint_error(
+        message(where, " has unit '", manifest.units[i].name,
+                "', which this runtime does not register; register it or use a checkpoint of this model"));
     }
   }
   return out;

@@ -49,7 +49,8 @@ void verify_data(const std::filesystem::path& dir, const checkpoint_manifest& ma
 /// Checks that the manifest's units are exactly `units` (names, compute dtypes, tensor names and
 /// shapes, slab sizes), in any order; returns, for each of `units`, its index in the manifest.
 /// @throws checkpoint_error naming the unit and what differs
-[[nodiscard]] std::vector<std::size_t> match_units(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
+[[nodiscard]] std::vector<std::size_t> match_units(const std::filesystem::path& dir,
+                                                   const checkpoint_manifest& manifest,
                                                    std::span<const checkpoint_source> units);
 
 /// Reads every slab into `units` (manifest index `where[i]` into units[i]), checking each

@@ -57,17 +57,27 @@ std::optional<double> scaled_number(std::string_view text, std::span<const unit_
 }
 
 constexpr std::array size_units{
-  unit_suffix{"B", 1.0},          unit_suffix{"KiB", 1024.0},   unit_suffix{"MiB", 1048576.0},
-  unit_suffix{"GiB", 1073741824.0}, unit_suffix{"TiB", 1099511627776.0}, unit_suffix{"KB", 1e3},
-  unit_suffix{"MB", 1e6},         unit_suffix{"GB", 1e9},       unit_suffix{"TB", 1e12},
+  unit_suffix{"B", 1.0},
+  unit_suffix{"KiB", 1024.0},
+  unit_suffix{"MiB", 1048576.0},
+  unit_suffix{"GiB", 1073741824.0},
+  unit_suffix{"TiB", 1099511627776.0},
+  unit_suffix{"KB", 1e3},
+  unit_suffix{"MB", 1e6},
+  unit_suffix{"GB", 1e9},
+  unit_suffix{"TB", 1e12},
 };
 constexpr std::array rate_units{
-  unit_suffix{"B/s", 1.0},       unit_suffix{"KB/s", 1e3},          unit_suffix{"MB/s", 1e6},
-  unit_suffix{"GB/s", 1e9},      unit_suffix{"KiB/s", 1024.0},      unit_suffix{"MiB/s", 1048576.0},
+  unit_suffix{"B/s", 1.0},
+  unit_suffix{"KB/s", 1e3},
+  unit_suffix{"MB/s", 1e6},
+  unit_suffix{"GB/s", 1e9},
+  unit_suffix{"KiB/s", 1024.0},
+  unit_suffix{"MiB/s", 1048576.0},
   unit_suffix{"GiB/s", 1073741824.0},
 };
 constexpr std::array time_units{
-  unit_suffix{"ns", 1e-9}, unit_suffix{"us", 1e-6}, unit_suffix{"ms", 1e-3},
+  unit_suffix{"ns", 1e-9}, unit_suffix{"us", 1e-6},  unit_suffix{"ms", 1e-3},
   unit_suffix{"s", 1.0},   unit_suffix{"min", 60.0},
 };
 
@@ -76,8 +86,7 @@ class table_reader {
  public:
   table_reader(const toml::table& table, std::string_view source, std::string section)
       : table_(table), source_(source), section_(std::move(section))
-  {
-  }
+  {}
 
   [[noreturn]] void fail(const toml::node& at, std::string_view key, std::string_view problem) const
   {
@@ -133,13 +142,14 @@ class table_reader {
   enum class positive : bool { no, yes };
 
   template <std::size_t N>
-  std::optional<double> quantity(std::string_view key, const std::array<unit_suffix, N>& units, std::string_view example,
-                                 positive must_be_positive = positive::no)
+  std::optional<double> quantity(std::string_view key, const std::array<unit_suffix, N>& units,
+                                 std::string_view example, positive must_be_positive = positive::no)
   {
     const toml::node* n = get(key);
     if (n == nullptr) { return std::nullopt; }
     if (!n->is_string()) {
-      fail(*n, key, message("expected a quantity with a unit as a string, e.g. \"", example, "\"; found ", type_name(*n)));
+      fail(*n, key,
+           message("expected a quantity with a unit as a string, e.g. \"", example, "\"; found ", type_name(*n)));
     }
     const std::string& text = n->as_string()->get();
     const auto v = scaled_number(text, units);
@@ -148,8 +158,9 @@ class table_reader {
     // beyond any real one and keeps the conversions defined (found by the config fuzzer).
     if (*v > 1e18) { fail(*n, key, message("\"", text, "\" is too large; write e.g. \"", example, "\"")); }
     if (must_be_positive == positive::yes && *v <= 0) {
-      fail(*n, key, message("\"", text, "\" must be more than zero; write e.g. \"", example,
-                            "\", or leave the key out for no limit"));
+      fail(*n, key,
+           message("\"", text, "\" must be more than zero; write e.g. \"", example,
+                   "\", or leave the key out for no limit"));
     }
     return v;
   }
@@ -223,12 +234,15 @@ void read_device(const toml::table& t, std::string_view source, device_options& 
   if (auto i = r.integer("index", 0, 1023)) { d.index = static_cast<int>(*i); }
   if (auto b = r.quantity("budget", size_units, "40 GiB")) { d.budget = static_cast<std::size_t>(*b); }
   if (auto m = r.quantity("memory", size_units, "80 GiB")) { d.emulated.memory_bytes = static_cast<std::size_t>(*m); }
-  if (auto l = r.quantity("link_bandwidth", rate_units, "25 GB/s", table_reader::positive::yes)) { d.emulated.link.bytes_per_second = *l; }
+  if (auto l = r.quantity("link_bandwidth", rate_units, "25 GB/s", table_reader::positive::yes)) {
+    d.emulated.link.bytes_per_second = *l;
+  }
   if (auto l = r.quantity("link_latency", time_units, "10 us")) { d.emulated.link.latency_seconds = *l; }
   if (auto g = r.quantity("granularity", size_units, "2 MiB", table_reader::positive::yes)) {
     const auto bytes = static_cast<std::size_t>(*g);
     if (bytes < 256 || (bytes & (bytes - 1)) != 0 || static_cast<double>(bytes) != *g) {
-      r.fail(*t.get("granularity"), "granularity", message(detail::bytes_text(bytes), " is not a power of two of at least 256 bytes"));
+      r.fail(*t.get("granularity"), "granularity",
+             message(detail::bytes_text(bytes), " is not a power of two of at least 256 bytes"));
     }
     d.emulated.granularity = bytes;
   }
@@ -252,7 +266,9 @@ void read_policy(table_reader& r, Policy& p)
   if (auto v = r.choice("optimizer", placement_names)) { p.optimizer = *v; }
   // Param groups: a unit's learning rate relative to [optimizer] lr, and its own weight decay.
   if (auto v = r.number("lr_scale")) {
-    if (!(*v > 0 && std::isfinite(*v))) { r.fail(*r.get("lr_scale"), "lr_scale", "must be more than 0, e.g. lr_scale = 10.0"); }
+    if (!(*v > 0 && std::isfinite(*v))) {
+      r.fail(*r.get("lr_scale"), "lr_scale", "must be more than 0, e.g. lr_scale = 10.0");
+    }
     p.lr_scale = *v;
   }
   if (auto v = r.number("weight_decay")) {
@@ -263,7 +279,8 @@ void read_policy(table_reader& r, Policy& p)
     try {
       (void)detail::home_tier_named(*v);
     } catch (const config_error&) {
-      r.fail(*r.get("home"), "home", message("\"", *v, "\" is not a home tier; the tiers are ", detail::home_tier_names()));
+      r.fail(*r.get("home"), "home",
+             message("\"", *v, "\" is not a home tier; the tiers are ", detail::home_tier_names()));
     }
     p.home = *v;
   }
@@ -272,7 +289,8 @@ void read_policy(table_reader& r, Policy& p)
 void read_units(const toml::node& n, std::string_view source, std::vector<unit_rule>& rules)
 {
   if (!n.is_array_of_tables()) {
-    throw config_error(message(source, ":", n.source().begin.line, ": units must be an array of tables, written [[units]]"));
+    throw config_error(
+      message(source, ":", n.source().begin.line, ": units must be an array of tables, written [[units]]"));
   }
   for (const toml::node& e : *n.as_array()) {
     const toml::table& t = *e.as_table();
@@ -280,8 +298,8 @@ void read_units(const toml::node& n, std::string_view source, std::vector<unit_r
     unit_rule rule;
     const auto match = r.string("match");
     if (!match || match->empty()) {
-      throw config_error(message(source, ":", t.source().begin.line,
-                                 ": [[units]] needs match = \"<glob>\", e.g. match = \"task/*\""));
+      throw config_error(
+        message(source, ":", t.source().begin.line, ": [[units]] needs match = \"<glob>\", e.g. match = \"task/*\""));
     }
     rule.match = *match;
     read_policy(r, rule);
@@ -328,11 +346,13 @@ void read_comm(const toml::table& t, std::string_view source, comm_options& c)
   if (auto b = r.quantity("bucket_cap", size_units, "25 MiB")) { c.bucket_cap = static_cast<std::size_t>(*b); }
   if (auto a = r.choice("average", averages)) { c.average = *a; }
   if (const toml::node* n = t.get("reduce"); n != nullptr && n->value<std::string>() == "all") {
-    r.fail(*n, "reduce", "\"all\" is now \"every_unit\": it updates every unit every step, also units no rank trained "
-                         "(which DDP leaves alone). For DDP's numerics keep reduce = \"active\" with average = \"world\"; "
-                         "for DDP's byte count use \"every_unit\"");
+    r.fail(*n, "reduce",
+           "\"all\" is now \"every_unit\": it updates every unit every step, also units no rank trained "
+           "(which DDP leaves alone). For DDP's numerics keep reduce = \"active\" with average = \"world\"; "
+           "for DDP's byte count use \"every_unit\"");
   }
-  constexpr std::array reduces{std::pair{std::string_view("active"), false}, std::pair{std::string_view("every_unit"), true}};
+  constexpr std::array reduces{std::pair{std::string_view("active"), false},
+                               std::pair{std::string_view("every_unit"), true}};
   if (auto a = r.choice("reduce", reduces)) { c.reduce_every_unit = *a; }
   constexpr std::array initials{std::pair{std::string_view("broadcast"), initial_sync::broadcast},
                                 std::pair{std::string_view("verify"), initial_sync::verify}};
@@ -348,7 +368,9 @@ void read_scaler(const toml::table& t, std::string_view source, loss_scaler_opti
   table_reader r(t, source, "[scaler]");
   if (auto b = r.boolean("enabled")) { s.enabled = *b; }
   if (auto v = r.number("init_scale")) {
-    if (!(*v > 0 && *v <= 3.0e38)) { r.fail(*r.get("init_scale"), "init_scale", "must be a positive float, e.g. 65536.0"); }
+    if (!(*v > 0 && *v <= 3.0e38)) {
+      r.fail(*r.get("init_scale"), "init_scale", "must be a positive float, e.g. 65536.0");
+    }
     s.init_scale = *v;
   }
   if (auto v = r.number("growth_factor")) {
@@ -385,10 +407,7 @@ std::size_t parse_size(std::string_view text)
   return static_cast<std::size_t>(*v);
 }
 
-runtime_options parse_config(std::string_view text, std::string_view source)
-{
-  return parse_config(text, source, {});
-}
+runtime_options parse_config(std::string_view text, std::string_view source) { return parse_config(text, source, {}); }
 
 runtime_options parse_config(std::string_view text, std::string_view source,
                              std::span<const std::string_view> own_tables)
@@ -434,10 +453,7 @@ runtime_options parse_config(std::string_view text, std::string_view source,
   return o;
 }
 
-runtime_options load_config(const std::filesystem::path& file)
-{
-  return load_config(file, {});
-}
+runtime_options load_config(const std::filesystem::path& file) { return load_config(file, {}); }
 
 std::string read_config_file(const std::filesystem::path& file)
 {

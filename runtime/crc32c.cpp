@@ -30,7 +30,8 @@ constexpr std::array<std::array<std::uint32_t, 256>, 8> make_tables()
 constexpr auto tables = make_tables();
 
 #if defined(__x86_64__)
-__attribute__((target("sse4.2"))) std::uint32_t crc32c_sse42(std::span<const std::byte> data, std::uint32_t crc) noexcept
+__attribute__((target("sse4.2"))) std::uint32_t crc32c_sse42(std::span<const std::byte> data,
+                                                             std::uint32_t crc) noexcept
 {
   std::uint64_t c = ~crc;
   const std::byte* p = data.data();

@@ -366,7 +366,8 @@ device_span device_pool::map_packed(slot_id id, slot_state& s, std::size_t bytes
     }
   }
   class_granule& cg = shared_[g];
-  const auto place = static_cast<std::uint32_t>(std::find(cg.places.begin(), cg.places.end(), none) - cg.places.begin());
+  const auto place =
+    static_cast<std::uint32_t>(std::find(cg.places.begin(), cg.places.end(), none) - cg.places.begin());
   cg.places[place] = id;
   ++cg.taken;
   if (std::find(cg.former.begin(), cg.former.end(), id) == cg.former.end()) { cg.former.push_back(id); }
@@ -501,7 +502,8 @@ device_span device_pool::shrink(slot_id slot, std::size_t bytes)
 {
   const std::lock_guard lock(mutex_);
   slot_state& s = live_slot(slot, "shrink");
-  TASKSWAP_EXPECTS(s.size_class == none, message("device pool: slot ", slot, " is packed; it cannot keep part of its place"));
+  TASKSWAP_EXPECTS(s.size_class == none,
+                   message("device pool: slot ", slot, " is packed; it cannot keep part of its place"));
   TASKSWAP_EXPECTS(s.live && bytes > 0 && bytes < s.bytes,
                    message("device pool: cannot keep ", bytes, " bytes of slot ", slot,
                            s.live ? message(", which maps ", s.bytes) : std::string(", which is not mapped")));

@@ -42,12 +42,12 @@
 namespace taskswap::detail {
 
 struct device_pool_stats {
-  std::size_t budget = 0;       // as configured
-  std::size_t capacity = 0;     // the whole granules of the budget: what can be taken
-  std::size_t granule = 0;      // the mapping granularity of the device
-  std::size_t used = 0;         // bytes of the granules taken, rounding included
-  std::size_t requested = 0;    // bytes the live ranges asked for; used - requested is the rounding
-  std::size_t peak = 0;         // the most `used` has been
+  std::size_t budget = 0;  // as configured
+  std::size_t capacity = 0;  // the whole granules of the budget: what can be taken
+  std::size_t granule = 0;  // the mapping granularity of the device
+  std::size_t used = 0;  // bytes of the granules taken, rounding included
+  std::size_t requested = 0;  // bytes the live ranges asked for; used - requested is the rounding
+  std::size_t peak = 0;  // the most `used` has been
   std::size_t allocations = 0;  // live ranges (pinned ones included)
 };
 
@@ -73,7 +73,7 @@ class granule_runs {
   void erase(std::map<std::size_t, std::size_t>::iterator it);
 
   std::size_t free_ = 0;
-  std::map<std::size_t, std::size_t> by_first_;           // first -> count
+  std::map<std::size_t, std::size_t> by_first_;  // first -> count
   std::set<std::pair<std::size_t, std::size_t>> by_size_;  // (count, first)
 };
 
@@ -137,26 +137,26 @@ class device_pool {
  private:
   static constexpr std::uint32_t none = ~std::uint32_t{0};
   struct slot_state {
-    std::byte* address = nullptr;     // packed: nullptr (its place's address while mapped)
+    std::byte* address = nullptr;  // packed: nullptr (its place's address while mapped)
     std::size_t max_granules = 0;
     std::vector<granule_run> mapped;  // at address, in order; the first `owned` granules are its own
     std::size_t owned = 0;
-    std::size_t bytes = 0;            // asked for by the live mapping
+    std::size_t bytes = 0;  // asked for by the live mapping
     bool live = false;
     bool removed = false;
     std::uint32_t size_class = none;  // packed: its class
-    std::uint32_t shared = none;      // packed and mapped: its class granule ...
-    std::uint32_t place = 0;          // ... and its place there
+    std::uint32_t shared = none;  // packed and mapped: its class granule ...
+    std::uint32_t place = 0;  // ... and its place there
   };
   // A granule shared by the packed slots of one class: its addresses reserved once; its physical
   // granule mapped there while any place is taken, and left mapped (stale) when it empties.
   struct class_granule {
     std::byte* address = nullptr;
-    std::size_t granule = 0;            // the physical granule mapped at address
+    std::size_t granule = 0;  // the physical granule mapped at address
     bool mapped = false;
-    std::vector<slot_id> places;        // the slot in each place, or none
-    std::size_t taken = 0;              // places taken: while any is, the granule is its own
-    std::vector<slot_id> former;        // slots that used it since it was mapped
+    std::vector<slot_id> places;  // the slot in each place, or none
+    std::size_t taken = 0;  // places taken: while any is, the granule is its own
+    std::vector<slot_id> former;  // slots that used it since it was mapped
   };
   struct size_class {
     std::size_t place_bytes = 0;
@@ -188,9 +188,9 @@ class device_pool {
   std::byte* pinned_address_ = nullptr;
   std::vector<granule_run> pinned_mapped_;
   std::size_t pinned_granules_ = 0;
-  std::size_t pinned_bytes_ = 0;   // packed, alignment included
+  std::size_t pinned_bytes_ = 0;  // packed, alignment included
   std::size_t pinned_ranges_ = 0;
-  std::size_t pinned_asked_ = 0;   // bytes asked for
+  std::size_t pinned_asked_ = 0;  // bytes asked for
   std::vector<slot_state> slots_;
   bool closed_ = false;
   std::vector<size_class> classes_;

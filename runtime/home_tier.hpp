@@ -34,7 +34,7 @@ struct home_tier;
 struct unit_home {
   const home_tier* tier = nullptr;
   std::byte* block = nullptr;  // the host tier: the unit's block in the pinned arena
-  std::size_t bytes = 0;       // the block's size (the layout's home_bytes)
+  std::size_t bytes = 0;  // the block's size (the layout's home_bytes)
 };
 
 /// What the tiers keep for the runtime: the pinned, NUMA-local arena every host home (and the

@@ -58,8 +58,8 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   for (const detail::adamw_run& run : l.runs) { runs.emplace_back(l.run_slabs(whole, run), run.decay); }
   detail::host_task_arena* cpu = &*cpu_;
   detail::trace_recorder* trace = trace_ ? &*trace_ : nullptr;
-  launch_host_func(host_opt_, [runs = std::move(runs), scalars, guarded, factors, step, cpu, trace,
-                               track = host_track_, name = r.name] {
+  launch_host_func(host_opt_, [runs = std::move(runs), scalars, guarded, factors, step, cpu, trace, track = host_track_,
+                               name = r.name] {
     update_scalars k = scalars;
     if (guarded) {
       detail::adamw_scalars both[2];

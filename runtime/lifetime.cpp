@@ -16,17 +16,12 @@ namespace taskswap {
 
 using detail::message;
 
-runtime::impl::impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs,
+runtime::impl::impl(const device& dev, const runtime_options& options, const std::vector<unit_spec>& specs,
                     std::shared_ptr<communicator> comm)
-    : device_(dev),
-      options_(options),
-      h2d_(dev),
-      d2h_(dev),
-      host_opt_(dev),
-      plan_(specs.size())
+    : device_(dev), options_(options), h2d_(dev), d2h_(dev), host_opt_(dev), plan_(specs.size())
 {
   check_scaler(options);
-  register_units(options, std::move(specs));
+  register_units(options, specs);
   pool_.emplace(dev, options.device.budget - model_->guard_bytes());
   place_homes();
   if (options_.trace) {
@@ -52,8 +47,8 @@ runtime::impl::impl(const device& dev, const runtime_options& options, std::vect
       for (const tensor_info& t : l.tensors) {
         digest = detail::fnv1a(digest, t.state ? "s" : t.no_weight_decay ? "n" : "d");
       }
-      digest = detail::fnv1a(digest, message(std::hexfloat, r.policy.lr_scale, "/",
-                                             r.policy.weight_decay ? *r.policy.weight_decay : -1.0));
+      digest = detail::fnv1a(
+        digest, message(std::hexfloat, r.policy.lr_scale, "/", r.policy.weight_decay ? *r.policy.weight_decay : -1.0));
       units.push_back({r.name, l.reduce_bytes(), l.grad, digest, l.state_tensor_bytes()});
     }
     if (!aux_) { aux_.emplace(dev); }
@@ -76,8 +71,7 @@ runtime::impl::~impl()
     if (reducer_) { reducer_->comm().check(); }
   } catch (const std::exception& f) {
     seen = f.what();
-  } catch (...) {
-  }
+  } catch (...) {}
   std::vector<std::string> problems;
   const auto note = [&](std::string_view text) noexcept {
     try {
@@ -106,7 +100,8 @@ runtime::impl::~impl()
   std::size_t unreleased = 0;
   for (unit_record& r : units_) {
     try {
-      const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
+      const auto left =
+        std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
       if (r.released.recorded() && !r.released.synchronize_for(left)) {
         note(message("unit '", r.name, "' was not released on the device within ", options_.timeout.count(),
                      " ms; the trainer's stream is stalled"));  // a throw here is caught below
@@ -133,8 +128,7 @@ runtime::impl::~impl()
       for (const std::string& p : problems) { text += "; " + p; }
       detail::log(log_level::warning, text);
     }
-  } catch (...) {
-  }
+  } catch (...) {}
   // The device memory and the home arena are freed next, and queued work may still touch them:
   // freeing waits for the device (as cudaFree does), after a stall until the stalled work ends.
 }
@@ -159,7 +153,8 @@ void runtime::impl::wait_streams(std::string_view what)
     try {
       event done(device_);
       done.record(*s);
-      const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
+      const auto left =
+        std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
       if (!done.synchronize_for(left)) {
         stalled(message(what, ": the runtime's ", name, " stream has not finished within ", options_.timeout.count(),
                         " ms ([runtime] timeout): a copy, or the trainer's work it waits for, is stalled. "

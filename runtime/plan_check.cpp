@@ -7,7 +7,6 @@
 
 namespace taskswap {
 
-using detail::bytes_text;
 using detail::message;
 
 void runtime::impl::plan(std::span<const step_plan> steps)
@@ -91,7 +90,9 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
     } catch (const config_error& e) {
       std::string others;
       for (const std::uint32_t u : a.update_only) { others += (others.empty() ? "'" : ", '") + units_[u].name + "'"; }
-      for (const std::uint32_t u : frozen_reduced[k]) { others += (others.empty() ? "'" : ", '") + units_[u].name + "'"; }
+      for (const std::uint32_t u : frozen_reduced[k]) {
+        others += (others.empty() ? "'" : ", '") + units_[u].name + "'";
+      }
       throw config_error(message(e.what(), others.empty() ? "" : ". The step includes units other ranks train (",
                                  others, others.empty() ? "" : "), which this rank holds whole for their update"));
     }

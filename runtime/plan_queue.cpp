@@ -13,7 +13,8 @@ void plan_queue::append(const step_plan& step, std::span<const std::uint32_t> fr
     if (!e.acquire) { continue; }
     planned_use use = planned_use::train;
     if (e.use == unit_use::frozen) {
-      const bool reduced = std::find(frozen_reduced.begin(), frozen_reduced.end(), e.unit.value) != frozen_reduced.end();
+      const bool reduced =
+        std::find(frozen_reduced.begin(), frozen_reduced.end(), e.unit.value) != frozen_reduced.end();
       use = reduced ? planned_use::frozen_reduced : planned_use::frozen;
     }
     s.entries.push_back({e.unit, next_position_, use, false});

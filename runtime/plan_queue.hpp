@@ -23,8 +23,8 @@ inline constexpr std::uint64_t never = std::numeric_limits<std::uint64_t>::max()
 
 /// How a planned acquisition uses its unit, as far as residency is concerned.
 enum class planned_use : std::uint8_t {
-  train,           // the whole unit: parameters, optimizer state (device placement), gradients
-  frozen,          // the parameters alone
+  train,  // the whole unit: parameters, optimizer state (device placement), gradients
+  frozen,  // the parameters alone
   frozen_reduced,  // used frozen here while other ranks train it: whole, zero gradients, takes the update
 };
 

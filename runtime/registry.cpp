@@ -14,7 +14,6 @@
 
 namespace taskswap {
 
-using detail::bytes_text;
 using detail::message;
 
 namespace {
@@ -59,13 +58,13 @@ unit_footprint footprint(const unit_spec& spec, optimizer_placement placement)
                         .frozen_swap_in_bytes = l.params_bytes};
 }
 
-void runtime::impl::register_units(const runtime_options& options, std::vector<unit_spec> specs)
+void runtime::impl::register_units(const runtime_options& options, const std::vector<unit_spec>& specs)
 {
   if (specs.empty()) { throw config_error("taskswap runtime: no units given; register at least one unit"); }
   std::vector<bool> rule_used(options.units.size(), false);
   std::vector<detail::modelled_unit> modelled;
   modelled.reserve(specs.size());
-  for (unit_spec& spec : specs) {
+  for (const unit_spec& spec : specs) {
     if (spec.name.empty()) { throw config_error("taskswap runtime: a unit has an empty name; name every unit"); }
     const unit_policy policy = resolve_policy(spec, options, rule_used);
     if (!(policy.lr_scale > 0 && std::isfinite(policy.lr_scale))) {
@@ -75,7 +74,8 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
       throw config_error(message("unit '", spec.name, "': weight_decay ", *policy.weight_decay, " must be 0 or more"));
     }
     if (policy.lookahead < 0) {
-      throw config_error(message("unit '", spec.name, "': lookahead ", policy.lookahead, " is negative; use 0 or more"));
+      throw config_error(
+        message("unit '", spec.name, "': lookahead ", policy.lookahead, " is negative; use 0 or more"));
     }
     try {
       (void)detail::home_tier_named(policy.home);
@@ -85,7 +85,8 @@ void runtime::impl::register_units(const runtime_options& options, std::vector<u
     if (!by_name_.emplace(spec.name, static_cast<std::uint32_t>(units_.size())).second) {
       throw config_error(message("unit '", spec.name, "' is registered twice; unit names must be unique"));
     }
-    units_.emplace_back(device_, static_cast<std::uint32_t>(units_.size()), spec.name, policy, detail::make_unit_layout(spec, policy.optimizer));
+    units_.emplace_back(device_, static_cast<std::uint32_t>(units_.size()), spec.name, policy,
+                        detail::make_unit_layout(spec, policy.optimizer));
     const unit_record& r = units_.back();
     modelled.push_back({.name = r.name,
                         .device_bytes = r.layout.device_bytes,

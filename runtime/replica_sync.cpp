@@ -68,13 +68,16 @@ void runtime::impl::verify_replicas()
       if (sums[k * n + u] != sums[u]) { ranks += (ranks.empty() ? "" : ", ") + std::to_string(k); }
     }
     if (ranks.empty()) { continue; }
-    if (++units_differing <= 8) { differ += message(differ.empty() ? "" : "; ", "'", units_[u].name, "' on rank(s) ", ranks); }
+    if (++units_differing <= 8) {
+      differ += message(differ.empty() ? "" : "; ", "'", units_[u].name, "' on rank(s) ", ranks);
+    }
   }
   if (units_differing == 0) { return; }
-  throw config_error(message("[comm] initial = \"verify\": ", units_differing, " unit(s) start different from rank 0's: ",
-                             differ, units_differing > 8 ? "; ..." : "",
-                             ". Initialise every rank the same way (the same seed, or load one checkpoint), or set [comm] "
-                             "initial = \"broadcast\" to copy rank 0's"));
+  throw config_error(
+    message("[comm] initial = \"verify\": ", units_differing, " unit(s) start different from rank 0's: ", differ,
+            units_differing > 8 ? "; ..." : "",
+            ". Initialise every rank the same way (the same seed, or load one checkpoint), or set [comm] "
+            "initial = \"broadcast\" to copy rank 0's"));
 }
 
 // Rank 0's state through a staging range of the device (the communicator moves device memory),

@@ -30,16 +30,16 @@ residency_model::residency_model(std::size_t budget, std::size_t granule, std::s
   pinned_ = taken(pinned_packed_);  // packed, in whole granules
   if (pinned_ > capacity_) {
     throw config_error(message("the pinned units need ", bytes_text(pinned_), " of device memory", granule_note(),
-                               " but the budget is ", bytes_text(capacity_), "; raise [device] budget or pin fewer units"));
+                               " but the budget is ", bytes_text(capacity_),
+                               "; raise [device] budget or pin fewer units"));
   }
   for (std::uint32_t i = 0; i < units_.size(); ++i) {
     const modelled_unit& u = units_[i];
     if (!u.pinned && charged(i, u.device_bytes) > capacity_ - pinned_) {
-      throw config_error(message("unit '", u.name, "' needs ", bytes_text(charged(i, u.device_bytes)),
-                                 " of device memory", granule_note(), " but the budget leaves ",
-                                 bytes_text(capacity_ - pinned_), " after pinned units; ",
-                                 u.host_placement ? "raise [device] budget"
-                                                  : "raise [device] budget or choose optimizer = \"host\" for it"));
+      throw config_error(message(
+        "unit '", u.name, "' needs ", bytes_text(charged(i, u.device_bytes)), " of device memory", granule_note(),
+        " but the budget leaves ", bytes_text(capacity_ - pinned_), " after pinned units; ",
+        u.host_placement ? "raise [device] budget" : "raise [device] budget or choose optimizer = \"host\" for it"));
     }
   }
 }
@@ -87,8 +87,8 @@ std::size_t residency_model::check_step(const step_plan& step, std::uint64_t ste
       continue;
     }
     if (it != held.end()) {
-      throw config_error(message("plan step ", step_number, ": acquires '", u.name,
-                                 "' while it is still held; release it in between"));
+      throw config_error(
+        message("plan step ", step_number, ": acquires '", u.name, "' while it is still held; release it in between"));
     }
     if (e.use == unit_use::train && u.never_trained) {
       throw config_error(message("plan step ", step_number, ": trains '", u.name,
@@ -96,7 +96,8 @@ std::size_t residency_model::check_step(const step_plan& step, std::uint64_t ste
                                  "register it trainable"));
     }
     if (std::find(trained_released.begin(), trained_released.end(), e.unit.value) != trained_released.end()) {
-      throw config_error(message("plan step ", step_number, ": acquires '", u.name, "' again after training it; with "
+      throw config_error(message("plan step ", step_number, ": acquires '", u.name,
+                                 "' again after training it; with "
                                  "loss scaling or clipping a trained unit's update waits for the step's end, so a step "
                                  "acquires it once (accumulate its micro-batches within one acquisition)"));
     }
@@ -114,18 +115,16 @@ std::size_t residency_model::check_step(const step_plan& step, std::uint64_t ste
     held_bytes += need;
     most = std::max(most, held_bytes);
     if (pinned_ + held_bytes > capacity_) {
-      throw config_error(message("plan step ", step_number, ": after acquiring '", u.name, "' the units held at once (",
-                                 held_names(), ") take ", bytes_text(held_bytes), granule_note(), " and the pinned units ",
-                                 bytes_text(pinned_), ", together ", bytes_text(pinned_ + held_bytes), " of a ",
-                                 bytes_text(capacity_),
-                                 " budget; release units earlier in the step, raise [device] budget or choose "
-                                 "optimizer = \"host\"",
-                                 rules.released_count_to_end
-                                   ? " (with a communicator, units released within a step count until it ends)"
-                                 : rules.trained_count_to_end
-                                   ? " (with loss scaling or clipping, trained units released within a step count "
-                                     "until it ends)"
-                                   : ""));
+      throw config_error(message(
+        "plan step ", step_number, ": after acquiring '", u.name, "' the units held at once (", held_names(), ") take ",
+        bytes_text(held_bytes), granule_note(), " and the pinned units ", bytes_text(pinned_), ", together ",
+        bytes_text(pinned_ + held_bytes), " of a ", bytes_text(capacity_),
+        " budget; release units earlier in the step, raise [device] budget or choose "
+        "optimizer = \"host\"",
+        rules.released_count_to_end  ? " (with a communicator, units released within a step count until it ends)"
+        : rules.trained_count_to_end ? " (with loss scaling or clipping, trained units released within a step count "
+                                       "until it ends)"
+                                     : ""));
     }
   }
   return most;

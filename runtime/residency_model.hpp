@@ -42,22 +42,22 @@ struct modelled_unit {
   std::size_t device_bytes = 0;  // its whole slot
   std::size_t params_bytes = 0;  // its parameter slab: what a frozen use holds
   bool pinned = false;
-  bool host_placement = false;   // for the hint of a message
-  bool never_trained = false;    // unit_spec::trainable false: every use frozen
+  bool host_placement = false;  // for the hint of a message
+  bool never_trained = false;  // unit_spec::trainable false: every use frozen
 };
 
 /// How a step counts a unit released before the step's end.
 struct step_rules {
   bool released_count_to_end = false;  // with a communicator: the room waits for the reduction
-  bool trained_count_to_end = false;   // guarded (scaler, clip): a trained unit's update waits for end_step
+  bool trained_count_to_end = false;  // guarded (scaler, clip): a trained unit's update waits for end_step
 };
 
 /// A resident unit that an eviction could take, as choose_victim sees it.
 struct victim_candidate {
   std::uint32_t unit = 0;
-  std::uint64_t next_use = 0;      // when it is used next (positions or steps; larger is later)
+  std::uint64_t next_use = 0;  // when it is used next (positions or steps; larger is later)
   std::uint64_t last_release = 0;  // when it was last let go (larger is more recent)
-  bool idle = true;                // not held and not needed before the use the room is for
+  bool idle = true;  // not held and not needed before the use the room is for
 };
 
 class residency_model {

@@ -46,13 +46,15 @@ void* unit_view::grad(std::size_t i) const
 tensor_view unit_view::param_tensor(std::size_t i) const
 {
   std::byte* p = static_cast<std::byte*>(param(i));
-  return {device_span(owner, p, tensors[i].count * size_of(params.type)), params.type, tensors[i].shape, tensors[i].count};
+  return {device_span(owner, p, tensors[i].count * size_of(params.type)), params.type, tensors[i].shape,
+          tensors[i].count};
 }
 
 tensor_view unit_view::grad_tensor(std::size_t i) const
 {
   std::byte* p = static_cast<std::byte*>(grad(i));
-  return {device_span(owner, p, tensors[i].count * size_of(grads.type)), grads.type, tensors[i].shape, tensors[i].count};
+  return {device_span(owner, p, tensors[i].count * size_of(grads.type)), grads.type, tensors[i].shape,
+          tensors[i].count};
 }
 
 void tensor_view::check_element(std::size_t size, bool floating) const
@@ -64,8 +66,7 @@ void tensor_view::check_element(std::size_t size, bool floating) const
 
 step_plan::step_plan(std::initializer_list<unit_id> acquisitions)
     : step_plan(std::span<const unit_id>(acquisitions.begin(), acquisitions.size()))
-{
-}
+{}
 
 step_plan::step_plan(std::span<const unit_id> acquisitions)
 {
@@ -85,16 +86,14 @@ step_plan& step_plan::release(unit_id u)
   return *this;
 }
 
-runtime::runtime(const device& dev, const runtime_options& options, std::vector<unit_spec> units)
-    : impl_(std::make_unique<impl>(dev, options, std::move(units), nullptr))
-{
-}
+runtime::runtime(const device& dev, const runtime_options& options, const std::vector<unit_spec>& units)
+    : impl_(std::make_unique<impl>(dev, options, units, nullptr))
+{}
 
-runtime::runtime(const device& dev, const runtime_options& options, std::vector<unit_spec> units,
+runtime::runtime(const device& dev, const runtime_options& options, const std::vector<unit_spec>& units,
                  std::shared_ptr<communicator> comm)
-    : impl_(std::make_unique<impl>(dev, options, std::move(units), std::move(comm)))
-{
-}
+    : impl_(std::make_unique<impl>(dev, options, units, std::move(comm)))
+{}
 
 runtime::~runtime() = default;
 runtime::runtime(runtime&&) noexcept = default;
@@ -112,10 +111,7 @@ std::string_view runtime::name(unit_id u) const { return impl_->record(u).name; 
 const unit_policy& runtime::policy(unit_id u) const { return impl_->record(u).policy; }
 std::size_t runtime::device_bytes(unit_id u) const { return impl_->record(u).layout.device_bytes; }
 
-unit_state runtime::state(unit_id u) const
-{
-  return detail::state_of(impl_->record(u));
-}
+unit_state runtime::state(unit_id u) const { return detail::state_of(impl_->record(u)); }
 
 home_view runtime::home(unit_id u)
 {
@@ -191,7 +187,8 @@ void runtime::set_optimizer(const adamw_options& options)
     throw config_error(message("set_optimizer: ", problem, "; nothing was changed"));
   }
   if (options.clip > 0 && !impl_->guard_) {
-    throw config_error(message("set_optimizer: clip = ", options.clip, " on a runtime made without clipping; set "
+    throw config_error(message("set_optimizer: clip = ", options.clip,
+                               " on a runtime made without clipping; set "
                                "[optimizer] clip (or enable [scaler]) when the runtime is made; nothing was changed"));
   }
   impl_->options_.optimizer = options;

@@ -109,8 +109,9 @@ checkpoint_manifest runtime::impl::describe(std::span<const detail::checkpoint_s
 checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& dir)
 {
   if (failed_ && !load_failed_) { std::rethrow_exception(failed_); }  // after a failed load: load again
-  TASKSWAP_EXPECTS(!started_, message("load_checkpoint('", dir.string(),
-                                      "'): call it before the first plan, acquire or flush, as initial values are written"));
+  TASKSWAP_EXPECTS(!started_,
+                   message("load_checkpoint('", dir.string(),
+                           "'): call it before the first plan, acquire or flush, as initial values are written"));
   const std::vector<detail::checkpoint_source> sources = checkpoint_sources();
   // With a communicator: every rank loads, or none does; each learns which ranks could not.
   const auto agree = [&](const std::string& failure, std::string_view stage) {
@@ -128,8 +129,8 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
       if (failed[r] != 0) { ranks += (ranks.empty() ? "" : ", ") + std::to_string(r); }
     }
     if (!ranks.empty()) {
-      throw checkpoint_error(message("rank(s) ", ranks, " could not load the checkpoint '", dir.string(),
-                                     "' (", stage, "); their errors say why"));
+      throw checkpoint_error(message("rank(s) ", ranks, " could not load the checkpoint '", dir.string(), "' (", stage,
+                                     "); their errors say why"));
     }
   };
   checkpoint_manifest manifest;
@@ -140,8 +141,9 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
     detail::verify_data(dir, manifest);
     where = detail::match_units(dir, manifest, sources);
     if (manifest.optimizer.clip > 0 && !guard_) {
-      throw checkpoint_error(message("checkpoint '", dir.string(), "' was saved with [optimizer] clip = ",
-                                     manifest.optimizer.clip, "; this runtime was made without clipping: set "
+      throw checkpoint_error(message("checkpoint '", dir.string(),
+                                     "' was saved with [optimizer] clip = ", manifest.optimizer.clip,
+                                     "; this runtime was made without clipping: set "
                                      "[optimizer] clip (or enable [scaler]) to resume it; nothing was loaded"));
     }
   } catch (const std::exception& e) {
@@ -171,8 +173,8 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
     // Saved without clipping (or before taskswap had it): the configuration's clipping stays on.
     options_.optimizer.clip = configured_clip;
     detail::log_once("checkpoint without clip", log_level::info,
-                     message("checkpoint '", dir.string(), "' has no [optimizer] clip; keeping this runtime's clip = ",
-                             configured_clip));
+                     message("checkpoint '", dir.string(),
+                             "' has no [optimizer] clip; keeping this runtime's clip = ", configured_clip));
   }
   if (guard_ && options_.scaler.enabled && manifest.scaler) {  // goes to the device at start
     guard_->host_state->scale = static_cast<float>(manifest.scaler->scale);

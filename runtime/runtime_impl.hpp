@@ -73,7 +73,7 @@ inline constexpr std::size_t stats_history = 4096;
 struct runtime::impl {
   using unit_record = detail::unit_record;
 
-  impl(const device& dev, const runtime_options& options, std::vector<unit_spec> specs,
+  impl(const device& dev, const runtime_options& options, const std::vector<unit_spec>& specs,
        std::shared_ptr<communicator> comm);
   ~impl();
 
@@ -91,7 +91,7 @@ struct runtime::impl {
   void write_trace(const std::filesystem::path& file);
 
   // Registration (lifetime.cpp)
-  void register_units(const runtime_options& options, std::vector<unit_spec> specs);
+  void register_units(const runtime_options& options, const std::vector<unit_spec>& specs);
   void place_homes();
   void start();
 
@@ -236,7 +236,8 @@ struct runtime::impl {
     unit_record& r = record(u);
     TASKSWAP_EXPECTS(r.held && !r.update_only,
                      detail::message(what, "('", r.name, "'): the unit is not acquired; call acquire first"));
-    TASKSWAP_EXPECTS(!r.release_deferred, detail::message(what, "('", r.name, "'): the unit was released already in this step"));
+    TASKSWAP_EXPECTS(!r.release_deferred,
+                     detail::message(what, "('", r.name, "'): the unit was released already in this step"));
     return r;
   }
   int compute_track(stream_view s);
@@ -314,8 +315,8 @@ struct runtime::impl {
     std::int64_t* host_steps = nullptr;
     std::int64_t* device_steps = nullptr;
     detail::step_guard* unit_guards = nullptr;
-    bool wait_done = false;      // `done` was recorded: a stream that reads the state waits for it
-    bool downloaded = false;     // copies home are enqueued: read_guard_steps after the wait
+    bool wait_done = false;  // `done` was recorded: a stream that reads the state waits for it
+    bool downloaded = false;  // copies home are enqueued: read_guard_steps after the wait
   };
   std::optional<guard_memory> guard_;
   std::vector<std::uint32_t> guard_units_;  // the units the current guarded step updates

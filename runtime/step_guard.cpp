@@ -50,7 +50,9 @@ void runtime::impl::check_scaler(const runtime_options& options)
   if (!(s.init_scale > 0 && std::isfinite(s.init_scale) && s.init_scale <= 3.0e38)) {
     fail("init_scale", "must be a positive float, e.g. init_scale = 65536.0");
   }
-  if (!(s.growth_factor > 1 && std::isfinite(s.growth_factor))) { fail("growth_factor", "must be more than 1, e.g. 2.0"); }
+  if (!(s.growth_factor > 1 && std::isfinite(s.growth_factor))) {
+    fail("growth_factor", "must be more than 1, e.g. 2.0");
+  }
   if (!(s.backoff_factor > 0 && s.backoff_factor < 1)) { fail("backoff_factor", "must be in (0, 1), e.g. 0.5"); }
   if (!(s.growth_interval >= 1 && s.growth_interval <= 2'000'000'000)) {
     fail("growth_interval", "must be 1 or more, e.g. growth_interval = 2000");
@@ -78,16 +80,23 @@ void runtime::impl::make_guard(std::span<std::byte> host)
 {
   guard_memory g{.memory = device_buffer(device_, guard_device_bytes(units_.size())), .done = event(device_)};
   std::byte* d = static_cast<std::byte*>(g.memory.data());
-  g.state = reinterpret_cast<detail::step_guard*>(d);  // NOLINT: the layout above
-  g.block_sums = reinterpret_cast<double*>(d + guard_state_bytes);  // NOLINT
-  g.scalars = reinterpret_cast<detail::adamw_scalars*>(d + guard_state_bytes + block_sums_bytes);  // NOLINT
-  g.steps = reinterpret_cast<std::int64_t*>(d + steps_offset);  // NOLINT
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the layout above
+  g.state = reinterpret_cast<detail::step_guard*>(d);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  g.block_sums = reinterpret_cast<double*>(d + guard_state_bytes);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  g.scalars = reinterpret_cast<detail::adamw_scalars*>(d + guard_state_bytes + block_sums_bytes);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  g.steps = reinterpret_cast<std::int64_t*>(d + steps_offset);
   std::byte* h = host.data();
-  g.host_state = reinterpret_cast<detail::step_guard*>(h);  // NOLINT: the layout of guard_host_bytes
-  g.host_steps = reinterpret_cast<std::int64_t*>(h + guard_state_bytes);  // NOLINT
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the layout of guard_host_bytes
+  g.host_state = reinterpret_cast<detail::step_guard*>(h);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  g.host_steps = reinterpret_cast<std::int64_t*>(h + guard_state_bytes);
   g.device_steps = g.host_steps + units_.size();
-  g.unit_guards = reinterpret_cast<detail::step_guard*>(  // NOLINT
-    h + guard_state_bytes + round_up(2 * units_.size() * sizeof(std::int64_t), 256));
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  g.unit_guards = reinterpret_cast<detail::step_guard*>(h + guard_state_bytes +
+                                                        round_up(2 * units_.size() * sizeof(std::int64_t), 256));
   *g.host_state = detail::step_guard{};
   g.host_state->scale = static_cast<float>(options_.scaler.enabled ? options_.scaler.init_scale : 1.0);
   guard_.emplace(std::move(g));
@@ -103,9 +112,11 @@ void runtime::impl::upload_guard()
   }
   const std::size_t n = units_.size() * sizeof(std::int64_t);
   copy_async(g.memory.span(steps_offset, n),
-             std::span<const std::byte>(reinterpret_cast<const std::byte*>(g.device_steps), n), h2d_);  // NOLINT
+             // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+             std::span<const std::byte>(reinterpret_cast<const std::byte*>(g.device_steps), n), h2d_);
   copy_async(g.memory.span(0, sizeof(detail::step_guard)),
-             std::span<const std::byte>(reinterpret_cast<const std::byte*>(g.host_state), sizeof(detail::step_guard)),  // NOLINT
+             // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+             std::span<const std::byte>(reinterpret_cast<const std::byte*>(g.host_state), sizeof(detail::step_guard)),
              h2d_);
   g.done.record(h2d_);
   g.wait_done = true;
@@ -119,10 +130,12 @@ void runtime::impl::download_guard()
   if (!g.done.query()) { g.done.wait(d2h_); }
   const std::size_t n = units_.size() * sizeof(std::int64_t);
   const guard_memory& c = g;
-  copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.host_state), sizeof(detail::step_guard)),  // NOLINT
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.host_state), sizeof(detail::step_guard)),
              c.memory.span(0, sizeof(detail::step_guard)), d2h_);
-  copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.device_steps), n),  // NOLINT
-             c.memory.span(steps_offset, n), d2h_);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.device_steps), n), c.memory.span(steps_offset, n),
+             d2h_);
   g.downloaded = true;
 }
 
@@ -177,7 +190,8 @@ void runtime::impl::finish_guarded_step()
       TASKSWAP_EXPECTS(reduced != nullptr, message("end_step: the reduction of '", r.name, "' was not launched"));
       if (!reduced->query()) { reduced->wait(aux); }
     }
-    detail::square_sum_async(r.slot->data() + r.grads_at(), r.layout.grad, r.layout.trainable, g.state, g.block_sums, aux);
+    detail::square_sum_async(r.slot->data() + r.grads_at(), r.layout.grad, r.layout.trainable, g.state, g.block_sums,
+                             aux);
   }
   const adamw_options& optimizer = reducer_ && step_begun_ ? step_optimizer_ : options_.optimizer;
   const detail::guard_settings settings{.clip = static_cast<float>(optimizer.clip),
@@ -216,7 +230,8 @@ void runtime::impl::guarded_update(unit_record& r, const adamw_options& optimize
     // step's finish can change them, once the unit's previous CPU step has read its copy.
     if (r.host_updated && r.host_updated->recorded() && !r.host_updated->query()) { r.host_updated->wait(aux); }
     const guard_memory& c = g;
-    copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.unit_guards + r.index), sizeof(detail::step_guard)),  // NOLINT
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+    copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.unit_guards + r.index), sizeof(detail::step_guard)),
                c.memory.span(0, sizeof(detail::step_guard)), aux);
     host_step(r, update_scalars{}, aux, guarded_host_update{decay, plain});
     return;

@@ -18,13 +18,15 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
 {
   unit_record& r = record(u);
   TASKSWAP_EXPECTS(!r.release_deferred,
-                   message("acquire('", r.name, "'): the unit was trained and released earlier in this step and its "
+                   message("acquire('", r.name,
+                           "'): the unit was trained and released earlier in this step and its "
                            "update has not run yet (it waits for its reduction, or with loss scaling or clipping for "
                            "end_step); acquire a trained unit once per step (accumulate its micro-batches within one "
                            "acquisition)"));
   TASKSWAP_EXPECTS(!r.held, message("acquire('", r.name, "'): the unit is already held; release it first"));
   TASKSWAP_EXPECTS(use == unit_use::frozen || !r.layout.frozen,
-                   message("acquire('", r.name, "', train): the unit is registered never trained (trainable = "
+                   message("acquire('", r.name,
+                           "', train): the unit is registered never trained (trainable = "
                            "false); acquire it with unit_use::frozen, or register it trainable"));
   check_comm();
   start();
@@ -73,9 +75,10 @@ void runtime::impl::acquire(unit_record& r, stream_view s, bool whole, bool as_p
   r.stepped = false;
   const std::optional<detail::planned_acquisition> planned = as_planned ? plan_.match(u) : std::nullopt;
   if (!planned) {
-    TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "'): step ", steps_done_,
-                                        " did not plan it. With a communicator every acquisition must be planned "
-                                        "(runtime::plan), since the ranks agree on each step's units when it is planned"));
+    TASKSWAP_EXPECTS(!reducer_,
+                     message("acquire('", r.name, "'): step ", steps_done_,
+                             " did not plan it. With a communicator every acquisition must be planned "
+                             "(runtime::plan), since the ranks agree on each step's units when it is planned"));
     ++current_.unplanned;
   }
   if (r.resident_for(whole)) {
@@ -126,7 +129,8 @@ void runtime::impl::trainer_grads_ready(unit_id u, stream_view s)
 {
   check_comm();
   unit_record& r = held_record(u, "grads_ready");
-  TASKSWAP_EXPECTS(!r.frozen, message("grads_ready('", r.name, "'): the unit is used frozen in this step and has no "
+  TASKSWAP_EXPECTS(!r.frozen, message("grads_ready('", r.name,
+                                      "'): the unit is used frozen in this step and has no "
                                       "gradients; plan and acquire it with unit_use::train to train it"));
   if (reducer_) {
     mark_ready(r, s);
@@ -139,7 +143,8 @@ void runtime::impl::trainer_step(unit_id u, stream_view s)
 {
   check_comm();
   unit_record& r = held_record(u, "step");
-  TASKSWAP_EXPECTS(!r.frozen, message("step('", r.name, "'): the unit is used frozen in this step and is not "
+  TASKSWAP_EXPECTS(!r.frozen, message("step('", r.name,
+                                      "'): the unit is used frozen in this step and is not "
                                       "stepped; plan and acquire it with unit_use::train to train it"));
   if (!reducer_) {
     if (guard_) {
@@ -227,7 +232,8 @@ void runtime::impl::trainer_release(unit_id u, stream_view s)
   if (!r.step_requested) {
     if (!r.frozen_reduced) {  // a frozen use that others train takes their update here, by design
       detail::log_once("release without step", log_level::warning,
-                       message("release('", r.name, "'): the unit was not stepped; with a communicator the runtime "
+                       message("release('", r.name,
+                               "'): the unit was not stepped; with a communicator the runtime "
                                "steps it so that every rank applies the same update. Call step() before release()"));
     }
     request_step(r, s);
@@ -267,8 +273,8 @@ void runtime::impl::release(unit_record& r, stream_view s)
   if (r.params_stale) {
     // Upload the new parameters if the unit stays or is needed soon; otherwise free its room.
     const std::uint64_t next = plan_.next_use(u);
-    const bool soon = next != detail::never &&
-                      plan_.step_distance(next) <= static_cast<std::size_t>(std::max(r.policy.lookahead, 0));
+    const bool soon =
+      next != detail::never && plan_.step_distance(next) <= static_cast<std::size_t>(std::max(r.policy.lookahead, 0));
     if (!r.grads_only && (r.pinned() || soon)) {
       upload_params(r);
     } else {

@@ -47,10 +47,11 @@ void runtime::impl::hold_gradients_only(unit_record& r)
   const std::optional<detail::planned_acquisition> planned = plan_.match(unit_id{r.index});
   const std::size_t bytes = r.layout.device_grad_bytes();
   if (!make_room(r, bytes, planned ? planned->position : 0, true)) {
-    throw out_of_memory(message("step ", steps_done_, ": the zeroed gradient slab of '", r.name, "' (",
-                                bytes_text(charged(r, bytes)), "), which other ranks train, does not fit in the ",
-                                bytes_text(options_.device.budget), " budget beside the units held; raise [device] budget"),
-                        bytes, pool_->free(), options_.device.budget);
+    throw out_of_memory(
+      message("step ", steps_done_, ": the zeroed gradient slab of '", r.name, "' (", bytes_text(charged(r, bytes)),
+              "), which other ranks train, does not fit in the ", bytes_text(options_.device.budget),
+              " budget beside the units held; raise [device] budget"),
+      bytes, pool_->free(), options_.device.budget);
   }
   r.slot = map_slot(r, bytes);
   r.grads_only = true;
@@ -74,7 +75,8 @@ void runtime::impl::mark_ready(unit_record& r, stream_view s)
   // One contiguous range: the trainable tensors and the gaps between them; the slab's tail padding
   // and the state tensors' gradient elements are not sent. The state tensors are broadcast.
   const detail::unit_layout& l = r.layout;
-  const device_span state = l.state_tensor_bytes() == 0 ? device_span{} : r.slot->subspan(l.state_at(), l.state_tensor_bytes());
+  const device_span state =
+    l.state_tensor_bytes() == 0 ? device_span{} : r.slot->subspan(l.state_at(), l.state_tensor_bytes());
   on_launched(reducer_->ready(r.index, r.slot->subspan(r.grads_at(), l.reduce_bytes()), *r.grads_ready_event, state));
 }
 

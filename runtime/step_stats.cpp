@@ -5,7 +5,6 @@
 
 #include <algorithm>
 
-
 namespace taskswap {
 
 using detail::message;
@@ -24,7 +23,8 @@ void runtime::impl::resolve_stalls(bool wait)
   while (it != stalls_pending_.end()) {
     if (wait && !it->end.synchronize_for(options_.timeout)) {
       throw timeout_error(message("flush: a swap-in's stall timer on the trainer's stream has not completed within ",
-                                  options_.timeout.count(), " ms ([runtime] timeout): the trainer's stream is stalled"));
+                                  options_.timeout.count(),
+                                  " ms ([runtime] timeout): the trainer's stream is stalled"));
     }
     if (!it->end.query()) {
       ++it;
@@ -90,8 +90,8 @@ runtime_stats runtime::impl::stats()
   s.host_bytes_pinned = arena.pinned;
   s.units.reserve(units_.size());
   for (const unit_record& r : units_) {
-    s.units.push_back(unit_stats{r.name, state_of(r), r.dirty, r.layout.device_bytes, r.layout.home_bytes, r.swap_ins, r.write_backs, r.step,
-                                 r.policy});
+    s.units.push_back(unit_stats{r.name, state_of(r), r.dirty, r.layout.device_bytes, r.layout.home_bytes, r.swap_ins,
+                                 r.write_backs, r.step, r.policy});
   }
   return s;
 }

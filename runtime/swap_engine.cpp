@@ -154,7 +154,8 @@ device_span runtime::impl::map_slot(unit_record& r, std::size_t bytes)
     const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
     const auto wait = [&](const event& e, const char* what) {
       if (!e.recorded() || e.query()) { return; }
-      const auto left = std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
+      const auto left =
+        std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
       if (!e.synchronize_for(left)) {
         stalled(detail::message("moving device memory that '", u.name, "' used: its previous use (", what,
                                 ") has not finished within ", options_.timeout.count(),
@@ -163,8 +164,9 @@ device_span runtime::impl::map_slot(unit_record& r, std::size_t bytes)
     };
     wait(u.arrived, "swap-in");
     wait(u.released, "release");
-    for (const auto& [e, what] : {std::pair{&u.written_back, "write-back"}, std::pair{&u.grads_copied, "gradients home"},
-                                  std::pair{&u.grads_ready_event, "gradients ready"}, std::pair{&u.grads_done, "reduction"}}) {
+    for (const auto& [e, what] :
+         {std::pair{&u.written_back, "write-back"}, std::pair{&u.grads_copied, "gradients home"},
+          std::pair{&u.grads_ready_event, "gradients ready"}, std::pair{&u.grads_done, "reduction"}}) {
       if (*e) { wait(**e, what); }
     }
   });

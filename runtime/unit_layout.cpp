@@ -19,9 +19,7 @@ std::size_t checked_product(const unit_spec& spec, const tensor_spec& t)
   }
   std::size_t n = 1;
   for (const std::size_t d : t.shape) {
-    if (d == 0) {
-      throw config_error(message("unit '", spec.name, "': tensor '", t.name, "' has a dimension of 0"));
-    }
+    if (d == 0) { throw config_error(message("unit '", spec.name, "': tensor '", t.name, "' has a dimension of 0")); }
     if (n > std::numeric_limits<std::size_t>::max() / 16 / d) {
       throw config_error(message("unit '", spec.name, "': tensor '", t.name, "' is too large to address"));
     }
@@ -79,7 +77,8 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
     return l;
   }
   if (l.trainable == 0) {
-    throw config_error(message("unit '", spec.name, "' has only state tensors; give it a trainable tensor (state "
+    throw config_error(message("unit '", spec.name,
+                               "' has only state tensors; give it a trainable tensor (state "
                                "tensors travel with one)"));
   }
   const auto slab = [&](dtype type) { return round_up(l.count * size_of(type), slab_alignment); };

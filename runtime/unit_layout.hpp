@@ -19,8 +19,8 @@
 
 namespace taskswap::detail {
 
-inline constexpr std::size_t slab_alignment = 256;    // bytes, every slab's offset
-inline constexpr std::size_t tensor_alignment = 64;   // elements, every tensor's offset in a slab
+inline constexpr std::size_t slab_alignment = 256;  // bytes, every slab's offset
+inline constexpr std::size_t tensor_alignment = 64;  // elements, every tensor's offset in a slab
 
 /// Elements [begin, begin + count) of a unit's slabs that AdamW steps with one setting: with the
 /// optimizer's weight decay or without (tensors flagged no_weight_decay). Runs cover the slab.
@@ -33,23 +33,23 @@ struct adamw_run {
 struct unit_layout {
   std::vector<tensor_info> tensors;
   std::vector<adamw_run> runs;  // consecutive tensors with the same weight-decay flag, and the gaps between them
-  std::size_t count = 0;       // elements per slab, tensor padding included
-  std::size_t trainable = 0;   // elements [0, trainable) hold the trainable tensors; state tensors follow
-  bool frozen = false;         // never trained (unit_spec::trainable false): the parameter slab alone
+  std::size_t count = 0;  // elements per slab, tensor padding included
+  std::size_t trainable = 0;  // elements [0, trainable) hold the trainable tensors; state tensors follow
+  bool frozen = false;  // never trained (unit_spec::trainable false): the parameter slab alone
   dtype compute = dtype::f32;
   dtype grad = dtype::f32;
   std::size_t params_bytes = 0;  // slab sizes, alignment padding included
-  std::size_t state_bytes = 0;   // one f32 slab: master, m or v
+  std::size_t state_bytes = 0;  // one f32 slab: master, m or v
   std::size_t grad_bytes = 0;
-  std::size_t params = 0;      // byte offsets from the start of the unit's block
-  std::size_t master = 0;      // == params when the compute dtype is f32
+  std::size_t params = 0;  // byte offsets from the start of the unit's block
+  std::size_t master = 0;  // == params when the compute dtype is f32
   std::size_t m = 0;
   std::size_t v = 0;
   std::size_t home_grads = 0;  // host placement only
   std::size_t home_bytes = 0;
   std::size_t device_grads = 0;
   std::size_t device_bytes = 0;
-  std::size_t travel_bytes = 0;     // home → device on swap-in
+  std::size_t travel_bytes = 0;  // home → device on swap-in
   std::size_t writeback_bytes = 0;  // device → home on write-back; 0 for host placement
 
   [[nodiscard]] std::size_t device_grad_bytes() const noexcept { return grad_bytes; }
@@ -67,9 +67,12 @@ struct unit_layout {
   [[nodiscard]] adamw_slabs slabs_at(std::byte* base, std::size_t grads) const noexcept
   {
     adamw_slabs s;
-    s.master = reinterpret_cast<float*>(base + master);  // NOLINT: these slabs hold f32
-    s.m = reinterpret_cast<float*>(base + m);            // NOLINT
-    s.v = reinterpret_cast<float*>(base + v);            // NOLINT
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): these slabs hold f32
+    s.master = reinterpret_cast<float*>(base + master);
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+    s.m = reinterpret_cast<float*>(base + m);
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+    s.v = reinterpret_cast<float*>(base + v);
     s.grad = base + grads;
     s.grad_type = grad;
     s.params = compute == dtype::f32 ? nullptr : base + params;

@@ -21,19 +21,19 @@ struct unit_record {
   std::string name;
   unit_policy policy;
   unit_layout layout;
-  unit_home home;               // its home copy, where its tier keeps it (Note [Home tiers])
+  unit_home home;  // its home copy, where its tier keeps it (Note [Home tiers])
   std::optional<device_span> slot;
   std::uint32_t pool_slot = 0;  // its slot in the device pool (not pinned)
-  bool packed = false;          // its slot is a place in a granule shared by its size class
+  bool packed = false;  // its slot is a place in a granule shared by its size class
   bool held = false;
-  bool dirty = false;         // the device copy is newer than home (device placement)
+  bool dirty = false;  // the device copy is newer than home (device placement)
   bool params_stale = false;  // home is newer than the device copy (host placement, after a step)
   bool stepped_here = false;  // a host step read this residency's gradients
-  bool stepped = false;       // step() since its acquire (without a communicator)
-  bool params_only = false;   // its slot holds the parameters alone (brought in or narrowed for a frozen use)
-  bool frozen = false;        // the current acquisition is a frozen use (forward only)
+  bool stepped = false;  // step() since its acquire (without a communicator)
+  bool params_only = false;  // its slot holds the parameters alone (brought in or narrowed for a frozen use)
+  bool frozen = false;  // the current acquisition is a frozen use (forward only)
   bool frozen_reduced = false;  // ... while other ranks train it: whole, zero gradients, takes the update
-  std::size_t held_bytes = 0;   // what its acquisition adds to runtime::impl::held_bytes_
+  std::size_t held_bytes = 0;  // what its acquisition adds to runtime::impl::held_bytes_
   std::int64_t step = 0;
   std::uint64_t last_release = 0;
   std::size_t resident_index = 0;  // in runtime::impl::resident_
@@ -49,20 +49,19 @@ struct unit_record {
   std::size_t trace_span = 0;
   std::uint32_t index = 0;  // its unit_id
   // With a communicator, within the current step:
-  bool update_only = false;     // acquired by the runtime to apply an update other ranks trained
+  bool update_only = false;  // acquired by the runtime to apply an update other ranks trained
   bool step_requested = false;  // step() was called (or the runtime stepped it)
-  bool step_deferred = false;   // step() came before its reduction was launched; the update waits
+  bool step_deferred = false;  // step() came before its reduction was launched; the update waits
   bool updated_on_aux = false;  // its update ran on the runtime's aux stream
   bool release_deferred = false;  // the trainer released it before the deferred update ran
-  void* released_on = nullptr;    // the stream of its last release: a user on another one waits for it
-  bool grads_only = false;        // its slot holds only a gradient slab (host placement, update only)
-  std::optional<event> step_point;        // the trainer's stream at step()
+  void* released_on = nullptr;  // the stream of its last release: a user on another one waits for it
+  bool grads_only = false;  // its slot holds only a gradient slab (host placement, update only)
+  std::optional<event> step_point;  // the trainer's stream at step()
   std::optional<event> trainer_released;  // the trainer's stream at release()
 
   unit_record(const device& dev, std::uint32_t i, std::string n, unit_policy p, unit_layout l)
-      : name(std::move(n)), policy(p), layout(std::move(l)), arrived(dev), released(dev), index(i)
-  {
-  }
+      : name(std::move(n)), policy(std::move(p)), layout(std::move(l)), arrived(dev), released(dev), index(i)
+  {}
   [[nodiscard]] bool resident() const noexcept { return slot.has_value(); }
   /// Resident with what a use needs: the whole slot, or for a frozen use (`whole` false) at least
   /// the parameters.

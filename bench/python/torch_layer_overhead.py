@@ -67,28 +67,28 @@ def main() -> None:
     for k in args.per_step:
         steps = [[(s * k + j) % args.units for j in range(k)] for s in range(args.steps)]
 
-        def torch_loop():
+        def torch_loop(steps=steps):
             for ids in steps:
                 for i in ids:
                     reference[i].weight.grad = None
                     reference[i].bias.grad = None
                     reference[i](x).sum().backward()
 
-        def torch_opt_loop():
+        def torch_opt_loop(steps=steps):
             for ids in steps:
                 for i in ids:
                     optimizers[i].zero_grad(set_to_none=True)
                     reference[i](x).sum().backward()
                     optimizers[i].step()
 
-        def layer_loop():
+        def layer_loop(steps=steps):
             rt.plan([[units[i] for i in ids] for ids in steps])
             for ids in steps:
                 with rt.step(*[units[i] for i in ids]):
                     for i in ids:
                         modules[i](x).sum().backward()
 
-        def core_loop():
+        def core_loop(steps=steps):
             core.plan([[(i, 0) for i in ids] for ids in steps])
             for ids in steps:
                 for i in ids:
@@ -100,7 +100,7 @@ def main() -> None:
                     core.release(i, stream)
                 core.end_step()
 
-        def best(loop):
+        def best(loop, k=k):
             times = []
             for _ in range(args.repeats):
                 sync()

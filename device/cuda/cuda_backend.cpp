@@ -24,15 +24,15 @@ namespace taskswap::detail {
 void throw_cuda_error(cudaError_t status, const char* call, const char* file, int line)
 {
   static_cast<void>(cudaGetLastError());  // clear a non-sticky error so later calls start clean
-  throw cuda_error(message("taskswap: CUDA call ", call, " failed at ", file, ":", line, ": ",
-                           cudaGetErrorName(status), " (", cudaGetErrorString(status), ")"));
+  throw cuda_error(message("taskswap: CUDA call ", call, " failed at ", file, ":", line, ": ", cudaGetErrorName(status),
+                           " (", cudaGetErrorString(status), ")"));
 }
 
 void report_cuda_error(cudaError_t status, const char* call, const char* file, int line) noexcept
 {
   static_cast<void>(cudaGetLastError());
-  std::fprintf(stderr, "taskswap: CUDA call %s failed at %s:%d during teardown: %s (%s)\n", call,
-               file, line, cudaGetErrorName(status), cudaGetErrorString(status));
+  std::fprintf(stderr, "taskswap: CUDA call %s failed at %s:%d during teardown: %s (%s)\n", call, file, line,
+               cudaGetErrorName(status), cudaGetErrorString(status));
   assert(false && "CUDA call failed during teardown");
 }
 
@@ -100,10 +100,12 @@ struct driver_vm {
         cudaDriverEntryPointQueryResult found{};
         TASKSWAP_CUDA_TRY(cudaGetDriverEntryPointByVersion(symbol, &p, 12000, cudaEnableDefault, &found));
         if (found != cudaDriverEntryPointSuccess || p == nullptr) {
-          throw cuda_error(message("the CUDA driver has no ", symbol, "; the device pool needs a driver with "
+          throw cuda_error(message("the CUDA driver has no ", symbol,
+                                   "; the device pool needs a driver with "
                                    "virtual memory management (CUDA 12 or later)"));
         }
-        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);  // NOLINT: the driver's own type
+        // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the driver's own type
+        fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
       };
       find("cuGetErrorName", d.get_error_name);
       find("cuMemGetAllocationGranularity", d.granularity);
@@ -135,7 +137,9 @@ struct driver_vm {
     } else {
       context = what;
     }
-    if (status == CUDA_ERROR_OUT_OF_MEMORY) { throw out_of_memory(message(context, ": ", call, " failed: ", name), 0, 0, 0); }
+    if (status == CUDA_ERROR_OUT_OF_MEMORY) {
+      throw out_of_memory(message(context, ": ", call, " failed: ", name), 0, 0, 0);
+    }
     throw cuda_error(message("taskswap: CUDA driver call ", call, " failed (", context, "): ", name));
   }
 };
@@ -221,9 +225,8 @@ class cuda_backend final : public backend {
     if (status == cudaErrorMemoryAllocation) {
       static_cast<void>(cudaGetLastError());
       const memory_info info = memory();
-      throw out_of_memory(message("cuda:", index_, ": cannot allocate ", bytes_text(bytes),
-                                  " of device memory; ", bytes_text(info.free), " free of ",
-                                  bytes_text(info.total)),
+      throw out_of_memory(message("cuda:", index_, ": cannot allocate ", bytes_text(bytes), " of device memory; ",
+                                  bytes_text(info.free), " free of ", bytes_text(info.total)),
                           bytes, info.free, info.total);
     }
     TASKSWAP_CUDA_TRY(status);
@@ -253,7 +256,8 @@ class cuda_backend final : public backend {
       TASKSWAP_CU_TRY(vm, vm.attribute(&supported, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev),
                       message("cuda:", index_));
       if (supported == 0) {
-        throw cuda_error(message("cuda:", index_, " does not support virtual memory management, which the device pool "
+        throw cuda_error(message("cuda:", index_,
+                                 " does not support virtual memory management, which the device pool "
                                  "maps units with (DESIGN invariant 9); use a GPU and driver that do"));
       }
       const CUmemAllocationProp prop = device_memory_on(index_);
@@ -275,16 +279,17 @@ class cuda_backend final : public backend {
     try {
       for (std::size_t i = 0; i < granules; ++i) {
         CUmemGenericAllocationHandle h{};
-        TASKSWAP_CU_TRY(vm, vm.create(&h, g, &prop, 0), [&] { return message("cuda:", index_, ": granule ", i, " of ", granules); });
+        TASKSWAP_CU_TRY(vm, vm.create(&h, g, &prop, 0),
+                        [&] { return message("cuda:", index_, ": granule ", i, " of ", granules); });
         handles->push_back(h);
       }
     } catch (const out_of_memory&) {
       for (const CUmemGenericAllocationHandle h : *handles) { static_cast<void>(vm.release(h)); }
       const memory_info info = memory();
-      throw out_of_memory(message("cuda:", index_, ": cannot allocate ", bytes_text(granules * g), " of device memory in ",
-                                  granules, " granules of ", bytes_text(g), "; ", bytes_text(info.free), " free of ",
-                                  bytes_text(info.total)),
-                          granules * g, info.free, info.total);
+      throw out_of_memory(
+        message("cuda:", index_, ": cannot allocate ", bytes_text(granules * g), " of device memory in ", granules,
+                " granules of ", bytes_text(g), "; ", bytes_text(info.free), " free of ", bytes_text(info.total)),
+        granules * g, info.free, info.total);
     } catch (...) {
       for (const CUmemGenericAllocationHandle h : *handles) { static_cast<void>(vm.release(h)); }
       throw;
@@ -312,14 +317,16 @@ class cuda_backend final : public backend {
     CUdeviceptr va = 0;
     TASKSWAP_CU_TRY(vm, vm.reserve(&va, bytes, vm_granularity(), 0, 0),
                     message("cuda:", index_, ": reserving ", bytes_text(bytes), " of addresses"));
-    return reinterpret_cast<std::byte*>(va);  // NOLINT: a device address
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast,performance-no-int-to-ptr): a device address
+    return reinterpret_cast<std::byte*>(va);
   }
 
   void vm_free(std::byte* va, std::size_t bytes) noexcept override
   {
     try {
       const driver_vm& vm = driver_vm::get();
-      TASKSWAP_CU_TRY(vm, vm.free(reinterpret_cast<CUdeviceptr>(va), bytes), "cuMemAddressFree");  // NOLINT
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+      TASKSWAP_CU_TRY(vm, vm.free(reinterpret_cast<CUdeviceptr>(va), bytes), "cuMemAddressFree");
     } catch (const error& e) {
       std::fprintf(stderr, "taskswap: %s\n", e.what());
     }
@@ -330,7 +337,8 @@ class cuda_backend final : public backend {
     const driver_vm& vm = driver_vm::get();
     const std::size_t g = vm_granularity();
     const auto& handles = *static_cast<const std::vector<CUmemGenericAllocationHandle>*>(physical);
-    const auto base = reinterpret_cast<CUdeviceptr>(va);  // NOLINT: a device address
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a device address
+    const auto base = reinterpret_cast<CUdeviceptr>(va);
     std::size_t mapped = 0;
     try {
       for (; mapped < count; ++mapped) {
@@ -341,7 +349,8 @@ class cuda_backend final : public backend {
       access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
       access.location.id = index_;
       access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      TASKSWAP_CU_TRY(vm, vm.set_access(base, count * g, &access, 1), [&] { return message("cuda:", index_, ": granting access"); });
+      TASKSWAP_CU_TRY(vm, vm.set_access(base, count * g, &access, 1),
+                      [&] { return message("cuda:", index_, ": granting access"); });
     } catch (...) {
       for (std::size_t i = 0; i < mapped; ++i) { static_cast<void>(vm.unmap(base + i * g, g)); }
       throw;
@@ -352,7 +361,8 @@ class cuda_backend final : public backend {
   {
     const driver_vm& vm = driver_vm::get();
     const std::size_t g = vm_granularity();
-    const auto base = reinterpret_cast<CUdeviceptr>(va);  // NOLINT: a device address
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a device address
+    const auto base = reinterpret_cast<CUdeviceptr>(va);
     for (std::size_t i = 0; i < count; ++i) {  // as mapped: one granule at a time
       TASKSWAP_CU_TRY(vm, vm.unmap(base + i * g, g), [&] { return message("cuda:", index_, ": unmapping"); });
     }
@@ -381,7 +391,8 @@ class cuda_backend final : public backend {
 
   [[nodiscard]] void* create_stream(int priority, bool host_synchronous) override
   {
-    TASKSWAP_EXPECTS(!host_synchronous, message("a host-synchronous stream on ", name(), ": only the emulated device "
+    TASKSWAP_EXPECTS(!host_synchronous, message("a host-synchronous stream on ", name(),
+                                                ": only the emulated device "
                                                 "runs a stream's work in the enqueuing thread; make a normal stream"));
     const cuda_device_guard guard(index_);
     cudaStream_t s = nullptr;
@@ -395,7 +406,8 @@ class cuda_backend final : public backend {
     // 0 is the legacy default stream (PyTorch's default stream reports 0): its own handle keeps
     // it apart from "no stream" in the runtime's bookkeeping. It and the per-thread default stream
     // mean "the current device's": every operation on them sets this device first (implicit_guard).
-    cudaStream_t s = handle == 0 ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(handle);  // NOLINT: a handle
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast,performance-no-int-to-ptr): a handle
+    cudaStream_t s = handle == 0 ? cudaStreamLegacy : reinterpret_cast<cudaStream_t>(handle);
 #if CUDART_VERSION >= 12080
     int on = -1;
     TASKSWAP_CUDA_TRY(cudaStreamGetDevice(s, &on));
@@ -430,8 +442,7 @@ class cuda_backend final : public backend {
     return true;
   }
 
-  void copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction,
-                  void* s) override
+  void copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction, void* s) override
   {
     const implicit_stream_guard guard(s, index_);
     TASKSWAP_CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, kind_of(direction), as_stream(s)));
@@ -527,8 +538,7 @@ std::shared_ptr<backend> cuda_backend_for(int index)
   const int count = cuda_device_count();
   if (index < 0 || index >= count) {
     throw cuda_error(message("cuda device ", index, " does not exist: this process sees ", count,
-                             " CUDA device(s); pick an index below ", count,
-                             " or use the emulated backend"));
+                             " CUDA device(s); pick an index below ", count, " or use the emulated backend"));
   }
   static std::mutex mutex;
   static std::map<int, std::weak_ptr<backend>> backends;
@@ -546,10 +556,7 @@ std::shared_ptr<backend> cuda_backend_for(int index)
 namespace taskswap::detail {
 
 namespace {
-std::string cuda_version_text(int version)
-{
-  return message(version / 1000, ".", (version % 1000) / 10);
-}
+std::string cuda_version_text(int version) { return message(version / 1000, ".", (version % 1000) / 10); }
 }  // namespace
 
 std::string cuda_runtime_version()

@@ -20,18 +20,18 @@ void report_cuda_error(cudaError_t status, const char* call, const char* file, i
 
 }  // namespace taskswap::detail
 
-#define TASKSWAP_CUDA_TRY(call)                                                             \
-  do {                                                                                      \
-    const cudaError_t taskswap_status_ = (call);                                            \
-    if (taskswap_status_ != cudaSuccess) [[unlikely]] {                                     \
-      ::taskswap::detail::throw_cuda_error(taskswap_status_, #call, __FILE__, __LINE__);    \
-    }                                                                                       \
+#define TASKSWAP_CUDA_TRY(call)                                                          \
+  do {                                                                                   \
+    const cudaError_t taskswap_status_ = (call);                                         \
+    if (taskswap_status_ != cudaSuccess) [[unlikely]] {                                  \
+      ::taskswap::detail::throw_cuda_error(taskswap_status_, #call, __FILE__, __LINE__); \
+    }                                                                                    \
   } while (false)
 
-#define TASKSWAP_ASSERT_CUDA_SUCCESS(call)                                                  \
-  do {                                                                                      \
-    const cudaError_t taskswap_status_ = (call);                                            \
-    if (taskswap_status_ != cudaSuccess && taskswap_status_ != cudaErrorCudartUnloading) {  \
-      ::taskswap::detail::report_cuda_error(taskswap_status_, #call, __FILE__, __LINE__);   \
-    }                                                                                       \
+#define TASKSWAP_ASSERT_CUDA_SUCCESS(call)                                                 \
+  do {                                                                                     \
+    const cudaError_t taskswap_status_ = (call);                                           \
+    if (taskswap_status_ != cudaSuccess && taskswap_status_ != cudaErrorCudartUnloading) { \
+      ::taskswap::detail::report_cuda_error(taskswap_status_, #call, __FILE__, __LINE__);  \
+    }                                                                                      \
   } while (false)

@@ -109,7 +109,9 @@ class emulated_queue {
  public:
   explicit emulated_queue(bool host_synchronous) : host_synchronous_(host_synchronous)
   {
-    if (!host_synchronous_) { worker_ = std::thread([this] { run(); }); }
+    if (!host_synchronous_) {
+      worker_ = std::thread([this] { run(); });
+    }
   }
 
   ~emulated_queue()
@@ -229,8 +231,7 @@ emulated_queue& queue_of(void* s) { return *static_cast<emulated_queue*>(s); }
 
 emulated_backend::emulated_backend(const emulated_options& options, const emulated_faults& faults)
     : options_(options), faults_(faults), index_(next_emulated_index.fetch_add(1))
-{
-}
+{}
 
 void emulated_backend::fault(std::exception_ptr why) noexcept
 {
@@ -240,7 +241,7 @@ void emulated_backend::fault(std::exception_ptr why) noexcept
   faulted_.store(true, std::memory_order_release);
 }
 
-void emulated_backend::abandon_work(std::exception_ptr why) noexcept { fault(std::move(why)); }
+void emulated_backend::abandon_work(const std::exception_ptr& why) noexcept { fault(why); }
 
 void emulated_backend::check_fault() const
 {
@@ -272,8 +273,8 @@ void emulated_backend::take_memory(std::size_t bytes)
 {
   check_fault();
   if (faults_.fail_allocation != 0 && allocations_.fetch_add(1) + 1 == faults_.fail_allocation) {
-    throw out_of_memory(message("emulated:", index_, ": allocation ", faults_.fail_allocation, " of ", bytes_text(bytes),
-                                " failed (an injected fault)"),
+    throw out_of_memory(message("emulated:", index_, ": allocation ", faults_.fail_allocation, " of ",
+                                bytes_text(bytes), " failed (an injected fault)"),
                         bytes, 0, options_.memory_bytes);
   }
   const std::lock_guard lock(memory_mutex_);
@@ -302,9 +303,9 @@ std::byte* emulated_backend::allocate(std::size_t bytes)
     return p;
   } catch (const std::bad_alloc&) {
     give_memory(bytes);
-    throw out_of_memory(message("emulated:", index_, ": the host could not provide ",
-                                bytes_text(bytes), " to stand for device memory"),
-                        bytes, 0, options_.memory_bytes);
+    throw out_of_memory(
+      message("emulated:", index_, ": the host could not provide ", bytes_text(bytes), " to stand for device memory"),
+      bytes, 0, options_.memory_bytes);
   }
 }
 
@@ -396,7 +397,9 @@ std::byte* emulated_backend::vm_reserve(std::size_t bytes)
   // Below a page a range holds its own bytes, so it is readable and writable from the start.
   const int protection = maps_pages() ? PROT_NONE : PROT_READ | PROT_WRITE;
   void* va = ::mmap(nullptr, bytes, protection, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (va == MAP_FAILED) { throw_errno(errno, message("emulated:", index_, ": reserving ", bytes_text(bytes), " of addresses")); }
+  if (va == MAP_FAILED) {
+    throw_errno(errno, message("emulated:", index_, ": reserving ", bytes_text(bytes), " of addresses"));
+  }
   return static_cast<std::byte*>(va);
 }
 
@@ -430,9 +433,9 @@ std::byte* emulated_backend::allocate_pinned(std::size_t bytes)
     std::memset(p, 0, bytes);  // fault the pages in now, as pinning does
     return p;
   } catch (const std::bad_alloc&) {
-    throw out_of_memory(message("emulated:", index_, ": the host could not provide ",
-                                bytes_text(bytes), " of pinned memory"),
-                        bytes, 0, 0);
+    throw out_of_memory(
+      message("emulated:", index_, ": the host could not provide ", bytes_text(bytes), " of pinned memory"), bytes, 0,
+      0);
   }
 }
 
@@ -440,8 +443,7 @@ void emulated_backend::deallocate_pinned(std::byte* p, std::size_t /*bytes*/) no
 {
   try {
     synchronize();  // as cudaFreeHost
-  } catch (...) {
-  }
+  } catch (...) {}
   ::operator delete(p, host_page);
 }
 
@@ -449,18 +451,15 @@ void emulated_backend::register_host(void* p, std::size_t bytes)
 {
   if (::mlock(p, bytes) != 0) {
     const int code = errno;
-    throw out_of_memory(message("emulated:", index_, ": cannot lock ", bytes_text(bytes),
-                                " of host memory (mlock: ", std::strerror(code),
-                                "); raise the locked-memory limit (ulimit -l) or do not ask for "
-                                "locked pages on the emulated backend"),
-                        bytes, 0, 0);
+    throw out_of_memory(
+      message("emulated:", index_, ": cannot lock ", bytes_text(bytes), " of host memory (mlock: ", std::strerror(code),
+              "); raise the locked-memory limit (ulimit -l) or do not ask for "
+              "locked pages on the emulated backend"),
+      bytes, 0, 0);
   }
 }
 
-void emulated_backend::unregister_host(void* p, std::size_t bytes) noexcept
-{
-  static_cast<void>(::munlock(p, bytes));
-}
+void emulated_backend::unregister_host(void* p, std::size_t bytes) noexcept { static_cast<void>(::munlock(p, bytes)); }
 
 void* emulated_backend::create_stream(int /*priority*/, bool host_synchronous)
 {
@@ -484,7 +483,8 @@ void emulated_backend::destroy_stream(void* s) noexcept
     const std::lock_guard lock(queues_mutex_);
     queues_.erase(queue);
   }
-  delete queue;  // NOLINT: the handle owns the queue; its destructor finishes the queued work
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): the handle owns the queue; its destructor finishes the queued work
+  delete queue;
 }
 
 void emulated_backend::synchronize_stream(void* s)
@@ -519,8 +519,7 @@ void emulated_backend::transfer(link_channel& channel, void* dst, const void* sr
   std::this_thread::sleep_until(end);
 }
 
-void emulated_backend::copy_async(void* dst, const void* src, std::size_t bytes,
-                                  copy_direction direction, void* s)
+void emulated_backend::copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction, void* s)
 {
   check_fault();
   link_channel* channel = nullptr;
@@ -548,10 +547,10 @@ void emulated_backend::copy_async(void* dst, const void* src, std::size_t bytes,
       if (faulted()) { return; }  // abandoned while it stalled
     }
     if (fails) {
-      fault(std::make_exception_ptr(device_error(message("emulated:", index_, ": copy ", number, " (", way, ", ",
-                                                         bytes_text(bytes),
-                                                         ") failed (an injected fault); the device is unusable, and work "
-                                                         "queued after the copy was not done"))));
+      fault(std::make_exception_ptr(
+        device_error(message("emulated:", index_, ": copy ", number, " (", way, ", ", bytes_text(bytes),
+                             ") failed (an injected fault); the device is unusable, and work "
+                             "queued after the copy was not done"))));
       return;
     }
     transfer(*channel, dst, src, bytes);
@@ -576,12 +575,14 @@ void emulated_backend::launch_host_func(void* s, std::function<void()> fn)
 
 void* emulated_backend::create_event(bool timing)
 {
-  return new event_ref(std::make_shared<emulated_event>(timing));  // NOLINT: owned by the handle
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): owned by the handle
+  return new event_ref(std::make_shared<emulated_event>(timing));
 }
 
 void emulated_backend::destroy_event(void* e) noexcept
 {
-  delete &event_of(e);  // NOLINT: queued operations keep their own references
+  // NOLINTNEXTLINE(cppcoreguidelines-owning-memory): queued operations keep their own references
+  delete &event_of(e);
 }
 
 void emulated_backend::record_event(void* e, void* s)
@@ -629,8 +630,7 @@ double emulated_backend::elapsed_ms(void* start, void* end)
   auto stamp_of = [](const event_ref& state, const char* which) {
     const std::lock_guard lock(state->mutex);
     if (state->recorded == 0 || !state->done(state->recorded)) {
-      throw invalid_argument(message("elapsed_ms: the ", which,
-                                     " event has not completed; synchronize it first"));
+      throw invalid_argument(message("elapsed_ms: the ", which, " event has not completed; synchronize it first"));
     }
     return state->stamp;
   };

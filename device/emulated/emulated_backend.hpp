@@ -35,7 +35,7 @@ class emulated_backend final : public backend {
   [[nodiscard]] std::pair<int, int> stream_priority_range() const override { return {0, 0}; }
   [[nodiscard]] std::string pci_bus_id() const override { return {}; }
   void synchronize() override;
-  void abandon_work(std::exception_ptr why) noexcept override;
+  void abandon_work(const std::exception_ptr& why) noexcept override;
 
   [[nodiscard]] std::byte* allocate(std::size_t bytes) override;
   void deallocate(std::byte* p, std::size_t bytes) noexcept override;
@@ -60,8 +60,7 @@ class emulated_backend final : public backend {
   void synchronize_stream(void* s) override;
   [[nodiscard]] bool query_stream(void* s) override;
 
-  void copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction,
-                  void* s) override;
+  void copy_async(void* dst, const void* src, std::size_t bytes, copy_direction direction, void* s) override;
   void fill_async(void* dst, std::byte value, std::size_t bytes, void* s) override;
   void launch_host_func(void* s, std::function<void()> fn) override;
 

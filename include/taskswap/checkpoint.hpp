@@ -56,9 +56,9 @@ struct checkpoint_manifest {
   static constexpr std::int64_t format_version = 1;
   std::string taskswap_version;
   std::uint64_t steps_done = 0;  ///< steps ended when it was saved: where the plan resumes
-  int world = 1;                 ///< ranks training together when it was saved
+  int world = 1;  ///< ranks training together when it was saved
   std::uint64_t data_bytes = 0;  ///< the size of data.bin
-  adamw_options optimizer{};     ///< the settings then (restored exactly: stored as hex floats)
+  adamw_options optimizer{};  ///< the settings then (restored exactly: stored as hex floats)
   std::map<std::string, std::string> user;  ///< the trainer's entries
   std::vector<checkpoint_unit> units;
   std::optional<checkpoint_scaler> scaler{};  ///< when it was saved with a loss scaler

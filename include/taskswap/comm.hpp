@@ -49,8 +49,8 @@ struct comm_options {
 
 /// @brief How the ranks' values are combined.
 enum class reduce_op : std::uint8_t {
-  sum,         ///< x = sum over ranks of x_r
-  average,     ///< x = sum over ranks of x_r / size()
+  sum,  ///< x = sum over ranks of x_r
+  average,  ///< x = sum over ranks of x_r / size()
   premul_sum,  ///< x = sum over ranks of (factor * x_r): the factor is applied before the sum
 };
 
@@ -153,8 +153,7 @@ using nccl_unique_id = std::array<char, 128>;
 /// @brief An MPI communicator over MPI_COMM_WORLD (duplicated), for emulated devices. Initialises
 /// MPI (MPI_THREAD_MULTIPLE) if the program has not; taskswap then finalises it at exit.
 /// @throws comm_error if taskswap was built without MPI, or MPI fails
-[[nodiscard]] std::shared_ptr<communicator> make_mpi_communicator(const device& dev,
-                                                                  std::chrono::milliseconds timeout);
+[[nodiscard]] std::shared_ptr<communicator> make_mpi_communicator(const device& dev, std::chrono::milliseconds timeout);
 
 /// @brief An NCCL communicator for `dev` (a cuda device) from a unique id, this rank and the size.
 /// @throws comm_error if taskswap was built without NCCL or the initialisation fails

@@ -19,22 +19,22 @@ namespace taskswap {
 
 /// @brief Where the CPU AdamW runs.
 struct cpu_adamw_options {
-  int threads = 0;     ///< worker threads; 0 for every CPU of the node (or of the machine)
+  int threads = 0;  ///< worker threads; 0 for every CPU of the node (or of the machine)
   int numa_node = -1;  ///< OS index of the node whose CPUs run the step; -1 for no constraint.
-                       ///< oneTBB places threads on a node only where it has its tbbbind library;
-                       ///< without it the constraint is logged once and ignored.
+    ///< oneTBB places threads on a node only where it has its tbbbind library;
+    ///< without it the constraint is logged once and ignored.
 };
 
 /// @brief The operands of one update: `master`, `m` and `v` are updated in place; `grad` holds
 /// `master.size()` gradients of `grad_type`; `params`, when set, receives the updated parameters
 /// rounded to `param_type` (bf16 or f16) in the same pass. No two may overlap.
 struct adamw_tensors {
-  std::span<float> master;      ///< fp32 parameters (the master copy)
-  std::span<float> m;           ///< first moments, as many as master
-  std::span<float> v;           ///< second moments, as many as master
-  const void* grad = nullptr;   ///< f32, bf16 or f16, aligned to its element size
+  std::span<float> master;  ///< fp32 parameters (the master copy)
+  std::span<float> m;  ///< first moments, as many as master
+  std::span<float> v;  ///< second moments, as many as master
+  const void* grad = nullptr;  ///< f32, bf16 or f16, aligned to its element size
   dtype grad_type = dtype::f32;
-  void* params = nullptr;       ///< optional compute copy, aligned to 2 bytes
+  void* params = nullptr;  ///< optional compute copy, aligned to 2 bytes
   dtype param_type = dtype::bf16;
 };
 

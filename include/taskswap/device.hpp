@@ -37,7 +37,7 @@ enum class backend_kind { cuda, emulated };
 /// order they start, copies in opposite directions overlap.
 struct link_model {
   double bytes_per_second = 0.0;  ///< 0: no model, copies take what memcpy takes
-  double latency_seconds = 0.0;   ///< fixed cost per copy
+  double latency_seconds = 0.0;  ///< fixed cost per copy
 
   /// @brief Whether the model shapes copies at all.
   [[nodiscard]] bool enabled() const noexcept { return bytes_per_second > 0.0; }
@@ -46,7 +46,7 @@ struct link_model {
 /// @brief Settings of an emulated device.
 struct emulated_options {
   std::size_t memory_bytes = std::size_t{1} << 30;  ///< device memory: allocations beyond it fail
-  link_model link{};                                ///< host<->device copy timing
+  link_model link{};  ///< host<->device copy timing
   /// The granule in which the device pool maps memory (a power of two, at least 256). A multiple
   /// of the host page maps a shared memory file into each range, as CUDA maps physical pages, so
   /// two ranges can alias one granule. Smaller granules are counted the same way, but each range
@@ -106,10 +106,7 @@ class device {
   /// @brief The implementation; for taskswap's own components.
   [[nodiscard]] detail::backend& backend() const noexcept { return *backend_; }
 
-  friend bool operator==(const device& a, const device& b) noexcept
-  {
-    return a.backend_ == b.backend_;
-  }
+  friend bool operator==(const device& a, const device& b) noexcept { return a.backend_ == b.backend_; }
 
   /// @brief Wraps a backend; use cuda_device() or emulated_device().
   explicit device(std::shared_ptr<detail::backend> backend) noexcept;
@@ -139,7 +136,7 @@ class device {
 /// @brief A non-owning reference to a stream. Copyable, never null.
 class stream_view {
  public:
-  stream_view(int) = delete;             // NOLINT: a stream is not a number
+  stream_view(int) = delete;  // NOLINT(google-explicit-constructor): a stream is not a number
   stream_view(std::nullptr_t) = delete;  // no default stream: every stream is explicit
 
   /// @brief The backend's stream handle (a cudaStream_t on the cuda backend).
@@ -158,9 +155,7 @@ class stream_view {
   }
 
   /// @brief For backends and tests: wraps a handle of the given backend.
-  stream_view(detail::backend* backend, void* handle) noexcept : backend_(backend), handle_(handle)
-  {
-  }
+  stream_view(detail::backend* backend, void* handle) noexcept : backend_(backend), handle_(handle) {}
 
  private:
   detail::backend* backend_;
@@ -206,7 +201,8 @@ class stream {
 
   /// @brief A view of this stream.
   [[nodiscard]] stream_view view() const noexcept { return {&device_.backend(), handle_}; }
-  operator stream_view() const noexcept { return view(); }  // NOLINT: views convert implicitly
+  // NOLINTNEXTLINE(google-explicit-constructor): views convert implicitly
+  operator stream_view() const noexcept { return view(); }
   /// @brief The device the stream belongs to.
   [[nodiscard]] const device& get_device() const noexcept { return device_; }
   /// @brief The priority it was created with.
@@ -286,15 +282,13 @@ class basic_device_span {
   /// @brief For buffers and backends: a range of `owner`'s memory.
   basic_device_span(detail::backend* owner, T* data, std::size_t size) noexcept
       : owner_(owner), data_(data), size_(size)
-  {
-  }
+  {}
   /// @brief A mutable span converts to a const one.
   template <typename U>
-    requires(std::is_const_v<T> && !std::is_const_v<U>)
-  basic_device_span(basic_device_span<U> other) noexcept  // NOLINT: as std::span does
-      : owner_(other.owner()), data_(other.data()), size_(other.size())
-  {
-  }
+  requires(std::is_const_v<T> && !std::is_const_v<U>)
+    // NOLINTNEXTLINE(google-explicit-constructor): as std::span does
+    basic_device_span(basic_device_span<U> other)
+  noexcept : owner_(other.owner()), data_(other.data()), size_(other.size()) {}
 
   [[nodiscard]] T* data() const noexcept { return data_; }
   [[nodiscard]] std::size_t size() const noexcept { return size_; }
@@ -325,16 +319,15 @@ class owned_bytes {
   using release_fn = void (*)(backend&, std::byte*, std::size_t) noexcept;
   owned_bytes(device dev, std::byte* data, std::size_t size, release_fn release) noexcept
       : device_(std::move(dev)), data_(data), size_(size), release_(release)
-  {
-  }
+  {}
   ~owned_bytes() { reset(); }
+  // The moved-from buffer keeps its device (a handle), for its destructor.
   owned_bytes(owned_bytes&& other) noexcept
-      : device_(other.device_),
+      : device_(other.device_),  // NOLINT(performance-move-constructor-init)
         data_(std::exchange(other.data_, nullptr)),
         size_(std::exchange(other.size_, 0)),
         release_(other.release_)
-  {
-  }
+  {}
   owned_bytes& operator=(owned_bytes&& other) noexcept
   {
     if (this != &other) {

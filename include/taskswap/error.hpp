@@ -39,11 +39,9 @@ class out_of_memory : public error {
   /// @param requested bytes asked for
   /// @param available bytes that were free when asked
   /// @param budget bytes the device or budget holds in all
-  out_of_memory(const std::string& what, std::size_t requested, std::size_t available,
-                std::size_t budget)
+  out_of_memory(const std::string& what, std::size_t requested, std::size_t available, std::size_t budget)
       : error(what), requested_(requested), available_(available), budget_(budget)
-  {
-  }
+  {}
 
   /// @brief Bytes asked for.
   [[nodiscard]] std::size_t requested() const noexcept { return requested_; }

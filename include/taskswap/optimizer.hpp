@@ -28,19 +28,19 @@ struct adamw_options {
 struct loss_scaler_options {
   bool enabled = false;
   double init_scale = 65536.0;  ///< > 0
-  double growth_factor = 2.0;   ///< > 1
+  double growth_factor = 2.0;  ///< > 1
   double backoff_factor = 0.5;  ///< in (0, 1)
   std::int64_t growth_interval = 2000;  ///< >= 1
 };
 
 /// @brief The loss scaler's state (runtime::scaler_state()).
 struct loss_scaler_state {
-  float scale = 1.0F;               ///< the loss scale of the next step
+  float scale = 1.0F;  ///< the loss scale of the next step
   std::int64_t growth_tracker = 0;  ///< finite steps in a row since the scale last changed
-  std::int64_t skipped_steps = 0;   ///< steps skipped since the runtime started (this run)
-  std::int64_t steps = 0;           ///< guarded steps finished since the runtime started (this run)
-  bool last_skipped = false;        ///< the last finished step was skipped
-  float last_norm = 0;              ///< the last finished step's global gradient norm (unscaled)
+  std::int64_t skipped_steps = 0;  ///< steps skipped since the runtime started (this run)
+  std::int64_t steps = 0;  ///< guarded steps finished since the runtime started (this run)
+  bool last_skipped = false;  ///< the last finished step was skipped
+  float last_norm = 0;  ///< the last finished step's global gradient norm (unscaled)
 };
 
 }  // namespace taskswap

@@ -29,20 +29,20 @@ namespace taskswap {
 
 /// @brief Where a unit lives between uses.
 enum class residency : std::uint8_t {
-  pinned,     ///< always on the device (the trunk, typically)
-  prefetch,   ///< brought in ahead of use as the plan and its lookahead allow
+  pinned,  ///< always on the device (the trunk, typically)
+  prefetch,  ///< brought in ahead of use as the plan and its lookahead allow
   on_demand,  ///< brought in at acquire
 };
 
 /// @brief Where a unit's AdamW step runs.
 enum class optimizer_placement : std::uint8_t {
   device,  ///< master, m and v travel with the unit; the AdamW kernel runs on the device
-  host,    ///< only parameters and gradients travel; the CPU AdamW updates the home copy
+  host,  ///< only parameters and gradients travel; the CPU AdamW updates the home copy
 };
 
 /// @brief How a step uses a unit it acquires, chosen per acquisition in the plan.
 enum class unit_use : std::uint8_t {
-  train,   ///< forward and backward: a gradient slab, a reduction, an update
+  train,  ///< forward and backward: a gradient slab, a reduction, an update
   frozen,  ///< forward only: the parameters alone on the device; never reduced, stepped or written back
 };
 
@@ -73,24 +73,24 @@ struct unit_rule {
   std::optional<int> lookahead;
   std::optional<optimizer_placement> optimizer;
   std::string origin;  ///< where the rule came from ("file:line"), for error messages
-  std::optional<double> lr_scale{};      ///< see unit_policy
+  std::optional<double> lr_scale{};  ///< see unit_policy
   std::optional<double> weight_decay{};  ///< see unit_policy
-  std::optional<std::string> home{};     ///< see unit_policy
+  std::optional<std::string> home{};  ///< see unit_policy
 };
 
 /// @brief Which device the runtime uses, and how much of it.
 struct device_options {
   backend_kind backend = backend_kind::cuda;
-  int index = 0;                 ///< cuda: the device ordinal
-  std::size_t budget = 0;        ///< device bytes the runtime may hold (required)
+  int index = 0;  ///< cuda: the device ordinal
+  std::size_t budget = 0;  ///< device bytes the runtime may hold (required)
   emulated_options emulated{.memory_bytes = 0, .link = {}};  ///< emulated: memory (0: the budget), link model
 };
 
 /// @brief The host side: where the home copies live and who runs the CPU AdamW.
 struct host_options {
-  int numa_node = -1;        ///< -1: the device's local node
+  int numa_node = -1;  ///< -1: the device's local node
   bool huge_pages = false;
-  int optimizer_threads = 0; ///< CPU AdamW threads; 0: the node's CPUs
+  int optimizer_threads = 0;  ///< CPU AdamW threads; 0: the node's CPUs
 };
 
 /// @brief Everything the TOML configuration holds (see load_config in config.hpp).
@@ -98,16 +98,16 @@ struct runtime_options {
   device_options device{};
   host_options host{};
   unit_policy defaults{};
-  std::vector<unit_rule> units{};   ///< applied in order over `defaults`
+  std::vector<unit_rule> units{};  ///< applied in order over `defaults`
   adamw_options optimizer{};
   comm_options comm{};
-  bool measure_stall = true;        ///< time the compute stream's waits on swap-ins (events)
-  bool trace = false;               ///< record spans for write_trace()
+  bool measure_stall = true;  ///< time the compute stream's waits on swap-ins (events)
+  bool trace = false;  ///< record spans for write_trace()
   /// How long flush(), save_checkpoint() and the destructor wait for the device before they give
   /// up with timeout_error (a stalled copy or trainer stream); the runtime then writes nothing home.
   std::chrono::milliseconds timeout{300'000};
-  std::string source = "options";   ///< where these options came from, for error messages
-  loss_scaler_options scaler{};     ///< [scaler]: dynamic loss scaling (off by default)
+  std::string source = "options";  ///< where these options came from, for error messages
+  loss_scaler_options scaler{};  ///< [scaler]: dynamic loss scaling (off by default)
 };
 
 /// @brief A named tensor of a unit.
@@ -129,9 +129,9 @@ struct tensor_spec {
 struct unit_spec {
   std::string name;
   std::vector<tensor_spec> tensors;
-  dtype compute = dtype::f32;          ///< parameters on the device
-  std::optional<dtype> grad{};         ///< gradients; default: the compute dtype
-  std::optional<unit_policy> policy{}; ///< overrides the options' defaults and rules
+  dtype compute = dtype::f32;  ///< parameters on the device
+  std::optional<dtype> grad{};  ///< gradients; default: the compute dtype
+  std::optional<unit_policy> policy{};  ///< overrides the options' defaults and rules
   /// false: a unit that is never trained (a frozen base model). It has its parameter slab alone,
   /// at home and on the device: no gradients, master, m or v anywhere, no write-back, no
   /// reduction; its footprint, the plan check and the planner count its parameters. Every use
@@ -149,10 +149,10 @@ struct unit_id {
 struct tensor_info {
   std::string name;
   std::vector<std::size_t> shape;
-  std::size_t count = 0;   ///< elements
+  std::size_t count = 0;  ///< elements
   std::size_t offset = 0;  ///< first element in the unit's slabs
   bool no_weight_decay = false;  ///< as the tensor_spec said: AdamW steps it without weight decay
-  bool state = false;            ///< a non-trainable state tensor (see tensor_spec::state)
+  bool state = false;  ///< a non-trainable state tensor (see tensor_spec::state)
 };
 
 /// @brief A flat slab: `count` elements of `type` at `data`.
@@ -165,10 +165,10 @@ struct slab_view {
 
 /// @brief One tensor of a unit on the device, valid while its unit is held.
 struct tensor_view {
-  device_span memory;                  ///< its bytes: what copy_async and fill_async take
+  device_span memory;  ///< its bytes: what copy_async and fill_async take
   dtype type = dtype::f32;
   std::span<const std::size_t> shape;  ///< as registered
-  std::size_t count = 0;               ///< elements
+  std::size_t count = 0;  ///< elements
   /// @brief Its first element as `T`: float for f32, std::uint16_t (the bits) for bf16 and f16.
   /// A device address: dereference it in device code only (host code on the emulated device).
   /// @throws invalid_argument when `T` does not match the dtype
@@ -176,7 +176,8 @@ struct tensor_view {
   [[nodiscard]] T* data() const
   {
     check_element(sizeof(T), std::is_floating_point_v<T>);
-    return reinterpret_cast<T*>(memory.data());  // NOLINT: the tensor's elements
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the tensor's elements
+    return reinterpret_cast<T*>(memory.data());
   }
 
  private:
@@ -188,8 +189,8 @@ struct unit_view {
   unit_id id{};
   std::span<const tensor_info> tensors;
   slab_view params;  ///< compute dtype
-  slab_view grads;   ///< zero when the unit arrives and after each step; kernels accumulate into it.
-                     ///< Empty (null, 0 elements) when the unit is used frozen
+  slab_view grads;  ///< zero when the unit arrives and after each step; kernels accumulate into it.
+    ///< Empty (null, 0 elements) when the unit is used frozen
   bool frozen = false;  ///< acquired with unit_use::frozen: read the parameters only
   /// @brief Device address of tensor `i`'s parameters.
   [[nodiscard]] void* param(std::size_t i) const;
@@ -250,19 +251,19 @@ class step_plan {
 /// @brief What one unit costs, from its spec and placement alone (no device needed): what a
 /// planner or a capacity estimate uses before a runtime exists.
 struct unit_footprint {
-  std::size_t device_bytes = 0;      ///< while resident (the budget it takes)
-  std::size_t home_bytes = 0;        ///< its block in the pinned host arena
-  std::size_t swap_in_bytes = 0;     ///< host→device per swap-in
+  std::size_t device_bytes = 0;  ///< while resident (the budget it takes)
+  std::size_t home_bytes = 0;  ///< its block in the pinned host arena
+  std::size_t swap_in_bytes = 0;  ///< host→device per swap-in
   std::size_t write_back_bytes = 0;  ///< device→host per write-back (0 for host placement)
-  std::size_t grad_bytes = 0;        ///< its gradient slab, tail padding included (the device memory
-                                     ///< it takes; host placement: what is sent home each step)
-  std::size_t reduce_bytes = 0;      ///< what one allreduce of its gradients moves, as step_stats
-                                     ///< counts it: the tensors' elements and the gaps of < 64
-                                     ///< elements between tensors (one contiguous range), no tail padding
-  std::size_t param_bytes = 0;       ///< its parameter slab (host placement: uploaded after each CPU step)
-  std::size_t frozen_device_bytes = 0;    ///< while used frozen (its parameter slab alone), when not
-                                          ///< resident already; pinned units keep device_bytes
-  std::size_t frozen_swap_in_bytes = 0;   ///< host→device per swap-in for a frozen use
+  std::size_t grad_bytes = 0;  ///< its gradient slab, tail padding included (the device memory
+    ///< it takes; host placement: what is sent home each step)
+  std::size_t reduce_bytes = 0;  ///< what one allreduce of its gradients moves, as step_stats
+    ///< counts it: the tensors' elements and the gaps of < 64
+    ///< elements between tensors (one contiguous range), no tail padding
+  std::size_t param_bytes = 0;  ///< its parameter slab (host placement: uploaded after each CPU step)
+  std::size_t frozen_device_bytes = 0;  ///< while used frozen (its parameter slab alone), when not
+    ///< resident already; pinned units keep device_bytes
+  std::size_t frozen_swap_in_bytes = 0;  ///< host→device per swap-in for a frozen use
 };
 
 /// @brief The footprint of `spec` under `placement`; the same layout the runtime uses.
@@ -286,16 +287,16 @@ struct step_stats {
   std::uint64_t step = 0;
   std::size_t h2d_bytes = 0;
   std::size_t d2h_bytes = 0;
-  std::size_t hits = 0;        ///< acquisitions whose unit was resident or on its way
-  std::size_t misses = 0;      ///< acquisitions that had to start the swap-in
-  std::size_t unplanned = 0;   ///< acquisitions the plan did not announce
-  std::size_t frozen = 0;      ///< acquisitions used frozen
+  std::size_t hits = 0;  ///< acquisitions whose unit was resident or on its way
+  std::size_t misses = 0;  ///< acquisitions that had to start the swap-in
+  std::size_t unplanned = 0;  ///< acquisitions the plan did not announce
+  std::size_t frozen = 0;  ///< acquisitions used frozen
   std::size_t swap_ins = 0;
   std::size_t write_backs = 0;
   std::size_t evictions = 0;
-  double stall_ms = 0;         ///< the compute stream's measured wait on swap-ins
+  double stall_ms = 0;  ///< the compute stream's measured wait on swap-ins
   std::size_t peak_device_bytes = 0;
-  std::size_t reduced_bytes = 0;     ///< gradient bytes allreduced (with a communicator)
+  std::size_t reduced_bytes = 0;  ///< gradient bytes allreduced (with a communicator)
   std::size_t reduce_all_bytes = 0;  ///< what reducing every unit, as DDP does, would have moved
 };
 
@@ -320,9 +321,9 @@ struct runtime_stats {
   std::size_t budget = 0;
   std::size_t pinned_device_bytes = 0;  ///< held by pinned units
   std::size_t device_bytes_in_use = 0;
-  std::size_t home_bytes = 0;           ///< slab bytes at home
-  std::size_t host_bytes_pinned = 0;    ///< bytes page-locked for them
-  std::size_t device_granule = 0;         ///< the device pool maps whole granules of this many bytes
+  std::size_t home_bytes = 0;  ///< slab bytes at home
+  std::size_t host_bytes_pinned = 0;  ///< bytes page-locked for them
+  std::size_t device_granule = 0;  ///< the device pool maps whole granules of this many bytes
   std::size_t device_rounding_bytes = 0;  ///< in use beyond what the resident slabs need: granule rounding
 };
 
@@ -340,7 +341,7 @@ class runtime {
   /// @throws config_error for a unit that can never fit next to the pinned units, a duplicate
   /// or empty name, a rule that matches no unit (with the rule's origin)
   /// @throws out_of_memory when the device cannot hold the budget
-  runtime(const device& dev, const runtime_options& options, std::vector<unit_spec> units);
+  runtime(const device& dev, const runtime_options& options, const std::vector<unit_spec>& units);
   /// @brief As above, reducing gradients over `comm` (nullptr: the communicator options.comm
   /// names, if any). Collective when there is a communicator: every rank constructs its runtime
   /// with the same units, which is checked (config_error naming the ranks that differ).
@@ -353,7 +354,7 @@ class runtime {
   /// Gradients are averaged over the ranks that trained the unit (or the world size, [comm]
   /// average = "world"). step(u) waits (on the device) for u's reduction; release(u) of a
   /// unit not stepped steps it first, so that every rank applies the same updates.
-  runtime(const device& dev, const runtime_options& options, std::vector<unit_spec> units,
+  runtime(const device& dev, const runtime_options& options, const std::vector<unit_spec>& units,
           std::shared_ptr<communicator> comm);
   /// @brief Writes dirty units back and waits for the runtime's streams; never throws.
   ~runtime();

@@ -33,8 +33,8 @@ int main(int argc, char** argv)
   const build_info info = get_build_info();
   std::printf("taskswap %s  cuda=%s (runtime %s, driver %s)  nccl=%s  mpi=%s\n", info.version.c_str(),
               info.cuda ? "yes" : "no", info.cuda ? info.cuda_runtime_version.c_str() : "-",
-              info.cuda ? info.cuda_driver_version.c_str() : "-",
-              info.nccl ? info.nccl_version.c_str() : "no", info.mpi ? info.mpi_library_version.c_str() : "no");
+              info.cuda ? info.cuda_driver_version.c_str() : "-", info.nccl ? info.nccl_version.c_str() : "no",
+              info.mpi ? info.mpi_library_version.c_str() : "no");
 
   // 5 GB/s and 10 us per copy: a modest PCIe link, slower than a host memcpy on a small machine,
   // so that the model and not the machine sets the copy times.
@@ -44,8 +44,7 @@ int main(int argc, char** argv)
   const memory_info memory = dev.memory();
   std::printf("device   %s (%s backend), %.0f MiB free of %.0f MiB%s\n", dev.name().c_str(),
               std::string(to_string(dev.kind())).c_str(), static_cast<double>(memory.free) / MiB,
-              static_cast<double>(memory.total) / MiB,
-              on_gpu ? "" : ", link model 5 GB/s + 10 us per copy");
+              static_cast<double>(memory.total) / MiB, on_gpu ? "" : ", link model 5 GB/s + 10 us per copy");
 
   // Where the device sits, and a pinned arena on its NUMA node to hold unit homes.
   const std::vector<device> devices{dev};
@@ -117,8 +116,8 @@ int main(int argc, char** argv)
   b.record(copy_in);
   b.synchronize();
   const double both = seconds_between(a, b);
-  std::printf("duplex   H2D alone %.2f ms, D2H alone %.2f ms, both on two streams %.2f ms (overlap %.2fx)\n",
-              1e3 * up, 1e3 * down, 1e3 * both, (up + down) / both);
+  std::printf("duplex   H2D alone %.2f ms, D2H alone %.2f ms, both on two streams %.2f ms (overlap %.2fx)\n", 1e3 * up,
+              1e3 * down, 1e3 * both, (up + down) / both);
 
   try {
     device_buffer too_big(dev, dev.memory().total + MiB);

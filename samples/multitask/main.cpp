@@ -54,23 +54,27 @@ int train(int argc, char** argv)
   app.add_flag("--all-resident", resident, "every unit pinned on the device, budget = their bytes (the baseline)");
   app.add_option("--steps", steps, "override [model] steps")->check(CLI::PositiveNumber);
   app.add_option("--batch", batch, "override [model] batch")->check(CLI::PositiveNumber);
-  app.add_option("--freeze-trunk-after", freeze_trunk_after,
-                 "override [model] freeze_trunk_after: from this step on the trunk is used frozen and only the task "
-                 "adapters train (0: never)")
-      ->check(CLI::NonNegativeNumber);
+  app
+    .add_option("--freeze-trunk-after", freeze_trunk_after,
+                "override [model] freeze_trunk_after: from this step on the trunk is used frozen and only the task "
+                "adapters train (0: never)")
+    ->check(CLI::NonNegativeNumber);
   std::string checkpoint;
   std::string resume;
   int checkpoint_every = 0;
   std::int64_t stop_after = -1;
-  app.add_option("--checkpoint", checkpoint, "save a checkpoint to this directory at the end (and every --checkpoint-every steps)");
+  app.add_option("--checkpoint", checkpoint,
+                 "save a checkpoint to this directory at the end (and every --checkpoint-every steps)");
   app.add_option("--checkpoint-every", checkpoint_every, "steps between checkpoints")->check(CLI::PositiveNumber);
   app.add_option("--resume", resume, "continue from the checkpoint in this directory");
   app.add_option("--stop-after", stop_after, "end after this many steps in all, as an interrupted run would")
-      ->check(CLI::NonNegativeNumber);
-  app.add_option("--save-params", save, "write every unit's final home slabs (params, master, m, v) to this file (FILE.rankN under mpirun)");
+    ->check(CLI::NonNegativeNumber);
+  app.add_option("--save-params", save,
+                 "write every unit's final home slabs (params, master, m, v) to this file (FILE.rankN under mpirun)");
   bool no_stop = false;
-  app.add_flag("--no-stop-agreement", no_stop,
-               "no signal handlers and no agreement on stopping (the default dies on SIGTERM; to measure the agreement's cost)");
+  app.add_flag(
+    "--no-stop-agreement", no_stop,
+    "no signal handlers and no agreement on stopping (the default dies on SIGTERM; to measure the agreement's cost)");
   CLI11_PARSE(app, argc, argv);
 
   multitask::configuration cfg = multitask::load_configuration(config_file);
@@ -83,7 +87,8 @@ int train(int argc, char** argv)
     // An emulated device at least as large as the budget and the trainer's workspace (the
     // all-resident budget may exceed the configured memory: the baseline still trains).
     const std::size_t needed =
-        options.device.budget + multitask::model_workspace(cfg.model, cfg.model.steps).bytes(static_cast<std::size_t>(cfg.model.batch));
+      options.device.budget +
+      multitask::model_workspace(cfg.model, cfg.model.steps).bytes(static_cast<std::size_t>(cfg.model.batch));
     options.device.emulated.memory_bytes = std::max(options.device.emulated.memory_bytes, needed);
   }
   const taskswap::device dev = taskswap::make_device(options.device);
@@ -106,14 +111,17 @@ int train(int argc, char** argv)
   // ends the process at once.
   std::optional<taskswap::stop_signals> signals;
   if (!no_stop) { signals.emplace(); }
-  multitask::run_options run{.on_log = [&](const std::string& line) {
-                               if (lead) { std::printf("  %s\n", line.c_str()); }
-                             },
+  multitask::run_options run{.on_log =
+                               [&](const std::string& line) {
+                                 if (lead) { std::printf("  %s\n", line.c_str()); }
+                               },
                              .checkpoint = checkpoint,
                              .checkpoint_every = checkpoint_every,
                              .stop_after = stop_after,
                              .stop_code = {}};
-  if (signals) { run.stop_code = [&] { return signals->signal(); }; }
+  if (signals) {
+    run.stop_code = [&] { return signals->signal(); };
+  }
   const multitask::run_result r = t.run(run);
   if (lead && !checkpoint.empty()) { std::printf("checkpoint saved to '%s'\n", checkpoint.c_str()); }
   if (r.stopped_by != 0) {

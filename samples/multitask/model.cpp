@@ -57,15 +57,15 @@ model_config read_model(const toml::table& root, std::string_view source)
     int least;
   };
   const std::array<int_key, 10> ints{{{"tasks", &m.tasks, 1},
-                                     {"trunk_layers", &m.trunk_layers, 1},
-                                     {"width", &m.width, 1},
-                                     {"adapter_hidden", &m.adapter_hidden, 1},
-                                     {"outputs", &m.outputs, 1},
-                                     {"batch", &m.batch, 1},
-                                     {"steps", &m.steps, 1},
-                                     {"log_every", &m.log_every, 0},
-                                     {"plan_window", &m.plan_window, 1},
-                                     {"freeze_trunk_after", &m.freeze_trunk_after, 0}}};
+                                      {"trunk_layers", &m.trunk_layers, 1},
+                                      {"width", &m.width, 1},
+                                      {"adapter_hidden", &m.adapter_hidden, 1},
+                                      {"outputs", &m.outputs, 1},
+                                      {"batch", &m.batch, 1},
+                                      {"steps", &m.steps, 1},
+                                      {"log_every", &m.log_every, 0},
+                                      {"plan_window", &m.plan_window, 1},
+                                      {"freeze_trunk_after", &m.freeze_trunk_after, 0}}};
   for (const auto& [key, value] : *t) {
     const std::string_view k = key.str();
     const std::string where = at(source, value) + ": [model] " + std::string(k);
@@ -158,10 +158,10 @@ std::vector<taskswap::unit_spec> model_units(const model_config& m)
   const auto h = static_cast<std::size_t>(m.adapter_hidden);
   const auto o = static_cast<std::size_t>(m.outputs);
   std::vector<taskswap::unit_spec> units;
+  units.reserve(static_cast<std::size_t>(m.trunk_layers) + static_cast<std::size_t>(m.tasks));
   for (int l = 0; l < m.trunk_layers; ++l) {
-    units.push_back({.name = "trunk/" + std::to_string(l),
-                     .tensors = {{"w", {d, d}}, {"b", {d}}},
-                     .compute = m.compute});
+    units.push_back(
+      {.name = "trunk/" + std::to_string(l), .tensors = {{"w", {d, d}}, {"b", {d}}}, .compute = m.compute});
   }
   for (int t = 0; t < m.tasks; ++t) {
     units.push_back({.name = "task/" + std::to_string(t),
@@ -173,8 +173,9 @@ std::vector<taskswap::unit_spec> model_units(const model_config& m)
 
 int task_of_step(const model_config& m, int rank, std::int64_t step)
 {
-  return static_cast<int>(key_of(m.seed, key_sampler, static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(step)) %
-                          static_cast<std::uint64_t>(m.tasks));
+  return static_cast<int>(
+    key_of(m.seed, key_sampler, static_cast<std::uint64_t>(rank), static_cast<std::uint64_t>(step)) %
+    static_cast<std::uint64_t>(m.tasks));
 }
 
 int plan_margin(const model_config& m, const taskswap::runtime_options& options)
@@ -192,7 +193,7 @@ namespace {
 // The buffers of one batch: activations (per sample) first, then the fixed ones.
 struct buffer_sizes {
   std::vector<std::size_t> per_sample;  // floats per sample of each per-sample buffer
-  std::vector<std::size_t> fixed;       // floats of each fixed buffer
+  std::vector<std::size_t> fixed;  // floats of each fixed buffer
 };
 
 buffer_sizes buffers_of(const model_config& m, int steps)
@@ -202,14 +203,14 @@ buffer_sizes buffers_of(const model_config& m, int steps)
   const auto o = static_cast<std::size_t>(m.outputs);
   buffer_sizes b;
   for (int l = 0; l <= m.trunk_layers; ++l) { b.per_sample.push_back(d); }  // h_0 (input) … h_L
-  b.per_sample.push_back(h);                                                 // adapter hidden
-  b.per_sample.push_back(o);                                                 // output, then dLoss/dy
-  b.per_sample.push_back(o);                                                 // target
-  b.per_sample.push_back(std::max(d, h));                                    // backward, ping
-  b.per_sample.push_back(std::max(d, h));                                    // backward, pong
-  b.fixed.push_back(d * o);                                                  // the teacher of the step
+  b.per_sample.push_back(h);  // adapter hidden
+  b.per_sample.push_back(o);  // output, then dLoss/dy
+  b.per_sample.push_back(o);  // target
+  b.per_sample.push_back(std::max(d, h));  // backward, ping
+  b.per_sample.push_back(std::max(d, h));  // backward, pong
+  b.fixed.push_back(d * o);  // the teacher of the step
   b.fixed.push_back(std::max<std::size_t>(static_cast<std::size_t>(steps), 64));  // losses (at least 256 bytes)
-  b.fixed.push_back(scratch_floats(std::max({d, h, o})));                        // the reductions' partial sums
+  b.fixed.push_back(scratch_floats(std::max({d, h, o})));  // the reductions' partial sums
   if (m.compute != dtype::f32) {
     const std::size_t largest = std::max({d * d, d * h, h * o});
     b.fixed.push_back(largest);  // a weight widened to f32
@@ -238,7 +239,8 @@ taskswap::runtime_options all_resident(const taskswap::runtime_options& options,
                                        const std::vector<taskswap::unit_spec>& units)
 {
   taskswap::runtime_options o = options;
-  o.defaults = {.residency = taskswap::residency::pinned, .lookahead = 0, .optimizer = taskswap::optimizer_placement::device};
+  o.defaults = {
+    .residency = taskswap::residency::pinned, .lookahead = 0, .optimizer = taskswap::optimizer_placement::device};
   o.units.clear();
   // Every unit pinned: packed one after another (256-byte aligned), in whole granules of the pool.
   std::size_t packed = 0;
@@ -262,9 +264,9 @@ struct trainer::impl {
         batch(b),
         steps(s),
         compute(dev),
-        comm(c ? std::move(c)
-               : options.comm.backend == taskswap::comm_backend::none ? nullptr
-                                                                        : taskswap::make_communicator(dev, options.comm)),
+        comm(c                                                      ? std::move(c)
+             : options.comm.backend == taskswap::comm_backend::none ? nullptr
+                                                                    : taskswap::make_communicator(dev, options.comm)),
         rt(dev, options, model_units(m), comm),
         kernels(make_ops(dev, compute)),
         workspace(dev, workspace_bytes()),
@@ -282,7 +284,9 @@ struct trainer::impl {
   {
     const buffer_sizes b = buffers_of(model, steps);
     std::size_t bytes = 0;
-    for (std::size_t n : b.per_sample) { bytes += round_up(n * static_cast<std::size_t>(batch) * sizeof(float), alignment); }
+    for (std::size_t n : b.per_sample) {
+      bytes += round_up(n * static_cast<std::size_t>(batch) * sizeof(float), alignment);
+    }
     for (std::size_t n : b.fixed) { bytes += round_up(n * sizeof(float), alignment); }
     return bytes;
   }
@@ -290,7 +294,8 @@ struct trainer::impl {
   void carve()
   {
     const buffer_sizes b = buffers_of(model, steps);
-    auto* base = reinterpret_cast<float*>(workspace.data());  // NOLINT: the workspace holds f32 arrays
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the workspace holds f32 arrays
+    auto* base = reinterpret_cast<float*>(workspace.data());
     std::size_t offset = 0;
     std::vector<float*> out;
     const auto take = [&](std::size_t floats) {
@@ -388,9 +393,9 @@ struct trainer::impl {
     const taskswap::unit_view av = rt.acquire(tasks[static_cast<std::size_t>(task)], compute);
 
     // The batch and its targets: x random, y = x · A_task.
-    kernels->random_uniform(act(0), static_cast<std::size_t>(b) * static_cast<std::size_t>(d),
-                            key_of(model.seed, key_input, static_cast<std::uint64_t>(rank()), static_cast<std::uint64_t>(step)),
-                            1.0F);
+    kernels->random_uniform(
+      act(0), static_cast<std::size_t>(b) * static_cast<std::size_t>(d),
+      key_of(model.seed, key_input, static_cast<std::uint64_t>(rank()), static_cast<std::uint64_t>(step)), 1.0F);
     // The teacher: a part every task shares (what the trunk can learn once) plus the task's own.
     const std::size_t teacher_size = static_cast<std::size_t>(d) * static_cast<std::size_t>(o);
     const float scale = std::sqrt(3.0F / static_cast<float>(d));
@@ -511,15 +516,14 @@ struct trainer::impl {
   const float* loss_scale = nullptr;  // the runtime's, on the device, with [scaler] enabled
   taskswap::step_stats last_stats{};
   int margin = 1;
-  std::int64_t first_step = 0;     // where run() starts (a resumed checkpoint's position)
+  std::int64_t first_step = 0;  // where run() starts (a resumed checkpoint's position)
   std::int64_t planned_until = 0;  // steps planned so far
 };
 
 trainer::trainer(const taskswap::device& dev, const taskswap::runtime_options& options, const model_config& model,
                  int batch, int steps, std::shared_ptr<taskswap::communicator> comm)
     : impl_(std::make_unique<impl>(dev, options, model, batch, steps, std::move(comm)))
-{
-}
+{}
 
 trainer::~trainer() = default;
 
@@ -533,8 +537,8 @@ std::int64_t trainer::resume(const std::filesystem::path& checkpoint)
   // Checked before anything is loaded: the schedule depends on the seed and on the ranks.
   const taskswap::checkpoint_manifest c = taskswap::read_checkpoint_manifest(checkpoint);
   if (c.world != m.world()) {
-    throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' was saved by " + std::to_string(c.world) +
-                                     " rank(s), this run has " + std::to_string(m.world()) +
+    throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' was saved by " +
+                                     std::to_string(c.world) + " rank(s), this run has " + std::to_string(m.world()) +
                                      "; resume with as many ranks (each rank's task schedule depends on it)");
   }
   const auto entry = [&](const std::string& key) {
@@ -547,8 +551,9 @@ std::int64_t trainer::resume(const std::filesystem::path& checkpoint)
                                      "; resume with the same seed (the task schedule depends on it)");
   }
   if (static_cast<std::int64_t>(c.steps_done) > m.steps) {
-    throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' is at step " + std::to_string(c.steps_done) +
-                                     ", beyond this run's " + std::to_string(m.steps) + " steps; raise --steps");
+    throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' is at step " +
+                                     std::to_string(c.steps_done) + ", beyond this run's " + std::to_string(m.steps) +
+                                     " steps; raise --steps");
   }
   m.first_step = static_cast<std::int64_t>(m.rt.load_checkpoint(checkpoint).steps_done);
   return m.first_step;
@@ -558,13 +563,15 @@ run_result trainer::run(const run_options& options)
 {
   impl& m = *impl_;
   const auto& on_log = options.on_log;
-  auto* host_losses = reinterpret_cast<float*>(m.losses_home.data());  // NOLINT: f32 array
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): f32 array
+  auto* host_losses = reinterpret_cast<float*>(m.losses_home.data());
   const auto copy_losses = [&](std::int64_t first, std::int64_t end) {
     const std::size_t off = static_cast<std::size_t>(first) * sizeof(float);
     const std::size_t n = static_cast<std::size_t>(end - first) * sizeof(float);
-    taskswap::copy_async(m.losses_home.span().subspan(off, n), m.workspace.span().subspan(
-                                                                   static_cast<std::size_t>(reinterpret_cast<std::byte*>(m.losses + first) - m.workspace.data()), n),
-                         m.compute);
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a float's place in bytes
+    const auto* at = reinterpret_cast<std::byte*>(m.losses + first);
+    const auto from = static_cast<std::size_t>(at - m.workspace.data());
+    taskswap::copy_async(m.losses_home.span().subspan(off, n), m.workspace.span().subspan(from, n), m.compute);
   };
   // Loss lines lag one interval: the copy of an interval is read when the next one is queued.
   struct pending {
@@ -584,7 +591,7 @@ run_result trainer::run(const run_options& options)
       ++count[t];
     }
     std::ostringstream line;
-    line << "step " << p.end << ": mean loss " ;
+    line << "step " << p.end << ": mean loss ";
     double all = 0;
     for (std::size_t t = 0; t < sum.size(); ++t) { all += sum[t]; }
     char buf[64];
@@ -606,7 +613,8 @@ run_result trainer::run(const run_options& options)
   };
 
   const std::int64_t begin = m.first_step;
-  std::int64_t end_at = options.stop_after >= 0 ? std::clamp<std::int64_t>(options.stop_after, begin, m.steps) : m.steps;
+  std::int64_t end_at =
+    options.stop_after >= 0 ? std::clamp<std::int64_t>(options.stop_after, begin, m.steps) : m.steps;
   const auto save = [&](std::int64_t done) {
     m.rt.save_checkpoint(options.checkpoint, {{"model.seed", std::to_string(m.model.seed)},
                                               {"model.tasks", std::to_string(m.model.tasks)},
@@ -638,7 +646,9 @@ run_result trainer::run(const run_options& options)
     if (options.stop_code) {  // every rank asks at every boundary: they stop at the same one
       const auto asked = std::chrono::steady_clock::now();
       r.stopped_by = m.rt.agree_stop(options.stop_code());
-      if (s != begin) { r.stop_agreement_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count(); }
+      if (s != begin) {
+        r.stop_agreement_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
+      }
       if (r.stopped_by != 0) { end_at = s + 1; }
     }
     const int every = m.model.log_every;
@@ -723,13 +733,16 @@ void trainer::save_parameters(const std::filesystem::path& file)
       if (h.master.data != h.params.data) { write(h.master); }  // f32: the params are the master
       write(h.m);
       write(h.v);
-      out.write(reinterpret_cast<const char*>(&h.step), sizeof h.step);  // NOLINT: raw bytes
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): raw bytes
+      out.write(reinterpret_cast<const char*>(&h.step), sizeof h.step);
     }
     if (!out.flush()) { throw std::runtime_error("writing '" + tmp.string() + "' failed"); }
   }
   std::error_code ec;
   std::filesystem::rename(tmp, file, ec);
-  if (ec) { throw std::runtime_error("cannot rename '" + tmp.string() + "' to '" + file.string() + "': " + ec.message()); }
+  if (ec) {
+    throw std::runtime_error("cannot rename '" + tmp.string() + "' to '" + file.string() + "': " + ec.message());
+  }
 }
 
 }  // namespace multitask

@@ -26,15 +26,15 @@ namespace multitask {
 struct model_config {
   int tasks = 16;
   int trunk_layers = 2;
-  int width = 128;           ///< input and trunk width
+  int width = 128;  ///< input and trunk width
   int adapter_hidden = 256;  ///< hidden width of each task adapter
-  int outputs = 32;          ///< regression targets per sample
+  int outputs = 32;  ///< regression targets per sample
   taskswap::dtype compute = taskswap::dtype::f32;  ///< f32 or bf16 parameters; activations are f32
   int batch = 256;
   int steps = 200;
   std::uint64_t seed = 1;
-  int log_every = 50;        ///< steps between loss lines (0: none)
-  int plan_window = 32;      ///< steps planned at a time
+  int log_every = 50;  ///< steps between loss lines (0: none)
+  int plan_window = 32;  ///< steps planned at a time
   /// From this step on the trunk is used frozen (forward only: no gradients, no reduction, no
   /// update) and only the task adapters train: a per-task fine-tuning phase. 0: never.
   int freeze_trunk_after = 0;
@@ -83,22 +83,25 @@ struct workspace_size {
 struct task_losses {
   std::int64_t steps = 0;
   float first = 0;  ///< mean over the task's first few steps
-  float last = 0;   ///< mean over its last few steps
+  float last = 0;  ///< mean over its last few steps
   std::vector<float> all;
 };
 
 /// What a training run did.
 struct run_result {
   std::vector<task_losses> tasks;
-  double seconds = 0;        ///< wall time of the steps (after the first, which warms up)
+  double seconds = 0;  ///< wall time of the steps (after the first, which warms up)
   std::int64_t timed_steps = 0;
   taskswap::step_stats total{};  ///< every step
   taskswap::step_stats timed{};  ///< the steps after the first (transfers, stall)
-  int stopped_by = 0;            ///< the agreed stop code when the run stopped early (0: it did not)
+  int stopped_by = 0;  ///< the agreed stop code when the run stopped early (0: it did not)
   double stop_agreement_seconds = 0;  ///< host time in runtime::agree_stop over the timed steps
-  std::int64_t steps_done = 0;   ///< the steps done in all when run() returned
+  std::int64_t steps_done = 0;  ///< the steps done in all when run() returned
   std::optional<taskswap::loss_scaler_state> scaler;  ///< with loss scaling or clipping
-  [[nodiscard]] double step_ms() const { return timed_steps == 0 ? 0 : seconds * 1e3 / static_cast<double>(timed_steps); }
+  [[nodiscard]] double step_ms() const
+  {
+    return timed_steps == 0 ? 0 : seconds * 1e3 / static_cast<double>(timed_steps);
+  }
 };
 
 /// How many steps before the end of the planned window the trainer plans the next one: the
@@ -109,9 +112,9 @@ struct run_result {
 /// What run() does besides training.
 struct run_options {
   std::function<void(const std::string&)> on_log;  ///< a line every log_every steps
-  std::filesystem::path checkpoint;                ///< where to save checkpoints (empty: none)
-  int checkpoint_every = 0;                        ///< steps between checkpoints (0: only at the end)
-  std::int64_t stop_after = -1;                    ///< end after this step count in all (an interruption)
+  std::filesystem::path checkpoint;  ///< where to save checkpoints (empty: none)
+  int checkpoint_every = 0;  ///< steps between checkpoints (0: only at the end)
+  std::int64_t stop_after = -1;  ///< end after this step count in all (an interruption)
   /// This rank's reason to stop, asked at every step boundary (e.g. stop_signals::signal(); 0: go
   /// on). The ranks agree on it (runtime::agree_stop): all stop at the same step and save.
   std::function<int()> stop_code;
@@ -122,8 +125,8 @@ class trainer {
  public:
   /// Builds the runtime over `units` (collectively, when `comm` is given) and the workspace.
   /// @throws taskswap::out_of_memory when the budget or the workspace does not fit the device
-  trainer(const taskswap::device& dev, const taskswap::runtime_options& options, const model_config& model,
-          int batch, int steps, std::shared_ptr<taskswap::communicator> comm = nullptr);
+  trainer(const taskswap::device& dev, const taskswap::runtime_options& options, const model_config& model, int batch,
+          int steps, std::shared_ptr<taskswap::communicator> comm = nullptr);
   ~trainer();
   trainer(const trainer&) = delete;
   trainer& operator=(const trainer&) = delete;

@@ -23,7 +23,7 @@ using taskswap::dtype;
 
 constexpr int threads = 256;
 constexpr int partial_blocks = 256;  // the first pass of mse: partial sums (doubles) in the scratch
-constexpr int row_chunks = 64;       // the first pass of column_sums: 64 partial sums per column
+constexpr int row_chunks = 64;  // the first pass of column_sums: 64 partial sums per column
 
 std::string where(const char* call, const char* file, int line)
 {
@@ -44,11 +44,12 @@ void check_cublas(cublasStatus_t e, const char* call, const char* file, int line
     std::size_t total = 0;
     (void)cudaMemGetInfo(&free, &total);
     throw taskswap::out_of_memory(where(call, file, line) + ": cuBLAS could not allocate its workspace (" +
-                                      std::to_string(free) + " of " + std::to_string(total) + " device bytes free)",
+                                    std::to_string(free) + " of " + std::to_string(total) + " device bytes free)",
                                   0, free, total);
   }
   if (e != CUBLAS_STATUS_SUCCESS) {
-    throw taskswap::cuda_error(where(call, file, line) + ": " + cublasGetStatusName(e) + ": " + cublasGetStatusString(e));
+    throw taskswap::cuda_error(where(call, file, line) + ": " + cublasGetStatusName(e) + ": " +
+                               cublasGetStatusString(e));
   }
 }
 
@@ -82,17 +83,18 @@ unsigned blocks_for(std::size_t n)
   return static_cast<unsigned>(std::clamp<std::size_t>(b, 1, std::size_t{65535} * 16));
 }
 
-
 __global__ void random_kernel(float* x, std::size_t n, std::uint64_t key, float scale)
 {
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
     x[i] = __fmul_rn(scale, uniform(key, i));
   }
 }
 
 __global__ void bias_activation_kernel(float* y, const float* b, std::size_t n, int cols, bool relu)
 {
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
     const float v = __fadd_rn(y[i], b[i % static_cast<std::size_t>(cols)]);
     y[i] = relu && !(v > 0.0F) ? 0.0F : v;
   }
@@ -100,7 +102,8 @@ __global__ void bias_activation_kernel(float* y, const float* b, std::size_t n, 
 
 __global__ void relu_backward_kernel(float* dy, const float* y, std::size_t n)
 {
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
     if (!(y[i] > 0.0F)) { dy[i] = 0.0F; }
   }
 }
@@ -118,7 +121,8 @@ __global__ void column_partials_kernel(float* partial, const float* x, int rows,
   float sum = 0.0F;
   if (c < cols) {
     for (int r = r0 + static_cast<int>(threadIdx.y); r < r1; r += 8) {
-      sum = __fadd_rn(sum, x[static_cast<std::size_t>(r) * static_cast<std::size_t>(cols) + static_cast<std::size_t>(c)]);
+      sum =
+        __fadd_rn(sum, x[static_cast<std::size_t>(r) * static_cast<std::size_t>(cols) + static_cast<std::size_t>(c)]);
     }
   }
   tile[threadIdx.y][threadIdx.x] = sum;
@@ -129,7 +133,9 @@ __global__ void column_partials_kernel(float* partial, const float* x, int rows,
     }
     __syncthreads();
   }
-  if (threadIdx.y == 0 && c < cols) { partial[static_cast<std::size_t>(chunk) * static_cast<std::size_t>(cols) + c] = tile[0][threadIdx.x]; }
+  if (threadIdx.y == 0 && c < cols) {
+    partial[static_cast<std::size_t>(chunk) * static_cast<std::size_t>(cols) + c] = tile[0][threadIdx.x];
+  }
 }
 
 // Column sums, pass 2: each column's chunks in order.
@@ -138,7 +144,9 @@ __global__ void column_finish_kernel(float* out, const float* partial, int cols)
   const int c = static_cast<int>(blockIdx.x * blockDim.x + threadIdx.x);
   if (c >= cols) { return; }
   float sum = 0.0F;
-  for (int k = 0; k < row_chunks; ++k) { sum = __fadd_rn(sum, partial[static_cast<std::size_t>(k) * static_cast<std::size_t>(cols) + c]); }
+  for (int k = 0; k < row_chunks; ++k) {
+    sum = __fadd_rn(sum, partial[static_cast<std::size_t>(k) * static_cast<std::size_t>(cols) + c]);
+  }
   out[c] = sum;
 }
 
@@ -149,7 +157,8 @@ __global__ void mse_partials_kernel(float* y, const float* t, std::size_t n, dou
   const float scale = 2.0F / static_cast<float>(n);
   const float by = loss_scale != nullptr ? *loss_scale : 1.0F;
   double sum = 0.0;
-  for (std::size_t i = blockIdx.x * std::size_t{threads} + threadIdx.x; i < n; i += std::size_t{partial_blocks} * threads) {
+  for (std::size_t i = blockIdx.x * std::size_t{threads} + threadIdx.x; i < n;
+       i += std::size_t{partial_blocks} * threads) {
     const float d = __fsub_rn(y[i], t[i]);
     sum += static_cast<double>(d) * d;
     y[i] = __fmul_rn(__fmul_rn(scale, d), by);
@@ -181,15 +190,22 @@ __device__ inline float to_f32(__half x) { return __half2float(x); }
 template <typename T>
 __device__ inline T from_f32(float x);
 template <>
-__device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+__device__ inline __nv_bfloat16 from_f32<__nv_bfloat16>(float x)
+{
+  return __float2bfloat16_rn(x);
+}
 template <>
-__device__ inline __half from_f32<__half>(float x) { return __float2half_rn(x); }
+__device__ inline __half from_f32<__half>(float x)
+{
+  return __float2half_rn(x);
+}
 
 // T: __nv_bfloat16 or __half; both round to nearest even.
 template <typename T>
 __global__ void widen_kernel(float* dst, const T* src, std::size_t n)
 {
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
     dst[i] = to_f32(src[i]);
   }
 }
@@ -197,7 +213,8 @@ __global__ void widen_kernel(float* dst, const T* src, std::size_t n)
 template <typename T>
 __global__ void narrow_kernel(T* dst, const float* src, std::size_t n)
 {
-  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n; i += std::size_t{gridDim.x} * blockDim.x) {
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
     dst[i] = from_f32<T>(src[i]);
   }
 }
@@ -208,7 +225,8 @@ struct handle_deleter {
 
 class cuda_ops final : public ops {
  public:
-  cuda_ops(int device_index, taskswap::stream_view s) : device_(device_index), s_(static_cast<cudaStream_t>(s.native_handle()))
+  cuda_ops(int device_index, taskswap::stream_view s)
+      : device_(device_index), s_(static_cast<cudaStream_t>(s.native_handle()))
   {
     const device_scope scope(device_);
     cublasHandle_t h = nullptr;
@@ -263,7 +281,8 @@ class cuda_ops final : public ops {
   {
     const device_scope scope(device_);
     const std::size_t n = static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols);
-    auto* partial = reinterpret_cast<double*>(scratch);  // NOLINT: scratch_floats() leaves room for 256 doubles
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): scratch_floats() leaves room for 256 doubles
+    auto* partial = reinterpret_cast<double*>(scratch);
     mse_partials_kernel<<<partial_blocks, threads, 0, s_>>>(y, target, n, partial, loss_scale);
     MULTITASK_CUDA(cudaGetLastError());
     mse_finish_kernel<<<1, partial_blocks, 0, s_>>>(partial, n, loss);

@@ -130,7 +130,8 @@ TEST(checkpoint_mpi, a_save_rank_0_cannot_write_is_an_error_on_every_rank)
   if (world_rank() == 0) {
     expect_error_mentioning<checkpoint_error>([&] { a.rt.save_checkpoint(dir); }, "does not exist; create it first");
   } else {
-    expect_error_mentioning<checkpoint_error>([&] { a.rt.save_checkpoint(dir); }, "rank 0 could not write the checkpoint");
+    expect_error_mentioning<checkpoint_error>([&] { a.rt.save_checkpoint(dir); },
+                                              "rank 0 could not write the checkpoint");
   }
   a.train(1);  // a failed save is no failure of the runtime: training goes on
 }

@@ -51,7 +51,9 @@ std::uint32_t home_sum(runtime& rt, unit_id u)
 {
   const home_view h = rt.home(u);
   std::uint32_t c = 0;
-  for (const slab_view& v : {h.params, h.m, h.v}) { c = detail::crc32c(std::span(static_cast<const std::byte*>(v.data), v.bytes()), c); }
+  for (const slab_view& v : {h.params, h.m, h.v}) {
+    c = detail::crc32c(std::span(static_cast<const std::byte*>(v.data), v.bytes()), c);
+  }
   return c;
 }
 
@@ -105,7 +107,8 @@ int main(int argc, char** argv)
   opt.comm.timeout = timeout;
   std::vector<unit_spec> units;
   for (const char* name : {"trunk", "head0", "head1", "head2", "head3"}) {
-    units.push_back(unit_spec{.name = name, .tensors = {{"w", {128, 64}}}, .compute = dtype::f32, .grad = {}, .policy = {}});
+    units.push_back(
+      unit_spec{.name = name, .tensors = {{"w", {128, 64}}}, .compute = dtype::f32, .grad = {}, .policy = {}});
   }
   // Each step holds the trunk and two heads (every rank holds the heads others train, for their
   // update): room for three units, so heads come and go and are written back.
@@ -139,7 +142,8 @@ int main(int argc, char** argv)
   } catch (const taskswap::error& e) {
     const double waited = std::chrono::duration<double>(clock::now() - last_progress).count();
     const bool in_time = waited < std::chrono::duration<double>(timeout).count() + 10.0;
-    const bool expected = dynamic_cast<const timeout_error*>(&e) != nullptr || dynamic_cast<const comm_error*>(&e) != nullptr;
+    const bool expected =
+      dynamic_cast<const timeout_error*>(&e) != nullptr || dynamic_cast<const comm_error*>(&e) != nullptr;
     // Once the device's queue has drained, every home copy must be a state of the fault-free run.
     bool intact = rt_slot.has_value();
     if (rt_slot) {
@@ -150,7 +154,8 @@ int main(int argc, char** argv)
       const auto states = reference(opt, units, 200);
       for (std::uint32_t u = 0; u < units.size(); ++u) {
         if (!states[u].contains(home_sum(*rt_slot, {u}))) {
-          std::printf("rank %d: unit '%s': its home copy is no state of the fault-free run\n", rank, units[u].name.c_str());
+          std::printf("rank %d: unit '%s': its home copy is no state of the fault-free run\n", rank,
+                      units[u].name.c_str());
           intact = false;
         }
       }

@@ -65,7 +65,8 @@ TEST(nccl, runtime_reduces_only_active_units)
   const device dev = cuda_device(0);
   std::vector<unit_spec> units;
   for (const char* name : {"trunk", "head0", "head1", "head2"}) {
-    units.push_back(unit_spec{.name = name, .tensors = {{"w", {256, 64}}}, .compute = dtype::bf16, .grad = {}, .policy = {}});
+    units.push_back(
+      unit_spec{.name = name, .tensors = {{"w", {256, 64}}}, .compute = dtype::bf16, .grad = {}, .policy = {}});
   }
   runtime_options o;
   o.device.budget = std::size_t{8} << 20;

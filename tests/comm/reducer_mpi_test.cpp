@@ -30,7 +30,6 @@ namespace {
 
 constexpr std::chrono::milliseconds test_timeout{60'000};
 
-
 std::vector<unit_spec> model(std::size_t head_rows = 16)
 {
   const auto unit = [](std::string name, std::vector<tensor_spec> t, dtype compute, std::optional<dtype> grad,
@@ -44,15 +43,20 @@ std::vector<unit_spec> model(std::size_t head_rows = 16)
     return u;
   };
   std::vector<unit_spec> units;
-  units.push_back(unit("trunk0", {{"w", {24, 16}}, {"b", {17}}}, dtype::f32, {}, residency::pinned,
-                       optimizer_placement::device));
-  units.push_back(unit("trunk1", {{"w", {16, 16}}}, dtype::bf16, dtype::f32, residency::pinned,
-                       optimizer_placement::device));
-  units.push_back(unit("head0", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::prefetch, optimizer_placement::device));
-  units.push_back(unit("head1", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::on_demand, optimizer_placement::device));
-  units.push_back(unit("head2", {{"w", {head_rows, 8}}}, dtype::bf16, {}, residency::prefetch, optimizer_placement::device));
-  units.push_back(unit("head3", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::prefetch, optimizer_placement::host));
-  units.push_back(unit("head4", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::prefetch, optimizer_placement::device));
+  units.push_back(
+    unit("trunk0", {{"w", {24, 16}}, {"b", {17}}}, dtype::f32, {}, residency::pinned, optimizer_placement::device));
+  units.push_back(
+    unit("trunk1", {{"w", {16, 16}}}, dtype::bf16, dtype::f32, residency::pinned, optimizer_placement::device));
+  units.push_back(
+    unit("head0", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::prefetch, optimizer_placement::device));
+  units.push_back(
+    unit("head1", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::on_demand, optimizer_placement::device));
+  units.push_back(
+    unit("head2", {{"w", {head_rows, 8}}}, dtype::bf16, {}, residency::prefetch, optimizer_placement::device));
+  units.push_back(
+    unit("head3", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::prefetch, optimizer_placement::host));
+  units.push_back(
+    unit("head4", {{"w", {head_rows, 8}}}, dtype::f32, {}, residency::prefetch, optimizer_placement::device));
   return units;
 }
 
@@ -167,7 +171,8 @@ std::size_t budget_for(const std::vector<unit_spec>& units)
   std::size_t head = 0;
   for (std::uint32_t u = first_head; u < rt.unit_count(); ++u) { head = std::max(head, rt.device_bytes(unit_id{u})); }
   // Each step holds this rank's head and the heads only other ranks train: up to one per rank.
-  return rt.device_bytes(unit_id{0}) + rt.device_bytes(unit_id{1}) + (static_cast<std::size_t>(world_size()) + 1) * head;
+  return rt.device_bytes(unit_id{0}) + rt.device_bytes(unit_id{1}) +
+         (static_cast<std::size_t>(world_size()) + 1) * head;
 }
 
 void write_gradients(const unit_view& v, int rank, std::uint64_t k, stream_view s)
@@ -204,7 +209,9 @@ outcome train(const run_options& o)
     rt.set_optimizer(schedule);
     if (!o.plan_upfront) { rt.plan(plan_of(o, me, k)); }
     std::vector<std::pair<std::uint32_t, unit_use>> order;
-    for (const std::uint32_t u : {0U, 1U}) { order.emplace_back(u, trunk_frozen(o, k) ? unit_use::frozen : unit_use::train); }
+    for (const std::uint32_t u : {0U, 1U}) {
+      order.emplace_back(u, trunk_frozen(o, k) ? unit_use::frozen : unit_use::train);
+    }
     if (!skips_head(o, me, k)) { order.emplace_back(head_of(o, me, k), unit_use::train); }
     for (const std::uint32_t h : frozen_heads_of(o, me, k)) { order.emplace_back(h, unit_use::frozen); }
     std::vector<unit_view> views;
@@ -345,9 +352,11 @@ void expect_matches_reference(const run_options& o)
   std::size_t model_bytes = 0;
   for (std::uint32_t u = 0; u < counts.size(); ++u) {
     model_bytes += counts[u] * size_of(grad_types[u]);
-    EXPECT_EQ(footprint(units[u], optimizer_placement::device).reduce_bytes, counts[u] * size_of(grad_types[u])) << units[u].name;
+    EXPECT_EQ(footprint(units[u], optimizer_placement::device).reduce_bytes, counts[u] * size_of(grad_types[u]))
+      << units[u].name;
   }
-  EXPECT_LT(footprint(units[0], optimizer_placement::device).reduce_bytes, footprint(units[0], optimizer_placement::device).grad_bytes);
+  EXPECT_LT(footprint(units[0], optimizer_placement::device).reduce_bytes,
+            footprint(units[0], optimizer_placement::device).grad_bytes);
   EXPECT_EQ(got.stats.total.reduce_all_bytes, model_bytes * o.steps);
 
   // Replicas: every rank's home copies are bitwise rank 0's.
@@ -382,8 +391,8 @@ TEST(reducer_mpi, frozen_uses_cost_nothing_and_a_unit_frozen_here_takes_the_upda
   // The trunk is frozen from step 4 on every rank (fine-tuning the heads); each rank also uses the
   // next rank's head frozen while that rank trains it, and head4 (trained by nobody) frozen.
   expect_matches_reference({.kind = schedule::heterogeneous, .freeze = true});
-  expect_matches_reference({.kind = schedule::homogeneous, .plan_upfront = false, .average = average_mode::world,
-                            .freeze = true});
+  expect_matches_reference(
+    {.kind = schedule::homogeneous, .plan_upfront = false, .average = average_mode::world, .freeze = true});
 }
 
 TEST(reducer_mpi, a_frozen_use_must_be_acquired_as_planned_and_is_never_stepped)
@@ -423,7 +432,8 @@ TEST(reducer_mpi, a_host_placed_unit_only_others_train_moves_only_its_gradient)
   std::vector<unit_spec> units = model();
   units.resize(first_head + 2);
   for (std::uint32_t u = first_head; u < units.size(); ++u) {
-    units[u].policy = unit_policy{.residency = residency::on_demand, .lookahead = 0, .optimizer = optimizer_placement::host};
+    units[u].policy =
+      unit_policy{.residency = residency::on_demand, .lookahead = 0, .optimizer = optimizer_placement::host};
   }
   const runtime_options opt = options_for({}, budget_for(units));
   const device dev = make_device(opt.device);
@@ -481,7 +491,8 @@ TEST(reducer_mpi, state_tensors_take_rank_0s_values_and_are_never_stepped)
   init_home(rt);
   stream compute(dev);
   constexpr int steps = 3;
-  std::vector<step_plan> plans(steps, me == 0 ? step_plan{unit_id{0}, unit_id{1}} : step_plan{unit_id{0}, unit_id{1}, unit_id{2}});
+  std::vector<step_plan> plans(
+    steps, me == 0 ? step_plan{unit_id{0}, unit_id{1}} : step_plan{unit_id{0}, unit_id{1}, unit_id{2}});
   if (me == 1) { plans[1] = step_plan{unit_id{0}, unit_id{2}}; }  // rank 1 only takes b's update in step 1
   rt.plan(plans);
   for (int k = 0; k < steps; ++k) {
@@ -493,7 +504,8 @@ TEST(reducer_mpi, state_tensors_take_rank_0s_values_and_are_never_stepped)
       write_gradients(v, me, static_cast<std::uint64_t>(k), compute);  // also the state tensors' (ignored) elements
       launch_host_func(compute, [running, me, k] {
         for (std::size_t i = 0; i < running.count; ++i) {
-          detail::narrow_element(running.memory.data(), running.type, i, static_cast<float>(100 * me + 10 * k) + static_cast<float>(i));
+          detail::narrow_element(running.memory.data(), running.type, i,
+                                 static_cast<float>(100 * me + 10 * k) + static_cast<float>(i));
         }
       });
       rt.grads_ready(e.unit, compute);
@@ -509,14 +521,17 @@ TEST(reducer_mpi, state_tensors_take_rank_0s_values_and_are_never_stepped)
     const float from = u == 2 ? 100.0F : 0.0F;  // c: rank 1's
     for (std::size_t i = 0; i < running.count; ++i) {
       // rank 0 (1 for c) wrote 100 * rank + 10 * 2 + i in the last step; b in step 1 on rank 1 was rank 0's, too.
-      EXPECT_EQ(detail::widen_element(h.params.data, h.params.type, running.offset + i), from + 20.0F + static_cast<float>(i))
+      EXPECT_EQ(detail::widen_element(h.params.data, h.params.type, running.offset + i),
+                from + 20.0F + static_cast<float>(i))
         << "unit " << u << " element " << i << " rank " << me;
     }
     // The trainable part is equal on every rank.
-    std::vector<float> master(static_cast<const float*>(h.master.data), static_cast<const float*>(h.master.data) + h.master.count);
+    std::vector<float> master(static_cast<const float*>(h.master.data),
+                              static_cast<const float*>(h.master.data) + h.master.count);
     std::vector<float> root = master;
     MPI_Bcast(root.data(), static_cast<int>(root.size()), MPI_FLOAT, 0, MPI_COMM_WORLD);
-    EXPECT_EQ(0, std::memcmp(root.data(), master.data(), root.size() * sizeof(float))) << "unit " << u << " rank " << me;
+    EXPECT_EQ(0, std::memcmp(root.data(), master.data(), root.size() * sizeof(float)))
+      << "unit " << u << " rank " << me;
     EXPECT_EQ(h.step, steps);
   }
   // Only the trainable range is reduced.
@@ -587,10 +602,13 @@ TEST(reducer_mpi, initial_broadcast_makes_every_replica_rank_0s_at_the_first_pla
   rt.flush();
   for (std::uint32_t u = 2; u < rt.unit_count(); ++u) {  // untouched by the step: rank 0's bits
     const home_state h = read_home(rt, unit_id{u});
-    EXPECT_EQ(0, std::memcmp(h.master.data(), rank0[u].master.data(), h.master.size() * 4)) << "rank " << world_rank() << " unit " << u;
-    EXPECT_EQ(0, std::memcmp(h.m.data(), rank0[u].m.data(), h.m.size() * 4)) << "rank " << world_rank() << " unit " << u;
+    EXPECT_EQ(0, std::memcmp(h.master.data(), rank0[u].master.data(), h.master.size() * 4))
+      << "rank " << world_rank() << " unit " << u;
+    EXPECT_EQ(0, std::memcmp(h.m.data(), rank0[u].m.data(), h.m.size() * 4))
+      << "rank " << world_rank() << " unit " << u;
   }
-  rt.save_checkpoint(std::filesystem::temp_directory_path() / ("taskswap_initial_broadcast_np" + std::to_string(world_size())));  // its replica check passes
+  rt.save_checkpoint(std::filesystem::temp_directory_path() /
+                     ("taskswap_initial_broadcast_np" + std::to_string(world_size())));  // its replica check passes
 }
 
 TEST(reducer_mpi, initial_verify_names_the_units_and_ranks_that_differ_and_accepts_equal_replicas)
@@ -608,7 +626,8 @@ TEST(reducer_mpi, initial_verify_names_the_units_and_ranks_that_differ_and_accep
       FAIL() << "replicas that start different were trained";
     } catch (const config_error& e) {
       const std::string text = e.what();
-      EXPECT_NE(text.find("1 unit(s) start different from rank 0's: 'head1' on rank(s) " + ranks), std::string::npos) << text;
+      EXPECT_NE(text.find("1 unit(s) start different from rank 0's: 'head1' on rank(s) " + ranks), std::string::npos)
+        << text;
       EXPECT_NE(text.find("initial = \"broadcast\""), std::string::npos) << text;
     }
   }
@@ -637,7 +656,8 @@ TEST(communicator_mpi, broadcast_copies_the_roots_bytes_and_refuses_a_bad_root)
   EXPECT_EQ(std::to_integer<int>(b[0]), root + 1);
   EXPECT_EQ(std::to_integer<int>(b[998]), root + 1);
   EXPECT_EQ(std::to_integer<int>(b[999]), comm->rank() + 1);  // past the span: untouched
-  expect_error_mentioning<invalid_argument>([&] { comm->broadcast(buf.span(0, 8), world_size(), s, "x"); }, "is not a rank of");
+  expect_error_mentioning<invalid_argument>([&] { comm->broadcast(buf.span(0, 8), world_size(), s, "x"); },
+                                            "is not a rank of");
 }
 
 TEST(communicator_mpi, allreduce_ops_and_counts)

@@ -42,10 +42,10 @@ TEST(best_fit_ranges, RefusesWhatIsNotALiveRangeAndCoalescesTheRest)
   const auto a = r.allocate(256, 1);
   const auto b = r.allocate(256, 1);
   ASSERT_TRUE(a && b);
-  EXPECT_FALSE(r.deallocate(*a, 255));     // wrong size
-  EXPECT_FALSE(r.deallocate(*a + 1, 255)); // not a range start
+  EXPECT_FALSE(r.deallocate(*a, 255));  // wrong size
+  EXPECT_FALSE(r.deallocate(*a + 1, 255));  // not a range start
   EXPECT_TRUE(r.deallocate(*a, 256));
-  EXPECT_FALSE(r.deallocate(*a, 256));     // twice
+  EXPECT_FALSE(r.deallocate(*a, 256));  // twice
   EXPECT_EQ(r.free_blocks(), 2U);
   EXPECT_TRUE(r.deallocate(*b, 256));
   EXPECT_EQ(r.free_blocks(), 1U);

@@ -342,12 +342,14 @@ TYPED_TEST_P(device_conformance, RejectsBadArgumentsWithClearErrors)
     expect_error_mentioning<invalid_argument>(call, needle);
   };
   // A null host pointer with a size.
-  expect_message([&] { copy_async(d.span(0, 16), std::span<const std::byte>(static_cast<const std::byte*>(nullptr), 16), s); },
-                 "null source");
+  expect_message(
+    [&] { copy_async(d.span(0, 16), std::span<const std::byte>(static_cast<const std::byte*>(nullptr), 16), s); },
+    "null source");
   // Sizes that differ.
   expect_message([&] { copy_async(d.span(0, 16), h.span().subspan(0, 8), s); }, "has 16 bytes but source has 8");
   // A range beyond the buffer.
-  expect_message([&] { static_cast<void>(d.span(1000, 100)); }, "range [1000, 1100) reaches beyond a device span of 1024 bytes");
+  expect_message([&] { static_cast<void>(d.span(1000, 100)); },
+                 "range [1000, 1100) reaches beyond a device span of 1024 bytes");
   expect_message([&] { static_cast<void>(d.span(2000, 0)); }, "reaches beyond");
   // A stream of another device.
   expect_message([&] { copy_async(d.span(), h.span(), foreign); }, "but the stream belongs to device");
@@ -407,7 +409,7 @@ TYPED_TEST_P(device_conformance, StreamPrioritiesAndOwnershipMoves)
   device_buffer b(std::move(a));
   EXPECT_EQ(b.data(), where);
   EXPECT_EQ(b.size(), 4096U);
-  EXPECT_EQ(a.size(), 0U);  // NOLINT: moved-from state is specified: empty
+  EXPECT_EQ(a.size(), 0U);  // NOLINT(bugprone-use-after-move): moved-from state is specified: empty
   EXPECT_EQ(a.data(), nullptr);
   device_buffer empty(dev, 0);
   EXPECT_TRUE(empty.span().empty());
@@ -417,7 +419,8 @@ TYPED_TEST_P(device_conformance, ExternalStreamsAreCudaStreamsAndTheEmulatedDevi
 {
   const device dev = this->make();
   const stream own(dev);
-  const auto handle = reinterpret_cast<std::uintptr_t>(own.view().native_handle());  // NOLINT: a framework's handle
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a framework's handle
+  const auto handle = reinterpret_cast<std::uintptr_t>(own.view().native_handle());
   if (dev.kind() == backend_kind::emulated) {
     try {
       (void)external_stream(dev, handle);
@@ -448,15 +451,13 @@ TYPED_TEST_P(device_conformance, ExternalStreamsAreCudaStreamsAndTheEmulatedDevi
   EXPECT_EQ(0, std::memcmp(src.data(), dst.data(), 4096));
 }
 
-REGISTER_TYPED_TEST_SUITE_P(device_conformance, ExecutesInOrderWithinStream,
-                            EventOrdersWorkAcrossStreams, CopyRoundTripIsBitExactAtAwkwardSizes,
-                            FillSetsEveryByte, RefusesAllocationBeyondMemoryWithTheNumbers,
-                            HostWaitsOnEvents, WaitSeesTheRecordCurrentWhenIssued,
-                            DestroyingAStreamWithQueuedWorkCompletesTheWork,
+REGISTER_TYPED_TEST_SUITE_P(device_conformance, ExecutesInOrderWithinStream, EventOrdersWorkAcrossStreams,
+                            CopyRoundTripIsBitExactAtAwkwardSizes, FillSetsEveryByte,
+                            RefusesAllocationBeyondMemoryWithTheNumbers, HostWaitsOnEvents,
+                            WaitSeesTheRecordCurrentWhenIssued, DestroyingAStreamWithQueuedWorkCompletesTheWork,
                             DestroyingABufferWaitsForQueuedWork, HostFunctionErrorsReachSynchronize,
-                            HostFunctionErrorsStayWithTheirStream,
-                            RejectsBadArgumentsWithClearErrors, TimingEventsMeasureElapsedTime,
-                            StreamPrioritiesAndOwnershipMoves,
+                            HostFunctionErrorsStayWithTheirStream, RejectsBadArgumentsWithClearErrors,
+                            TimingEventsMeasureElapsedTime, StreamPrioritiesAndOwnershipMoves,
                             ExternalStreamsAreCudaStreamsAndTheEmulatedDeviceRefusesThem);
 
 }  // namespace taskswap::test

@@ -34,7 +34,8 @@ TEST(emulated_backend, EachDeviceIsDistinctWithItsOwnMemory)
   device_buffer held(a, 6 * MiB);
   EXPECT_EQ(a.memory().free, 2 * MiB);
   EXPECT_EQ(b.memory().free, 4 * MiB);
-  const device copy = a;  // NOLINT: a copy refers to the same device
+  // NOLINTNEXTLINE(performance-unnecessary-copy-initialization): a copy refers to the same device
+  const device copy = a;
   EXPECT_TRUE(copy == a);
   EXPECT_EQ(copy.memory().free, 2 * MiB);
 }
@@ -83,8 +84,8 @@ TEST(emulated_backend, ModelledCopiesNeverFinishEarly)
 
 TEST(emulated_backend, LatencyIsChargedPerCopy)
 {
-  const device dev = emulated_device(
-    {.memory_bytes = MiB, .link = {.bytes_per_second = 1e12, .latency_seconds = 1e-3}});
+  const device dev =
+    emulated_device({.memory_bytes = MiB, .link = {.bytes_per_second = 1e12, .latency_seconds = 1e-3}});
   stream s(dev);
   device_buffer d(dev, 64);
   pinned_buffer h(dev, 64);

@@ -43,8 +43,9 @@ struct operands {
   }
   detail::adamw_slabs slabs()
   {
-    return {master.data(), m.data(), v.data(), grad_bytes.data(), grad_type, params.empty() ? nullptr : params.data(),
-            dtype::bf16, master.size()};
+    return {master.data(),     m.data(),     v.data(),
+            grad_bytes.data(), grad_type,    params.empty() ? nullptr : params.data(),
+            dtype::bf16,       master.size()};
   }
   std::vector<float> master, m, v;
   std::vector<std::byte> grad_bytes;
@@ -95,14 +96,22 @@ TEST(cpu_adamw_public, RefusesWhatTheConfigLoaderRefusesAndBadOperands)
     change(h);
     return h;
   };
-  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.lr = 0; }), 1); }, "lr is 0: must be a positive number");
-  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.eps = -1; }), 1); }, "eps is -1: must be a positive number");
-  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.beta2 = 1.0; }), 1); }, "betas are (0.9, 1): each beta must be in [0, 1)");
-  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.weight_decay = -0.1; }), 1); }, "weight_decay is -0.1: must be 0 or more");
+  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.lr = 0; }), 1); },
+                                        "lr is 0: must be a positive number");
+  expect_error_mentioning<config_error>([&] { opt.step(o.tensors(), with([](adamw_options& h) { h.eps = -1; }), 1); },
+                                        "eps is -1: must be a positive number");
+  expect_error_mentioning<config_error>(
+    [&] { opt.step(o.tensors(), with([](adamw_options& h) { h.beta2 = 1.0; }), 1); },
+    "betas are (0.9, 1): each beta must be in [0, 1)");
+  expect_error_mentioning<config_error>(
+    [&] { opt.step(o.tensors(), with([](adamw_options& h) { h.weight_decay = -0.1; }), 1); },
+    "weight_decay is -0.1: must be 0 or more");
   EXPECT_EQ(adamw_options_problem({}), "");
-  EXPECT_EQ(adamw_options_problem(with([](adamw_options& h) { h.lr = std::nan(""); })), "lr is nan: must be a positive number");
+  EXPECT_EQ(adamw_options_problem(with([](adamw_options& h) { h.lr = std::nan(""); })),
+            "lr is nan: must be a positive number");
 
-  expect_error_mentioning<invalid_argument>([&] { opt.step(o.tensors(), {}, 0); }, "first update of a tensor is step 1");
+  expect_error_mentioning<invalid_argument>([&] { opt.step(o.tensors(), {}, 0); },
+                                            "first update of a tensor is step 1");
   adamw_tensors t = o.tensors();
   t.m = t.m.first(10);
   expect_error_mentioning<invalid_argument>([&] { opt.step(t, {}, 1); }, "give each as many");
@@ -135,10 +144,12 @@ TEST(cpu_adamw_public, WarnsOnceAboutArraysARoundDistanceApart)
 {
   constexpr std::size_t n = std::size_t{2} << 20;  // 8 MiB per f32 array: large enough to matter
   constexpr std::size_t apart = std::size_t{128} << 20;
-  void* block = mmap(nullptr, 3 * apart + n * 4, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  void* block =
+    mmap(nullptr, 3 * apart + n * 4, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   ASSERT_NE(block, MAP_FAILED);
   auto* base = static_cast<std::byte*>(block);
-  const auto floats = [&](std::size_t k) { return std::span<float>(reinterpret_cast<float*>(base + k * apart), n); };  // NOLINT
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  const auto floats = [&](std::size_t k) { return std::span<float>(reinterpret_cast<float*>(base + k * apart), n); };
   std::vector<float> g(n, 1e-3F);
   std::vector<std::string> warnings;
   const log_handler previous = set_log_handler([&](log_level level, std::string_view text) {
@@ -157,14 +168,15 @@ TEST(stream_stagger, ScoresRoundDistancesLowAndSpreadsUpToFiveStreams)
 {
   using detail::stagger_score;
   EXPECT_EQ(stagger_score(std::size_t{256} << 20), 0.0);
-  EXPECT_LT(stagger_score((std::size_t{256} << 20) + 64), 1.0);           // 64 B off a 64 KiB multiple
-  EXPECT_LT(stagger_score((std::size_t{128} << 20) + 4352), 1.0);         // 4.25 KiB: measured slow
-  EXPECT_LT(stagger_score((std::size_t{128} << 20) + (16 << 10)), 1.0);   // a multiple of 4 KiB
+  EXPECT_LT(stagger_score((std::size_t{256} << 20) + 64), 1.0);  // 64 B off a 64 KiB multiple
+  EXPECT_LT(stagger_score((std::size_t{128} << 20) + 4352), 1.0);  // 4.25 KiB: measured slow
+  EXPECT_LT(stagger_score((std::size_t{128} << 20) + (16 << 10)), 1.0);  // a multiple of 4 KiB
   EXPECT_GE(stagger_score((std::size_t{256} << 20) + (12 << 10) + 1024), 1.0);
   // Five arrays of sizes round and not, back to back, each placed after the ones before: every
   // pair clean, each moved less than the window, the slab alignment kept.
   std::mt19937_64 rng(7);
-  std::vector<std::size_t> sizes{std::size_t{8} << 20, std::size_t{64} << 20, std::size_t{256} << 20, std::size_t{3} << 28};
+  std::vector<std::size_t> sizes{std::size_t{8} << 20, std::size_t{64} << 20, std::size_t{256} << 20,
+                                 std::size_t{3} << 28};
   for (int i = 0; i < 200; ++i) { sizes.push_back((rng() % (std::size_t{1} << 30)) / 256 * 256 + 256); }
   for (const std::size_t size : sizes) {
     std::vector<std::size_t> starts{0};

@@ -38,8 +38,7 @@ std::vector<cpu_isa> available_isas()
 struct unit_state {
   unit_state(std::size_t n, dtype grad, std::optional<dtype> param)
       : master(n), m(n), v(n), grad16(n), grad32(n), params(param ? n : 0), grad_type(grad), param_type(param)
-  {
-  }
+  {}
   std::vector<float> master, m, v;
   std::vector<std::uint16_t> grad16;
   std::vector<float> grad32;
@@ -146,7 +145,9 @@ struct case_name {
   {
     const int p = std::get<1>(info.param);
     return std::string(to_string(std::get<0>(info.param))) + "_grads_" +
-           (p == 0 ? "no_copy" : p == 1 ? "bf16_copy" : "f16_copy");
+           (p == 0   ? "no_copy"
+            : p == 1 ? "bf16_copy"
+                     : "f16_copy");
   }
 };
 
@@ -166,8 +167,8 @@ TEST_P(cpu_adamw, MatchesDoubleReferenceOverManyStepsOnEveryPath)
   SCOPED_TRACE("seed " + std::to_string(seed) + " (TASKSWAP_TEST_SEED to replay)");
   const adamw_options options{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8, .weight_decay = 0.01};
   detail::host_task_arena threads(-1, 2);
-  for (const std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{15}, std::size_t{17},
-                              std::size_t{1023}, large_case((std::size_t{1} << 20) + 3, (std::size_t{3} << 16) + 3)}) {
+  for (const std::size_t n : {std::size_t{1}, std::size_t{7}, std::size_t{15}, std::size_t{17}, std::size_t{1023},
+                              large_case((std::size_t{1} << 20) + 3, (std::size_t{3} << 16) + 3)}) {
     SCOPED_TRACE("n " + std::to_string(n));
     unit_state unit = random_unit(n, std::get<0>(GetParam()), param_type(), gen);
     for (std::int64_t step = 1; step <= 4; ++step) {
@@ -208,7 +209,8 @@ TEST(cpu_adamw_determinism, BitwiseIndependentOfThreadCount)
   std::mt19937_64 gen{seed};
   SCOPED_TRACE("seed " + std::to_string(seed) + " (TASKSWAP_TEST_SEED to replay)");
   const adamw_scalars k = detail::make_adamw_scalars({}, 3);
-  const unit_state start = random_unit(large_case((std::size_t{3} << 20) + 11, (std::size_t{5} << 16) + 11), dtype::bf16, dtype::bf16, gen);
+  const unit_state start =
+    random_unit(large_case((std::size_t{3} << 20) + 11, (std::size_t{5} << 16) + 11), dtype::bf16, dtype::bf16, gen);
   std::vector<unit_state> results;
   for (const int thread_count : {1, 2, 3, 8}) {
     detail::host_task_arena arena(-1, thread_count);

@@ -50,7 +50,9 @@ TEST(pinned_arena, PagesLiveOnTheBoundNode)
 TEST(pinned_arena, ReportsProgressForEveryPhase)
 {
   std::vector<pin_progress> seen;
-  pinned_arena arena(emulated(), {.bytes = 48 * MiB, .lock_pages = true, .chunk_bytes = 8 * MiB,
+  pinned_arena arena(emulated(), {.bytes = 48 * MiB,
+                                  .lock_pages = true,
+                                  .chunk_bytes = 8 * MiB,
                                   .on_progress = [&](const pin_progress& p) { seen.push_back(p); }});
   auto last_of = [&](std::string_view phase) {
     const pin_progress* last = nullptr;
@@ -75,15 +77,16 @@ TEST(pinned_arena, SlabsAreAlignedDisjointAndReused)
   std::vector<std::span<std::byte>> slabs;
   for (std::size_t alignment : {256U, 512U, 4096U, 65536U}) {
     auto slab = arena.allocate(1000 + alignment, alignment);
-    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(slab.data()) % alignment, 0U);  // NOLINT
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+    EXPECT_EQ(reinterpret_cast<std::uintptr_t>(slab.data()) % alignment, 0U);
     EXPECT_EQ(slab.size(), 1000 + alignment);
     std::fill(slab.begin(), slab.end(), std::byte{static_cast<unsigned char>(alignment)});
     slabs.push_back(slab);
   }
   for (std::size_t i = 0; i < slabs.size(); ++i) {
     for (std::size_t j = i + 1; j < slabs.size(); ++j) {
-      const bool disjoint = slabs[i].data() + slabs[i].size() <= slabs[j].data() ||
-                            slabs[j].data() + slabs[j].size() <= slabs[i].data();
+      const bool disjoint =
+        slabs[i].data() + slabs[i].size() <= slabs[j].data() || slabs[j].data() + slabs[j].size() <= slabs[i].data();
       EXPECT_TRUE(disjoint) << i << " overlaps " << j;
     }
   }
@@ -131,7 +134,8 @@ TEST(pinned_arena, RandomAllocationsMatchAModel)
     const std::size_t alignment = std::size_t{256} << (gen() % 5);
     try {
       auto slab = arena.allocate(bytes, alignment);
-      ASSERT_EQ(reinterpret_cast<std::uintptr_t>(slab.data()) % alignment, 0U);  // NOLINT
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+      ASSERT_EQ(reinterpret_cast<std::uintptr_t>(slab.data()) % alignment, 0U);
       ASSERT_GE(slab.data(), arena.memory().data());
       ASSERT_LE(slab.data() + bytes, arena.memory().data() + arena.memory().size());
       auto next = live.lower_bound(slab.data());

@@ -66,9 +66,7 @@ TEST(host_task_arena, HonoursTheThreadCountAndLogsTheMissingNumaSupportOnce)
   std::size_t tbbbind_notes = 0;
   for (const auto& m : messages) { tbbbind_notes += m.find("tbbbind") != std::string::npos ? 1U : 0U; }
   EXPECT_LE(tbbbind_notes, 1U);
-  if (!one.numa_constrained()) {
-    EXPECT_FALSE(two.numa_constrained());
-  }
+  if (!one.numa_constrained()) { EXPECT_FALSE(two.numa_constrained()); }
 }
 
 }  // namespace

@@ -29,8 +29,7 @@ namespace taskswap::test {
 struct device_slab {
   device_slab(const device& dev, dtype t, std::size_t n, std::size_t offset_elements)
       : type(t), count(n), offset(offset_elements * size_of(t)), buffer(dev, (n + offset_elements) * size_of(t) + 16)
-  {
-  }
+  {}
   [[nodiscard]] void* data() { return buffer.data() + offset; }
   [[nodiscard]] std::size_t bytes() const { return count * size_of(type); }
   template <typename T>
@@ -66,7 +65,8 @@ inline std::vector<float> random_floats(std::size_t n, float scale, std::mt19937
   for (auto& e : x) { e = normal(gen); }
   if (specials) {
     const float inf = std::numeric_limits<float>::infinity();
-    const std::vector<float> odd{std::numeric_limits<float>::quiet_NaN(), inf, -inf, 1e-41F, -3e-39F, 0.0F, -0.0F, 6e4F};
+    const std::vector<float> odd{
+      std::numeric_limits<float>::quiet_NaN(), inf, -inf, 1e-41F, -3e-39F, 0.0F, -0.0F, 6e4F};
     for (std::size_t i = 0; i < odd.size() && i * 97 < n; ++i) { x[i * 97] = odd[i]; }
   }
   return x;
@@ -94,7 +94,8 @@ TYPED_TEST_P(kernels_conformance, AdamWIsBitwiseEqualToTheCpuPath)
   stream s(dev);
   detail::host_task_arena threads(-1, 0);
   const adamw_options options{.lr = 2e-3, .weight_decay = 0.05};
-  std::vector<std::size_t> sizes{1, 3, 4, 5, 1023, 4099, large_case((std::size_t{1} << 20) + 5, (std::size_t{1} << 17) + 5)};
+  std::vector<std::size_t> sizes{
+    1, 3, 4, 5, 1023, 4099, large_case((std::size_t{1} << 20) + 5, (std::size_t{1} << 17) + 5)};
   if (TypeParam::large) { sizes.push_back((std::size_t{1} << 26) + 5); }
   for (const dtype grad_type : {dtype::f32, dtype::bf16, dtype::f16}) {
     for (const int copy : {0, 1, 2}) {
@@ -107,7 +108,8 @@ TYPED_TEST_P(kernels_conformance, AdamWIsBitwiseEqualToTheCpuPath)
         std::vector<float> m = random_floats(n, 1e-3F, this->gen_, false);
         std::vector<float> v(n);
         for (auto& e : v) { e = std::abs(random_floats(1, 1e-3F, this->gen_, false)[0]); }
-        device_slab d_master(dev, dtype::f32, n, offset), d_m(dev, dtype::f32, n, offset), d_v(dev, dtype::f32, n, offset);
+        device_slab d_master(dev, dtype::f32, n, offset), d_m(dev, dtype::f32, n, offset),
+          d_v(dev, dtype::f32, n, offset);
         // Odd sizes put the gradients one element off the other slabs: their alignments then
         // disagree and every element takes the one-at-a-time path.
         device_slab d_grad(dev, grad_type, n, (offset + n % 2) % 4), d_params(dev, param_type, n, offset);
@@ -123,18 +125,30 @@ TYPED_TEST_P(kernels_conformance, AdamWIsBitwiseEqualToTheCpuPath)
             k.grad_clip = 0.61F;
           }
           const std::vector<float> g32 = random_floats(n, step == 2 ? 5.0F : 1e-2F, this->gen_, true);
-          const std::vector<std::uint16_t> g16 = grad_type == dtype::f32 ? std::vector<std::uint16_t>{} : to_16(g32, grad_type);
-          if (grad_type == dtype::f32) { d_grad.upload(g32, s); } else { d_grad.upload(g16, s); }
+          const std::vector<std::uint16_t> g16 =
+            grad_type == dtype::f32 ? std::vector<std::uint16_t>{} : to_16(g32, grad_type);
+          if (grad_type == dtype::f32) {
+            d_grad.upload(g32, s);
+          } else {
+            d_grad.upload(g16, s);
+          }
           d_params.poison(s);
-          detail::adamw_slabs on_device{static_cast<float*>(d_master.data()), static_cast<float*>(d_m.data()),
-                                        static_cast<float*>(d_v.data()), d_grad.data(), grad_type,
-                                        copy != 0 ? d_params.data() : nullptr, param_type, n};
+          detail::adamw_slabs on_device{static_cast<float*>(d_master.data()),
+                                        static_cast<float*>(d_m.data()),
+                                        static_cast<float*>(d_v.data()),
+                                        d_grad.data(),
+                                        grad_type,
+                                        copy != 0 ? d_params.data() : nullptr,
+                                        param_type,
+                                        n};
           detail::adamw_async(on_device, k, s);
           s.synchronize();  // the uploads read the host vectors the reference now updates
           // The reference: the portable CPU path on the host copies.
-          detail::adamw_slabs on_host{master.data(), m.data(), v.data(),
-                                      grad_type == dtype::f32 ? static_cast<const void*>(g32.data()) : g16.data(),
-                                      grad_type, copy != 0 ? params.data() : nullptr, param_type, n};
+          detail::adamw_slabs on_host{
+            master.data(), m.data(),
+            v.data(),      grad_type == dtype::f32 ? static_cast<const void*>(g32.data()) : g16.data(),
+            grad_type,     copy != 0 ? params.data() : nullptr,
+            param_type,    n};
           detail::cpu_adamw_range(on_host, k, 0, n, detail::cpu_isa::portable);
           std::vector<float> got_master(n), got_m(n), got_v(n);
           std::vector<std::uint16_t> got_params(params.size());
@@ -172,7 +186,11 @@ TYPED_TEST_P(kernels_conformance, UnscaleAndCheckMatchesTheCpuAndFlagsNonFinite)
       std::vector<int> flag_host{0};
       flag.upload(flag_host, s);
       std::vector<std::uint16_t> g16 = type == dtype::f32 ? std::vector<std::uint16_t>{} : to_16(g, type);
-      if (type == dtype::f32) { d_grad.upload(g, s); } else { d_grad.upload(g16, s); }
+      if (type == dtype::f32) {
+        d_grad.upload(g, s);
+      } else {
+        d_grad.upload(g16, s);
+      }
       detail::unscale_and_check_async(d_grad.data(), type, n, 1.0F / 1024.0F, static_cast<int*>(flag.data()), s);
       s.synchronize();  // the upload reads the host vector the reference now updates
       int host_flag = 0;
@@ -180,7 +198,11 @@ TYPED_TEST_P(kernels_conformance, UnscaleAndCheckMatchesTheCpuAndFlagsNonFinite)
       detail::host_unscale_and_check(reference, type, n, 1.0F / 1024.0F, &host_flag);
       std::vector<float> got32(type == dtype::f32 ? n : 0);
       std::vector<std::uint16_t> got16(type == dtype::f32 ? 0 : n);
-      if (type == dtype::f32) { d_grad.download(got32, s); } else { d_grad.download(got16, s); }
+      if (type == dtype::f32) {
+        d_grad.download(got32, s);
+      } else {
+        d_grad.download(got16, s);
+      }
       flag.download(flag_host, s);
       s.synchronize();
       EXPECT_EQ(flag_host[0], with_inf ? 1 : 0);
@@ -206,17 +228,21 @@ TYPED_TEST_P(kernels_conformance, GuardedStepMatchesTheCpu)
   const adamw_options decay{.lr = 2e-3, .weight_decay = 0.05};
   adamw_options plain = decay;
   plain.weight_decay = 0;
-  const detail::guard_settings settings{.clip = 0.8F, .scaler = true, .growth_factor = 2.0F, .backoff_factor = 0.5F,
-                                        .growth_interval = 2};
+  const detail::guard_settings settings{
+    .clip = 0.8F, .scaler = true, .growth_factor = 2.0F, .backoff_factor = 0.5F, .growth_interval = 2};
   for (const dtype grad_type : {dtype::f32, dtype::f16}) {
     for (const bool with_inf : {false, true}) {
       SCOPED_TRACE(std::string(to_string(grad_type)) + (with_inf ? " with inf" : " finite"));
       const std::array<std::size_t, 2> sizes{detail::square_sum_lanes + 77, 1000};
       device_buffer state(dev, 4096);
-      auto* guard = reinterpret_cast<detail::step_guard*>(state.data());                  // NOLINT: the layout below
-      auto* block_sums = reinterpret_cast<double*>(state.data() + 256);                    // NOLINT
-      auto* scalars = reinterpret_cast<detail::adamw_scalars*>(state.data() + 2560);      // NOLINT
-      auto* steps = reinterpret_cast<std::int64_t*>(state.data() + 2816);                 // NOLINT
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the layout below
+      auto* guard = reinterpret_cast<detail::step_guard*>(state.data());
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+      auto* block_sums = reinterpret_cast<double*>(state.data() + 256);
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+      auto* scalars = reinterpret_cast<detail::adamw_scalars*>(state.data() + 2560);
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+      auto* steps = reinterpret_cast<std::int64_t*>(state.data() + 2816);
       detail::step_guard host_guard;
       host_guard.scale = 1024.0F;
       host_guard.growth_tracker = 1;
@@ -231,8 +257,8 @@ TYPED_TEST_P(kernels_conformance, GuardedStepMatchesTheCpu)
       std::vector<std::array<device_slab, 4>> slabs;
       for (std::size_t u = 0; u < 2; ++u) {
         const std::size_t n = sizes[u];
-        unit h{random_floats(n, 0.3F, this->gen_, false), random_floats(n, 1e-3F, this->gen_, false), std::vector<float>(n),
-               std::vector<std::byte>(n * size_of(grad_type))};
+        unit h{random_floats(n, 0.3F, this->gen_, false), random_floats(n, 1e-3F, this->gen_, false),
+               std::vector<float>(n), std::vector<std::byte>(n * size_of(grad_type))};
         for (auto& e : h.v) { e = std::abs(random_floats(1, 1e-3F, this->gen_, false)[0]); }
         std::vector<float> g = random_floats(n, 30.0F, this->gen_, false);
         if (with_inf && u == 1) { g[n / 2] = std::numeric_limits<float>::infinity(); }
@@ -251,21 +277,34 @@ TYPED_TEST_P(kernels_conformance, GuardedStepMatchesTheCpu)
       detail::finish_guard_async(guard, settings, s);
       for (std::size_t u = 0; u < 2; ++u) {  // both units share the step count slot: counted twice
         detail::prepare_guarded_async(decay, plain, steps, guard, scalars, s);
-        const detail::adamw_slabs d{static_cast<float*>(slabs[u][0].data()), static_cast<float*>(slabs[u][1].data()),
-                                    static_cast<float*>(slabs[u][2].data()), slabs[u][3].data(), grad_type, nullptr,
-                                    dtype::bf16, sizes[u]};
+        const detail::adamw_slabs d{static_cast<float*>(slabs[u][0].data()),
+                                    static_cast<float*>(slabs[u][1].data()),
+                                    static_cast<float*>(slabs[u][2].data()),
+                                    slabs[u][3].data(),
+                                    grad_type,
+                                    nullptr,
+                                    dtype::bf16,
+                                    sizes[u]};
         detail::adamw_async(d, scalars + u, guard, s);  // unit 1 without weight decay
       }
       s.synchronize();
       // The CPU: the same functions in the same order.
-      for (std::size_t u = 0; u < 2; ++u) { detail::host_square_sum(units[u].grad.data(), grad_type, sizes[u], host_guard); }
+      for (std::size_t u = 0; u < 2; ++u) {
+        detail::host_square_sum(units[u].grad.data(), grad_type, sizes[u], host_guard);
+      }
       detail::finish_step_guard(host_guard, settings);
       for (std::size_t u = 0; u < 2; ++u) {
         detail::adamw_scalars k[2];
         detail::prepare_guarded_scalars(decay, plain, host_steps[0], host_guard, k);
         if (host_guard.skip != 0) { continue; }
-        const detail::adamw_slabs h{units[u].master.data(), units[u].m.data(), units[u].v.data(), units[u].grad.data(),
-                                    grad_type, nullptr, dtype::bf16, sizes[u]};
+        const detail::adamw_slabs h{units[u].master.data(),
+                                    units[u].m.data(),
+                                    units[u].v.data(),
+                                    units[u].grad.data(),
+                                    grad_type,
+                                    nullptr,
+                                    dtype::bf16,
+                                    sizes[u]};
         detail::cpu_adamw_range(h, k[u], 0, sizes[u], detail::cpu_isa::portable);
       }
       detail::step_guard got_guard;
@@ -336,8 +375,10 @@ TYPED_TEST_P(kernels_conformance, RefusesMisalignedAndInconsistentSlabs)
   stream s(dev);
   device_buffer b(dev, 4096);
   auto* base = b.data();
-  auto* f = reinterpret_cast<float*>(base);  // NOLINT: device memory viewed as floats
-  detail::adamw_slabs misaligned{reinterpret_cast<float*>(base + 2), f, f, f, dtype::f32, nullptr, dtype::bf16, 8};  // NOLINT
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): device memory viewed as floats
+  auto* f = reinterpret_cast<float*>(base);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+  detail::adamw_slabs misaligned{reinterpret_cast<float*>(base + 2), f, f, f, dtype::f32, nullptr, dtype::bf16, 8};
   EXPECT_THROW(detail::adamw_async(misaligned, detail::make_adamw_scalars({}, 1), s), invalid_argument);
   detail::adamw_slabs f32_copy{f, f + 16, f + 32, f + 48, dtype::f32, f + 64, dtype::f32, 8};
   EXPECT_THROW(detail::adamw_async(f32_copy, detail::make_adamw_scalars({}, 1), s), invalid_argument);

@@ -18,8 +18,18 @@ import torch
 import torch.distributed as dist
 
 import taskswap.torch as tt
-from loops import (Model, config, counting_ddp, fresh, gloo_under_mpirun, max_relative, model_state, schedule,
-                   train_taskswap, train_torch)
+from loops import (
+    Model,
+    config,
+    counting_ddp,
+    fresh,
+    gloo_under_mpirun,
+    max_relative,
+    model_state,
+    schedule,
+    train_taskswap,
+    train_torch,
+)
 
 TASKS, STEPS = 12, 40
 # AdamW's eps, raised from 1e-8 so that an update depends on the gradient's scale: with the default
@@ -42,7 +52,8 @@ def compare(rank: int, world: int, norm: bool) -> bool:
     # At -np 3 this budget (17 KiB) once passed the plan check and then failed an acquire with
     # OutOfMemory: the contiguous pool's free room had split. The granule pool cannot (issue 19).
     budget = (13 if norm else 11) + 2 * world  # KiB: the trunk (pinned; 2 KiB more with the norm) and 2-3 heads
-    rt = train_taskswap(fresh(model), sched, config(f"{budget} KiB", average="world", eps=EPS), comm=tt.mpi(), rank=rank)
+    options = config(f"{budget} KiB", average="world", eps=EPS)
+    rt = train_taskswap(fresh(model), sched, options, comm=tt.mpi(), rank=rank)
     ts_state = rt.state_dict()
     ts_bytes = rt.stats().total.reduced_bytes
     assert rt.world_size == world and rt.rank == rank
@@ -55,7 +66,8 @@ def compare(rank: int, world: int, norm: bool) -> bool:
     replicas_equal = all(torch.equal(g, gathered[0]) for g in gathered)
     moved = max_relative(ts_state, model_state(model))
     if rank == 0:
-        print(f"ranks {world}, {STEPS} steps, {TASKS} heads{', a BatchNorm in the trunk' if norm else ''}: max relative "
+        trunk = ", a BatchNorm in the trunk" if norm else ""
+        print(f"ranks {world}, {STEPS} steps, {TASKS} heads{trunk}: max relative "
               f"difference to DDP {worst:.2e}; taskswap replicas bitwise equal: {replicas_equal}")
         print(f"gradient bytes per step: taskswap {ts_bytes / STEPS:.0f}, DDP {ddp_bytes[0] / STEPS:.0f} "
               f"({ddp_bytes[0] / max(ts_bytes, 1):.2f}x)")

@@ -15,9 +15,9 @@ usage: mpirun -np N python3 peft_vs_ddp.py PORT
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
 
+import tomllib
 import torch
 import torch.distributed as dist
 

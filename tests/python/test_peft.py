@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tomllib
 import warnings
 from pathlib import Path
 
 import pytest
+import tomllib
 import torch
 
 import taskswap
@@ -47,7 +47,8 @@ def test_register_makes_a_unit_per_adapter_and_frozen_base_units():
     base_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n)
     assert sum(p.numel() for u in adapters.base for _, p in u.params) == base_params
     # The frozen base costs its parameters: no gradients, master or moments anywhere.
-    base_bytes = sum(taskswap.footprint(u.spec(), taskswap.OptimizerPlacement.device).device_bytes for u in adapters.base)
+    base_bytes = sum(taskswap.footprint(u.spec(), taskswap.OptimizerPlacement.device).device_bytes
+                     for u in adapters.base)
     assert base_params * 4 <= base_bytes < base_params * 4 + 3 * 64 * 256
     # An adapter is every lora_A/lora_B pair of every adapted projection of every layer.
     per_adapter = 2 * len(SMALL["targets"]) * SMALL["layers"]

@@ -33,10 +33,11 @@ def test_import_order_never_matters(first):
     the one torch loaded (or would load): torch.distributed works whichever comes first."""
     if not taskswap.with_nccl:
         pytest.skip("taskswap was built without NCCL")
+    early = "taskswap.nccl_library()  # NCCL before torch: the wheel's" if first == "taskswap" else ""
     out = run_python(f"""
         import {first}
         import taskswap
-        {'taskswap.nccl_library()  # NCCL wanted before torch is imported: the wheel torch loads' if first == 'taskswap' else ''}
+        {early}
         import taskswap.torch
         import torch, torch.distributed as dist
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29480", rank=0, world_size=1)

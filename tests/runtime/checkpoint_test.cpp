@@ -30,9 +30,12 @@ std::vector<unit_spec> units(std::size_t task_elements = 20'000)
   u.push_back({.name = "trunk", .tensors = {{"w", {64, 64}}, {"b", {64}}}, .compute = dtype::f32});
   u.back().policy = unit_policy{residency::pinned, 0, optimizer_placement::device};
   for (int t = 0; t < 4; ++t) {
-    u.push_back({.name = "task/" + std::to_string(t), .tensors = {{"w", {task_elements}}},
-                 .compute = t % 2 == 0 ? dtype::bf16 : dtype::f32, .grad = dtype::f32});
-    u.back().policy = unit_policy{residency::prefetch, 1, t % 2 == 0 ? optimizer_placement::device : optimizer_placement::host};
+    u.push_back({.name = "task/" + std::to_string(t),
+                 .tensors = {{"w", {task_elements}}},
+                 .compute = t % 2 == 0 ? dtype::bf16 : dtype::f32,
+                 .grad = dtype::f32});
+    u.back().policy =
+      unit_policy{residency::prefetch, 1, t % 2 == 0 ? optimizer_placement::device : optimizer_placement::host};
   }
   return u;
 }
@@ -49,12 +52,14 @@ struct model {
   device dev = emulated_device({.memory_bytes = std::size_t{1} << 20U, .link = {}});
   stream s{dev};
   runtime rt;
-  explicit model(std::vector<unit_spec> u = units()) : rt(dev, options(), std::move(u))
+  explicit model(const std::vector<unit_spec>& u = units()) : rt(dev, options(), u)
   {
     for (std::size_t i = 0; i < rt.unit_count(); ++i) {
       const home_view h = rt.home({static_cast<std::uint32_t>(i)});
       auto* m = static_cast<float*>(h.master.data);
-      for (std::size_t k = 0; k < h.master.count; ++k) { m[k] = 0.01F * static_cast<float>((k * 7 + i * 13) % 101) - 0.5F; }
+      for (std::size_t k = 0; k < h.master.count; ++k) {
+        m[k] = 0.01F * static_cast<float>((k * 7 + i * 13) % 101) - 0.5F;
+      }
     }
   }
 
@@ -92,7 +97,8 @@ struct model {
       for (const slab_view& v : {h.params, h.master, h.m, h.v}) {
         out.append(static_cast<const char*>(v.data), v.bytes());
       }
-      out.append(reinterpret_cast<const char*>(&h.step), sizeof h.step);  // NOLINT
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+      out.append(reinterpret_cast<const char*>(&h.step), sizeof h.step);
     }
     return out;
   }
@@ -154,7 +160,8 @@ TEST(checkpoint, resuming_gives_bitwise_the_parameters_of_an_uninterrupted_run)
     first.rt.save_checkpoint(dir, {{"sampler", "step 11"}});
   }
   model resumed;
-  resumed.rt.set_optimizer({.lr = 0.5, .beta1 = 0.5, .beta2 = 0.5, .eps = 1.0, .weight_decay = 0.5});  // the load restores them
+  resumed.rt.set_optimizer(
+    {.lr = 0.5, .beta1 = 0.5, .beta2 = 0.5, .eps = 1.0, .weight_decay = 0.5});  // the load restores them
   const checkpoint_manifest m = resumed.rt.load_checkpoint(dir);
   EXPECT_EQ(m.steps_done, 11U);
   EXPECT_EQ(m.user.at("sampler"), "step 11");
@@ -174,7 +181,7 @@ TEST(checkpoint, saving_again_replaces_the_checkpoint_only_when_complete_and_a_f
   a.rt.save_checkpoint(dir);
   EXPECT_EQ(read_checkpoint_manifest(dir).steps_done, 9U);
   EXPECT_EQ(std::distance(fs::directory_iterator(dir.parent_path()), fs::directory_iterator{}), 1)
-      << "no temporary directory is left beside it";
+    << "no temporary directory is left beside it";
 
   // A write that fails (the file size limit) leaves the old checkpoint as it was.
   a.train(9, 12);
@@ -233,7 +240,8 @@ TEST(checkpoint, a_corrupted_or_partial_checkpoint_is_refused_and_nothing_change
   };
 
   // One bit flipped in task/2's m.
-  const checkpoint_unit& u = *std::find_if(m.units.begin(), m.units.end(), [](const auto& x) { return x.name == "task/2"; });
+  const checkpoint_unit& u =
+    *std::find_if(m.units.begin(), m.units.end(), [](const auto& x) { return x.name == "task/2"; });
   std::string flipped = data;
   flipped[u.m.offset + 5] = static_cast<char>(flipped[u.m.offset + 5] ^ 0x10);
   write_text(dir / "data.bin", flipped);
@@ -272,8 +280,9 @@ TEST(checkpoint, a_checkpoint_of_other_units_is_refused_naming_the_unit_and_what
   }
   {
     model wider(units(30'000));
-    expect_error_mentioning<checkpoint_error>([&] { (void)wider.rt.load_checkpoint(dir); },
-                                              "unit 'task/0' tensor 0 is 'w' [20000] in the checkpoint but 'w' [30000] in this runtime");
+    expect_error_mentioning<checkpoint_error>(
+      [&] { (void)wider.rt.load_checkpoint(dir); },
+      "unit 'task/0' tensor 0 is 'w' [20000] in the checkpoint but 'w' [30000] in this runtime");
   }
   {
     auto u = units();
@@ -322,24 +331,27 @@ TEST(checkpoint_manifest, the_reader_refuses_what_is_not_a_manifest_with_the_lin
     EXPECT_NE(at, std::string::npos) << from;
     return t.replace(at, from.size(), to);
   };
-  expect_error_mentioning<checkpoint_error>([&] { (void)parse_checkpoint_manifest(replaced("version = 1", "version = 2"), "m.toml"); },
-                                            "this taskswap reads version 1");
   expect_error_mentioning<checkpoint_error>(
-      [&] { (void)parse_checkpoint_manifest(replaced("world = 1", "world = 1\nwrold = 2"), "m.toml"); },
-      "has an unknown key 'wrold'");
+    [&] { (void)parse_checkpoint_manifest(replaced("version = 1", "version = 2"), "m.toml"); },
+    "this taskswap reads version 1");
   expect_error_mentioning<checkpoint_error>(
-      [&] { (void)parse_checkpoint_manifest(replaced("format = 'taskswap-checkpoint'", "format = 'zip'"), "m.toml"); },
-      "not a taskswap checkpoint");
-  expect_error_mentioning<checkpoint_error>([&] { (void)parse_checkpoint_manifest(replaced("offset = 0", "offset = 1"), "m.toml"); },
-                                            "overlaps");
+    [&] { (void)parse_checkpoint_manifest(replaced("world = 1", "world = 1\nwrold = 2"), "m.toml"); },
+    "has an unknown key 'wrold'");
+  expect_error_mentioning<checkpoint_error>(
+    [&] { (void)parse_checkpoint_manifest(replaced("format = 'taskswap-checkpoint'", "format = 'zip'"), "m.toml"); },
+    "not a taskswap checkpoint");
+  expect_error_mentioning<checkpoint_error>(
+    [&] { (void)parse_checkpoint_manifest(replaced("offset = 0", "offset = 1"), "m.toml"); }, "overlaps");
   const checkpoint_manifest m = parse_checkpoint_manifest(text, "m.toml");
   expect_error_mentioning<checkpoint_error>(
-      [&] {
-        (void)parse_checkpoint_manifest(
-            replaced("data_bytes = " + std::to_string(m.data_bytes), "data_bytes = " + std::to_string(m.data_bytes - 1)), "m.toml");
-      },
-      "reaches beyond data.bin");
-  expect_error_mentioning<checkpoint_error>([&] { (void)parse_checkpoint_manifest("units = [", "m.toml"); }, "m.toml:1");
+    [&] {
+      (void)parse_checkpoint_manifest(
+        replaced("data_bytes = " + std::to_string(m.data_bytes), "data_bytes = " + std::to_string(m.data_bytes - 1)),
+        "m.toml");
+    },
+    "reaches beyond data.bin");
+  expect_error_mentioning<checkpoint_error>([&] { (void)parse_checkpoint_manifest("units = [", "m.toml"); },
+                                            "m.toml:1");
 }
 
 TEST(crc32c, matches_the_standard_check_value_and_the_portable_table)

@@ -106,21 +106,23 @@ TEST(config, comm_initial_and_reduce_every_unit_and_the_old_reduce_all_explained
   EXPECT_EQ(o.comm.initial, initial_sync::verify);
   EXPECT_TRUE(o.comm.reduce_every_unit);
   EXPECT_EQ(parse_config("[device]\nbudget = \"1 GiB\"\n", "c.toml").comm.initial, initial_sync::broadcast);
-  expect_error_mentioning<config_error>([] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[comm]\nreduce = \"all\"\n", "c.toml"); },
-                                        "c.toml:4: [comm] reduce: \"all\" is now \"every_unit\"");
-  expect_error_mentioning<config_error>([] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[comm]\ninitial = \"copy\"\n", "c.toml"); },
-                                        "unknown value \"copy\"; use broadcast | verify");
+  expect_error_mentioning<config_error>(
+    [] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[comm]\nreduce = \"all\"\n", "c.toml"); },
+    "c.toml:4: [comm] reduce: \"all\" is now \"every_unit\"");
+  expect_error_mentioning<config_error>(
+    [] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[comm]\ninitial = \"copy\"\n", "c.toml"); },
+    "unknown value \"copy\"; use broadcast | verify");
 }
 
 // Found by fuzz/config_fuzzer: a size beyond 64 bits was converted with undefined behaviour.
 TEST(config, quantities_too_large_for_64_bits_are_refused)
 {
   expect_error_mentioning<config_error>(
-      [] { (void)parse_config("[device]\nbudget = \"5222222222222222212 MiB\"\n", "big.toml"); },
-      "big.toml:2: [device] budget: \"5222222222222222212 MiB\" is too large");
+    [] { (void)parse_config("[device]\nbudget = \"5222222222222222212 MiB\"\n", "big.toml"); },
+    "big.toml:2: [device] budget: \"5222222222222222212 MiB\" is too large");
   expect_error_mentioning<config_error>(
-      [] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[comm]\ntimeout = \"1e300 min\"\n", "big.toml"); },
-      "is too large");
+    [] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[comm]\ntimeout = \"1e300 min\"\n", "big.toml"); },
+    "is too large");
 }
 
 TEST(config, param_groups_per_rule_and_their_errors)
@@ -161,7 +163,9 @@ TEST(config, a_units_home_tier_is_named_by_a_rule_and_checked)
   code.device.budget = 1 << 20;
   code.defaults.home = "tape";
   expect_error_mentioning<config_error>(
-    [&] { runtime rt(emulated_device({.memory_bytes = 1 << 20}), code, {unit_spec{.name = "u", .tensors = {{"w", {4}}}}}); },
+    [&] {
+      runtime rt(emulated_device({.memory_bytes = 1 << 20}), code, {unit_spec{.name = "u", .tensors = {{"w", {4}}}}});
+    },
     "unit 'u': home \"tape\" is not a home tier");
 }
 
@@ -193,7 +197,8 @@ TEST(config, a_directory_or_a_fifo_is_named_as_such)
 {
   const std::string dir = ::testing::TempDir() + "taskswap_config_dir";
   std::filesystem::create_directories(dir);
-  expect_error_mentioning<config_error>([&] { (void)load_config(dir); }, "' is a directory; give the path of a TOML file");
+  expect_error_mentioning<config_error>([&] { (void)load_config(dir); },
+                                        "' is a directory; give the path of a TOML file");
   const std::string fifo = ::testing::TempDir() + "taskswap_config_fifo";
   std::filesystem::remove(fifo);
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);

@@ -97,7 +97,8 @@ TEST_P(device_pool_at, AnyRequestWithinTheFreeGranulesIsMetAndHeldBytesStay)
     const detail::device_pool::slot_id id = idle[k];
     const std::size_t bytes = 1 + gen() % slot_bytes[id];  // a frozen use maps part of a slot
     const std::size_t fits = pool.free();
-    const std::optional<device_span> range = pool.try_map(id, bytes, [&](detail::device_pool::slot_id) { s.synchronize(); });
+    const std::optional<device_span> range =
+      pool.try_map(id, bytes, [&](detail::device_pool::slot_id) { s.synchronize(); });
     if (pool.packs(slot_bytes[id])) {  // a place: met whenever a granule is free (or its class has a place)
       ASSERT_TRUE(range.has_value() || fits < g) << bytes << " bytes packed with " << fits << " free";
     } else {
@@ -191,9 +192,7 @@ TEST_P(device_pool_at, SmallSlotsShareGranulesBySizeClass)
   std::vector<device_span> places;
   for (int i = 0; i < 4; ++i) { places.push_back(pool.map(quarter[static_cast<std::size_t>(i)], g / 4 - 100, record)); }
   EXPECT_EQ(pool.stats().used, g);  // four places, one granule
-  for (std::size_t i = 1; i < places.size(); ++i) {
-    EXPECT_EQ(places[i].data(), places[0].data() + i * (g / 4));
-  }
+  for (std::size_t i = 1; i < places.size(); ++i) { EXPECT_EQ(places[i].data(), places[0].data() + i * (g / 4)); }
   static_cast<void>(pool.map(quarter[4], 1, record));
   EXPECT_EQ(pool.stats().used, 2 * g);
   EXPECT_EQ(pool.stats().requested, 4 * (g / 4 - 100) + 1);
@@ -250,7 +249,8 @@ TEST(device_pool, ErrorsSayWhatToChange)
   const auto a = pool.add_slot(3 * MiB);
   const auto b = pool.add_slot(2 * MiB);
   static_cast<void>(pool.map(a, 3 * MiB, no_users));
-  expect_error_mentioning([&] { static_cast<void>(pool.map(b, 2 * MiB, no_users)); }, "1.0 MiB (1048576 bytes) of the 4.0 MiB");
+  expect_error_mentioning([&] { static_cast<void>(pool.map(b, 2 * MiB, no_users)); },
+                          "1.0 MiB (1048576 bytes) of the 4.0 MiB");
   expect_error_mentioning([&] { static_cast<void>(pool.map(a, MiB, no_users)); }, "mapped already");
   expect_error_mentioning([&] { pool.unmap(b); }, "is not mapped");
   expect_error_mentioning([&] { static_cast<void>(pool.map(b, 3 * MiB, no_users)); }, "of 2097152 bytes");

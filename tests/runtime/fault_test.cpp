@@ -28,9 +28,12 @@ std::vector<unit_spec> units()
   u.push_back({.name = "trunk", .tensors = {{"w", {4096}}}, .compute = dtype::f32});
   u.back().policy = unit_policy{residency::pinned, 0, optimizer_placement::device};
   for (int t = 0; t < 6; ++t) {
-    u.push_back({.name = "task/" + std::to_string(t), .tensors = {{"w", {8192}}},
-                 .compute = t % 3 == 0 ? dtype::bf16 : dtype::f32, .grad = dtype::f32});
-    u.back().policy = unit_policy{residency::prefetch, 1, t % 2 == 0 ? optimizer_placement::device : optimizer_placement::host};
+    u.push_back({.name = "task/" + std::to_string(t),
+                 .tensors = {{"w", {8192}}},
+                 .compute = t % 3 == 0 ? dtype::bf16 : dtype::f32,
+                 .grad = dtype::f32});
+    u.back().policy =
+      unit_policy{residency::prefetch, 1, t % 2 == 0 ? optimizer_placement::device : optimizer_placement::host};
   }
   return u;
 }
@@ -38,8 +41,9 @@ std::vector<unit_spec> units()
 runtime_options options(std::chrono::milliseconds timeout = std::chrono::milliseconds{30'000})
 {
   runtime_options o;
-  o.device = {.backend = backend_kind::emulated, .budget = 3 * footprint(units()[1], optimizer_placement::device).device_bytes +
-                                                          footprint(units()[0], optimizer_placement::device).device_bytes};
+  o.device = {.backend = backend_kind::emulated,
+              .budget = 3 * footprint(units()[1], optimizer_placement::device).device_bytes +
+                        footprint(units()[0], optimizer_placement::device).device_bytes};
   o.optimizer.lr = 1e-2;
   o.timeout = timeout;
   return o;
@@ -69,7 +73,9 @@ struct trainer {
     for (std::size_t i = 0; i < rt.unit_count(); ++i) {
       const home_view h = rt.home({static_cast<std::uint32_t>(i)});
       auto* m = static_cast<float*>(h.master.data);
-      for (std::size_t k = 0; k < h.master.count; ++k) { m[k] = 0.001F * static_cast<float>((k * 3 + i * 7) % 97) - 0.05F; }
+      for (std::size_t k = 0; k < h.master.count; ++k) {
+        m[k] = 0.001F * static_cast<float>((k * 3 + i * 7) % 97) - 0.05F;
+      }
     }
   }
   // The whole run's plan (its first copies start here).
@@ -90,7 +96,9 @@ struct trainer {
       auto* g = static_cast<float*>(v.grads.data);
       const std::size_t n = v.grads.count;
       launch_host_func(s, [g, n, step, u] {  // accumulates, as backward does: the slab must arrive zeroed
-        for (std::size_t k = 0; k < n; ++k) { g[k] += 0.0005F * static_cast<float>((k + static_cast<std::size_t>(step) * 11 + u.value) % 41) - 0.01F; }
+        for (std::size_t k = 0; k < n; ++k) {
+          g[k] += 0.0005F * static_cast<float>((k + static_cast<std::size_t>(step) * 11 + u.value) % 41) - 0.01F;
+        }
       });
     }
     if (before_step) {
@@ -138,8 +146,8 @@ void expect_homes_intact(runtime& rt)
   const auto sums = home_sums(rt);
   const auto& states = reference_states();
   for (std::size_t i = 0; i < sums.size(); ++i) {
-    EXPECT_TRUE(states[i].contains(sums[i])) << "unit '" << rt.name({static_cast<std::uint32_t>(i)})
-                                             << "': its home copy is no state of the fault-free run";
+    EXPECT_TRUE(states[i].contains(sums[i]))
+      << "unit '" << rt.name({static_cast<std::uint32_t>(i)}) << "': its home copy is no state of the fault-free run";
   }
 }
 
@@ -160,7 +168,8 @@ TEST(faults, a_failed_copy_ends_in_a_device_error_and_every_home_copy_stays_a_va
     } catch (const device_error& e) {
       error = e.what();
     }
-    ASSERT_NE(error.find("copy " + std::to_string(copy)), std::string::npos) << "expected the injected failure, got: " << error;
+    ASSERT_NE(error.find("copy " + std::to_string(copy)), std::string::npos)
+      << "expected the injected failure, got: " << error;
     EXPECT_NE(error.find("failed (an injected fault)"), std::string::npos) << error;
     // Every later call that reaches the device says the same, at once (the failure may have
     // surfaced in the trainer's own call, with units still held: acquire one that is not).
@@ -171,8 +180,7 @@ TEST(faults, a_failed_copy_ends_in_a_device_error_and_every_home_copy_stays_a_va
     expect_error_mentioning<device_error>([&] { (void)t.rt.acquire(free_unit, t.s); }, "copy " + std::to_string(copy));
     try {
       dev.synchronize();  // the queued work is skipped; wait until it has drained
-    } catch (const device_error&) {
-    }
+    } catch (const device_error&) {}
     expect_homes_intact(t.rt);
   }
 }
@@ -230,7 +238,8 @@ TEST(faults, a_stalled_copy_ends_in_a_timeout_within_the_configured_time)
     t->plan();
     for (int step = 0; step < steps; ++step) { t->step(step); }  // nothing in the protocol waits
     const auto start = clock_type::now();
-    expect_error_mentioning<timeout_error>([&] { t->rt.flush(); }, "has not finished within 400 ms ([runtime] timeout)");
+    expect_error_mentioning<timeout_error>([&] { t->rt.flush(); },
+                                           "has not finished within 400 ms ([runtime] timeout)");
     const auto waited = clock_type::now() - start;
     EXPECT_LT(waited, std::chrono::milliseconds{2'000}) << "the error came after the stall, not within the timeout";
     expect_error_mentioning<timeout_error>([&] { (void)t->rt.acquire(t->rt.find("trunk"), t->s); }, "has not finished");

@@ -64,7 +64,8 @@ std::vector<std::byte> fill_home(runtime& rt, unit_id u, std::uint32_t seed)
 std::vector<std::byte> device_params(const device& dev, const unit_view& v, stream_view s)
 {
   std::vector<std::byte> out(v.params.bytes());
-  copy_async(std::span<std::byte>(out), const_device_span(&dev.backend(), static_cast<const std::byte*>(v.params.data), out.size()), s);
+  copy_async(std::span<std::byte>(out),
+             const_device_span(&dev.backend(), static_cast<const std::byte*>(v.params.data), out.size()), s);
   s.synchronize();
   return out;
 }
@@ -115,7 +116,8 @@ TEST(frozen_unit, is_used_frozen_only_and_a_trained_use_is_refused_before_anythi
   EXPECT_EQ(h.v.count, 0U);
 
   expect_error_mentioning<config_error>([&] { rt.plan(step_plan{b0, a}); }, "never trained");
-  const std::vector<step_plan> steps(3, step_plan{}.acquire(b0, unit_use::frozen).acquire(b1, unit_use::frozen).acquire(a));
+  const std::vector<step_plan> steps(
+    3, step_plan{}.acquire(b0, unit_use::frozen).acquire(b1, unit_use::frozen).acquire(a));
   rt.plan(steps);
   stream s(dev);
   expect_error_mentioning<invalid_argument>([&] { (void)rt.acquire(b1, s); }, "never trained");
@@ -129,7 +131,8 @@ TEST(frozen_unit, is_used_frozen_only_and_a_trained_use_is_refused_before_anythi
     EXPECT_EQ(device_params(dev, v1, s), home1);
     EXPECT_EQ(v1.grads.count, 0U);
     std::vector<float> g(va.grads.count, 0.25F);
-    copy_async(device_span(&dev.backend(), static_cast<std::byte*>(va.grads.data), g.size() * 4), std::as_bytes(std::span(g)), s);
+    copy_async(device_span(&dev.backend(), static_cast<std::byte*>(va.grads.data), g.size() * 4),
+               std::as_bytes(std::span(g)), s);
     s.synchronize();  // `g` goes out of scope
     rt.step(a, s);
     for (const unit_id u : {a, b1, b0}) { rt.release(u, s); }

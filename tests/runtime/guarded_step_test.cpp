@@ -61,7 +61,10 @@ run_result train(const runtime_options& o, dtype compute, int first, int last, c
 {
   const device dev = make_device(o.device);
   std::vector<unit_spec> units{make_unit("trunk", 300, compute)};
-  for (int t = 0; t < 5; ++t) { units.push_back(make_unit(std::string("task/") + std::to_string(t), 200 + 37 * static_cast<std::size_t>(t), compute)); }
+  for (int t = 0; t < 5; ++t) {
+    units.push_back(
+      make_unit(std::string("task/") + std::to_string(t), 200 + 37 * static_cast<std::size_t>(t), compute));
+  }
   runtime rt(dev, o, units);
   if (!load.empty()) {
     (void)rt.load_checkpoint(load);
@@ -87,7 +90,8 @@ run_result train(const runtime_options& o, dtype compute, int first, int last, c
       const slab_view g = v.grads;
       launch_host_func(s, [g, u, k, scale, inf] {
         for (std::size_t i = 0; i < g.count; ++i) {
-          const float x = std::cos(static_cast<float>(i * 3 + u.value * 11 + static_cast<std::size_t>(k))) * 2.0F * *scale;
+          const float x =
+            std::cos(static_cast<float>(i * 3 + u.value * 11 + static_cast<std::size_t>(k))) * 2.0F * *scale;
           if (g.type == dtype::f32) {
             static_cast<float*>(g.data)[i] = x;
           } else {
@@ -158,8 +162,8 @@ TEST_P(guarded_step, a_checkpoint_resumes_the_scaler_and_the_step_counts)
   const std::vector<int> infs{2, 7};
   const runtime_options o = guarded_options(48 * KiB, residency::prefetch, compute);
   const run_result whole = train(o, compute, 0, 12, infs);
-  const std::filesystem::path dir = std::filesystem::path(::testing::TempDir()) /
-                                    (std::string("guarded-ck-") + std::string(to_string(compute)));
+  const std::filesystem::path dir =
+    std::filesystem::path(::testing::TempDir()) / (std::string("guarded-ck-") + std::string(to_string(compute)));
   std::filesystem::remove_all(dir);
   (void)train(o, compute, 0, 6, infs, {}, dir);
   const checkpoint_manifest m = read_checkpoint_manifest(dir);
@@ -195,7 +199,8 @@ TEST(guarded_step_plan, trained_units_count_until_the_step_ends)
   EXPECT_NO_THROW(plan_two(o, budget));
   runtime_options g = o;
   g.optimizer.clip = 1.0;
-  expect_error_mentioning<config_error>([&] { plan_two(g, budget); }, "trained units released within a step count until it ends");
+  expect_error_mentioning<config_error>([&] { plan_two(g, budget); },
+                                        "trained units released within a step count until it ends");
   EXPECT_NO_THROW(plan_two(g, 2 * budget + 8 * KiB));
 }
 
@@ -222,18 +227,19 @@ TEST(guarded_step_errors, say_what_to_change)
   bad = o;
   bad.scaler.enabled = true;
   bad.device.budget = 1 * KiB;
-  expect_error_mentioning<config_error>([&] { runtime r(dev, bad, {make_unit("a", 100)}); }, "loss scaling and clipping take");
+  expect_error_mentioning<config_error>([&] { runtime r(dev, bad, {make_unit("a", 100)}); },
+                                        "loss scaling and clipping take");
 
-  expect_error_mentioning<config_error>([] { (void)parse_config("[device]\nbudget = \"1 MiB\"\n[scaler]\ngrowth_factor = 0.5\n", "t"); },
-                             "growth_factor");
-  expect_error_mentioning<config_error>([] { (void)parse_config("[device]\nbudget = \"1 MiB\"\n[scaler]\nscale = 2.0\n", "t"); },
-                             "has no key 'scale'");
-  expect_error_mentioning<config_error>([] { (void)parse_config("[device]\nbudget = \"1 MiB\"\n[optimizer]\nclip = -1.0\n", "t"); },
-                             "clip");
-  const runtime_options p = parse_config(
-    "[device]\nbudget = \"1 MiB\"\n[optimizer]\nclip = 1.0\n[scaler]\nenabled = true\ninit_scale = 128.0\n"
-    "growth_factor = 4.0\nbackoff_factor = 0.25\ngrowth_interval = 10\n",
-    "t");
+  expect_error_mentioning<config_error>(
+    [] { (void)parse_config("[device]\nbudget = \"1 MiB\"\n[scaler]\ngrowth_factor = 0.5\n", "t"); }, "growth_factor");
+  expect_error_mentioning<config_error>(
+    [] { (void)parse_config("[device]\nbudget = \"1 MiB\"\n[scaler]\nscale = 2.0\n", "t"); }, "has no key 'scale'");
+  expect_error_mentioning<config_error>(
+    [] { (void)parse_config("[device]\nbudget = \"1 MiB\"\n[optimizer]\nclip = -1.0\n", "t"); }, "clip");
+  const runtime_options p =
+    parse_config("[device]\nbudget = \"1 MiB\"\n[optimizer]\nclip = 1.0\n[scaler]\nenabled = true\ninit_scale = 128.0\n"
+                 "growth_factor = 4.0\nbackoff_factor = 0.25\ngrowth_interval = 10\n",
+                 "t");
   EXPECT_EQ(p.optimizer.clip, 1.0);
   EXPECT_TRUE(p.scaler.enabled);
   EXPECT_EQ(p.scaler.init_scale, 128.0);
@@ -248,8 +254,8 @@ TEST(square_sum, matches_a_double_reference_at_sizes_around_the_lane_count)
 {
   std::mt19937 rng(7);
   std::normal_distribution<float> normal(0.0F, 3.0F);
-  for (const std::size_t n : {std::size_t{1}, std::size_t{255}, detail::square_sum_lanes - 1, detail::square_sum_lanes + 3,
-                              3 * detail::square_sum_lanes + 17}) {
+  for (const std::size_t n : {std::size_t{1}, std::size_t{255}, detail::square_sum_lanes - 1,
+                              detail::square_sum_lanes + 3, 3 * detail::square_sum_lanes + 17}) {
     std::vector<float> g(n);
     for (float& x : g) { x = normal(rng) * 1024.0F; }
     detail::step_guard guard;
@@ -258,7 +264,8 @@ TEST(square_sum, matches_a_double_reference_at_sizes_around_the_lane_count)
     long double ref = 0;
     for (const float x : g) { ref += static_cast<long double>(x / 1024.0F) * (x / 1024.0F); }
     EXPECT_NEAR(guard.square_sum, static_cast<double>(ref), 1e-12 * static_cast<double>(ref)) << n;
-    detail::guard_settings k{.clip = 1.0F, .scaler = true, .growth_factor = 2.0F, .backoff_factor = 0.5F, .growth_interval = 2};
+    detail::guard_settings k{
+      .clip = 1.0F, .scaler = true, .growth_factor = 2.0F, .backoff_factor = 0.5F, .growth_interval = 2};
     detail::step_guard finished = guard;
     detail::finish_step_guard(finished, k);
     EXPECT_EQ(finished.skip, 0);

@@ -40,8 +40,11 @@ float initial(std::uint32_t u, std::size_t i) { return static_cast<float>((i * 1
 float gradient(std::uint32_t u, std::size_t i, int step, int micro)
 {
   const float by = static_cast<float>(1 << (step % 3));
-  return (static_cast<float>((i * 7 + static_cast<std::size_t>(step) * 3 + u * 5 + static_cast<std::size_t>(micro)) % 11) *
-            0.125F - 0.625F) * by;
+  return (static_cast<float>((i * 7 + static_cast<std::size_t>(step) * 3 + u * 5 + static_cast<std::size_t>(micro)) %
+                             11) *
+            0.125F -
+          0.625F) *
+         by;
 }
 
 // The f16 bits of x, which must be a normal half or zero exactly (the gradients here are).
@@ -105,8 +108,10 @@ lr_scale = 10.0
 [[units]]
 match = "task/1"
 weight_decay = 0.0
-)", "param_groups_driver");
-    o.defaults.optimizer = placement == "host" ? taskswap::optimizer_placement::host : taskswap::optimizer_placement::device;
+)",
+                                                         "param_groups_driver");
+    o.defaults.optimizer =
+      placement == "host" ? taskswap::optimizer_placement::host : taskswap::optimizer_placement::device;
     if (guarded) {
       o.optimizer.clip = std::stod(argv[5]);
       o.scaler.init_scale = std::stod(argv[6]);
@@ -129,7 +134,9 @@ weight_decay = 0.0
     for (std::uint32_t u = 0; u < 3; ++u) {
       const taskswap::home_view h = rt.home(taskswap::unit_id{u});
       for (const taskswap::tensor_info& t : h.tensors) {
-        for (std::size_t i = 0; i < t.count; ++i) { static_cast<float*>(h.master.data)[t.offset + i] = initial(u, t.offset + i); }
+        for (std::size_t i = 0; i < t.count; ++i) {
+          static_cast<float*>(h.master.data)[t.offset + i] = initial(u, t.offset + i);
+        }
       }
     }
     taskswap::stream s(dev);
@@ -164,7 +171,9 @@ weight_decay = 0.0
                 if (poison) { h[3] = 0x7C00U; }  // +inf
                 return;
               }
-              for (std::size_t i = 0; i < g.count; ++i) { g.data<float>()[i] += gradient(u.value, offset + i, k, m) * by; }
+              for (std::size_t i = 0; i < g.count; ++i) {
+                g.data<float>()[i] += gradient(u.value, offset + i, k, m) * by;
+              }
               if (poison) { g.data<float>()[3] = std::numeric_limits<float>::infinity(); }
             });
           }
@@ -184,14 +193,17 @@ weight_decay = 0.0
     for (std::uint32_t u = 0; u < 3; ++u) {
       const taskswap::home_view h = rt.home(taskswap::unit_id{u});
       for (const taskswap::tensor_info& t : h.tensors) {
-        f.write(static_cast<const char*>(h.master.data) + t.offset * sizeof(float), static_cast<std::streamsize>(t.count * sizeof(float)));
+        f.write(static_cast<const char*>(h.master.data) + t.offset * sizeof(float),
+                static_cast<std::streamsize>(t.count * sizeof(float)));
       }
     }
     if (guarded) {
       const taskswap::loss_scaler_state st = rt.scaler_state();
       const float tail[3] = {st.scale, static_cast<float>(st.growth_tracker), static_cast<float>(st.skipped_steps)};
-      f.write(reinterpret_cast<const char*>(tail), sizeof tail);  // NOLINT: the floats' bytes
-      f.write(reinterpret_cast<const char*>(per_step.data()),     // NOLINT: the floats' bytes
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the floats' bytes
+      f.write(reinterpret_cast<const char*>(tail), sizeof tail);
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the floats' bytes
+      f.write(reinterpret_cast<const char*>(per_step.data()),
               static_cast<std::streamsize>(per_step.size() * sizeof(float)));
     }
     if (!f.flush()) { throw std::runtime_error("cannot write " + out); }

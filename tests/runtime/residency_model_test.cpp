@@ -34,7 +34,7 @@ TEST(residency_model, charges_whole_granules_and_a_granule_per_packed_unit)
   EXPECT_EQ(m.pinned_bytes(), 2 * g);  // packed, then whole granules
   EXPECT_TRUE(m.packed(2));
   EXPECT_FALSE(m.packed(3));
-  EXPECT_EQ(m.use_charge(2, true), g);   // a place: a granule at most
+  EXPECT_EQ(m.use_charge(2, true), g);  // a place: a granule at most
   EXPECT_EQ(m.use_charge(2, false), g);
   EXPECT_EQ(m.use_charge(3, true), 2 * g);
   EXPECT_EQ(m.use_charge(3, false), g);
@@ -48,10 +48,12 @@ TEST(residency_model, charges_whole_granules_and_a_granule_per_packed_unit)
 TEST(residency_model, refuses_units_that_can_never_fit_with_the_numbers)
 {
   const std::size_t g = 4 * KiB;
+  expect_error_mentioning<config_error>([&] { residency_model m(8 * g, g, 0, {unit("trunk", 9 * g, g, true)}); },
+                                        "the pinned units need 36.0 KiB (36864 bytes)");
   expect_error_mentioning<config_error>(
-    [&] { residency_model m(8 * g, g, 0, {unit("trunk", 9 * g, g, true)}); }, "the pinned units need 36.0 KiB (36864 bytes)");
-  expect_error_mentioning<config_error>(
-    [&] { residency_model m(8 * g, g, 0, {unit("trunk", 4 * g, g, true), unit("head", 5 * g, g)}); },
+    [&] {
+      residency_model m(8 * g, g, 0, {unit("trunk", 4 * g, g, true), unit("head", 5 * g, g)});
+    },
     "unit 'head' needs 20.0 KiB (20480 bytes) of device memory (in whole granules of 4.0 KiB (4096 bytes)) but the "
     "budget leaves 16.0 KiB (16384 bytes)");
   expect_error_mentioning<config_error>([&] { residency_model m(g, g, 1, {unit("u", 1, 1)}); }, "leaves nothing");
@@ -62,25 +64,37 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
   const std::size_t g = 256;
   modelled_unit frozen_base = unit("base", 4 * g, 4 * g);
   frozen_base.never_trained = true;
-  residency_model m(10 * g, g, 0, {unit("a", 4 * g, 2 * g), unit("b", 4 * g, 2 * g), unit("c", 4 * g, 2 * g), frozen_base});
+  residency_model m(10 * g, g, 0,
+                    {unit("a", 4 * g, 2 * g), unit("b", 4 * g, 2 * g), unit("c", 4 * g, 2 * g), frozen_base});
   const unit_id a{0}, b{1}, c{2}, base{3};
   // a and b held at once take 8 granules; after a's release c fits without a communicator.
   EXPECT_EQ(m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 0, {}), 8 * g);
   expect_error_mentioning<config_error>(
-    [&] { (void)m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 7, {.released_count_to_end = true}); },
+    [&] {
+      (void)m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 7, {.released_count_to_end = true});
+    },
     "plan step 7: after acquiring 'c' the units held at once ('b', 'c') take 3.0 KiB");
   expect_error_mentioning<config_error>(
-    [&] { (void)m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 7, {.trained_count_to_end = true}); },
+    [&] {
+      (void)m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 7, {.trained_count_to_end = true});
+    },
     "trained units released within a step count until it ends");
   // Frozen uses hold their parameters alone, unless told otherwise (others train the unit).
-  EXPECT_EQ(m.check_step(step_plan{}.acquire(a, unit_use::frozen).acquire(b).acquire(c, unit_use::frozen), 0, {}), 8 * g);
+  EXPECT_EQ(m.check_step(step_plan{}.acquire(a, unit_use::frozen).acquire(b).acquire(c, unit_use::frozen), 0, {}),
+            8 * g);
   const std::vector<std::uint32_t> whole{0, 2};
   expect_error_mentioning<config_error>(
-    [&] { (void)m.check_step(step_plan{}.acquire(a, unit_use::frozen).acquire(b).acquire(c, unit_use::frozen), 0, {}, whole); },
+    [&] {
+      (void)m.check_step(step_plan{}.acquire(a, unit_use::frozen).acquire(b).acquire(c, unit_use::frozen), 0, {},
+                         whole);
+    },
     "after acquiring 'c'");
-  expect_error_mentioning<config_error>([&] { (void)m.check_step(step_plan{}.release(a), 2, {}); }, "releases 'a', which the step has not acquired");
-  expect_error_mentioning<config_error>([&] { (void)m.check_step(step_plan{}.acquire(a).acquire(a), 2, {}); }, "while it is still held");
-  expect_error_mentioning<config_error>([&] { (void)m.check_step(step_plan{}.acquire(base), 2, {}); }, "registered never trained");
+  expect_error_mentioning<config_error>([&] { (void)m.check_step(step_plan{}.release(a), 2, {}); },
+                                        "releases 'a', which the step has not acquired");
+  expect_error_mentioning<config_error>([&] { (void)m.check_step(step_plan{}.acquire(a).acquire(a), 2, {}); },
+                                        "while it is still held");
+  expect_error_mentioning<config_error>([&] { (void)m.check_step(step_plan{}.acquire(base), 2, {}); },
+                                        "registered never trained");
   EXPECT_EQ(m.check_step(step_plan{}.acquire(base, unit_use::frozen), 2, {}), 4 * g);
   expect_error_mentioning<config_error>(
     [&] { (void)m.check_step(step_plan{}.acquire(a).release(a).acquire(a), 3, {.trained_count_to_end = true}); },

@@ -77,7 +77,10 @@ inline std::size_t acquired_bytes(const unit_spec& u, bool frozen)
   return (count * size_of(u.compute) + 255) / 256 * 256;
 }
 
-inline std::size_t whole_granules(std::size_t bytes, std::size_t granule) { return (bytes + granule - 1) / granule * granule; }
+inline std::size_t whole_granules(std::size_t bytes, std::size_t granule)
+{
+  return (bytes + granule - 1) / granule * granule;
+}
 
 // What the pinned units take: packed at 256 bytes, in whole granules.
 inline std::size_t pinned_taken(const std::vector<unit_spec>& units, std::size_t granule)
@@ -97,7 +100,9 @@ inline std::size_t exact_budget(const scenario& s, std::size_t granule)
   const std::size_t pinned = pinned_taken(s.units, granule);
   std::size_t need = pinned;
   for (const unit_spec& u : s.units) {  // a plan that deviates holds one unit alone
-    if (u.policy->residency != residency::pinned) { need = std::max(need, pinned + whole_granules(device_bytes_of(u), granule)); }
+    if (u.policy->residency != residency::pinned) {
+      need = std::max(need, pinned + whole_granules(device_bytes_of(u), granule));
+    }
   }
   for (const auto& step : s.steps) {
     std::vector<std::pair<std::uint32_t, std::size_t>> held;  // unit, bytes its acquisition takes
@@ -291,7 +296,8 @@ class runtime_properties : public ::testing::Test {
           EXPECT_EQ(views[a.unit].grads.data == nullptr, a.frozen);
           const slab_view p = views[a.unit].params;
           staging.emplace_back(dev, p.bytes());
-          copy_async(staging.back().span(), const_device_span(device_span(&dev.backend(), static_cast<std::byte*>(p.data), p.bytes())),
+          copy_async(staging.back().span(),
+                     const_device_span(device_span(&dev.backend(), static_cast<std::byte*>(p.data), p.bytes())),
                      compute);
           expected_params.emplace_back(staging.size() - 1, ref[a.unit].params);
         } else if (a.kind == action::step) {
@@ -374,7 +380,8 @@ class runtime_properties : public ::testing::Test {
       const std::size_t begin = t == 0 ? 0 : r.tensors[t].offset;
       const std::size_t end = t + 1 < r.tensors.size() ? r.tensors[t + 1].offset : slabs.count;
       const adamw_options& settings = r.tensors[t].no_weight_decay ? plain : o;
-      detail::cpu_adamw_range(slabs, detail::make_adamw_scalars(settings, r.step), begin, end, detail::cpu_isa::portable);
+      detail::cpu_adamw_range(slabs, detail::make_adamw_scalars(settings, r.step), begin, end,
+                              detail::cpu_isa::portable);
     }
     if (r.compute == dtype::f32) {
       std::memcpy(r.params.data(), r.master.data(), r.params.size());

@@ -93,7 +93,8 @@ TEST(unit_layout, large_host_slabs_start_staggered_and_small_ones_back_to_back)
         EXPECT_EQ(starts[i] % detail::slab_alignment, 0U);
         for (std::size_t j = i + 1; j < starts.size(); ++j) {
           const std::size_t d = starts[i] > starts[j] ? starts[i] - starts[j] : starts[j] - starts[i];
-          EXPECT_GE(detail::stagger_score(d), 1.0) << "n " << n << " slabs " << i << "," << j << " are " << d << " bytes apart";
+          EXPECT_GE(detail::stagger_score(d), 1.0)
+            << "n " << n << " slabs " << i << "," << j << " are " << d << " bytes apart";
         }
       }
       // The slabs do not overlap and the padding is at most one window per staggered slab.
@@ -128,7 +129,9 @@ TEST(unit_layout, adamw_runs_split_where_the_weight_decay_flag_changes_and_cover
   EXPECT_EQ(l.runs[1].begin, l.tensors[2].offset);  // b1 starts the no-decay run, b2 joins it
   EXPECT_FALSE(l.runs[1].decay);
   EXPECT_EQ(l.runs[2].begin, l.tensors[4].offset);
-  for (std::size_t i = 0; i + 1 < l.runs.size(); ++i) { EXPECT_EQ(l.runs[i].begin + l.runs[i].count, l.runs[i + 1].begin); }
+  for (std::size_t i = 0; i + 1 < l.runs.size(); ++i) {
+    EXPECT_EQ(l.runs[i].begin + l.runs[i].count, l.runs[i + 1].begin);
+  }
   EXPECT_EQ(l.runs.back().begin + l.runs.back().count, l.count);
   EXPECT_TRUE(l.tensors[3].no_weight_decay);
   u.tensors = {{"w", {10}}};
@@ -172,7 +175,7 @@ TEST(plan_queue, next_use_follows_consumption_and_skipped_acquisitions_are_dropp
   EXPECT_EQ(q.step_distance(3), 1U);
   EXPECT_EQ(q.peek(b)->position, 1U);
   EXPECT_EQ(q.match(b)->position, 1U);  // out of order within the step is still planned
-  EXPECT_EQ(q.peek(b), std::nullopt);    // consumed
+  EXPECT_EQ(q.peek(b), std::nullopt);  // consumed
   EXPECT_EQ(q.match(c), std::nullopt);  // c belongs to the next step
   q.end_step();  // a's acquisition in step 0 was skipped
   EXPECT_EQ(q.next_use(a), 3U);
@@ -262,7 +265,8 @@ TEST(runtime_protocol, acquire_does_not_wait_for_the_swap_in_and_the_stall_is_me
 {
   // 10 MB/s: the 1 MiB swap-in takes about 100 ms on the h2d stream.
   device dev = emulated(8 * MiB, 10e6);
-  runtime rt(dev, options_with_budget(8 * MiB), {make_unit("task/0", 128 * KiB, residency::on_demand, optimizer_placement::host)});
+  runtime rt(dev, options_with_budget(8 * MiB),
+             {make_unit("task/0", 128 * KiB, residency::on_demand, optimizer_placement::host)});
   stream s(dev);
   const unit_id u = rt.find("task/0");
   (void)rt.acquire(u, s);
@@ -284,8 +288,8 @@ TEST(runtime_protocol, prefetch_brings_the_next_steps_units_in_before_they_are_a
   std::vector<unit_spec> specs;
   for (int i = 0; i < 4; ++i) { specs.push_back(make_unit("task/" + std::to_string(i), 1024)); }
   runtime rt(dev, options_with_budget(64 * MiB), specs);
-  rt.plan(std::vector<step_plan>{step_plan{unit_id{0}}, step_plan{unit_id{1}}, step_plan{unit_id{2}},
-                                 step_plan{unit_id{3}}});
+  rt.plan(
+    std::vector<step_plan>{step_plan{unit_id{0}}, step_plan{unit_id{1}}, step_plan{unit_id{2}}, step_plan{unit_id{3}}});
   // Lookahead 2: steps 0, 1 and 2 are in flight, step 3 is not yet.
   EXPECT_EQ(rt.state(unit_id{2}), unit_state::resident);
   EXPECT_EQ(rt.state(unit_id{3}), unit_state::home);
@@ -311,8 +315,8 @@ TEST(runtime_protocol, a_prefetch_is_not_held_back_by_a_tie_with_a_unit_needed_f
   for (int i = 0; i < 4; ++i) { specs.push_back(make_unit("task/" + std::to_string(i), 1024)); }
   const std::size_t slot = footprint(specs[0], optimizer_placement::device).device_bytes;
   runtime rt(dev, options_with_budget(3 * slot), specs);
-  rt.plan(std::vector<step_plan>{step_plan{unit_id{0}}, step_plan{unit_id{1}}, step_plan{unit_id{2}},
-                                 step_plan{unit_id{3}}});
+  rt.plan(
+    std::vector<step_plan>{step_plan{unit_id{0}}, step_plan{unit_id{1}}, step_plan{unit_id{2}}, step_plan{unit_id{3}}});
   stream s(dev);
   for (std::uint32_t k = 0; k < 2; ++k) {
     (void)rt.acquire(unit_id{k}, s);
@@ -461,7 +465,7 @@ std::vector<std::vector<std::byte>> train_a_then_freeze_it(std::size_t budget, s
   rt.release(a, s);
   (void)rt.end_step();
   (void)rt.acquire(a, s, unit_use::frozen);  // resident whole and dirty
-  v = rt.acquire(b, s);                        // needs the room beyond a's parameters
+  v = rt.acquire(b, s);  // needs the room beyond a's parameters
   EXPECT_LE(rt.stats().device_bytes_in_use, budget);
   write_grads(dev, v, g, s);
   rt.step(b, s);
@@ -535,8 +539,7 @@ TEST(runtime_registration, a_unit_that_can_never_fit_is_refused_with_the_numbers
   specs[1].name = "trunk/0";
   expect_error_mentioning<config_error>([&] { runtime rt(dev, options_with_budget(1 * MiB), specs); },
                                         "registered twice");
-  expect_error_mentioning<config_error>([&] { runtime rt(dev, options_with_budget(1 * MiB), {}); },
-                                        "no units given");
+  expect_error_mentioning<config_error>([&] { runtime rt(dev, options_with_budget(1 * MiB), {}); }, "no units given");
 }
 
 TEST(runtime_registration, rules_apply_in_order_and_a_rule_matching_nothing_is_an_error)
@@ -571,9 +574,12 @@ TEST(runtime_plan, a_step_that_holds_more_than_the_budget_is_refused_naming_the_
   runtime rt(dev, options_with_budget(400 * KiB), specs);
   const unit_id a{0}, b{1};
   rt.plan(step_plan{a});
-  expect_error_mentioning<config_error>([&] { rt.plan(step_plan{a, b}); },
-                                        "plan step 1: after acquiring 'b' the units held at once ('a', 'b') take "
-                                        "512.0 KiB");
+  expect_error_mentioning<config_error>(
+    [&] {
+      rt.plan(step_plan{a, b});
+    },
+    "plan step 1: after acquiring 'b' the units held at once ('a', 'b') take "
+    "512.0 KiB");
   // Released in between, the same two fit one after the other.
   step_plan streamed;
   streamed.acquire(a).release(a).acquire(b).release(b);
@@ -637,7 +643,8 @@ TEST(runtime_trace, the_chrome_trace_has_a_track_per_stream_and_a_device_bytes_c
   device dev = emulated(4 * MiB);
   runtime_options o = options_with_budget(4 * MiB);
   o.trace = true;
-  runtime rt(dev, o, {make_unit("task/0", 4096), make_unit("task/1", 4096, residency::prefetch, optimizer_placement::host)});
+  runtime rt(dev, o,
+             {make_unit("task/0", 4096), make_unit("task/1", 4096, residency::prefetch, optimizer_placement::host)});
   stream s(dev);
   rt.plan(std::vector<step_plan>{step_plan{unit_id{0}}, step_plan{unit_id{1}}});
   for (std::uint32_t k = 0; k < 2; ++k) {
@@ -685,7 +692,9 @@ TEST(state_tensors, travel_come_home_with_the_update_and_are_never_stepped)
       const home_view h0 = rt.home(unit_id{0});
       for (std::size_t i = 0; i < h0.master.count; ++i) { static_cast<float*>(h0.master.data)[i] = 0.5F; }
       for (const std::size_t t : {std::size_t{0}, std::size_t{2}}) {  // state tensors: in the parameters
-        for (std::size_t i = 0; i < 3; ++i) { detail::narrow_element(h0.params.data, compute, h0.tensors[t].offset + i, -1.0F); }
+        for (std::size_t i = 0; i < 3; ++i) {
+          detail::narrow_element(h0.params.data, compute, h0.tensors[t].offset + i, -1.0F);
+        }
       }
       stream s(dev);
       for (int k = 0; k < 4; ++k) {
@@ -698,7 +707,9 @@ TEST(state_tensors, travel_come_home_with_the_update_and_are_never_stepped)
           for (std::size_t i = 0; i < 3; ++i) {
             const float seen = detail::widen_element(mean.memory.data(), compute, i);
             // The value the last trained step wrote arrived with the unit (-1 at first).
-            if (seen != (k == 0 ? -1.0F : static_cast<float>(k - 1))) { throw std::runtime_error("state did not travel"); }
+            if (seen != (k == 0 ? -1.0F : static_cast<float>(k - 1))) {
+              throw std::runtime_error("state did not travel");
+            }
             if (k == 3) { continue; }  // a frozen use reads them (as torch's eval mode)
             detail::narrow_element(mean.memory.data(), compute, i, static_cast<float>(k));
             detail::narrow_element(var.memory.data(), compute, i, static_cast<float>(10 * k));
@@ -734,7 +745,8 @@ TEST(state_tensors, travel_come_home_with_the_update_and_are_never_stepped)
   unit_spec only;
   only.name = "stats";
   only.tensors = {{"mean", {3}, false, true}};
-  expect_error_mentioning<config_error>([&] { (void)footprint(only, optimizer_placement::device); }, "only state tensors");
+  expect_error_mentioning<config_error>([&] { (void)footprint(only, optimizer_placement::device); },
+                                        "only state tensors");
 }
 
 }  // namespace

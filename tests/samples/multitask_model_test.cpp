@@ -89,7 +89,9 @@ TEST(multitask_model, the_sampler_is_deterministic_and_reaches_every_task_on_eve
     EXPECT_EQ(seen.size(), 16U);
   }
   int same = 0;
-  for (int s = 0; s < 400; ++s) { same += multitask::task_of_step(m, 0, s) == multitask::task_of_step(m, 1, s) ? 1 : 0; }
+  for (int s = 0; s < 400; ++s) {
+    same += multitask::task_of_step(m, 0, s) == multitask::task_of_step(m, 1, s) ? 1 : 0;
+  }
   EXPECT_LT(same, 100) << "ranks sample their own tasks";
 }
 

@@ -22,7 +22,10 @@ namespace {
 using taskswap::dtype;
 
 struct emulated_backend {
-  static taskswap::device make() { return taskswap::emulated_device({.memory_bytes = std::size_t{64} << 20U, .link = {}}); }
+  static taskswap::device make()
+  {
+    return taskswap::emulated_device({.memory_bytes = std::size_t{64} << 20U, .link = {}});
+  }
   static std::string skip_reason() { return {}; }
 };
 
@@ -47,15 +50,19 @@ class ops_test : public ::testing::Test {
   {
     buffers_.emplace_back(*dev_, std::max<std::size_t>(host.size() * sizeof(float), 256));
     taskswap::device_buffer& b = buffers_.back();
-    if (!host.empty()) { taskswap::copy_async(b.span(0, host.size() * sizeof(float)), std::as_bytes(std::span(host)), *stream_); }
+    if (!host.empty()) {
+      taskswap::copy_async(b.span(0, host.size() * sizeof(float)), std::as_bytes(std::span(host)), *stream_);
+    }
     stream_->synchronize();
-    return reinterpret_cast<float*>(b.data());  // NOLINT: holds floats
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): holds floats
+    return reinterpret_cast<float*>(b.data());
   }
   float* poisoned(std::size_t n) { return upload(std::vector<float>(n, std::nanf(""))); }
   std::vector<float> download(const float* p, std::size_t n)
   {
     std::vector<float> host(n);
-    const auto* bytes = reinterpret_cast<const std::byte*>(p);  // NOLINT
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+    const auto* bytes = reinterpret_cast<const std::byte*>(p);
     for (const taskswap::device_buffer& b : buffers_) {
       if (bytes >= b.data() && bytes < b.data() + b.size()) {
         taskswap::copy_async(std::as_writable_bytes(std::span(host)),
@@ -115,7 +122,7 @@ TYPED_TEST(ops_test, gemm_in_every_transpose_matches_a_double_reference)
             want += 0.5 * static_cast<double>(av) * bv;
           }
           ASSERT_NEAR(got[static_cast<std::size_t>(i * n + j)], want, 1e-5 * (1 + std::fabs(want)))
-              << "ta " << ta << " tb " << tb << " at " << i << "," << j;
+            << "ta " << ta << " tb " << tb << " at " << i << "," << j;
         }
       }
     }
@@ -129,7 +136,8 @@ TYPED_TEST(ops_test, random_uniform_is_the_host_hash_bit_for_bit)
   this->ops_->random_uniform(x, n, 99, 0.25F);
   const auto got = this->download(x, n);
   for (std::size_t i = 0; i < n; ++i) {
-    ASSERT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(0.25F * multitask::uniform(99, i))) << i;
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(0.25F * multitask::uniform(99, i)))
+      << i;
   }
 }
 
@@ -179,7 +187,8 @@ TYPED_TEST(ops_test, column_sums_and_mse_match_double_references_and_are_determi
   const auto g = this->download(x, x0.size());
   // With a loss scale the gradient is scaled and the loss is not.
   float* scaled_loss = this->poisoned(1);
-  this->ops_->mse(x_scaled, this->upload(t0), rows, cols, scaled_loss, scratch, this->upload(std::vector<float>{1024.0F}));
+  this->ops_->mse(x_scaled, this->upload(t0), rows, cols, scaled_loss, scratch,
+                  this->upload(std::vector<float>{1024.0F}));
   EXPECT_EQ(this->download(scaled_loss, 1)[0], l);
   const auto gs = this->download(x_scaled, x0.size());
   for (std::size_t i = 0; i < x0.size(); ++i) { ASSERT_EQ(gs[i], g[i] * 1024.0F) << i; }
@@ -207,9 +216,12 @@ TYPED_TEST(ops_test, bf16_and_f16_widen_and_narrow_round_to_nearest_even)
     EXPECT_EQ(std::bit_cast<std::uint32_t>(got[i]), rounded) << values[i];
   }
   // f16 against the library's conversion: ties, subnormals, the largest half, overflow, NaN.
-  const std::vector<float> f16_values{1.0F, 1.00048828125F, 1.00146484375F, -3.5F, 1e-3F, 65504.0F, 65519.0F,
-                                      65520.0F, 1e9F, -1e9F, 5.9604645e-8F, 2.9802322e-8F, 8.940697e-8F, 6.1e-5F,
-                                      -1.5e-7F, std::numeric_limits<float>::quiet_NaN(), 0.0F, -0.0F};
+  const std::vector<float> f16_values{
+    1.0F,         1.00048828125F, 1.00146484375F, -3.5F,
+    1e-3F,        65504.0F,       65519.0F,       65520.0F,
+    1e9F,         -1e9F,          5.9604645e-8F,  2.9802322e-8F,
+    8.940697e-8F, 6.1e-5F,        -1.5e-7F,       std::numeric_limits<float>::quiet_NaN(),
+    0.0F,         -0.0F};
   float* f16_src = this->upload(f16_values);
   float* f16_half = this->poisoned(f16_values.size());
   this->ops_->narrow(f16_half, dtype::f16, f16_src, f16_values.size());

@@ -31,7 +31,8 @@ tools::plan_input input(std::vector<unit_spec> units, std::size_t budget, reside
 
 TEST(planner, replays_belady_over_a_known_schedule)
 {
-  auto in = input({unit("a", 4096), unit("b", 4096), unit("c", 4096)}, 0, residency::on_demand, optimizer_placement::device);
+  auto in =
+    input({unit("a", 4096), unit("b", 4096), unit("c", 4096)}, 0, residency::on_demand, optimizer_placement::device);
   const unit_footprint fp = footprint(in.units[0], optimizer_placement::device);
   in.options.device.budget = 2 * fp.device_bytes;
   in.steps = {{0}, {1}, {2}, {0}, {1}, {2}};
@@ -53,7 +54,8 @@ TEST(planner, host_placement_sends_gradients_home_and_parameters_back_when_used_
   const unit_footprint fp = footprint(in.units[0], optimizer_placement::host);
   const tools::plan_report r = tools::make_plan(in);
   // Swap-ins at steps 0 and 3; parameters back after step 0 only (step 1's next use is 2 steps on).
-  EXPECT_DOUBLE_EQ(r.h2d_bytes_per_step, (2.0 * static_cast<double>(fp.swap_in_bytes) + static_cast<double>(fp.param_bytes)) / 4);
+  EXPECT_DOUBLE_EQ(r.h2d_bytes_per_step,
+                   (2.0 * static_cast<double>(fp.swap_in_bytes) + static_cast<double>(fp.param_bytes)) / 4);
   EXPECT_DOUBLE_EQ(r.d2h_bytes_per_step, 3.0 * static_cast<double>(fp.grad_bytes) / 4);
   EXPECT_EQ(fp.write_back_bytes, 0U);
 }
@@ -95,7 +97,8 @@ TEST(planner, counts_what_the_runtime_does)
         in.steps.push_back(step);
       }
       const std::size_t window = windows ? 16 : 0;
-      const std::size_t margin = policy == residency::prefetch ? static_cast<std::size_t>(in.options.defaults.lookahead) + 1 : 1;
+      const std::size_t margin =
+        policy == residency::prefetch ? static_cast<std::size_t>(in.options.defaults.lookahead) + 1 : 1;
       in.plan_window = window;
       in.plan_margin = margin;
       const tools::plan_report r = tools::make_plan(in);
@@ -140,12 +143,14 @@ TEST(planner, counts_what_the_runtime_does)
       const unit_footprint fp = footprint(units[0], optimizer_placement::device);
       const double planned_swaps = r.swap_ins_per_step * n;
       const double planned_writes = r.d2h_bytes_per_step * n / static_cast<double>(fp.write_back_bytes);
-      const std::string what = std::string("policy ") + std::string(to_string(policy)) + (windows ? ", windows of 16" : ", all planned");
+      const std::string what =
+        std::string("policy ") + std::string(to_string(policy)) + (windows ? ", windows of 16" : ", all planned");
       if (windows && policy == residency::prefetch) {
         // A prefetch decides its eviction lookahead steps early, knowing only the windows planned
         // then; the replay decides at the step. Within a few percent, not exact.
         EXPECT_NEAR(planned_swaps, static_cast<double>(swap_ins), 0.05 * static_cast<double>(swap_ins)) << what;
-        EXPECT_NEAR(planned_writes, static_cast<double>(write_backs), 0.05 * static_cast<double>(write_backs) + 1) << what;
+        EXPECT_NEAR(planned_writes, static_cast<double>(write_backs), 0.05 * static_cast<double>(write_backs) + 1)
+          << what;
       } else {
         EXPECT_DOUBLE_EQ(planned_swaps, static_cast<double>(swap_ins)) << what;
         EXPECT_DOUBLE_EQ(planned_writes, static_cast<double>(write_backs)) << what;
@@ -171,7 +176,9 @@ step_stats run_on_the_runtime(const tools::plan_input& in)
   rt.plan(plans);
   const stream s(dev);
   for (std::size_t k = 0; k < in.steps.size(); ++k) {
-    for (std::size_t u : in.frozen[k]) { (void)rt.acquire(unit_id{static_cast<std::uint32_t>(u)}, s, unit_use::frozen); }
+    for (std::size_t u : in.frozen[k]) {
+      (void)rt.acquire(unit_id{static_cast<std::uint32_t>(u)}, s, unit_use::frozen);
+    }
     for (std::size_t u : in.steps[k]) { (void)rt.acquire(unit_id{static_cast<std::uint32_t>(u)}, s); }
     for (std::size_t u : in.steps[k]) {
       rt.step(unit_id{static_cast<std::uint32_t>(u)}, s);
@@ -264,7 +271,8 @@ TEST(planner, counts_whole_granules_as_the_runtime_does)
   const step_stats ran = run_on_the_runtime(in);
   EXPECT_LE(ran.peak_device_bytes, r.peak_device_bytes);
   in.options.device.budget = r.peak_device_bytes - 1;
-  expect_error_mentioning<config_error>([&] { static_cast<void>(run_on_the_runtime(in)); }, "in whole granules of 64.0 KiB");
+  expect_error_mentioning<config_error>([&] { static_cast<void>(run_on_the_runtime(in)); },
+                                        "in whole granules of 64.0 KiB");
   expect_error_mentioning<config_error>([&] { static_cast<void>(tools::make_plan(in)); }, "raise [device] budget");
 
   // Clipping (a guarded runtime) takes the guard's state of the budget first, in whole granules.

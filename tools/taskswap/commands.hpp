@@ -17,11 +17,11 @@ namespace taskswap::tools {
 
 struct plan_args {
   std::string config;
-  std::string json;                    ///< write the report here too
+  std::string json;  ///< write the report here too
   std::optional<std::string> link_rate;
   std::optional<std::string> device_memory;
   std::optional<std::size_t> bytes_per_sample;  ///< default: the sample model's
-  int steps = 0;                       ///< steps of the schedule replayed (0: [model] steps)
+  int steps = 0;  ///< steps of the schedule replayed (0: [model] steps)
   bool measure_link = false;
 };
 
@@ -39,7 +39,7 @@ struct headroom_args {
   std::optional<std::string> device_memory;
   int probe_steps = 3;
   int timed_steps = 12;
-  int rounds = 3;                      ///< timed runs per arm, alternating; the fastest counts
+  int rounds = 3;  ///< timed runs per arm, alternating; the fastest counts
   bool progress = true;
 };
 

@@ -27,8 +27,7 @@ class headroom_search {
  public:
   headroom_search(const headroom_args& args, multitask::configuration cfg, std::size_t memory)
       : args_(args), cfg_(std::move(cfg)), memory_(memory)
-  {
-  }
+  {}
 
   // A fresh device each time (nothing left over from the last probe); on cuda, the same GPU
   // with the memory above the cap taken by a filler allocation.
@@ -90,9 +89,7 @@ class headroom_search {
         fails = mid;
       }
     }
-    if (fits == 0) {
-      throw out_of_memory(a.name + ": not even a batch of 1 fits: " + last_oom_, 0, 0, memory_);
-    }
+    if (fits == 0) { throw out_of_memory(a.name + ": not even a batch of 1 fits: " + last_oom_, 0, 0, memory_); }
     a.max_batch = fits;
   }
 
@@ -134,7 +131,8 @@ int run_headroom(const headroom_args& args)
   }
   const std::size_t memory = device_memory_for(cfg, args.device_memory);
   if (memory == 0) {
-    throw invalid_argument("no CUDA device is usable here; run on a GPU machine, or use [device] backend = \"emulated\"");
+    throw invalid_argument(
+      "no CUDA device is usable here; run on a GPU machine, or use [device] backend = \"emulated\"");
   }
   const auto units = multitask::model_units(cfg.model);
   const int timed = std::max(args.timed_steps, 2);
@@ -147,8 +145,9 @@ int run_headroom(const headroom_args& args)
   if (*predicted.max_batch < 1) {
     throw config_error(name + ": a budget of " + bytes_text(static_cast<double>(predicted.budget)) +
                        " leaves no room for a batch on a device of " + bytes_text(static_cast<double>(memory)) +
-                       " (one sample needs " + bytes_text(static_cast<double>(predicted.bytes_per_sample)) + " beside " +
-                       bytes_text(static_cast<double>(predicted.fixed_bytes)) + "); lower [device] budget (this plan peaks at " +
+                       " (one sample needs " + bytes_text(static_cast<double>(predicted.bytes_per_sample)) +
+                       " beside " + bytes_text(static_cast<double>(predicted.fixed_bytes)) +
+                       "); lower [device] budget (this plan peaks at " +
                        bytes_text(static_cast<double>(predicted.peak_device_bytes)) + ")" +
                        (cfg.runtime.device.backend == backend_kind::emulated ? " or raise [device] memory" : ""));
   }
@@ -165,7 +164,10 @@ int run_headroom(const headroom_args& args)
   std::optional<multitask::run_result> swap_same;
   std::optional<multitask::run_result> swap_max;
   const auto keep_fastest = [](std::optional<multitask::run_result>& best, std::optional<multitask::run_result> r) {
-    if (!r) { throw out_of_memory("a batch that fitted in the search did not fit when timed; the device's free memory changed", 0, 0, 0); }
+    if (!r) {
+      throw out_of_memory("a batch that fitted in the search did not fit when timed; the device's free memory changed",
+                          0, 0, 0);
+    }
     if (!best || r->step_ms() < best->step_ms()) { best = std::move(r); }
   };
   // The batch both fit: the all-resident one, unless a budget larger than the model leaves taskswap less.
@@ -192,8 +194,9 @@ int run_headroom(const headroom_args& args)
   };
   const auto b = [](double v) { return bytes_text(v); };
   const double error = percent(static_cast<double>(*predicted.max_batch), static_cast<double>(swapped.max_batch));
-  const std::string device_name =
-      cfg.runtime.device.backend == backend_kind::emulated ? "the emulated device" : cuda_device(cfg.runtime.device.index).name();
+  const std::string device_name = cfg.runtime.device.backend == backend_kind::emulated
+                                    ? "the emulated device"
+                                    : cuda_device(cfg.runtime.device.index).name();
 
   std::printf("taskswap headroom, %s: %s, %s of device memory for the budget and the activations\n", name.c_str(),
               device_name.c_str(), b(static_cast<double>(memory)).c_str());
@@ -203,7 +206,8 @@ int run_headroom(const headroom_args& args)
               b(static_cast<double>(predicted.bytes_per_sample)).c_str());
   std::printf("  %-28s %14s %14s %20s\n", "", "all-resident", "taskswap", "planner (taskswap)");
   std::printf("  %-28s %14s %14s %20s\n", "budget", b(static_cast<double>(resident.options.device.budget)).c_str(),
-              b(static_cast<double>(swapped.options.device.budget)).c_str(), b(static_cast<double>(predicted.budget)).c_str());
+              b(static_cast<double>(swapped.options.device.budget)).c_str(),
+              b(static_cast<double>(predicted.budget)).c_str());
   std::printf("  %-28s %14lld %14lld %20lld\n", "largest batch", static_cast<long long>(resident.max_batch),
               static_cast<long long>(swapped.max_batch), static_cast<long long>(*predicted.max_batch));
   if (res_time && swap_same) {
@@ -214,20 +218,25 @@ int run_headroom(const headroom_args& args)
               ms_text(swap_max->step_ms()).c_str(), "");
   std::printf("  %-28s %13.1f%% %13.1f%% %20s\n", "stall (largest batch)", res_time ? stall(*res_time) : 0.0,
               stall(*swap_max), "");
-  std::printf("  %-28s %14s %14s %20s\n", "h2d per step", res_time ? b(per_step(*res_time, res_time->timed.h2d_bytes)).c_str() : "-",
+  std::printf("  %-28s %14s %14s %20s\n", "h2d per step",
+              res_time ? b(per_step(*res_time, res_time->timed.h2d_bytes)).c_str() : "-",
               b(per_step(*swap_max, swap_max->timed.h2d_bytes)).c_str(), b(predicted.h2d_bytes_per_step).c_str());
-  std::printf("  %-28s %14s %14s %20s\n", "d2h per step", res_time ? b(per_step(*res_time, res_time->timed.d2h_bytes)).c_str() : "-",
+  std::printf("  %-28s %14s %14s %20s\n", "d2h per step",
+              res_time ? b(per_step(*res_time, res_time->timed.d2h_bytes)).c_str() : "-",
               b(per_step(*swap_max, swap_max->timed.d2h_bytes)).c_str(), b(predicted.d2h_bytes_per_step).c_str());
   if (predicted.link_bytes_per_second > 0) {
-    std::printf("  %-28s %14s %14s %20s\n", "transfer time per step", "", "", ms_text(predicted.transfer_ms_per_step).c_str());
+    std::printf("  %-28s %14s %14s %20s\n", "transfer time per step", "", "",
+                ms_text(predicted.transfer_ms_per_step).c_str());
   }
-  std::printf("\n  taskswap trains a %.2fx larger batch (%lld vs %lld); at the same batch its step takes %.3fx "
-              "as long; the planner's batch is %+.2f %% off the measured one\n",
-              resident.max_batch > 0 ? static_cast<double>(swapped.max_batch) / static_cast<double>(resident.max_batch) : 0.0,
-              static_cast<long long>(swapped.max_batch), static_cast<long long>(resident.max_batch), ratio, error);
+  std::printf(
+    "\n  taskswap trains a %.2fx larger batch (%lld vs %lld); at the same batch its step takes %.3fx "
+    "as long; the planner's batch is %+.2f %% off the measured one\n",
+    resident.max_batch > 0 ? static_cast<double>(swapped.max_batch) / static_cast<double>(resident.max_batch) : 0.0,
+    static_cast<long long>(swapped.max_batch), static_cast<long long>(resident.max_batch), ratio, error);
   if (swapped.max_batch <= resident.max_batch) {
-    std::printf("  the budget (%s) leaves taskswap no larger batch: this plan peaks at %s; lower [device] budget toward it\n",
-                b(static_cast<double>(predicted.budget)).c_str(), b(static_cast<double>(predicted.peak_device_bytes)).c_str());
+    std::printf(
+      "  the budget (%s) leaves taskswap no larger batch: this plan peaks at %s; lower [device] budget toward it\n",
+      b(static_cast<double>(predicted.budget)).c_str(), b(static_cast<double>(predicted.peak_device_bytes)).c_str());
   }
   std::printf("  (%lld + %lld probes of %d steps; timed runs of %d steps, the fastest of %d rounds)\n",
               static_cast<long long>(resident.probes), static_cast<long long>(swapped.probes), args.probe_steps, timed,

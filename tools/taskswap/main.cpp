@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <exception>
 
+// NOLINTNEXTLINE(bugprone-exception-escape): only setting the options up (a programming error) throws outside the try
 int main(int argc, char** argv)
 {
   using namespace taskswap::tools;
@@ -25,9 +26,11 @@ int main(int argc, char** argv)
   p->add_option("--json", plan.json, "also write the report as JSON to this file ('-': standard output)");
   p->add_option("--link-rate", plan.link_rate, "host↔device rate for the transfer time, e.g. \"25 GB/s\"");
   p->add_flag("--measure-link", plan.measure_link, "measure the rate on the configured device");
-  p->add_option("--device-memory", plan.device_memory, "device bytes the budget and activations share, e.g. \"80 GiB\"");
+  p->add_option("--device-memory", plan.device_memory,
+                "device bytes the budget and activations share, e.g. \"80 GiB\"");
   p->add_option("--bytes-per-sample", bytes_per_sample, "activation bytes per sample (default: the sample model's)");
-  p->add_option("--steps", plan.steps, "steps of the schedule to replay (default: [model] steps)")->check(CLI::PositiveNumber);
+  p->add_option("--steps", plan.steps, "steps of the schedule to replay (default: [model] steps)")
+    ->check(CLI::PositiveNumber);
 
   probe_args probe;
   CLI::App* pr = app.add_subcommand("probe", "devices, NUMA nodes, host↔device copy rates, copy engines");
@@ -40,13 +43,15 @@ int main(int argc, char** argv)
   bool quiet = false;
   CLI::App* h = app.add_subcommand("headroom", "measure the largest batch all-resident and with taskswap (real steps, "
                                                "out-of-memory caught), beside the planner's prediction");
-  h->add_option("config", headroom.config, "configuration (runtime sections and [model]; default: the embedded sample)");
+  h->add_option("config", headroom.config,
+                "configuration (runtime sections and [model]; default: the embedded sample)");
   h->add_option("--json", headroom.json, "also write the results as JSON to this file ('-': standard output)");
   h->add_option("--trace", headroom.trace, "write a Perfetto trace of the taskswap run at its largest batch");
   h->add_option("--device-memory", headroom.device_memory, "cap the device bytes used (cuda), e.g. \"16 GiB\"");
   h->add_option("--probe-steps", headroom.probe_steps, "steps per probe of a batch size")->check(CLI::Range(1, 64));
   h->add_option("--steps", headroom.timed_steps, "steps of the timed runs")->check(CLI::Range(2, 64));
-  h->add_option("--rounds", headroom.rounds, "timed runs per arm, alternating; the fastest counts")->check(CLI::Range(1, 20));
+  h->add_option("--rounds", headroom.rounds, "timed runs per arm, alternating; the fastest counts")
+    ->check(CLI::Range(1, 20));
   h->add_flag("--quiet", quiet, "no progress line");
 
   CLI11_PARSE(app, argc, argv);

@@ -116,10 +116,11 @@ int run_plan(const plan_args& args)
   const plan_report r = make_plan(in);
 
   const auto b = [](double v) { return bytes_text(v); };
-  std::printf("taskswap plan %s: %zu units (%zu pinned), %zu steps of the sample model's schedule\n",
-              name.c_str(), r.units, r.pinned_units, r.steps);
+  std::printf("taskswap plan %s: %zu units (%zu pinned), %zu steps of the sample model's schedule\n", name.c_str(),
+              r.units, r.pinned_units, r.steps);
   std::printf("  %-34s %s\n", "budget", b(static_cast<double>(r.budget)).c_str());
-  std::printf("  %-34s %s (pinned units %s)\n", "peak device bytes", b(static_cast<double>(r.peak_device_bytes)).c_str(),
+  std::printf("  %-34s %s (pinned units %s)\n", "peak device bytes",
+              b(static_cast<double>(r.peak_device_bytes)).c_str(),
               b(static_cast<double>(r.pinned_device_bytes)).c_str());
   std::printf("  %-34s %s of the peak, in whole granules of %s\n", "granule rounding",
               b(static_cast<double>(r.rounding_bytes)).c_str(), b(static_cast<double>(r.granule)).c_str());
@@ -135,13 +136,14 @@ int run_plan(const plan_args& args)
   }
   const bool known = r.device_memory > 0;
   std::printf("  %-34s %s, %s + %s per sample beside the budget\n", "device memory",
-              known ? b(static_cast<double>(r.device_memory)).c_str() : "unknown", b(static_cast<double>(r.fixed_bytes)).c_str(),
-              b(static_cast<double>(r.bytes_per_sample)).c_str());
+              known ? b(static_cast<double>(r.device_memory)).c_str() : "unknown",
+              b(static_cast<double>(r.fixed_bytes)).c_str(), b(static_cast<double>(r.bytes_per_sample)).c_str());
   std::printf("  %-34s %s\n", "largest batch (these policies)", batch_text(r.max_batch, known).c_str());
   std::printf("  %-34s %s\n", "largest batch (all resident)", batch_text(r.max_batch_all_resident, known).c_str());
   if (r.budget > r.peak_device_bytes) {
     std::printf("  note: this plan peaks at %s; a budget that size leaves %s more for activations\n",
-                b(static_cast<double>(r.peak_device_bytes)).c_str(), b(static_cast<double>(r.budget - r.peak_device_bytes)).c_str());
+                b(static_cast<double>(r.peak_device_bytes)).c_str(),
+                b(static_cast<double>(r.budget - r.peak_device_bytes)).c_str());
   }
   if (!args.json.empty()) {
     nlohmann::json j{{"config", name},

@@ -39,8 +39,8 @@ void check_rules(const plan_input& in)
       return !u.policy && fnmatch(rule.match.c_str(), u.name.c_str(), 0) == 0;
     });
     if (!used) {
-      throw config_error((rule.origin.empty() ? in.options.source : rule.origin) + ": [[units]] match = \"" + rule.match +
-                         "\" matches no unit of the model; fix the pattern or remove the rule");
+      throw config_error((rule.origin.empty() ? in.options.source : rule.origin) + ": [[units]] match = \"" +
+                         rule.match + "\" matches no unit of the model; fix the pattern or remove the rule");
     }
   }
 }
@@ -189,7 +189,8 @@ plan_report make_plan(const plan_input& in)
     for (std::size_t k = 0; k < need.size(); ++k) {
       // Acquired before this one in the step: held, so not a victim (as the runtime's acquire).
       const auto held_now = [&](std::size_t v) {
-        return std::find(need.begin(), need.begin() + static_cast<std::ptrdiff_t>(k), v) != need.begin() + static_cast<std::ptrdiff_t>(k);
+        return std::find(need.begin(), need.begin() + static_cast<std::ptrdiff_t>(k), v) !=
+               need.begin() + static_cast<std::ptrdiff_t>(k);
       };
       const std::size_t u = need[k];
       const bool whole = k >= frozen.size();
@@ -197,8 +198,9 @@ plan_report make_plan(const plan_input& in)
       if (p.pinned() || (resident.contains(u) && !(whole && params_only[u]))) { continue; }
       // A prefetched unit's copy (and the eviction that makes its room) happens up to its
       // lookahead earlier: the runtime counts it in that step's figures, so the replay does too.
-      const std::size_t issued =
-          p.policy.residency == residency::prefetch ? s - std::min(s, static_cast<std::size_t>(std::max(p.policy.lookahead, 0))) : s;
+      const std::size_t issued = p.policy.residency == residency::prefetch
+                                   ? s - std::min(s, static_cast<std::size_t>(std::max(p.policy.lookahead, 0)))
+                                   : s;
       const double counted = issued >= in.warmup_steps ? 1.0 : 0.0;
       const std::size_t bytes = whole ? p.fp.device_bytes : p.fp.frozen_device_bytes;
       if (resident.contains(u)) {  // its parameters alone are here: it comes in whole
@@ -235,7 +237,9 @@ plan_report make_plan(const plan_input& in)
           if (wide == never || std::pair(resident[v], v) < std::pair(resident[wide], wide)) { wide = v; }
         }
         if (wide == never) { break; }  // cannot happen after the checks above: the held units fit
-        if (resident[wide]) { d2h += (s >= in.warmup_steps ? 1.0 : 0.0) * static_cast<double>(units[wide].fp.write_back_bytes); }
+        if (resident[wide]) {
+          d2h += (s >= in.warmup_steps ? 1.0 : 0.0) * static_cast<double>(units[wide].fp.write_back_bytes);
+        }
         used -= units[wide].fp.device_bytes - units[wide].fp.frozen_device_bytes;
         resident[wide] = false;
         params_only[wide] = true;
@@ -268,7 +272,8 @@ plan_report make_plan(const plan_input& in)
       }
     }
   }
-  const double n = std::max<double>(1.0, static_cast<double>(in.steps.size() - std::min(in.warmup_steps, in.steps.size())));
+  const double n =
+    std::max<double>(1.0, static_cast<double>(in.steps.size() - std::min(in.warmup_steps, in.steps.size())));
   r.h2d_bytes_per_step = h2d / n;
   r.d2h_bytes_per_step = d2h / n;
   r.swap_ins_per_step = swap_ins / n;
@@ -282,7 +287,8 @@ plan_report make_plan(const plan_input& in)
   r.fixed_bytes = in.fixed_bytes;
   if (in.device_memory > 0 && in.bytes_per_sample > 0) {
     r.max_batch = largest_batch(in.device_memory, r.budget, in.fixed_bytes, in.bytes_per_sample);
-    r.max_batch_all_resident = largest_batch(in.device_memory, r.all_resident_bytes, in.fixed_bytes, in.bytes_per_sample);
+    r.max_batch_all_resident =
+      largest_batch(in.device_memory, r.all_resident_bytes, in.fixed_bytes, in.bytes_per_sample);
   }
   return r;
 }

@@ -25,15 +25,15 @@ struct plan_input {
   /// The units each step uses frozen (forward only: the parameters alone, nothing written back),
   /// acquired before steps[s]'s and held to its end; empty, or one list per step.
   std::vector<std::vector<std::size_t>> frozen;
-  std::size_t warmup_steps = 0;                 ///< leading steps replayed but not counted in the traffic
-  std::size_t plan_window = 0;                  ///< the trainer plans this many steps at a time (0: all at once)
-  std::size_t plan_margin = 0;                  ///< … the next window when this many planned steps remain
-  std::size_t device_memory = 0;                ///< the device bytes the budget and activations share (0: unknown)
-  std::size_t granule = 256;                    ///< the device pool maps whole granules of this many bytes
-  double link_bytes_per_second = 0;             ///< 0: unknown
-  std::string link_source;                      ///< where the rate came from
-  std::size_t fixed_bytes = 0;                  ///< trainer's device bytes beside the budget, whatever the batch
-  std::size_t bytes_per_sample = 0;             ///< and per sample of the batch
+  std::size_t warmup_steps = 0;  ///< leading steps replayed but not counted in the traffic
+  std::size_t plan_window = 0;  ///< the trainer plans this many steps at a time (0: all at once)
+  std::size_t plan_margin = 0;  ///< … the next window when this many planned steps remain
+  std::size_t device_memory = 0;  ///< the device bytes the budget and activations share (0: unknown)
+  std::size_t granule = 256;  ///< the device pool maps whole granules of this many bytes
+  double link_bytes_per_second = 0;  ///< 0: unknown
+  std::string link_source;  ///< where the rate came from
+  std::size_t fixed_bytes = 0;  ///< trainer's device bytes beside the budget, whatever the batch
+  std::size_t bytes_per_sample = 0;  ///< and per sample of the batch
 };
 
 struct plan_report {
@@ -41,22 +41,22 @@ struct plan_report {
   std::size_t pinned_units = 0;
   std::size_t budget = 0;
   std::size_t pinned_device_bytes = 0;
-  std::size_t peak_device_bytes = 0;     ///< pinned + the most held at once: the least budget the plan runs in
-  std::size_t granule = 0;               ///< the device pool's mapping granule
-  std::size_t rounding_bytes = 0;        ///< of peak_device_bytes, what whole granules add to the slabs
-  std::size_t all_resident_bytes = 0;    ///< every unit resident with its AdamW on the device
-  std::size_t pinned_host_bytes = 0;     ///< the home arena (page-rounded)
+  std::size_t peak_device_bytes = 0;  ///< pinned + the most held at once: the least budget the plan runs in
+  std::size_t granule = 0;  ///< the device pool's mapping granule
+  std::size_t rounding_bytes = 0;  ///< of peak_device_bytes, what whole granules add to the slabs
+  std::size_t all_resident_bytes = 0;  ///< every unit resident with its AdamW on the device
+  std::size_t pinned_host_bytes = 0;  ///< the home arena (page-rounded)
   std::size_t steps = 0;
   double h2d_bytes_per_step = 0;
   double d2h_bytes_per_step = 0;
   double swap_ins_per_step = 0;
   double link_bytes_per_second = 0;
   std::string link_source;
-  double transfer_ms_per_step = 0;       ///< the busier direction at the link rate (0 when unknown)
+  double transfer_ms_per_step = 0;  ///< the busier direction at the link rate (0 when unknown)
   std::size_t device_memory = 0;
   std::size_t bytes_per_sample = 0;
   std::size_t fixed_bytes = 0;
-  std::optional<std::int64_t> max_batch;               ///< beside the budget
+  std::optional<std::int64_t> max_batch;  ///< beside the budget
   std::optional<std::int64_t> max_batch_all_resident;  ///< beside every unit resident
 };
 

@@ -62,11 +62,13 @@ int run_probe(const probe_args& args)
 {
   const build_info info = get_build_info();
   const std::size_t bytes = parse_size(args.size);
-  std::printf("taskswap %s: cuda %s, nccl %s, mpi %s\n", info.version.c_str(),
-              info.cuda ? ("runtime " + info.cuda_runtime_version + ", driver " + info.cuda_driver_version).c_str() : "no",
-              info.nccl ? info.nccl_version.c_str() : "no", info.mpi ? info.mpi_library_version.c_str() : "no");
+  std::printf(
+    "taskswap %s: cuda %s, nccl %s, mpi %s\n", info.version.c_str(),
+    info.cuda ? ("runtime " + info.cuda_runtime_version + ", driver " + info.cuda_driver_version).c_str() : "no",
+    info.nccl ? info.nccl_version.c_str() : "no", info.mpi ? info.mpi_library_version.c_str() : "no");
   std::vector<device> devices;
   const int gpus = args.emulated ? 0 : cuda_device_count();
+  devices.reserve(static_cast<std::size_t>(gpus) + 1);
   for (int i = 0; i < gpus; ++i) { devices.push_back(cuda_device(i)); }
   if (devices.empty()) {
     devices.push_back(emulated_device({.memory_bytes = bytes + (std::size_t{1} << 20U), .link = {}}));
@@ -107,10 +109,14 @@ int run_probe(const probe_args& args)
     }
     for (const auto& [node, kind] : nodes) {
       const copy_rates r = measure_copies(dev, node, bytes, args.repeats);
-      std::printf("%-28s %-6d node %-5d %-8s %12.2f %12.2f\n", dev.name().substr(0, 28).c_str(), copy_engines(dev), node,
-                  kind.c_str(), r.h2d / 1e9, r.d2h / 1e9);
-      d["bandwidth"].push_back({{"numa_node", node}, {"kind", kind}, {"h2d_bytes_per_second", r.h2d},
-                                {"d2h_bytes_per_second", r.d2h}, {"bytes", bytes}, {"repeats", args.repeats}});
+      std::printf("%-28s %-6d node %-5d %-8s %12.2f %12.2f\n", dev.name().substr(0, 28).c_str(), copy_engines(dev),
+                  node, kind.c_str(), r.h2d / 1e9, r.d2h / 1e9);
+      d["bandwidth"].push_back({{"numa_node", node},
+                                {"kind", kind},
+                                {"h2d_bytes_per_second", r.h2d},
+                                {"d2h_bytes_per_second", r.d2h},
+                                {"bytes", bytes},
+                                {"repeats", args.repeats}});
     }
     if (nodes.size() == 1) { std::printf("  (one NUMA node: no remote node to measure from)\n"); }
     j["devices"].push_back(std::move(d));

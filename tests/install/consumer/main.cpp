@@ -15,7 +15,9 @@ bool cpu_adamw_steps()
 {
   taskswap::cpu_adamw opt({.threads = 1});
   std::vector<float> master(1000, 0.5F), m(1000), v(1000), g(1000);
-  for (std::size_t i = 0; i < g.size(); ++i) { g[i] = (i % 2 == 0 ? 1.0F : -1.0F) * 1e-2F * static_cast<float>(1 + i % 7); }
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    g[i] = (i % 2 == 0 ? 1.0F : -1.0F) * 1e-2F * static_cast<float>(1 + i % 7);
+  }
   const taskswap::adamw_options hyper{.lr = 1e-3, .weight_decay = 0.1};
   opt.step({master, m, v, g.data(), taskswap::dtype::f32}, hyper, 1);
   for (std::size_t i = 0; i < master.size(); ++i) {
@@ -45,7 +47,7 @@ int main()
     std::puts("consumer: round trip differs");
     return 1;
   }
-  std::printf("consumer: taskswap %s, round trip through %s ok\n",
-              taskswap::get_build_info().version.c_str(), dev.name().c_str());
+  std::printf("consumer: taskswap %s, round trip through %s ok\n", taskswap::get_build_info().version.c_str(),
+              dev.name().c_str());
   return cpu_adamw_steps() ? 0 : 1;
 }
