@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The pinned, NUMA-local arena: mmap exactly the pages asked, bind them to the node (hwloc),
-// fault them in with threads of that node (oneTBB), page-lock them in chunks, then hand out
+// fault them in with threads of that node (oneTBB) in chunks, page-lock them as one range, then hand out
 // aligned slabs best-fit with coalescing.
 
 #include "device/backend.hpp"
@@ -16,6 +16,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -43,8 +44,7 @@ class progress_reporter {
  public:
   progress_reporter(const std::function<void(const pin_progress&)>& sink, std::string_view phase, std::size_t total)
       : sink_(sink), phase_(phase), total_(total), start_(std::chrono::steady_clock::now())
-  {
-  }
+  {}
   void report(std::size_t done, bool final = false)
   {
     if (!sink_) { return; }
@@ -102,10 +102,9 @@ void pinned_arena::impl::map_pages()
   if (options.huge_pages) {
     p = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_HUGETLB, -1, 0);
     if (p == MAP_FAILED) {
-      detail::log(log_level::info,
-                  detail::message("no reserved 2 MiB huge pages for a ", detail::bytes_text(reserved),
-                                  " arena (MAP_HUGETLB: ", std::strerror(errno),
-                                  "); using transparent huge pages instead"));
+      detail::log(log_level::info, detail::message("no reserved 2 MiB huge pages for a ", detail::bytes_text(reserved),
+                                                   " arena (MAP_HUGETLB: ", std::strerror(errno),
+                                                   "); using transparent huge pages instead"));
     }
   }
   if (p == MAP_FAILED) {
@@ -124,10 +123,10 @@ void pinned_arena::impl::bind()
 {
   bound = detail::topology::instance().bind_area(base, reserved, node);
   if (!bound) {
-    detail::log(log_level::warning,
-                detail::message("pinned arena: the OS refused to bind ", detail::bytes_text(reserved),
-                                " to NUMA node ", node, " (", std::strerror(errno),
-                                "); pages are placed by first touch from threads of that node"));
+    detail::log(
+      log_level::warning,
+      detail::message("pinned arena: the OS refused to bind ", detail::bytes_text(reserved), " to NUMA node ", node,
+                      " (", std::strerror(errno), "); pages are placed by first touch from threads of that node"));
   }
 }
 
@@ -136,9 +135,7 @@ void pinned_arena::impl::prefault()
   const std::size_t chunk = options.chunk_bytes;
   const std::size_t chunks = (reserved + chunk - 1) / chunk;
   int threads = static_cast<int>(options.threads);
-  if (threads == 0) {
-    threads = static_cast<int>(detail::topology::instance().cpus_of_node(node).size());
-  }
+  if (threads == 0) { threads = static_cast<int>(detail::topology::instance().cpus_of_node(node).size()); }
   detail::host_task_arena arena(static_cast<int>(node), threads);
   std::atomic<std::size_t> done{0};
   const std::size_t page = system_page();
@@ -165,14 +162,15 @@ void pinned_arena::impl::prefault()
 void pinned_arena::impl::lock()
 {
   if (dev.kind() == backend_kind::emulated && !options.lock_pages) { return; }
+  // One registration for the whole arena: CUDA resolves a host pointer to the one registration
+  // holding it, so a copy spanning two (a slab across a chunk boundary, or torch copying a home
+  // view) fails with cudaErrorInvalidValue. Seen on an H200: docs/gpu-results.md, 2026-11-26.
   progress_reporter progress(options.on_progress, "lock", reserved);
-  for (std::size_t offset = 0; offset < reserved; offset += options.chunk_bytes) {
-    const std::size_t bytes = std::min(options.chunk_bytes, reserved - offset);
-    dev.backend().register_host(base + offset, bytes);
-    registrations.emplace_back(offset, bytes);
-    pinned += bytes;
-    progress.report(pinned, pinned == reserved);
-  }
+  progress.report(0);
+  dev.backend().register_host(base, reserved);
+  registrations.emplace_back(0, reserved);
+  pinned = reserved;
+  progress.report(pinned, true);
 }
 
 void pinned_arena::impl::release_registrations() noexcept
@@ -187,7 +185,7 @@ pinned_arena::impl::~impl()
   if (base != nullptr) {
     try {
       dev.synchronize();  // no queued copy may still read or write the pages (as cudaFreeHost)
-    } catch (...) {     // teardown continues: the pages are unlocked and unmapped regardless
+    } catch (...) {  // teardown continues: the pages are unlocked and unmapped regardless
     }
   }
   release_registrations();
@@ -213,17 +211,25 @@ pinned_arena::pinned_arena(const device& dev, pinned_arena_options options)
   for (const auto& n : t.nodes()) {
     if (n.os_index == a.node) { node_memory = n.memory_bytes; }
   }
+  // On a machine of one node, that node is all of its memory: trust the OS's count where hwloc
+  // reports less (a VM whose memory is hot-plugged: 5 GiB for node 0 of an H200 machine with 128
+  // GiB, 2026-11-26). With several nodes the arena is bound to one, and its memory is the limit.
+  if (t.nodes().size() == 1) {
+    const long pages = ::sysconf(_SC_PHYS_PAGES);
+    if (pages > 0) { node_memory = std::max(node_memory, static_cast<std::size_t>(pages) * system_page()); }
+  }
   if (node_memory > 0 && a.options.bytes > node_memory) {
-    throw out_of_memory(detail::message("pinned arena of ", detail::bytes_text(a.options.bytes),
-                                        " does not fit in NUMA node ", a.node, "'s ",
-                                        detail::bytes_text(node_memory), " of memory"),
-                        a.options.bytes, node_memory, node_memory);
+    throw out_of_memory(
+      detail::message("pinned arena of ", detail::bytes_text(a.options.bytes), " does not fit in NUMA node ", a.node,
+                      "'s ", detail::bytes_text(node_memory), " of memory"),
+      a.options.bytes, node_memory, node_memory);
   }
   a.map_pages();
   a.bind();
   a.prefault();
   a.lock();
-  a.slabs.emplace(a.reserved, reinterpret_cast<std::uintptr_t>(a.base));  // NOLINT: alignment of real addresses
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): alignment of real addresses
+  a.slabs.emplace(a.reserved, reinterpret_cast<std::uintptr_t>(a.base));
 }
 
 pinned_arena::~pinned_arena() = default;

@@ -19,17 +19,17 @@ namespace taskswap {
 
 /// @brief One NUMA node of the machine.
 struct numa_node_info {
-  unsigned os_index = 0;           ///< the node number the OS uses (numactl, /sys)
-  std::size_t memory_bytes = 0;    ///< local memory
-  std::vector<unsigned> cpus;      ///< OS indexes of its processing units
+  unsigned os_index = 0;  ///< the node number the OS uses (numactl, /sys)
+  std::size_t memory_bytes = 0;  ///< local memory
+  std::vector<unsigned> cpus;  ///< OS indexes of its processing units
 };
 
 /// @brief The NUMA node(s) and CPUs closest to a device, and how that was found.
 struct device_locality {
   std::vector<unsigned> numa_nodes;  ///< OS indexes, nearest first (usually one)
-  std::vector<unsigned> cpus;        ///< OS indexes of the CPUs local to the device
-  bool from_device = false;          ///< true when found through the device's PCI location
-  std::string source;                ///< "PCI 0000:65:00.0", or why the fallback was taken
+  std::vector<unsigned> cpus;  ///< OS indexes of the CPUs local to the device
+  bool from_device = false;  ///< true when found through the device's PCI location
+  std::string source;  ///< "PCI 0000:65:00.0", or why the fallback was taken
 };
 
 /// @brief Finds the NUMA node(s) and CPUs local to `dev` through hwloc's PCI locality. Without
@@ -51,30 +51,31 @@ struct topology_report {
 
 /// @brief Progress of building an arena, reported from the constructing thread.
 struct pin_progress {
-  std::string_view phase;        ///< "prefault" or "lock"
+  std::string_view phase;  ///< "prefault" or "lock"
   std::size_t done_bytes = 0;
   std::size_t total_bytes = 0;
-  double bytes_per_second = 0;   ///< rate of this phase so far
+  double bytes_per_second = 0;  ///< rate of this phase so far
 };
 
 /// @brief Settings of a pinned arena.
 struct pinned_arena_options {
-  std::size_t bytes = 0;               ///< the slab bytes to hold; rounded up only to the page size
-  int numa_node = -1;                  ///< OS index of the node to bind to; -1: the device's node
-  bool huge_pages = false;             ///< 2 MiB pages: hugetlbfs where reserved, else transparent
-  bool lock_pages = false;             ///< emulated backend: mlock (the cuda backend always locks)
-  std::size_t chunk_bytes = std::size_t{256} << 20;  ///< unit of pre-faulting, locking, progress (whole pages)
-  unsigned threads = 0;                ///< pre-fault threads; 0: the node's CPUs
-  std::function<void(const pin_progress&)> on_progress{};  ///< called after each chunk
+  std::size_t bytes = 0;  ///< the slab bytes to hold; rounded up only to the page size
+  int numa_node = -1;  ///< OS index of the node to bind to; -1: the device's node
+  bool huge_pages = false;  ///< 2 MiB pages: hugetlbfs where reserved, else transparent
+  bool lock_pages = false;  ///< emulated backend: mlock (the cuda backend always locks)
+  std::size_t chunk_bytes = std::size_t{256} << 20;  ///< unit of pre-faulting and its progress (whole pages)
+  unsigned threads = 0;  ///< pre-fault threads; 0: the node's CPUs
+  /// Called after each chunk faulted in, and as locking begins and ends.
+  std::function<void(const pin_progress&)> on_progress{};
 };
 
 /// @brief Byte accounting of an arena.
 struct pinned_arena_stats {
-  std::size_t reserved = 0;       ///< mapped bytes (the request rounded up to the page size)
-  std::size_t used = 0;           ///< bytes in live slabs, alignment padding included
-  std::size_t pinned = 0;         ///< bytes page-locked for the device
-  std::size_t largest_free = 0;   ///< the largest free block (a slab that size fits if aligned at its start)
-  std::size_t slabs = 0;          ///< live slabs
+  std::size_t reserved = 0;  ///< mapped bytes (the request rounded up to the page size)
+  std::size_t used = 0;  ///< bytes in live slabs, alignment padding included
+  std::size_t pinned = 0;  ///< bytes page-locked for the device
+  std::size_t largest_free = 0;  ///< the largest free block (a slab that size fits if aligned at its start)
+  std::size_t slabs = 0;  ///< live slabs
   /// @brief 1 - largest_free / free: 0 when the free space is one block.
   [[nodiscard]] double fragmentation() const noexcept
   {
@@ -86,7 +87,7 @@ struct pinned_arena_stats {
 /// @brief Pinned host memory bound to one NUMA node, from which aligned slabs are carved.
 /// Allocates exactly the bytes asked (page rounding only), binds them to the node (strict where
 /// the OS allows, a warning where it cannot), pre-faults them in parallel on that node's CPUs and
-/// page-locks them for the device in chunks. Slabs are best-fit with coalescing. Move-only.
+/// page-locks them for the device as one range. Slabs are best-fit with coalescing. Move-only.
 class pinned_arena {
  public:
   /// @brief Builds the arena; returns when every byte is faulted in and locked.

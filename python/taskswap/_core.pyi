@@ -527,6 +527,12 @@ class Device:
     @property
     def name(self) -> str: ...
 
+    @property
+    def granularity(self) -> int:
+        """
+        The granule in which the device pool maps memory: a unit takes whole granules of the budget.
+        """
+
     def synchronize(self) -> None:
         """Waits for every stream of the device (tests and tools)."""
 

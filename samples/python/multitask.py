@@ -88,9 +88,7 @@ def main() -> int:
     trunk = [rt.register(layer, f"trunk/{i}", residency=pin) for i, layer in enumerate(model.trunk)]
     adapters = [rt.register(a, f"task/{t}", residency=pin) for t, a in enumerate(model.adapters)]
     if args.all_resident:
-        rt.options.device.budget = sum(
-            taskswap.footprint(u.spec(), taskswap.policy_for(u.spec(), rt.options).optimizer).device_bytes
-            for u in rt.units)
+        rt.options.device.budget = rt.all_pinned_budget()
     rt.start()
     rank, world = rt.rank, rt.world_size
     teachers = model.teachers.to(device=device, dtype=dtype)
@@ -122,7 +120,8 @@ def main() -> int:
             mean = sum(last.values()) / len(last)
             s = rt.last_step
             print(f"step {i + 1:5d}  mean task loss {mean:.4f}  h2d {s.h2d_bytes / 1024:.0f} KiB  "
-                  f"hits {s.hits} misses {s.misses}" + (f"  reduced {s.reduced_bytes / 1024:.0f} KiB" if world > 1 else ""))
+                  f"hits {s.hits} misses {s.misses}"
+                  + (f"  reduced {s.reduced_bytes / 1024:.0f} KiB" if world > 1 else ""))
     if cuda:
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - t_start

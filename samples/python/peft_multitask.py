@@ -101,9 +101,7 @@ def train_taskswap(m: dict, options: taskswap.Options, steps: int, all_resident:
     pin = "pinned" if all_resident else None
     adapters = tpeft.register(rt, model, base="per_layer", base_residency="pinned", residency=pin)
     if all_resident:  # the baseline: the budget every unit needs, each resident
-        rt.options.device.budget = sum(
-            taskswap.footprint(u.spec(), taskswap.policy_for(u.spec(), rt.options).optimizer).device_bytes
-            for u in rt.units)
+        rt.options.device.budget = rt.all_pinned_budget()
     rt.start()
     rank = rt.rank
     sched, answers = schedule(m, steps, rank), task_answers(m)

@@ -37,13 +37,15 @@ TEST_F(host_on_cuda, LocalityComesFromThePciBusId)
   }
 }
 
-TEST_F(host_on_cuda, ArenaIsRegisteredInChunksAndCopiesCrossChunkBoundaries)
+// A copy may not span two cudaHostRegister ranges (cudaErrorInvalidValue): the arena is one range,
+// so a slab across a prefault chunk's boundary copies like any other.
+TEST_F(host_on_cuda, ArenaIsRegisteredAsOneRangeAndCopiesCrossChunkBoundaries)
 {
   const device dev = cuda_device(0);
   pinned_arena arena(dev, {.bytes = 64 * MiB, .chunk_bytes = 16 * MiB});
   EXPECT_TRUE(arena.locked());
   EXPECT_EQ(arena.stats().pinned, arena.stats().reserved);
-  // A slab that straddles the registration boundary at 16 MiB.
+  // A slab that straddles the prefault chunk boundary at 16 MiB.
   auto filler = arena.allocate(12 * MiB);
   auto home = arena.allocate(10 * MiB + 3);
   auto back = arena.allocate(10 * MiB + 3);

@@ -19,13 +19,13 @@ class Model(torch.nn.Module):
     """A trunk of two layers and one head per task; `norm`: a BatchNorm after the trunk's first
     layer (which then has no bias: a bias before a norm gets only rounding noise as gradient)."""
 
-    def __init__(self, tasks: int, width: int = 16, seed: int = 0, norm: bool = False):
+    def __init__(self, tasks: int, width: int = 16, seed: int = 0, norm: bool = False, out: int = 3):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
         first = ([torch.nn.Linear(width, width, bias=False), torch.nn.BatchNorm1d(width)] if norm
                  else [torch.nn.Linear(width, width)])
         self.trunk = torch.nn.Sequential(*first, torch.nn.Tanh(), torch.nn.Linear(width, width), torch.nn.Tanh())
-        self.heads = torch.nn.ModuleList(torch.nn.Linear(width, 3) for _ in range(tasks))
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(width, out) for _ in range(tasks))
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
@@ -34,9 +34,9 @@ class Model(torch.nn.Module):
         return self.heads[task](self.trunk(x))
 
 
-def batch(step: int, task: int, rank: int = 0, size: int = 8, width: int = 16):
+def batch(step: int, task: int, rank: int = 0, size: int = 8, width: int = 16, out: int = 3):
     g = torch.Generator().manual_seed(1000003 * rank + 7919 * step + task)
-    return torch.randn(size, width, generator=g), torch.randn(size, 3, generator=g)
+    return torch.randn(size, width, generator=g), torch.randn(size, out, generator=g)
 
 
 def schedule(steps: int, tasks: int, rank: int = 0) -> list[int]:
@@ -87,7 +87,7 @@ def train_taskswap(model: Model, sched: list[int], options: taskswap.Options, pi
     if plan:
         rt.plan([[trunk, heads[t]] for t in sched])
     for i, t in enumerate(sched):
-        x, y = (v.to(device) for v in batch(i, t, rank))
+        x, y = (v.to(device) for v in batch(i, t, rank, out=model.heads[0].out_features))
         with rt.step(trunk, heads[t]):
             torch.nn.functional.mse_loss(model(x, t), y).backward()
     return rt
@@ -107,7 +107,7 @@ def train_torch(model: Model, sched: list[int], rank: int = 0, wrap=None, eps: f
     net = wrap(model) if wrap else model
     opt = torch.optim.AdamW(torch_param_groups(model), lr=LR, betas=BETAS, eps=eps, weight_decay=WD)
     for i, t in enumerate(sched):
-        x, y = batch(i, t, rank)
+        x, y = batch(i, t, rank, out=model.heads[0].out_features)
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.mse_loss(net(x, t), y).backward()
         opt.step()

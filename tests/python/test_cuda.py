@@ -20,23 +20,29 @@ TASKS, STEPS = 16, 60
 
 
 def test_swapped_equals_all_pinned_bitwise_and_torch_on_cuda():
-    model = Model(TASKS)
+    # The CUDA pool maps 2 MiB granules: heads of 8192 outputs (2.1 MiB with their AdamW state)
+    # take two each, so a 16 MiB budget holds the trunk's granule and three heads, and the 16
+    # heads swap.
+    model = Model(TASKS, out=8192)
     sched = schedule(STEPS, TASKS)
-    swapped = train_taskswap(fresh(model), sched, config("12 KiB", backend="cuda"), device="cuda")
-    pinned = train_taskswap(fresh(model), sched, config("64 KiB", backend="cuda"), pin_all=True, device="cuda")
+    swapped = train_taskswap(fresh(model), sched, config("16 MiB", backend="cuda"), device="cuda")
+    pinned = train_taskswap(fresh(model), sched, config("72 MiB", backend="cuda"), pin_all=True, device="cuda")
     assert swapped.stats().total.evictions > 0
     a, b = swapped.state_dict(), pinned.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    emulated = train_taskswap(fresh(model), sched, config("12 KiB"))
+    emulated = train_taskswap(fresh(model), sched, config("16 MiB"))
+    assert emulated.stats().total.evictions > 0
     e = emulated.state_dict()
-    # one formula on both backends: the CUDA run equals the emulated one to the bit
-    assert all(torch.equal(a[k], e[k]) for k in a)
-    assert max_relative(a, model_state(train_torch(fresh(model), sched))) < 1e-5
+    # torch's CUDA matmuls round differently from its CPU ones, so the gradients (not the AdamW
+    # formula, which is one on both backends) differ in the last bits, and AdamW's m/sqrt(v) lifts
+    # that where gradients are small: 3.4e-5 after 60 steps on an H200 (2026-11-26); close, not bitwise
+    assert max_relative(a, e) < 1e-4
+    assert max_relative(a, model_state(train_torch(fresh(model), sched))) < 1e-4
 
 
 def test_views_are_cuda_tensors_on_torch_current_stream():
     model = Model(4).cuda()
-    rt = tt.Runtime(options=config("64 KiB", backend="cuda"))
+    rt = tt.Runtime(options=config("8 MiB", backend="cuda"))
     trunk, heads = register(rt, model)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
@@ -58,10 +64,10 @@ def test_nccl_communicator_over_torch_distributed(tmp_path):
     try:
         model = Model(4)
         sched = schedule(20, 4)
-        rt = train_taskswap(fresh(model), sched, config("64 KiB", backend="cuda"), comm=tt.nccl_group(),
+        rt = train_taskswap(fresh(model), sched, config("8 MiB", backend="cuda"), comm=tt.nccl_group(),
                             device="cuda")
         assert rt.world_size == 1 and rt.stats().total.reduced_bytes > 0
-        alone = train_taskswap(fresh(model), sched, config("64 KiB", backend="cuda"), device="cuda")
+        alone = train_taskswap(fresh(model), sched, config("8 MiB", backend="cuda"), device="cuda")
         a, b = rt.state_dict(), alone.state_dict()
         assert all(torch.equal(a[k], b[k]) for k in a)
     finally:

@@ -66,7 +66,7 @@ class _Use:
 
     __slots__ = ("unit", "kind", "frozen")
 
-    def __init__(self, unit: "Unit", kind: int):
+    def __init__(self, unit: Unit, kind: int):
         self.unit = unit
         self.kind = kind
         self.frozen = kind == _FROZEN
@@ -145,7 +145,7 @@ def _set_entries(params, name: str) -> list[_Entry]:
 class Unit:
     """A registered set of parameters (and buffers): the handle a trainer plans and steps with."""
 
-    def __init__(self, owner: "Runtime", name: str, params: list[_Entry], buffers: list[_Entry], trainable: bool,
+    def __init__(self, owner: Runtime, name: str, params: list[_Entry], buffers: list[_Entry], trainable: bool,
                  policy: dict, no_weight_decay: Callable[[str, torch.nn.Parameter], bool],
                  module: torch.nn.Module | None):
         self.name = name
@@ -199,7 +199,8 @@ class Unit:
     def spec(self) -> _core.UnitSpec:
         """The unit's spec as the runtime registers it (for taskswap.footprint and planning)."""
         n = len(self._params)
-        tensors = [_core.TensorSpec(e.name, list(e.shape) or [1], nd) for e, nd in zip(self._entries[:n], self._no_decay)]
+        tensors = [_core.TensorSpec(e.name, list(e.shape) or [1], nd)
+                   for e, nd in zip(self._entries[:n], self._no_decay)]
         tensors += [_core.TensorSpec(e.name, list(e.shape) or [1], state=True) for e in self._entries[n:]]
         return _core.UnitSpec(self.name, tensors, _DTYPES[self.dtype], trainable=self.trainable)
 
@@ -347,7 +348,8 @@ class Runtime:
         ``no_weight_decay``: parameter names, or a predicate ``(name, param) -> bool``, of the
         tensors AdamW steps without weight decay (torch's no-decay group)."""
         if self._core is not None:
-            raise _core.InvalidArgument(f"taskswap: register '{name}' before the runtime starts (the first plan or step)")
+            raise _core.InvalidArgument(f"taskswap: register '{name}' before the runtime starts (the first plan or "
+                                        "step)")
         if self._closed:
             raise _core.InvalidArgument("taskswap: the runtime was closed; make a new one")
         if not isinstance(name, str) or not name:
@@ -368,7 +370,8 @@ class Runtime:
                           weight_decay, no_weight_decay) -> Unit:
         """register() for tensors already collected; refuses before changing anything."""
         if self._core is not None:
-            raise _core.InvalidArgument(f"taskswap: register '{name}' before the runtime starts (the first plan or step)")
+            raise _core.InvalidArgument(f"taskswap: register '{name}' before the runtime starts (the first plan or "
+                                        "step)")
         if name in self._by_name:
             raise _core.ConfigError(f"taskswap: a unit named '{name}' is already registered")
         if not params:
@@ -420,6 +423,14 @@ class Runtime:
     def unit(self, name: str) -> Unit:
         return self._by_name[name]
 
+    def all_pinned_budget(self) -> int:
+        """A budget that holds every registered unit pinned (an all-resident baseline): each unit's
+        device bytes rounded up to whole granules of the configured device (2 MiB on CUDA), so at
+        most a granule per unit above what the runtime's packing needs."""
+        granule = _core.make_device(self.options.device).granularity
+        return sum(-(-_core.footprint(u.spec(), _core.policy_for(u.spec(), self.options).optimizer).device_bytes
+                     // granule) * granule for u in self.units)
+
     # --- start and close ---------------------------------------------------------------------
     def start(self) -> None:
         """Lays out every unit at home (the modules' current values move there), and brings the
@@ -454,7 +465,8 @@ class Runtime:
         elif callable(comm):
             comm = comm(device)
             if not isinstance(comm, _core.Communicator):
-                raise _core.ConfigError(f"taskswap: the comm factory returned {type(comm).__name__}, not a Communicator")
+                raise _core.ConfigError(f"taskswap: the comm factory returned {type(comm).__name__}, not a "
+                                        "Communicator")
         elif comm is not None and not isinstance(comm, _core.Communicator):
             raise _core.ConfigError(f"taskswap: comm is None, \"config\", \"none\", a factory or a Communicator; "
                                     f"not a {type(comm).__name__} (for a torch process group: nccl_group(pg))")
@@ -561,7 +573,7 @@ class Runtime:
         if give_back:
             try:
                 self._core.flush()
-            except BaseException as e:  # noqa: BLE001: the values home has are given back, then it is raised
+            except BaseException as e:  # the values home has are given back, then it is raised
                 failure = e
         for u in self.units:
             for h in u._hook_handles:
@@ -584,7 +596,7 @@ class Runtime:
         if failure is not None:
             raise failure
 
-    def __enter__(self) -> "Runtime":
+    def __enter__(self) -> Runtime:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -624,7 +636,7 @@ class Runtime:
                                         "used frozen only")
         return use
 
-    def step(self, *units: Unit | _Use, micro_batches: int = 1) -> "_StepScope":
+    def step(self, *units: Unit | _Use, micro_batches: int = 1) -> _StepScope:
         """A step scope: acquires ``units`` in order on torch's current stream, aliases their
         parameters and gradients into the unit slabs; on exit, gradients ready, AdamW step,
         release, end of step. ``micro_batches``: backward passes accumulated before the reduction
@@ -836,7 +848,7 @@ class _Starting:
         self.rt = rt
         self.started_here = False
 
-    def __enter__(self) -> "_Starting":
+    def __enter__(self) -> _Starting:
         if self.rt._core is None:
             self.rt.start()
             self.started_here = True
@@ -867,7 +879,7 @@ class _StepScope:
         self.stats: _core.StepStats | None = None
         self._starting: _Starting | None = None
 
-    def __enter__(self) -> "_StepScope":
+    def __enter__(self) -> _StepScope:
         rt = self.rt
         if rt._scope is not None:
             raise _core.InvalidArgument("taskswap: a step scope is already open; steps do not nest")
@@ -926,7 +938,7 @@ class _StepScope:
         if exc_type is not None:
             self._abandon()
             return
-        rt, core, stream = self.rt, self.rt._core, self.stream
+        core, stream = self.rt._core, self.stream
         changed = None
         stepped = set()
         try:
@@ -971,14 +983,14 @@ class _StepScope:
                     if use.kind == _TRAIN and not use.unit._ready and use.unit.id not in stepped:
                         for g in use.unit._grad_views:
                             g.zero_()
-        except BaseException as e:  # noqa: BLE001: kept, the cleanup goes on
+        except BaseException as e:  # kept, the cleanup goes on
             first = e
         if rt._hooks:
             for use in self.acquired:
                 if use.kind == _TRAIN and use.unit.id not in stepped:
                     try:
                         core.step(use.unit.id, self.stream)
-                    except BaseException as e:  # noqa: BLE001: each unit is stepped
+                    except BaseException as e:  # each unit is stepped
                         first = first or e
         self._end(first)
 
@@ -987,7 +999,7 @@ class _StepScope:
         error (`first`: one from before) after both."""
         try:
             self._release()
-        except BaseException as e:  # noqa: BLE001: the step still ends
+        except BaseException as e:  # the step still ends
             first = first or e
         try:
             self.stats = self.rt.last_step = self.rt._core.end_step()
@@ -1004,7 +1016,7 @@ class _StepScope:
         for use in reversed(self.acquired):
             try:
                 core.release(use.unit.id, stream)
-            except BaseException as e:  # noqa: BLE001: every unit is released
+            except BaseException as e:  # every unit is released
                 first = first or e
         try:
             detach = Runtime._detach
