@@ -9,7 +9,9 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdlib>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace taskswap {
@@ -20,6 +22,8 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
                     std::shared_ptr<communicator> comm)
     : device_(dev), options_(options), h2d_(dev), d2h_(dev), host_opt_(dev), plan_(specs.size())
 {
+  const char* check = std::getenv("TASKSWAP_CHECK_STATES");  // NOLINT(concurrency-mt-unsafe): read once, here
+  check_states_ = check != nullptr && std::string_view(check) == "1";
   check_scaler(options);
   register_units(options, specs);
   pool_.emplace(dev, options.device.budget - model_->guard_bytes());

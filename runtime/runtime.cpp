@@ -137,27 +137,48 @@ void runtime::plan(std::span<const step_plan> steps)
 
 unit_view runtime::acquire(unit_id u, stream_view s, unit_use use)
 {
-  return impl_->guarded([&] { return impl_->trainer_acquire(u, s, use); });
+  return impl_->guarded([&] {
+    const detail::step_phase before = impl_->phase_before(u);
+    unit_view v = impl_->trainer_acquire(u, s, use);
+    impl_->check_unit(u, before, "acquire");
+    return v;
+  });
 }
 
 void runtime::grads_ready(unit_id u, stream_view s)
 {
-  impl_->guarded([&] { impl_->trainer_grads_ready(u, s); });
+  impl_->guarded([&] {
+    const detail::step_phase before = impl_->phase_before(u);
+    impl_->trainer_grads_ready(u, s);
+    impl_->check_unit(u, before, "grads_ready");
+  });
 }
 
 void runtime::step(unit_id u, stream_view s)
 {
-  impl_->guarded([&] { impl_->trainer_step(u, s); });
+  impl_->guarded([&] {
+    const detail::step_phase before = impl_->phase_before(u);
+    impl_->trainer_step(u, s);
+    impl_->check_unit(u, before, "step");
+  });
 }
 
 void runtime::release(unit_id u, stream_view s)
 {
-  impl_->guarded([&] { impl_->trainer_release(u, s); });
+  impl_->guarded([&] {
+    const detail::step_phase before = impl_->phase_before(u);
+    impl_->trainer_release(u, s);
+    impl_->check_unit(u, before, "release");
+  });
 }
 
 step_stats runtime::end_step()
 {
-  return impl_->guarded([&] { return impl_->end_step(); });
+  return impl_->guarded([&] {
+    step_stats done = impl_->end_step();
+    impl_->check_units("end_step", true);
+    return done;
+  });
 }
 
 int runtime::agree_stop(int local)
@@ -170,7 +191,10 @@ int runtime::agree_stop(int local)
 
 void runtime::flush()
 {
-  impl_->guarded([&] { impl_->flush(); });
+  impl_->guarded([&] {
+    impl_->flush();
+    impl_->check_units("flush", false);
+  });
 }
 
 void runtime::save_checkpoint(const std::filesystem::path& dir, const std::map<std::string, std::string>& user)

@@ -170,6 +170,18 @@ struct runtime::impl {
     if (reducer_) { reducer_->comm().check(); }
   }
 
+  // Unit states (Note [Unit states]; unit_state_check.cpp): with TASKSWAP_CHECK_STATES=1 every
+  // public step call checks that the units are in consistent states and that the one it named
+  // moved along the step path's table.
+  [[nodiscard]] detail::step_path path() const noexcept
+  {
+    return detail::path_of(reducer_.has_value(), guard_.has_value());
+  }
+  [[nodiscard]] detail::step_phase phase_before(unit_id u) const;
+  void check_unit(unit_id u, detail::step_phase before, const char* call) const;
+  void check_units(const char* call, bool step_ended) const;
+  bool check_states_ = false;
+
   // Guarded steps: loss scaling and clipping (step_guard.cpp)
   static void check_scaler(const runtime_options& options);
   [[nodiscard]] static bool guards(const runtime_options& options) noexcept;

@@ -6,6 +6,7 @@
 
 #include "runtime/home_tier.hpp"
 #include "runtime/unit_layout.hpp"
+#include "runtime/unit_state.hpp"
 
 #include <taskswap/device.hpp>
 #include <taskswap/runtime.hpp>
@@ -83,6 +84,39 @@ struct unit_record {
 inline unit_state state_of(const unit_record& r) noexcept
 {
   return r.held ? unit_state::held : r.resident() ? unit_state::resident : unit_state::home;
+}
+
+/// Its states (Note [Unit states]) read off its flags.
+inline unit_states derive(const unit_record& r) noexcept
+{
+  unit_states s;
+  if (r.slot) {
+    s.content = r.params_only ? slot_content::params : r.grads_only ? slot_content::grads : slot_content::whole;
+    s.coh = r.dirty          ? coherence::device_newer
+            : r.params_stale ? coherence::home_newer
+            : r.stepped_here ? coherence::refreshed
+                             : coherence::clean;
+  }
+  if (!r.held) {
+    s.phase = r.step_requested ? step_phase::updated : step_phase::idle;
+  } else if (r.release_deferred) {
+    s.phase = step_phase::release_deferred;
+  } else if (r.update_only) {
+    s.phase = step_phase::update_only;
+  } else if (r.step_deferred) {
+    s.phase = step_phase::step_deferred;
+  } else if (r.updated_on_aux) {
+    s.phase = step_phase::updated_on_aux;
+  } else if (r.step_requested) {
+    s.phase = step_phase::stepped_reduced;
+  } else if (r.frozen) {
+    s.phase = r.frozen_reduced ? step_phase::frozen_reduced : step_phase::frozen;
+  } else if (r.stepped) {
+    s.phase = step_phase::stepped_local;
+  } else {
+    s.phase = step_phase::train;
+  }
+  return s;
 }
 
 /// The event in `e`, made on first use.

@@ -1,0 +1,49 @@
+// SPDX-License-Identifier: Apache-2.0
+// The unit states' check (Note [Unit states]): with TASKSWAP_CHECK_STATES=1, after every public
+// step call, each unit's states read off its flags are consistent, and the unit the call named
+// reached its phase by moves the step path's table allows.
+
+#include "runtime/runtime_impl.hpp"
+
+namespace taskswap {
+
+using detail::message;
+using detail::step_phase;
+using detail::to_string;
+
+detail::step_phase runtime::impl::phase_before(unit_id u) const
+{
+  if (!check_states_ || u.value >= units_.size()) { return step_phase::idle; }
+  return derive(units_[u.value]).phase;
+}
+
+void runtime::impl::check_unit(unit_id u, step_phase before, const char* call) const
+{
+  if (!check_states_) { return; }
+  const unit_record& r = units_[u.value];
+  const step_phase now = derive(r).phase;
+  if ((detail::reachable_phases(before, path()) & detail::bit(now)) == 0) {
+    throw error(message("taskswap internal error: ", call, "('", r.name, "') moved the unit from phase ",
+                        to_string(before), " to ", to_string(now), ", which the ", to_string(path()),
+                        " step path's table does not allow (Note [Unit states])"));
+  }
+  check_units(call, false);
+}
+
+void runtime::impl::check_units(const char* call, bool step_ended) const
+{
+  if (!check_states_) { return; }
+  for (const unit_record& r : units_) {
+    const detail::unit_states s = derive(r);
+    const std::string_view wrong =
+      detail::inconsistency(s, r.policy.optimizer == optimizer_placement::host, r.pinned(), path());
+    const bool left_held = step_ended && s.phase != step_phase::idle && s.phase != step_phase::update_only;
+    if (!wrong.empty() || left_held) {
+      throw error(message("taskswap internal error: after ", call, " unit '", r.name, "' is ", to_string(s.content),
+                          "/", to_string(s.coh), "/", to_string(s.phase), " on the ", to_string(path()),
+                          " step path: ", left_held ? "not idle after end_step" : wrong, " (Note [Unit states])"));
+    }
+  }
+}
+
+}  // namespace taskswap

@@ -1,0 +1,170 @@
+// SPDX-License-Identifier: Apache-2.0
+// The unit states' tables (Note [Unit states]): every (phase, move, path) is walked and compared
+// with the moves this file lists independently (docs/runtime.md's table), the phases each step
+// path reaches, the way back to idle, and the consistency rules.
+
+#include "runtime/unit_state.hpp"
+
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+
+namespace taskswap::detail {
+namespace {
+
+std::string text(step_path p, step_phase from, phase_move m, step_phase to)
+{
+  return std::string(to_string(p)) + ": " + std::string(to_string(from)) + " --" + std::string(to_string(m)) + "--> " +
+         std::string(to_string(to));
+}
+
+template <class E>
+std::set<E> members(std::uint32_t mask, std::size_t count)
+{
+  std::set<E> out;
+  for (std::size_t i = 0; i < count; ++i) {
+    if ((mask >> i) & 1U) { out.insert(static_cast<E>(i)); }
+  }
+  return out;
+}
+
+TEST(unit_state, every_phase_move_on_every_path_is_the_documented_one)
+{
+  // Written out by hand, not from the table: a change to a path's protocol changes this list.
+  const std::set<std::string> expected = {
+    // no communicator, unguarded: step on the trainer's stream, release
+    "local: idle --acquire_train--> train",
+    "local: idle --acquire_frozen--> frozen",
+    "local: train --step_local--> stepped_local",
+    "local: stepped_local --step_local--> stepped_local",
+    "local: train --release--> idle",
+    "local: stepped_local --release--> idle",
+    "local: frozen --release--> idle",
+    // no communicator, guarded: the update and the release wait for end_step
+    "local_guarded: idle --acquire_train--> train",
+    "local_guarded: idle --acquire_frozen--> frozen",
+    "local_guarded: train --defer_to_end_step--> step_deferred",
+    "local_guarded: step_deferred --defer_release--> release_deferred",
+    "local_guarded: release_deferred --update_and_release--> idle",
+    "local_guarded: train --release--> idle",
+    "local_guarded: frozen --release--> idle",
+    // communicator, unguarded: the update after the unit's reduction, on the trainer's stream or aux
+    "reduced: idle --acquire_train--> train",
+    "reduced: idle --acquire_frozen--> frozen",
+    "reduced: idle --acquire_frozen_reduced--> frozen_reduced",
+    "reduced: idle --hold_for_update--> update_only",
+    "reduced: train --step_now--> stepped_reduced",
+    "reduced: frozen_reduced --step_now--> stepped_reduced",
+    "reduced: train --defer_to_reduction--> step_deferred",
+    "reduced: frozen_reduced --defer_to_reduction--> step_deferred",
+    "reduced: step_deferred --update_on_aux--> updated_on_aux",
+    "reduced: step_deferred --defer_release--> release_deferred",
+    "reduced: frozen --release--> idle",
+    "reduced: stepped_reduced --release_after_update--> updated",
+    "reduced: updated_on_aux --release_after_update--> updated",
+    "reduced: release_deferred --update_and_release--> updated",
+    "reduced: update_only --update_and_release--> updated",
+    "reduced: idle --end_step_reset--> idle",
+    "reduced: updated --end_step_reset--> idle",
+    // communicator, guarded: every update at end_step, after the step's reductions
+    "reduced_guarded: idle --acquire_train--> train",
+    "reduced_guarded: idle --acquire_frozen--> frozen",
+    "reduced_guarded: idle --acquire_frozen_reduced--> frozen_reduced",
+    "reduced_guarded: idle --hold_for_update--> update_only",
+    "reduced_guarded: train --defer_to_end_step--> step_deferred",
+    "reduced_guarded: frozen_reduced --defer_to_end_step--> step_deferred",
+    "reduced_guarded: step_deferred --defer_release--> release_deferred",
+    "reduced_guarded: frozen --release--> idle",
+    "reduced_guarded: release_deferred --update_and_release--> updated",
+    "reduced_guarded: update_only --update_and_release--> updated",
+    "reduced_guarded: idle --end_step_reset--> idle",
+    "reduced_guarded: updated --end_step_reset--> idle",
+  };
+  std::set<std::string> walked;
+  for (std::size_t p = 0; p < path_count; ++p) {
+    for (std::size_t f = 0; f < phase_count; ++f) {
+      for (std::size_t m = 0; m < phase_move_count; ++m) {
+        const auto path = static_cast<step_path>(p);
+        const auto from = static_cast<step_phase>(f);
+        const auto move = static_cast<phase_move>(m);
+        if (const auto to = next(phase_rows, from, move, path)) { walked.insert(text(path, from, move, *to)); }
+      }
+    }
+  }
+  for (const std::string& t : expected) { EXPECT_TRUE(walked.contains(t)) << "the table lacks " << t; }
+  for (const std::string& t : walked) { EXPECT_TRUE(expected.contains(t)) << "the table allows " << t; }
+}
+
+TEST(unit_state, a_move_and_path_select_one_row_per_phase)
+{
+  for (std::size_t i = 0; i < phase_rows.size(); ++i) {
+    for (std::size_t j = i + 1; j < phase_rows.size(); ++j) {
+      const phase_row& a = phase_rows[i];
+      const phase_row& b = phase_rows[j];
+      EXPECT_FALSE(a.move == b.move && (a.paths & b.paths) != 0 && (a.from & b.from) != 0)
+        << "rows " << i << " and " << j << " (" << to_string(a.move) << ") overlap";
+    }
+  }
+}
+
+TEST(unit_state, each_path_reaches_its_phases_and_every_one_leads_back_to_idle)
+{
+  using sp = step_phase;
+  const std::set<sp> everything = members<sp>((1U << phase_count) - 1, phase_count);
+  std::set<sp> reduced = everything;
+  reduced.erase(sp::stepped_local);
+  const std::pair<step_path, std::set<sp>> cases[] = {
+    {step_path::local, {sp::idle, sp::train, sp::frozen, sp::stepped_local}},
+    {step_path::local_guarded, {sp::idle, sp::train, sp::frozen, sp::step_deferred, sp::release_deferred}},
+    {step_path::reduced, reduced},
+    {step_path::reduced_guarded,
+     {sp::idle, sp::train, sp::frozen, sp::frozen_reduced, sp::step_deferred, sp::release_deferred, sp::update_only,
+      sp::updated}},
+  };
+  for (const auto& [path, phases] : cases) {
+    EXPECT_EQ(members<sp>(reachable_phases(sp::idle, path), phase_count), phases) << to_string(path);
+    for (const sp s : phases) {
+      EXPECT_NE(reachable_phases(s, path) & bit(sp::idle), 0U)
+        << to_string(path) << ": no way back to idle from " << to_string(s);
+    }
+  }
+}
+
+TEST(unit_state, slot_and_coherence_moves)
+{
+  const auto any = step_path::local;
+  EXPECT_EQ(next(slot_rows, slot_content::none, slot_move::swap_in_params, any), slot_content::params);
+  EXPECT_EQ(next(slot_rows, slot_content::whole, slot_move::narrow_to_params, any), slot_content::params);
+  EXPECT_FALSE(next(slot_rows, slot_content::params, slot_move::narrow_to_params, any));
+  EXPECT_FALSE(next(slot_rows, slot_content::none, slot_move::map_grads, any))
+    << "grads alone only with a communicator";
+  EXPECT_EQ(next(slot_rows, slot_content::none, slot_move::map_grads, step_path::reduced), slot_content::grads);
+  EXPECT_FALSE(next(slot_rows, slot_content::none, slot_move::evict, any));
+  EXPECT_FALSE(next(coherence_rows, coherence::device_newer, coherence_move::drop, any)) << "written back first";
+  EXPECT_EQ(next(coherence_rows, coherence::device_newer, coherence_move::write_back, any), coherence::clean);
+  EXPECT_EQ(next(coherence_rows, coherence::home_newer, coherence_move::upload_params, any), coherence::refreshed);
+  EXPECT_FALSE(next(coherence_rows, coherence::clean, coherence_move::upload_params, any));
+}
+
+TEST(unit_state, consistency_rules)
+{
+  using sp = step_phase;
+  const auto ok = [](unit_states s, bool host, bool pinned, step_path p) { return inconsistency(s, host, pinned, p); };
+  EXPECT_EQ(ok({slot_content::none, coherence::clean, sp::idle}, false, false, step_path::local), "");
+  EXPECT_EQ(ok({slot_content::whole, coherence::device_newer, sp::stepped_local}, false, false, step_path::local), "");
+  EXPECT_EQ(ok({slot_content::params, coherence::refreshed, sp::frozen}, true, false, step_path::local), "");
+  EXPECT_EQ(ok({slot_content::grads, coherence::home_newer, sp::update_only}, true, false, step_path::reduced), "");
+  EXPECT_NE(ok({slot_content::none, coherence::device_newer, sp::idle}, false, false, step_path::local), "");
+  EXPECT_NE(ok({slot_content::whole, coherence::device_newer, sp::idle}, true, false, step_path::local), "");
+  EXPECT_NE(ok({slot_content::whole, coherence::home_newer, sp::idle}, false, false, step_path::local), "");
+  EXPECT_NE(ok({slot_content::params, coherence::home_newer, sp::frozen}, true, false, step_path::local), "");
+  EXPECT_NE(ok({slot_content::params, coherence::clean, sp::train}, false, false, step_path::local), "");
+  EXPECT_NE(ok({slot_content::none, coherence::clean, sp::frozen}, false, false, step_path::local), "");
+  EXPECT_NE(ok({slot_content::params, coherence::clean, sp::idle}, false, true, step_path::local), "");
+  EXPECT_NE(ok({slot_content::whole, coherence::clean, sp::stepped_local}, false, false, step_path::reduced), "");
+  EXPECT_NE(ok({slot_content::whole, coherence::clean, sp::update_only}, false, false, step_path::local_guarded), "");
+}
+
+}  // namespace
+}  // namespace taskswap::detail
