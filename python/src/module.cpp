@@ -327,6 +327,9 @@ void bind_options(nb::module_& m)
   m.def("policy_for", &policy_for, "spec"_a, "options"_a,
         "The policy the runtime gives a unit: its own, else the defaults with matching rules applied.");
   m.def("footprint", &footprint, "spec"_a, "placement"_a, "A unit's footprint under a placement.");
+  m.def("step_guard_device_bytes", &step_guard_device_bytes, "units"_a,
+        "The device bytes guarded steps (loss scaling or clipping) take of the budget for this many units, "
+        "before granule rounding.");
 }
 
 void bind_devices(nb::module_& m)

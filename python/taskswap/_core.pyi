@@ -515,6 +515,11 @@ def policy_for(spec: UnitSpec, options: Options) -> UnitPolicy:
 def footprint(spec: UnitSpec, placement: OptimizerPlacement) -> UnitFootprint:
     """A unit's footprint under a placement."""
 
+def step_guard_device_bytes(units: int) -> int:
+    """
+    The device bytes guarded steps (loss scaling or clipping) take of the budget for this many units, before granule rounding.
+    """
+
 class Device:
     """A device: a backend and its index."""
 
