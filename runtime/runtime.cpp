@@ -132,7 +132,10 @@ home_view runtime::home(unit_id u)
 
 void runtime::plan(std::span<const step_plan> steps)
 {
-  impl_->guarded([&] { impl_->plan(steps); });
+  impl_->guarded([&] {
+    impl_->plan(steps);
+    impl_->check_units("plan", false);
+  });
 }
 
 unit_view runtime::acquire(unit_id u, stream_view s, unit_use use)
@@ -140,7 +143,7 @@ unit_view runtime::acquire(unit_id u, stream_view s, unit_use use)
   return impl_->guarded([&] {
     const detail::step_phase before = impl_->phase_before(u);
     unit_view v = impl_->trainer_acquire(u, s, use);
-    impl_->check_unit(u, before, "acquire");
+    impl_->check_unit(u, before, detail::acquire_moves, "acquire");
     return v;
   });
 }
@@ -150,7 +153,7 @@ void runtime::grads_ready(unit_id u, stream_view s)
   impl_->guarded([&] {
     const detail::step_phase before = impl_->phase_before(u);
     impl_->trainer_grads_ready(u, s);
-    impl_->check_unit(u, before, "grads_ready");
+    impl_->check_unit(u, before, 0, "grads_ready");
   });
 }
 
@@ -159,7 +162,7 @@ void runtime::step(unit_id u, stream_view s)
   impl_->guarded([&] {
     const detail::step_phase before = impl_->phase_before(u);
     impl_->trainer_step(u, s);
-    impl_->check_unit(u, before, "step");
+    impl_->check_unit(u, before, detail::step_moves, "step");
   });
 }
 
@@ -168,7 +171,7 @@ void runtime::release(unit_id u, stream_view s)
   impl_->guarded([&] {
     const detail::step_phase before = impl_->phase_before(u);
     impl_->trainer_release(u, s);
-    impl_->check_unit(u, before, "release");
+    impl_->check_unit(u, before, detail::release_moves(impl_->path()), "release");
   });
 }
 

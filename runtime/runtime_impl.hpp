@@ -178,7 +178,7 @@ struct runtime::impl {
     return detail::path_of(reducer_.has_value(), guard_.has_value());
   }
   [[nodiscard]] detail::step_phase phase_before(unit_id u) const;
-  void check_unit(unit_id u, detail::step_phase before, const char* call) const;
+  void check_unit(unit_id u, detail::step_phase before, std::uint32_t moves, const char* call) const;
   void check_units(const char* call, bool step_ended) const;
   bool check_states_ = false;
 

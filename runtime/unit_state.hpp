@@ -15,10 +15,12 @@
 // Which phases a unit can reach depends on the runtime's step path, fixed at construction: with
 // or without a communicator, guarded (loss scaling or clipping) or not. The tables below are the
 // legal moves; docs/runtime.md ("Unit states") lists them, and tests/runtime/unit_state_test.cpp
-// walks every (state, move, path). The runtime still records the states as flags on unit_record;
+// walks every (phase, move, path). The runtime still records the states as flags on unit_record;
 // derive() in unit_record.hpp reads the states off them, and with TASKSWAP_CHECK_STATES=1 (set
-// for the tests) every public call checks that each unit it touched is in a consistent state
-// reached by legal moves. Moving the runtime onto these states, flags gone, is the next step.
+// for the tests) each public step call (acquire, grads_ready, step, release, end_step, flush,
+// plan) checks that every unit's states are consistent, and that the unit it names reached its
+// phase by the moves that call may make (acquire_moves, step_moves, release_moves(path); none for
+// grads_ready). Moving the runtime onto these states, flags gone, is the next step.
 
 #include <array>
 #include <cstddef>
@@ -179,14 +181,20 @@ template <class Move, class State, std::size_t N>
   return std::nullopt;
 }
 
-/// The phases reachable from `from` on path `p` by any number of moves (bits of step_phase).
-[[nodiscard]] constexpr std::uint32_t reachable_phases(step_phase from, step_path p) noexcept
+inline constexpr std::uint32_t all_phase_moves = (std::uint32_t{1} << phase_move_count) - 1;
+
+/// The phases reachable from `from` on path `p` by one or more of the moves in `moves` (bits of
+/// phase_move): `from` itself only where those moves lead back to it.
+[[nodiscard]] constexpr std::uint32_t reachable_phases(step_phase from, step_path p,
+                                                       std::uint32_t moves = all_phase_moves) noexcept
 {
-  std::uint32_t seen = bit(from);
+  std::uint32_t seen = 0;
+  std::uint32_t frontier = bit(from);
   for (bool grew = true; grew;) {
     grew = false;
     for (const phase_row& row : phase_rows) {
-      if ((row.paths & bit(p)) != 0 && (row.from & seen) != 0 && (seen & bit(row.to)) == 0) {
+      if ((row.paths & bit(p)) != 0 && (moves & bit(row.move)) != 0 && (row.from & (frontier | seen)) != 0 &&
+          (seen & bit(row.to)) == 0) {
         seen |= bit(row.to);
         grew = true;
       }
@@ -195,11 +203,32 @@ template <class Move, class State, std::size_t N>
   return seen;
 }
 
+/// The moves each of the runtime's public step calls may make of the unit it names.
+inline constexpr std::uint32_t acquire_moves =
+  bits(phase_move::acquire_train, phase_move::acquire_frozen, phase_move::acquire_frozen_reduced);
+inline constexpr std::uint32_t step_moves =
+  bits(phase_move::step_local, phase_move::step_now, phase_move::defer_to_reduction, phase_move::defer_to_end_step);
+/// A release: with a communicator an unstepped trained (or frozen_reduced) unit is stepped first.
+[[nodiscard]] constexpr std::uint32_t release_moves(step_path p) noexcept
+{
+  switch (p) {
+    case step_path::local: return bits(phase_move::release);
+    case step_path::local_guarded: return bits(phase_move::release, phase_move::defer_release);
+    case step_path::reduced:
+      return bits(phase_move::step_now, phase_move::defer_to_reduction, phase_move::defer_release, phase_move::release,
+                  phase_move::release_after_update);
+    case step_path::reduced_guarded:
+      return bits(phase_move::defer_to_end_step, phase_move::defer_release, phase_move::release);
+  }
+  return 0;
+}
+
 /// The phases each step path reaches from idle, by path.
 inline constexpr std::array<std::uint32_t, path_count> path_phases{
-  reachable_phases(step_phase::idle, step_path::local), reachable_phases(step_phase::idle, step_path::local_guarded),
-  reachable_phases(step_phase::idle, step_path::reduced),
-  reachable_phases(step_phase::idle, step_path::reduced_guarded)};
+  reachable_phases(step_phase::idle, step_path::local) | bit(step_phase::idle),
+  reachable_phases(step_phase::idle, step_path::local_guarded) | bit(step_phase::idle),
+  reachable_phases(step_phase::idle, step_path::reduced) | bit(step_phase::idle),
+  reachable_phases(step_phase::idle, step_path::reduced_guarded) | bit(step_phase::idle)};
 
 /// A unit's three states.
 struct unit_states {

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The unit states' check (Note [Unit states]): with TASKSWAP_CHECK_STATES=1, after every public
 // step call, each unit's states read off its flags are consistent, and the unit the call named
-// reached its phase by moves the step path's table allows.
+// reached its phase by the moves that call may make on the step path.
 
 #include "runtime/runtime_impl.hpp"
 
@@ -17,12 +17,14 @@ detail::step_phase runtime::impl::phase_before(unit_id u) const
   return derive(units_[u.value]).phase;
 }
 
-void runtime::impl::check_unit(unit_id u, step_phase before, const char* call) const
+void runtime::impl::check_unit(unit_id u, step_phase before, std::uint32_t moves, const char* call) const
 {
   if (!check_states_) { return; }
   const unit_record& r = units_[u.value];
   const step_phase now = derive(r).phase;
-  if ((detail::reachable_phases(before, path()) & detail::bit(now)) == 0) {
+  const bool unchanged_allowed = moves == 0;  // grads_ready moves nothing
+  if (!(unchanged_allowed && now == before) &&
+      (detail::reachable_phases(before, path(), moves) & detail::bit(now)) == 0) {
     throw error(message("taskswap internal error: ", call, "('", r.name, "') moved the unit from phase ",
                         to_string(before), " to ", to_string(now), ", which the ", to_string(path()),
                         " step path's table does not allow (Note [Unit states])"));
@@ -37,7 +39,7 @@ void runtime::impl::check_units(const char* call, bool step_ended) const
     const detail::unit_states s = derive(r);
     const std::string_view wrong =
       detail::inconsistency(s, r.policy.optimizer == optimizer_placement::host, r.pinned(), path());
-    const bool left_held = step_ended && s.phase != step_phase::idle && s.phase != step_phase::update_only;
+    const bool left_held = step_ended && s.phase != step_phase::idle;
     if (!wrong.empty() || left_held) {
       throw error(message("taskswap internal error: after ", call, " unit '", r.name, "' is ", to_string(s.content),
                           "/", to_string(s.coh), "/", to_string(s.phase), " on the ", to_string(path()),

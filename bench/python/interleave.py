@@ -25,7 +25,8 @@ def run(binary: str, pattern: str, extra: list[str]) -> dict[str, dict]:
                         "--benchmark_out_format=json", *extra], check=True, stdout=subprocess.DEVNULL)
         with open(out.name) as f:
             data = json.load(f)
-    return {b["name"]: b for b in data["benchmarks"] if b.get("run_type", "iteration") == "iteration"}
+    return {b["name"]: b for b in data["benchmarks"]
+            if b.get("run_type", "iteration") == "iteration" and not b.get("error_occurred")}
 
 
 def main() -> int:
@@ -33,7 +34,7 @@ def main() -> int:
     ap.add_argument("before")
     ap.add_argument("after")
     ap.add_argument("--filter", default="runtime_acquire_release|runtime_overlap")
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--counter", action="append", default=[], help="also compare this counter (e.g. us_per_op)")
     ap.add_argument("extra", nargs="*", help="more arguments for both binaries (after --)")
     args = ap.parse_args()
@@ -60,7 +61,10 @@ def main() -> int:
         ratio = ma / mb if mb else float("nan")
         if "[" not in name:
             worst = max(worst, ratio)
-        print(f"{name:72} {mb:10.4g} {ma:10.4g} {ratio:13.3f} {max(b) / min(b):9.3f} {max(a) / min(a):9.3f}")
+        def spread(v: list[float]) -> float:
+            return max(v) / min(v) if min(v) > 0 else float("nan")
+
+        print(f"{name:72} {mb:10.4g} {ma:10.4g} {ratio:13.3f} {spread(b):9.3f} {spread(a):9.3f}")
     print(f"largest time ratio after/before: {worst:.3f}")
     return 0
 

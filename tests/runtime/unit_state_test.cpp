@@ -131,6 +131,36 @@ TEST(unit_state, each_path_reaches_its_phases_and_every_one_leads_back_to_idle)
   }
 }
 
+// What the runtime's check (unit_state_check.cpp) allows each public call to do to the unit it names.
+TEST(unit_state, each_call_makes_only_its_own_moves)
+{
+  using sp = step_phase;
+  const auto from = [](sp s, step_path p, std::uint32_t moves) {
+    return members<sp>(reachable_phases(s, p, moves), phase_count);
+  };
+  EXPECT_EQ(from(sp::idle, step_path::local, acquire_moves), (std::set<sp>{sp::train, sp::frozen}));
+  EXPECT_EQ(from(sp::idle, step_path::reduced, acquire_moves),
+            (std::set<sp>{sp::train, sp::frozen, sp::frozen_reduced}));
+  EXPECT_TRUE(from(sp::updated, step_path::reduced, acquire_moves).empty())
+    << "a unit updated in this step is not acquired again";
+  EXPECT_EQ(from(sp::train, step_path::local, step_moves), (std::set<sp>{sp::stepped_local}));
+  EXPECT_EQ(from(sp::train, step_path::local_guarded, step_moves), (std::set<sp>{sp::step_deferred}));
+  EXPECT_EQ(from(sp::train, step_path::reduced, step_moves), (std::set<sp>{sp::stepped_reduced, sp::step_deferred}));
+  EXPECT_TRUE(from(sp::frozen, step_path::reduced, step_moves).empty()) << "a frozen use is not stepped";
+  EXPECT_EQ(from(sp::train, step_path::local, release_moves(step_path::local)), (std::set<sp>{sp::idle}));
+  EXPECT_EQ(from(sp::step_deferred, step_path::local_guarded, release_moves(step_path::local_guarded)),
+            (std::set<sp>{sp::release_deferred}));
+  // With a communicator a trained unit is never released without its update: released after it,
+  // or with its release deferred until it runs.
+  EXPECT_EQ(from(sp::train, step_path::reduced, release_moves(step_path::reduced)),
+            (std::set<sp>{sp::stepped_reduced, sp::step_deferred, sp::release_deferred, sp::updated}));
+  EXPECT_EQ(from(sp::train, step_path::reduced_guarded, release_moves(step_path::reduced_guarded)),
+            (std::set<sp>{sp::step_deferred, sp::release_deferred}));
+  EXPECT_EQ(from(sp::stepped_local, step_path::local, release_moves(step_path::local)), (std::set<sp>{sp::idle}));
+  EXPECT_EQ(from(sp::frozen_reduced, step_path::reduced, release_moves(step_path::reduced)),
+            (std::set<sp>{sp::stepped_reduced, sp::step_deferred, sp::release_deferred, sp::updated}));
+}
+
 TEST(unit_state, slot_and_coherence_moves)
 {
   const auto any = step_path::local;
