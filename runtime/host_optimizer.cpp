@@ -15,15 +15,15 @@ using detail::ensure;
 void runtime::impl::upload_params(unit_record& r)
 {
   const detail::unit_layout& l = r.layout;
-  flush_h2d_waits();
+  swap_->flush_h2d_waits();
   r.released.wait(h2d_);
   r.host_updated->wait(h2d_);
   const std::size_t span = trace_ ? trace_->open(h2d_track_, "params " + r.name, h2d_) : 0;
   r.stage_in(0, r.slot->subspan(0, l.travel_bytes), h2d_);
   r.arrived.record(h2d_);
   if (trace_) { trace_->close(span, h2d_); }
-  r.params_stale = false;
-  current_.h2d_bytes += l.travel_bytes;
+  go(r, detail::coherence_move::upload_params);
+  ledger_.upload(l.travel_bytes);
 }
 
 // Gradients home on d2h (after the previous CPU step let go of them), then the CPU AdamW on
@@ -39,9 +39,10 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   const std::size_t span = trace_ ? trace_->open(d2h_track_, "grads " + r.name, d2h_) : 0;
   r.write_home(l.home_grads, const_device_span(r.slot->subspan(r.grads_at(), grad_bytes)), d2h_);
   fill_async(r.slot->subspan(r.grads_at(), grad_bytes), std::byte{0}, d2h_);
-  if (const std::size_t state = l.state_tensor_bytes(); state != 0 && !r.grads_only) {  // written home with the update
+  if (const std::size_t state = l.state_tensor_bytes();
+      state != 0 && !r.grads_only()) {  // written home with the update
     r.write_home(l.state_at(), const_device_span(r.slot->subspan(l.state_at(), state)), d2h_);
-    current_.d2h_bytes += state;
+    ledger_.to_home(state);
   }
   detail::step_guard* factors = nullptr;
   std::int64_t* step = nullptr;
@@ -51,7 +52,7 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   }
   ensure(r.grads_copied, device_).record(d2h_);
   if (trace_) { trace_->close(span, d2h_); }
-  current_.d2h_bytes += grad_bytes;
+  ledger_.to_home(grad_bytes);
   r.grads_copied->wait(host_opt_);
   std::vector<std::pair<detail::adamw_slabs, bool>> runs;  // the slabs, and whether they decay
   const detail::adamw_slabs whole = l.slabs_at(r.home_block(), l.home_grads);
@@ -72,8 +73,7 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
     if (trace != nullptr) { trace->host_span(track, "adamw " + name, begin, detail::trace_recorder::clock::now()); }
   });
   ensure(r.host_updated, device_).record(host_opt_);
-  r.params_stale = true;
-  r.stepped_here = true;
+  go(r, detail::coherence_move::step_on_host);
 }
 
 }  // namespace taskswap

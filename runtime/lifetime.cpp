@@ -20,7 +20,13 @@ using detail::message;
 
 runtime::impl::impl(const device& dev, const runtime_options& options, const std::vector<unit_spec>& specs,
                     std::shared_ptr<communicator> comm)
-    : device_(dev), options_(options), h2d_(dev), d2h_(dev), host_opt_(dev), plan_(specs.size())
+    : device_(dev),
+      options_(options),
+      h2d_(dev),
+      d2h_(dev),
+      host_opt_(dev),
+      plan_(specs.size()),
+      ledger_(dev, specs.size())
 {
   const char* check = std::getenv("TASKSWAP_CHECK_STATES");  // NOLINT(concurrency-mt-unsafe): read once, here
   check_states_ = check != nullptr && std::string_view(check) == "1";
@@ -58,6 +64,20 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
     if (!aux_) { aux_.emplace(dev); }
     reducer_.emplace(dev, std::move(comm), options.comm, std::move(units));
   }
+  swap_.emplace(detail::swap_engine::parts{.dev = device_,
+                                           .units = units_,
+                                           .plan = plan_,
+                                           .model = *model_,
+                                           .pool = *pool_,
+                                           .ledger = ledger_,
+                                           .h2d = h2d_,
+                                           .d2h = d2h_,
+                                           .trace = trace_ ? &*trace_ : nullptr,
+                                           .h2d_track = h2d_track_,
+                                           .d2h_track = d2h_track_,
+                                           .path = path(),
+                                           .timeout = options_.timeout,
+                                           .stalled = [this](const std::string& why) { stalled(why); }});
 }
 
 runtime::impl::~impl()
@@ -67,7 +87,7 @@ runtime::impl::~impl()
   // the end: after a failure the trainer has seen its text already, and every unit would repeat it.
   const bool failed = failed_ || (reducer_ && reducer_->comm().failed());
   std::size_t dirty = 0;
-  for (const unit_record& r : units_) { dirty += r.resident() && r.dirty ? 1U : 0U; }
+  for (const unit_record& r : units_) { dirty += r.dirty() ? 1U : 0U; }
   // The failure the trainer has seen (the runtime's first, or the communicator's): not repeated.
   std::string seen;
   try {
@@ -87,7 +107,7 @@ runtime::impl::~impl()
   try {
     if (held_count_ == 0 && started_ && !failed) {
       for (unit_record& r : units_) {
-        if (r.resident() && r.dirty) { write_back(r); }
+        if (r.dirty()) { swap_->write_back(r); }
       }
       dirty = 0;
     }

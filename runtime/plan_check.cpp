@@ -12,7 +12,7 @@ using detail::message;
 void runtime::impl::plan(std::span<const step_plan> steps)
 {
   check_comm();
-  for (std::size_t k = 0; k < steps.size(); ++k) { check_step(steps[k], steps_done_ + plan_.planned_steps() + k); }
+  for (std::size_t k = 0; k < steps.size(); ++k) { check_step(steps[k], ledger_.step() + plan_.planned_steps() + k); }
   if (reducer_) {
     sync_replicas();
     plan_together(steps);
@@ -21,7 +21,7 @@ void runtime::impl::plan(std::span<const step_plan> steps)
   }
   planned_steps_ += steps.size();
   start();
-  prefetch();
+  swap_->prefetch();
 }
 
 void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
@@ -39,7 +39,7 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
 // released at its end, and checks the budget again with them.
 void runtime::impl::plan_together(std::span<const step_plan> steps)
 {
-  const std::uint64_t first = steps_done_ + plan_.planned_steps();
+  const std::uint64_t first = ledger_.step() + plan_.planned_steps();
   std::vector<std::vector<std::uint32_t>> trained(steps.size());
   std::vector<std::vector<std::uint32_t>> frozen(steps.size());
   for (std::size_t k = 0; k < steps.size(); ++k) {

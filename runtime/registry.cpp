@@ -94,12 +94,6 @@ void runtime::impl::register_units(const runtime_options& options, const std::ve
                         .pinned = r.pinned(),
                         .host_placement = policy.optimizer == optimizer_placement::host,
                         .never_trained = r.layout.frozen});
-    if (!r.pinned()) {
-      largest_swapped_ = std::max(largest_swapped_, r.layout.device_bytes);
-      if (policy.residency == residency::prefetch) {
-        max_lookahead_ = std::max(max_lookahead_, static_cast<std::size_t>(policy.lookahead));
-      }
-    }
   }
   for (std::size_t i = 0; i < rule_used.size(); ++i) {
     if (!rule_used[i]) {
@@ -131,10 +125,9 @@ void runtime::impl::place_homes()
   for (unit_record& r : units_) {
     if (r.pinned()) {
       r.slot = pool_->place_pinned(r.layout.device_bytes);
+      go(r, detail::slot_move::place_pinned);
     } else {
       r.pool_slot = pool_->add_slot(r.layout.device_bytes);
-      unit_of_slot_.resize(r.pool_slot + 1, ~std::uint32_t{0});
-      unit_of_slot_[r.pool_slot] = r.index;
     }
   }
 }
@@ -150,7 +143,7 @@ void runtime::impl::start()
       std::byte* home = r.home_block();
       detail::host_cast(home + l.params, l.compute, home + l.master, dtype::f32, l.trainable);  // not the state
     }
-    if (r.pinned()) { fill_slot(r); }
+    if (r.pinned()) { swap_->fill_slot(r); }
   }
   if (guard_) { upload_guard(); }
 }

@@ -111,7 +111,7 @@ void runtime::impl::broadcast_replicas()
   if (own) { borrowed = nullptr; }
   // After a failure below an own range is not given back: queued copies may still use it, and
   // the runtime refuses every call after a failed collective anyway.
-  flush_h2d_waits();
+  swap_->flush_h2d_waits();
   for (unit_record& r : units_) {
     const std::size_t bytes = state_bytes_of(r.layout);
     for (std::size_t at = 0; at < bytes; at += staging.size()) {
@@ -132,7 +132,7 @@ void runtime::impl::broadcast_replicas()
   if (started_ && guard_) { upload_guard(); }  // the step counts went to the device before they were rank 0's
   if (started_) {  // a flush() before the first plan brought the pinned units in already
     for (unit_record& r : units_) {
-      if (r.pinned() && (!root || &r == borrowed)) { fill_slot(r); }
+      if (r.pinned() && (!root || &r == borrowed)) { swap_->fill_slot(r); }
     }
   }
 }

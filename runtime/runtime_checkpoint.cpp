@@ -97,7 +97,7 @@ checkpoint_manifest runtime::impl::describe(std::span<const detail::checkpoint_s
                                             const std::map<std::string, std::string>& user)
 {
   checkpoint_manifest manifest = detail::describe_checkpoint(sources);
-  manifest.steps_done = steps_done_;
+  manifest.steps_done = ledger_.step();
   manifest.optimizer = options_.optimizer;
   manifest.user = user;
   if (guard_ && options_.scaler.enabled) {  // current: save_checkpoint flushed, which read it back
@@ -164,9 +164,8 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
   failed_ = nullptr;
   load_failed_ = false;
   for (std::size_t i = 0; i < units_.size(); ++i) { units_[i].step = manifest.units[where[i]].step; }
-  steps_done_ = manifest.steps_done;
   planned_steps_ = manifest.steps_done;
-  current_.step = manifest.steps_done;
+  ledger_.restart_at(manifest.steps_done);
   const double configured_clip = options_.optimizer.clip;
   options_.optimizer = manifest.optimizer;
   if (guard_ && manifest.optimizer.clip == 0 && configured_clip > 0) {

@@ -5,7 +5,8 @@
 //   residency_model.cpp     the residency rules the planner shares: budget arithmetic, checks, Belady
 //   registry.cpp            policies from the rules, registration and its budget checks, homes, start
 //   lifetime.cpp            construction (pool, trace, reducer), waiting for the streams, teardown
-//   swap_engine.cpp         residency: fill, write-back, evict, make_room, prefetch (Belady)
+//   swap_engine.cpp         residency (detail::swap_engine): fill, write-back, evict, make room, prefetch
+//   step_ledger.cpp         the counters stats() reports, stall timers (detail::step_ledger)
 //   plan_check.cpp          the plan: per-step budget check, agreement with the other ranks
 //   step_protocol.cpp       acquire, grads_ready, step, release, end_step
 //   step_reduction.cpp      the step with a communicator: updates the runtime owns, deferrals
@@ -42,6 +43,8 @@
 #include "runtime/device_pool.hpp"
 #include "runtime/plan_queue.hpp"
 #include "runtime/residency_model.hpp"
+#include "runtime/step_ledger.hpp"
+#include "runtime/swap_engine.hpp"
 #include "runtime/trace.hpp"
 #include "runtime/unit_record.hpp"
 
@@ -62,13 +65,6 @@
 #include <vector>
 
 namespace taskswap {
-
-namespace detail {
-
-/// Steps whose stats runtime::stats() keeps.
-inline constexpr std::size_t stats_history = 4096;
-
-}  // namespace detail
 
 struct runtime::impl {
   using unit_record = detail::unit_record;
@@ -95,15 +91,6 @@ struct runtime::impl {
   void place_homes();
   void start();
 
-  // Residency: the swap engine (swap_engine.cpp)
-  // `whole`: the unit's whole slot, else its parameters alone (a frozen use).
-  bool swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole);
-  void fill_slot(unit_record& r);
-  // Evicts (and, for an acquire, narrows frozen units) until `bytes` of `r` fit, counting what r
-  // itself gives up if it is resident (the caller evicts it before mapping it again).
-  bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, bool for_acquire);
-  // Maps the unit's slot for `bytes`, after make_room().
-  device_span map_slot(unit_record& r, std::size_t bytes);
   // The residency model's arithmetic (runtime/residency_model.hpp).
   [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return model_->taken(bytes); }
   [[nodiscard]] std::size_t charged(const unit_record& r, std::size_t bytes) const noexcept
@@ -111,15 +98,8 @@ struct runtime::impl {
     return model_->charged(r.index, bytes);
   }
   [[nodiscard]] std::string granule_note() const { return model_->granule_note(); }
-  unit_record* pick_victim(std::uint64_t use, bool for_acquire);
-  void evict(unit_record& r);
-  void narrow_to_params(unit_record& r);
-  void write_back(unit_record& r);
-  void flush_h2d_waits();
-  void prefetch();
-  void add_resident(unit_record& r);
-  void remove_resident(unit_record& r);
-  void note_device_bytes();
+  // What the units the trainer holds take of the budget (for an error's numbers).
+  [[nodiscard]] std::size_t trainer_held_bytes() const noexcept;
 
   // Plan checks (plan_check.cpp)
   // `frozen_reduced`: units the step uses frozen here that other ranks train (they take their whole slot).
@@ -129,9 +109,22 @@ struct runtime::impl {
   // The step protocol's bodies, shared by the trainer's calls and the reducer's updates
   // (step_protocol.cpp)
   // `as_planned`: consume the step's planned acquisition of the unit, if there is one.
-  void acquire(unit_record& r, stream_view s, bool whole = true, bool as_planned = true);
+  // `m`: the acquisition's move (Note [Unit states]); all but acquire_frozen take the whole slot.
+  void acquire(unit_record& r, stream_view s, detail::phase_move m, bool as_planned = true);
   void apply_step(unit_record& r, stream_view s);
-  void release(unit_record& r, stream_view s);
+  // Records the release on `s` and makes the move `m` out of the unit's held phase.
+  void release(unit_record& r, stream_view s, detail::phase_move m);
+
+  // The step paths (Note [Unit states]): what step() and release() do on each.
+  void step_local(unit_record& r, stream_view s);
+  void step_guarded(unit_record& r, stream_view s);
+  void step_reduced(unit_record& r, stream_view s);
+  void release_local(unit_record& r, stream_view s);
+  void release_local_guarded(unit_record& r, stream_view s);
+  void release_reduced(unit_record& r, stream_view s);
+  void release_reduced_guarded(unit_record& r, stream_view s);
+  // Gives the trainer's gradients up without a step: zero again for the next use.
+  void zero_grads(unit_record& r, stream_view s);
 
   // A unit's AdamW settings for its step: with weight decay, and without (no-decay tensors).
   struct update_scalars {
@@ -164,7 +157,6 @@ struct runtime::impl {
   void hold_for_update(unit_record& r);
   void hold_gradients_only(unit_record& r);
   void complete_step();
-  void reset_step_flags(unit_record& r);
   void check_comm() const
   {
     if (reducer_) { reducer_->comm().check(); }
@@ -176,6 +168,12 @@ struct runtime::impl {
   [[nodiscard]] detail::step_path path() const noexcept
   {
     return detail::path_of(reducer_.has_value(), guard_.has_value());
+  }
+  // A move of one of the unit's states on this runtime's path.
+  template <class Move>
+  void go(unit_record& r, Move m)
+  {
+    r.go(m, path());
   }
   [[nodiscard]] detail::step_phase phase_before(unit_id u) const;
   void check_unit(unit_id u, detail::step_phase before, std::uint32_t moves, const char* call) const;
@@ -233,10 +231,8 @@ struct runtime::impl {
   std::exception_ptr failed_;
   bool load_failed_ = false;  // failed_ is a load that overwrote part of the home copies
 
-  // Stats and stall accounting (step_stats.cpp)
-  void resolve_stalls(bool wait);
-  step_stats* stats_of(std::uint64_t step);
-  step_stats close_step_stats();
+  // Stats (step_stats.cpp; the counters are the ledger's)
+  void resolve_stalls(bool wait) { ledger_.resolve_stalls(wait, options_.timeout); }
 
   unit_record& record(unit_id u)
   {
@@ -246,10 +242,10 @@ struct runtime::impl {
   unit_record& held_record(unit_id u, const char* what)
   {
     unit_record& r = record(u);
-    TASKSWAP_EXPECTS(r.held && !r.update_only,
-                     detail::message(what, "('", r.name, "'): the unit is not acquired; call acquire first"));
-    TASKSWAP_EXPECTS(!r.release_deferred,
+    TASKSWAP_EXPECTS(r.phase() != detail::step_phase::release_deferred,
                      detail::message(what, "('", r.name, "'): the unit was released already in this step"));
+    TASKSWAP_EXPECTS(r.held() && !r.st.runtime_holds(),
+                     detail::message(what, "('", r.name, "'): the unit is not acquired; call acquire first"));
     return r;
   }
   int compute_track(stream_view s);
@@ -259,8 +255,6 @@ struct runtime::impl {
   std::deque<unit_record> units_;  // stable addresses: events are referenced from pending waits
   std::unordered_map<std::string, std::uint32_t> by_name_;
   std::optional<detail::residency_model> model_;  // the budget's rules, the plan check, Belady
-  std::size_t largest_swapped_ = 0;
-  std::vector<std::uint32_t> unit_of_slot_;  // device pool slot -> unit
   detail::home_store homes_;  // where the home tiers keep the homes (Note [Home tiers])
   std::optional<detail::device_pool> pool_;  // taken once the units are known to be valid
   // What queued work touches is declared before the streams, so it is destroyed after them (a
@@ -271,28 +265,14 @@ struct runtime::impl {
   stream d2h_;
   stream host_opt_;
   detail::plan_queue plan_;
-  std::size_t max_lookahead_ = 0;
-  std::vector<std::uint32_t> resident_;  // non-pinned resident units
-  std::vector<detail::victim_candidate> victim_candidates_;  // pick_victim's, kept to reuse its memory
-  std::vector<const event*> h2d_waits_;  // must precede the next write into pool memory
-  std::size_t held_count_ = 0;
-  std::size_t held_bytes_ = 0;
+  std::size_t held_count_ = 0;  // units the trainer holds, and those the runtime holds for an update
   std::uint64_t tick_ = 0;
-  std::uint64_t steps_done_ = 0;
   std::uint64_t planned_steps_ = 0;  // steps appended to the plan, over all time
   bool started_ = false;
   bool replicas_synced_ = false;  // with a communicator: at the first plan()
 
-  step_stats current_{};
-  step_stats total_{};
-  std::deque<step_stats> history_;
-  struct stall_timer {
-    event begin;
-    event end;
-    std::uint64_t step = 0;
-  };
-  std::vector<stall_timer> stalls_pending_;
-  std::vector<stall_timer> stalls_free_;
+  detail::step_ledger ledger_;  // every counter stats() reports, and the stall timers
+  std::optional<detail::swap_engine> swap_;  // residency: made last in the constructor, on the parts above
 
   int h2d_track_ = 0;
   int d2h_track_ = 0;
@@ -309,7 +289,7 @@ struct runtime::impl {
   std::deque<agreed_step> agreed_;
   bool step_begun_ = false;
   adamw_options step_optimizer_{};  // the optimizer settings of the current step
-  std::vector<std::uint32_t> step_units_;  // units with per-step flags set, to reset at end_step
+  std::vector<std::uint32_t> step_units_;  // units acquired in the step: back to idle at end_step
   std::optional<detail::reducer> reducer_;
 
   // Guarded steps (step_guard.cpp): device memory taken from the budget, pinned host memory from

@@ -158,9 +158,7 @@ void runtime::impl::defer_update(unit_record& r, stream_view s)
     r.grads_ready_event->wait(s);
   }
   ensure(r.step_point, device_).record(s);
-  r.step_requested = true;
-  r.step_deferred = true;
-  r.stepped = true;
+  go(r, detail::phase_move::defer_to_end_step);
   guard_units_.push_back(r.index);
 }
 
@@ -168,9 +166,8 @@ void runtime::impl::defer_update(unit_record& r, stream_view s)
 void runtime::impl::defer_release(unit_record& r, stream_view s)
 {
   ensure(r.trainer_released, device_).record(s);
-  r.release_deferred = true;
+  go(r, detail::phase_move::defer_release);
   --held_count_;
-  held_bytes_ -= r.held_bytes;
 }
 
 void runtime::impl::finish_guarded_step()
@@ -184,7 +181,9 @@ void runtime::impl::finish_guarded_step()
     unit_record& r = units_[u];
     if (r.step_point && r.step_point->recorded() && !r.step_point->query()) { r.step_point->wait(aux); }
     // The trainer's work up to its release (it may still read the parameters after step()).
-    if (r.release_deferred && !r.trainer_released->query()) { r.trainer_released->wait(aux); }
+    if (r.phase() == detail::step_phase::release_deferred && !r.trainer_released->query()) {
+      r.trainer_released->wait(aux);
+    }
     if (reducer_) {
       const event* reduced = reducer_->reduced(u);
       TASKSWAP_EXPECTS(reduced != nullptr, message("end_step: the reduction of '", r.name, "' was not launched"));
@@ -203,12 +202,9 @@ void runtime::impl::finish_guarded_step()
   for (const std::uint32_t u : guard_units_) {
     unit_record& r = units_[u];
     guarded_update(r, optimizer);
-    r.step_deferred = false;
-    r.updated_on_aux = true;
-    if (r.release_deferred || r.update_only) {  // aux waited for the trainer's release above
-      release(r, aux);
-    }
-    if (!reducer_) { reset_step_flags(r); }
+    // end_step found it released by the trainer, or held by the runtime: aux waited for the
+    // trainer's release above.
+    release(r, aux, detail::phase_move::update_and_release);
   }
   guard_units_.clear();
   g.done.record(aux);
@@ -243,7 +239,7 @@ void runtime::impl::guarded_update(unit_record& r, const adamw_options& optimize
     detail::adamw_async(l.run_slabs(whole, run), g.scalars + (run.decay ? 0 : 1), g.state, aux);
   }
   fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, aux);
-  r.dirty = true;
+  go(r, detail::coherence_move::step_on_device);
 }
 
 loss_scaler_state runtime::impl::scaler_state()

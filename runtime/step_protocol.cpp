@@ -11,19 +11,24 @@
 namespace taskswap {
 
 using detail::bytes_text;
+using detail::coherence_move;
 using detail::ensure;
 using detail::message;
+using detail::phase_move;
+using detail::step_phase;
 
 unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
 {
   unit_record& r = record(u);
-  TASKSWAP_EXPECTS(!r.release_deferred,
-                   message("acquire('", r.name,
-                           "'): the unit was trained and released earlier in this step and its "
-                           "update has not run yet (it waits for its reduction, or with loss scaling or clipping for "
-                           "end_step); acquire a trained unit once per step (accumulate its micro-batches within one "
+  TASKSWAP_EXPECTS(r.phase() != step_phase::release_deferred && r.phase() != step_phase::updated,
+                   message("acquire('", r.name, "'): the unit was trained and released earlier in this step",
+                           r.phase() == step_phase::updated
+                             ? " and updated"
+                             : " and its update has not run yet (it waits for its reduction, or with loss scaling "
+                               "or clipping for end_step)",
+                           "; acquire a trained unit once per step (accumulate its micro-batches within one "
                            "acquisition)"));
-  TASKSWAP_EXPECTS(!r.held, message("acquire('", r.name, "'): the unit is already held; release it first"));
+  TASKSWAP_EXPECTS(!r.held(), message("acquire('", r.name, "'): the unit is already held; release it first"));
   TASKSWAP_EXPECTS(use == unit_use::frozen || !r.layout.frozen,
                    message("acquire('", r.name,
                            "', train): the unit is registered never trained (trainable = "
@@ -39,7 +44,7 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
     // With a communicator the ranks agreed on the planned use; without one the plan is a
     // forecast, and an acquisition it did not foresee is unplanned. Its planned entry is used up
     // all the same, so that prefetch and eviction do not wait for a use that has happened.
-    TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "', ", to_string(use), "): step ", steps_done_,
+    TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "', ", to_string(use), "): step ", ledger_.step(),
                                         " planned it ", frozen ? "trained" : "frozen",
                                         "; with a communicator acquire it as the plan says, or plan it ",
                                         frozen ? "frozen" : "trained"));
@@ -47,9 +52,11 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
     planned.reset();
   }
   const bool reduced = planned && planned->use == detail::planned_use::frozen_reduced;
-  acquire(r, s, !frozen || reduced, planned.has_value());
-  r.frozen = frozen;
-  r.frozen_reduced = reduced;
+  acquire(r, s,
+          !frozen   ? phase_move::acquire_train
+          : reduced ? phase_move::acquire_frozen_reduced
+                    : phase_move::acquire_frozen,
+          planned.has_value());
   const detail::unit_layout& l = r.layout;
   unit_view v;
   v.id = u;
@@ -57,81 +64,68 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
   v.params = {r.slot->data() + l.params, l.compute, l.count};
   v.owner = &device_.backend();
   if (frozen) {
-    ++current_.frozen;
+    ledger_.frozen_use();
     v.grads = {nullptr, l.grad, 0};
     v.frozen = true;
     // Other ranks train it: its gradients stay zero, so it is ready for the reduction at once
     // (unless rank 0's state tensors would arrive while the forward pass reads them: at release).
-    if (r.frozen_reduced && r.layout.state_tensor_bytes() == 0) { mark_ready(r, s); }
+    if (reduced && r.layout.state_tensor_bytes() == 0) { mark_ready(r, s); }
   } else {
     v.grads = {r.slot->data() + l.device_grads, l.grad, l.count};
   }
   return v;
 }
 
-void runtime::impl::acquire(unit_record& r, stream_view s, bool whole, bool as_planned)
+void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as_planned)
 {
   const unit_id u{r.index};
-  r.stepped = false;
+  const bool whole = m != phase_move::acquire_frozen;
   const std::optional<detail::planned_acquisition> planned = as_planned ? plan_.match(u) : std::nullopt;
   if (!planned) {
     TASKSWAP_EXPECTS(!reducer_,
-                     message("acquire('", r.name, "'): step ", steps_done_,
+                     message("acquire('", r.name, "'): step ", ledger_.step(),
                              " did not plan it. With a communicator every acquisition must be planned "
                              "(runtime::plan), since the ranks agree on each step's units when it is planned"));
-    ++current_.unplanned;
+    ledger_.unplanned();
   }
   if (r.resident_for(whole)) {
-    ++current_.hits;
+    ledger_.hit();
   } else {
-    ++current_.misses;
-    if (!swap_in(r, planned ? planned->position : 0, true, whole)) {
+    ledger_.miss();
+    if (!swap_->swap_in(r, planned ? planned->position : 0, true, whole)) {
       const std::size_t budget = options_.device.budget;
       const std::size_t needed = charged(r, whole ? r.layout.device_bytes : r.layout.params_bytes);
       throw out_of_memory(
         message("acquire('", r.name, "') needs ", bytes_text(needed), " of device memory", granule_note(), "; ",
-                held_count_, " units held now take ", bytes_text(held_bytes_), " and the pinned units ",
+                held_count_, " units held now take ", bytes_text(trainer_held_bytes()), " and the pinned units ",
                 bytes_text(model_->pinned_bytes()), " of the ", bytes_text(model_->capacity()),
                 " budget; release units earlier or plan the step so the runtime checks it ahead"),
         needed, pool_->free(), budget);
     }
   }
-  r.held = true;
+  go(r, m);
   ++held_count_;
   r.held_bytes = r.pinned() ? 0 : charged(r, r.slot->size());
-  held_bytes_ += r.held_bytes;
   if (reducer_) { step_units_.push_back(r.index); }
   // The previous use ended on another stream (the trainer's, or aux after an update): wait for it.
   if (r.released_on != nullptr && r.released_on != s.native_handle()) {
     if (!r.released.query()) { r.released.wait(s); }
     r.released_on = nullptr;
   }
-  const bool pending = !r.arrived.query();  // a finished swap-in needs no wait enqueued
-  if (pending && options_.measure_stall) {
-    if (stalls_free_.empty()) {
-      stalls_free_.push_back({event(device_, {.timing = true}), event(device_, {.timing = true}), 0});
-    }
-    stall_timer t = std::move(stalls_free_.back());
-    stalls_free_.pop_back();
-    t.step = steps_done_;
-    t.begin.record(s);
-    r.arrived.wait(s);
-    t.end.record(s);
-    stalls_pending_.push_back(std::move(t));
-  } else if (pending) {
-    r.arrived.wait(s);
-  }
+  if (!r.arrived.query()) {
+    ledger_.wait_timed(r.arrived, s, options_.measure_stall);
+  }  // a finished swap-in needs no wait
   if (trace_) { r.trace_span = trace_->open(compute_track(s), r.name, s); }
-  prefetch();
+  swap_->prefetch();
 }
 
 void runtime::impl::trainer_grads_ready(unit_id u, stream_view s)
 {
   check_comm();
   unit_record& r = held_record(u, "grads_ready");
-  TASKSWAP_EXPECTS(!r.frozen, message("grads_ready('", r.name,
-                                      "'): the unit is used frozen in this step and has no "
-                                      "gradients; plan and acquire it with unit_use::train to train it"));
+  TASKSWAP_EXPECTS(!r.st.frozen_use(), message("grads_ready('", r.name,
+                                               "'): the unit is used frozen in this step and has no "
+                                               "gradients; plan and acquire it with unit_use::train to train it"));
   if (reducer_) {
     mark_ready(r, s);
     return;
@@ -143,42 +137,52 @@ void runtime::impl::trainer_step(unit_id u, stream_view s)
 {
   check_comm();
   unit_record& r = held_record(u, "step");
-  TASKSWAP_EXPECTS(!r.frozen, message("step('", r.name,
-                                      "'): the unit is used frozen in this step and is not "
-                                      "stepped; plan and acquire it with unit_use::train to train it"));
-  if (!reducer_) {
-    if (guard_) {
-      TASKSWAP_EXPECTS(!r.step_requested, message("step('", r.name, "'): the unit was stepped already in this step"));
-      defer_update(r, s);
-      return;
-    }
-    if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
-    apply_step(r, s);
-    r.stepped = true;
-    return;
+  TASKSWAP_EXPECTS(!r.st.frozen_use(), message("step('", r.name,
+                                               "'): the unit is used frozen in this step and is not "
+                                               "stepped; plan and acquire it with unit_use::train to train it"));
+  switch (path()) {
+    case detail::step_path::local: step_local(r, s); return;
+    case detail::step_path::local_guarded:
+    case detail::step_path::reduced_guarded: step_guarded(r, s); return;
+    case detail::step_path::reduced: step_reduced(r, s); return;
   }
-  TASKSWAP_EXPECTS(!r.step_requested, message("step('", r.name, "'): the unit was stepped already in this step"));
-  request_step(r, s);
 }
 
-// With a communicator: the update of `r` after the work on `s` and its reduction; on `s` when the
-// reduction was launched, else on aux once it is.
-void runtime::impl::request_step(unit_record& r, stream_view s)
+// Without a communicator, unguarded: the update runs on the trainer's stream now (after the
+// gradients' stream, if grads_ready named another).
+void runtime::impl::step_local(unit_record& r, stream_view s)
 {
+  if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
+  apply_step(r, s);
+  go(r, phase_move::step_local);
+}
+
+// Guarded (loss scaling or clipping): the update waits for end_step, where the step's norm and
+// scale are known; with a communicator, after the unit's reduction.
+void runtime::impl::step_guarded(unit_record& r, stream_view s)
+{
+  TASKSWAP_EXPECTS(r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced,
+                   message("step('", r.name, "'): the unit was stepped already in this step"));
+  if (reducer_) { mark_ready(r, s); }  // a step implies the gradients are complete
+  defer_update(r, s);
+}
+
+// With a communicator, unguarded: the update after the work on `s` and the unit's reduction; on
+// `s` when the reduction was launched, else on aux once it is (on_launched).
+void runtime::impl::step_reduced(unit_record& r, stream_view s)
+{
+  TASKSWAP_EXPECTS(r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced,
+                   message("step('", r.name, "'): the unit was stepped already in this step"));
   mark_ready(r, s);  // a step implies the gradients are complete
-  if (guard_) {
-    defer_update(r, s);
-    return;
-  }
-  r.step_requested = true;
   if (const event* reduced = reducer_->reduced(r.index)) {
     if (!reduced->query()) { reduced->wait(s); }
+    go(r, phase_move::step_now);
     apply_step(r, s);
     return;
   }
   // Its bucket waits for units not ready yet: the update runs on aux once it is launched.
   ensure(r.step_point, device_).record(s);
-  r.step_deferred = true;
+  go(r, phase_move::defer_to_reduction);
 }
 
 // The unit's group: the optimizer's settings with its learning-rate scale and weight decay, and
@@ -209,79 +213,124 @@ void runtime::impl::apply_step(unit_record& r, stream_view s)
     detail::adamw_async(l.run_slabs(whole, run), run.decay ? scalars.decay : scalars.no_decay, s);
   }
   fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
-  r.dirty = true;
+  go(r, coherence_move::step_on_device);
 }
 
 void runtime::impl::trainer_release(unit_id u, stream_view s)
 {
   check_comm();
   unit_record& r = held_record(u, "release");
-  if (!reducer_ || (r.frozen && !r.frozen_reduced)) {  // a frozen use no rank trains: nothing to reduce
-    if (r.step_deferred) {  // a guarded step: the update, then the release, at end_step
-      defer_release(r, s);
-      return;
-    }
-    if (!r.frozen && !r.stepped) {  // given up without a step: its gradients are zero again for the next use
-      const detail::unit_layout& l = r.layout;
-      fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
-    }
-    release(r, s);
+  switch (path()) {
+    case detail::step_path::local: release_local(r, s); return;
+    case detail::step_path::local_guarded: release_local_guarded(r, s); return;
+    case detail::step_path::reduced: release_reduced(r, s); return;
+    case detail::step_path::reduced_guarded: release_reduced_guarded(r, s); return;
+  }
+}
+
+void runtime::impl::zero_grads(unit_record& r, stream_view s)
+{
+  const detail::unit_layout& l = r.layout;
+  fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
+}
+
+// Without a communicator, unguarded: a trained use given up without a step leaves zero gradients.
+void runtime::impl::release_local(unit_record& r, stream_view s)
+{
+  if (r.phase() == step_phase::train) { zero_grads(r, s); }
+  release(r, s, phase_move::release);
+}
+
+// Guarded, without a communicator: a stepped unit's update, then its release, wait for end_step.
+void runtime::impl::release_local_guarded(unit_record& r, stream_view s)
+{
+  if (r.phase() == step_phase::step_deferred) {
+    defer_release(r, s);
     return;
   }
-  TASKSWAP_EXPECTS(!r.release_deferred, message("release('", r.name, "'): the unit was released already"));
-  if (!r.step_requested) {
-    if (!r.frozen_reduced) {  // a frozen use that others train takes their update here, by design
+  if (r.phase() == step_phase::train) { zero_grads(r, s); }
+  release(r, s, phase_move::release);
+}
+
+// With a communicator every rank applies the same update: a trained use (or a frozen use other
+// ranks train) not stepped yet is stepped here.
+void runtime::impl::release_reduced(unit_record& r, stream_view s)
+{
+  if (r.phase() == step_phase::frozen) {  // a frozen use no rank trains: nothing to reduce
+    release(r, s, phase_move::release);
+    return;
+  }
+  if (r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced) {
+    if (r.phase() == step_phase::train) {  // a frozen use that others train takes their update here, by design
       detail::log_once("release without step", log_level::warning,
                        message("release('", r.name,
                                "'): the unit was not stepped; with a communicator the runtime "
                                "steps it so that every rank applies the same update. Call step() before release()"));
     }
-    request_step(r, s);
+    step_reduced(r, s);
   }
-  if (r.step_deferred) {  // the update has not run yet; the release follows it
-    ensure(r.trainer_released, device_).record(s);
-    r.release_deferred = true;
-    --held_count_;  // the trainer no longer holds it; the runtime does until the update ran
-    held_bytes_ -= r.held_bytes;
-    return;
+  switch (r.phase()) {
+    case step_phase::step_deferred: defer_release(r, s); return;  // the release follows the update on aux
+    case step_phase::updated_on_aux:
+      ensure(r.trainer_released, device_).record(s);
+      r.trainer_released->wait(*aux_);
+      release(r, *aux_, phase_move::release_after_update);
+      return;
+    default: release(r, s, phase_move::release_after_update); return;
   }
-  if (r.updated_on_aux) {
-    ensure(r.trainer_released, device_).record(s);
-    r.trainer_released->wait(*aux_);
-    release(r, *aux_);
-    return;
-  }
-  release(r, s);
 }
 
-void runtime::impl::release(unit_record& r, stream_view s)
+// Guarded, with a communicator: as release_reduced, and the update waits for end_step.
+void runtime::impl::release_reduced_guarded(unit_record& r, stream_view s)
+{
+  if (r.phase() == step_phase::frozen) {
+    release(r, s, phase_move::release);
+    return;
+  }
+  if (r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced) {
+    if (r.phase() == step_phase::train) {
+      detail::log_once("release without step", log_level::warning,
+                       message("release('", r.name,
+                               "'): the unit was not stepped; with a communicator the runtime "
+                               "steps it so that every rank applies the same update. Call step() before release()"));
+    }
+    step_guarded(r, s);
+  }
+  defer_release(r, s);
+}
+
+void runtime::impl::release(unit_record& r, stream_view s, phase_move m)
 {
   const unit_id u{r.index};
+  const bool counted = r.phase() != step_phase::release_deferred;  // a deferred release left the count earlier
   r.released.record(s);
   r.released_on = s.native_handle();
   if (trace_) { trace_->close(r.trace_span, s); }
-  r.held = false;
-  r.frozen = false;
-  r.frozen_reduced = false;
-  if (!r.release_deferred) {  // a deferred release left the trainer's count when the trainer called it
-    --held_count_;
-    held_bytes_ -= r.held_bytes;
-  }
+  go(r, m);
+  if (counted) { --held_count_; }
   r.held_bytes = 0;
-  r.release_deferred = false;
   r.last_release = ++tick_;
-  if (r.params_stale) {
+  if (r.st.coh == detail::coherence::home_newer) {
     // Upload the new parameters if the unit stays or is needed soon; otherwise free its room.
     const std::uint64_t next = plan_.next_use(u);
     const bool soon =
       next != detail::never && plan_.step_distance(next) <= static_cast<std::size_t>(std::max(r.policy.lookahead, 0));
-    if (!r.grads_only && (r.pinned() || soon)) {
+    if (!r.grads_only() && (r.pinned() || soon)) {
       upload_params(r);
     } else {
-      evict(r);
+      swap_->evict(r);
     }
   }
-  prefetch();
+  swap_->prefetch();
+}
+
+std::size_t runtime::impl::trainer_held_bytes() const noexcept
+{
+  std::size_t bytes = 0;
+  for (const unit_record& r : units_) {
+    if (r.held() && r.phase() != step_phase::release_deferred) { bytes += r.held_bytes; }
+  }
+  return bytes;
 }
 
 step_stats runtime::impl::end_step()
@@ -293,23 +342,22 @@ step_stats runtime::impl::end_step()
   }
   if (held_count_ != 0) {
     for (const unit_record& r : units_) {
-      TASKSWAP_EXPECTS(!r.held || r.release_deferred || r.update_only,
+      TASKSWAP_EXPECTS(!r.held() || r.st.runtime_holds(),
                        message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
     }
   }
   if (guard_ && !guard_units_.empty()) { finish_guarded_step(); }
   if (reducer_ && step_begun_) {
     reducer_->end();
-    current_.reduced_bytes = reducer_->step_bytes();
-    current_.reduce_all_bytes = reducer_->all_bytes();
+    ledger_.reduced(reducer_->step_bytes(), reducer_->all_bytes());
     agreed_.pop_front();
     step_begun_ = false;
-    for (const std::uint32_t u : step_units_) { reset_step_flags(units_[u]); }
+    for (const std::uint32_t u : step_units_) { go(units_[u], phase_move::end_step_reset); }
     step_units_.clear();
   }
   plan_.end_step();
-  const step_stats done = close_step_stats();
-  prefetch();
+  const step_stats done = ledger_.close(pool_->stats().used);
+  swap_->prefetch();
   return done;
 }
 
@@ -317,11 +365,12 @@ void runtime::impl::flush()
 {
   // Units the runtime holds for the next step's updates (with a communicator) are no obstacle.
   for (const unit_record& r : units_) {
-    TASKSWAP_EXPECTS(!r.held || r.update_only, message("flush: unit '", r.name, "' is held; release it first"));
+    TASKSWAP_EXPECTS(!r.held() || r.phase() == step_phase::update_only,
+                     message("flush: unit '", r.name, "' is held; release it first"));
   }
   start();
   for (unit_record& r : units_) {
-    if (r.resident() && r.dirty) { write_back(r); }
+    if (r.dirty()) { swap_->write_back(r); }
   }
   if (guard_) { download_guard(); }
   wait_streams("flush");

@@ -12,6 +12,8 @@ namespace taskswap {
 using detail::bytes_text;
 using detail::ensure;
 using detail::message;
+using detail::phase_move;
+using detail::step_phase;
 
 // The current step's reduction starts once it is planned: the units this rank only updates are
 // acquired on aux with zero gradients, ready for their buckets.
@@ -20,7 +22,7 @@ void runtime::impl::begin_step()
   if (!reducer_ || step_begun_ || agreed_.empty()) { return; }
   step_begun_ = true;
   step_optimizer_ = options_.optimizer;
-  reducer_->begin(agreed_.front().agreement, steps_done_);
+  reducer_->begin(agreed_.front().agreement, ledger_.step());
   for (const std::uint32_t u : agreed_.front().update_only) { hold_for_update(units_[u]); }
 }
 
@@ -33,11 +35,9 @@ void runtime::impl::hold_for_update(unit_record& r)
   if (r.policy.optimizer == optimizer_placement::host && !r.resident() && r.layout.state_tensor_bytes() == 0) {
     hold_gradients_only(r);
   } else {
-    acquire(r, *aux_);
+    acquire(r, *aux_, phase_move::hold_for_update);
     fill_async(r.slot->subspan(r.grads_at(), r.layout.device_grad_bytes()), std::byte{0}, *aux_);
   }
-  r.update_only = true;
-  r.step_requested = true;
   if (guard_) { guard_units_.push_back(r.index); }  // its update runs with the step's others
   mark_ready(r, *aux_);
 }
@@ -46,26 +46,17 @@ void runtime::impl::hold_gradients_only(unit_record& r)
 {
   const std::optional<detail::planned_acquisition> planned = plan_.match(unit_id{r.index});
   const std::size_t bytes = r.layout.device_grad_bytes();
-  if (!make_room(r, bytes, planned ? planned->position : 0, true)) {
+  if (!swap_->swap_in_grads(r, planned ? planned->position : 0, *aux_)) {
     throw out_of_memory(
-      message("step ", steps_done_, ": the zeroed gradient slab of '", r.name, "' (", bytes_text(charged(r, bytes)),
+      message("step ", ledger_.step(), ": the zeroed gradient slab of '", r.name, "' (", bytes_text(charged(r, bytes)),
               "), which other ranks train, does not fit in the ", bytes_text(options_.device.budget),
               " budget beside the units held; raise [device] budget"),
       bytes, pool_->free(), options_.device.budget);
   }
-  r.slot = map_slot(r, bytes);
-  r.grads_only = true;
-  add_resident(r);
-  flush_h2d_waits();  // the pool memory's previous users are done with it
-  fill_async(*r.slot, std::byte{0}, h2d_);
-  r.arrived.record(h2d_);
-  r.arrived.wait(*aux_);
-  r.held = true;
+  go(r, phase_move::hold_for_update);
   ++held_count_;
   r.held_bytes = charged(r, bytes);
-  held_bytes_ += r.held_bytes;
   step_units_.push_back(r.index);
-  note_device_bytes();
 }
 
 void runtime::impl::mark_ready(unit_record& r, stream_view s)
@@ -85,7 +76,10 @@ void runtime::impl::on_launched(const std::vector<std::uint32_t>& units)
   if (guard_) { return; }  // a guarded step updates its units together at end_step
   for (const std::uint32_t u : units) {
     unit_record& r = units_[u];
-    if (r.update_only || r.step_deferred) { update_on_aux(r); }
+    const step_phase p = r.phase();
+    if (p == step_phase::update_only || p == step_phase::step_deferred || p == step_phase::release_deferred) {
+      update_on_aux(r);
+    }
   }
 }
 
@@ -94,18 +88,17 @@ void runtime::impl::on_launched(const std::vector<std::uint32_t>& units)
 void runtime::impl::update_on_aux(unit_record& r)
 {
   stream& aux = *aux_;
-  if (r.step_deferred && !r.step_point->query()) { r.step_point->wait(aux); }
+  const step_phase p = r.phase();
+  if (p != step_phase::update_only && !r.step_point->query()) { r.step_point->wait(aux); }
   const event* reduced = reducer_->reduced(r.index);
   if (!reduced->query()) { reduced->wait(aux); }
   apply_step(r, aux);
-  r.step_deferred = false;
-  r.updated_on_aux = true;
-  if (r.release_deferred) {
-    if (!r.trainer_released->query()) { r.trainer_released->wait(aux); }
-    release(r, aux);
-  } else if (r.update_only) {
-    release(r, aux);
+  if (p == step_phase::step_deferred) {  // the trainer still holds it
+    go(r, phase_move::update_on_aux);
+    return;
   }
+  if (p == step_phase::release_deferred && !r.trainer_released->query()) { r.trainer_released->wait(aux); }
+  release(r, aux, phase_move::update_and_release);
 }
 
 // Units planned here but never acquired still count as trained by this rank: they contribute
@@ -114,18 +107,9 @@ void runtime::impl::complete_step()
 {
   for (const std::uint32_t u : reducer_->not_ready()) {
     unit_record& r = units_[u];
-    if (r.held) { continue; }  // the trainer still holds it: end_step reports that
+    if (r.held()) { continue; }  // the trainer still holds it: end_step reports that
     hold_for_update(r);
   }
-}
-
-void runtime::impl::reset_step_flags(unit_record& r)
-{
-  r.update_only = false;
-  r.step_requested = false;
-  r.step_deferred = false;
-  r.updated_on_aux = false;
-  r.release_deferred = false;
 }
 
 }  // namespace taskswap

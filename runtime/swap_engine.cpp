@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // Residency: filling and writing back slots, eviction by Belady's rule, making room, prefetch.
 
-#include "runtime/runtime_impl.hpp"
+#include "runtime/swap_engine.hpp"
+
+#include "device/message.hpp"
 
 #include "kernels/kernels.hpp"
 
@@ -9,93 +11,96 @@
 #include <chrono>
 #include <utility>
 
-namespace taskswap {
+namespace taskswap::detail {
 
-using detail::ensure;
+swap_engine::swap_engine(parts p) : p_(std::move(p))
+{
+  for (const unit_record& r : p_.units) {
+    if (r.pinned()) { continue; }
+    unit_of_slot_.resize(std::max<std::size_t>(unit_of_slot_.size(), r.pool_slot + 1), ~std::uint32_t{0});
+    unit_of_slot_[r.pool_slot] = r.index;
+    if (r.policy.residency == residency::prefetch) {
+      max_lookahead_ = std::max(max_lookahead_, static_cast<std::size_t>(r.policy.lookahead));
+    }
+  }
+}
 
-void runtime::impl::flush_h2d_waits()
+void swap_engine::flush_h2d_waits()
 {
   for (const event* e : h2d_waits_) {
-    if (!e->query()) { e->wait(h2d_); }  // a finished event orders nothing: skip the enqueue
+    if (!e->query()) { e->wait(p_.h2d); }  // a finished event orders nothing: skip the enqueue
   }
   h2d_waits_.clear();
 }
 
-void runtime::impl::note_device_bytes()
+void swap_engine::note_device_bytes()
 {
-  const std::size_t used = pool_->stats().used;
-  current_.peak_device_bytes = std::max(current_.peak_device_bytes, used);
-  if (trace_) { trace_->counter("device bytes", static_cast<double>(used)); }
+  const std::size_t used = p_.pool.stats().used;
+  p_.ledger.device_bytes(used);
+  if (p_.trace != nullptr) { p_.trace->counter("device bytes", static_cast<double>(used)); }
 }
 
-void runtime::impl::add_resident(unit_record& r)
+void swap_engine::add_resident(unit_record& r)
 {
   r.resident_index = resident_.size();
   resident_.push_back(r.index);
 }
 
-void runtime::impl::remove_resident(unit_record& r)
+void swap_engine::remove_resident(unit_record& r)
 {
   const std::uint32_t last = resident_.back();
   resident_[r.resident_index] = last;
-  units_[last].resident_index = r.resident_index;
+  p_.units[last].resident_index = r.resident_index;
   resident_.pop_back();
 }
 
 // Copies the travelling prefix of the home block into the unit's slot and zeroes its gradients
 // (or, for a slot of the parameters alone, copies those), on h2d, after every pending reuse of
 // pool memory and every pending write of this home block.
-void runtime::impl::fill_slot(unit_record& r)
+void swap_engine::fill_slot(unit_record& r)
 {
   const detail::unit_layout& l = r.layout;
   flush_h2d_waits();
   for (const std::optional<event>* e : {&r.written_back, &r.host_updated}) {
-    if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(h2d_); }
+    if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(p_.h2d); }
   }
-  const std::size_t bytes = r.params_only ? l.params_bytes : l.travel_bytes;  // the params lie first in both
-  const std::size_t span = trace_ ? trace_->open(h2d_track_, "swap-in " + r.name, h2d_) : 0;
-  r.stage_in(0, r.slot->subspan(0, bytes), h2d_);
-  if (!r.params_only) { fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, h2d_); }
-  r.arrived.record(h2d_);
-  if (trace_) { trace_->close(span, h2d_); }
-  r.dirty = false;
-  r.params_stale = false;
-  r.stepped_here = false;
-  ++r.swap_ins;
-  ++current_.swap_ins;
-  current_.h2d_bytes += bytes;
+  const std::size_t bytes = r.params_only() ? l.params_bytes : l.travel_bytes;  // the params lie first in both
+  const std::size_t span = p_.trace != nullptr ? p_.trace->open(p_.h2d_track, "swap-in " + r.name, p_.h2d) : 0;
+  r.stage_in(0, r.slot->subspan(0, bytes), p_.h2d);
+  if (!r.params_only()) { fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, p_.h2d); }
+  r.arrived.record(p_.h2d);
+  if (p_.trace != nullptr) { p_.trace->close(span, p_.h2d); }
+  go(r, coherence_move::fill);
+  p_.ledger.swap_in(r.index, bytes);
 }
 
-void runtime::impl::write_back(unit_record& r)
+void swap_engine::write_back(unit_record& r)
 {
   const detail::unit_layout& l = r.layout;
-  if (r.released.recorded() && !r.released.query()) { r.released.wait(d2h_); }
-  const std::size_t span = trace_ ? trace_->open(d2h_track_, "write-back " + r.name, d2h_) : 0;
-  r.write_home(0, const_device_span(r.slot->subspan(0, l.writeback_bytes)), d2h_);
-  ensure(r.written_back, device_).record(d2h_);
-  if (trace_) { trace_->close(span, d2h_); }
-  r.dirty = false;
-  ++r.write_backs;
-  ++current_.write_backs;
-  current_.d2h_bytes += l.writeback_bytes;
+  if (r.released.recorded() && !r.released.query()) { r.released.wait(p_.d2h); }
+  const std::size_t span = p_.trace != nullptr ? p_.trace->open(p_.d2h_track, "write-back " + r.name, p_.d2h) : 0;
+  r.write_home(0, const_device_span(r.slot->subspan(0, l.writeback_bytes)), p_.d2h);
+  ensure(r.written_back, p_.dev).record(p_.d2h);
+  if (p_.trace != nullptr) { p_.trace->close(span, p_.d2h); }
+  go(r, coherence_move::write_back);
+  p_.ledger.write_back(r.index, l.writeback_bytes);
 }
 
-void runtime::impl::evict(unit_record& r)
+void swap_engine::evict(unit_record& r)
 {
-  if (r.dirty) {
+  if (r.dirty()) {
     write_back(r);
     h2d_waits_.push_back(&*r.written_back);  // recorded after d2h waited for the release
   } else {
     if (r.released.recorded()) { h2d_waits_.push_back(&r.released); }
-    if (r.stepped_here) { h2d_waits_.push_back(&*r.grads_copied); }
+    if (r.host_stepped()) { h2d_waits_.push_back(&*r.grads_copied); }
   }
-  pool_->unmap(r.pool_slot);
+  p_.pool.unmap(r.pool_slot);
   r.slot.reset();
-  r.grads_only = false;
-  r.params_only = false;
-  r.params_stale = false;
+  go(r, slot_move::evict);
+  go(r, coherence_move::drop);
   remove_resident(r);
-  ++current_.evictions;
+  p_.ledger.eviction();
   note_device_bytes();
 }
 
@@ -107,36 +112,35 @@ void runtime::impl::evict(unit_record& r)
 // again in the plan), those idle until `use` were released before the others will have been by
 // then, so Belady at `use` takes one of them: a tie with a unit that is held or needed first does
 // not stop the prefetch.
-runtime::impl::unit_record* runtime::impl::pick_victim(std::uint64_t use, bool for_acquire)
+unit_record* swap_engine::pick_victim(std::uint64_t use, bool for_acquire)
 {
   victim_candidates_.clear();
   for (const std::uint32_t i : resident_) {
-    const unit_record& r = units_[i];
-    if (for_acquire && r.held) { continue; }
-    const std::uint64_t next = for_acquire ? plan_.next_use(unit_id{i}) : plan_.next_use_after(unit_id{i}, use);
-    const bool idle = for_acquire || (!r.held && plan_.next_use(unit_id{i}) >= use);
+    const unit_record& r = p_.units[i];
+    if (for_acquire && r.held()) { continue; }
+    const std::uint64_t next = for_acquire ? p_.plan.next_use(unit_id{i}) : p_.plan.next_use_after(unit_id{i}, use);
+    const bool idle = for_acquire || (!r.held() && p_.plan.next_use(unit_id{i}) >= use);
     victim_candidates_.push_back({.unit = i, .next_use = next, .last_release = r.last_release, .idle = idle});
   }
-  const std::size_t k = detail::residency_model::choose_victim(victim_candidates_);
-  return k == victim_candidates_.size() ? nullptr : &units_[victim_candidates_[k].unit];
+  const std::size_t k = residency_model::choose_victim(victim_candidates_);
+  return k == victim_candidates_.size() ? nullptr : &p_.units[victim_candidates_[k].unit];
 }
 
 // A unit held for a frozen use in its whole slot gives up everything but its parameters: the plan
 // check counted only those. What changed is written home first; the freed tail is reused only
 // after that copy and the unit's previous uses of it.
-void runtime::impl::narrow_to_params(unit_record& r)
+void swap_engine::narrow_to_params(unit_record& r)
 {
-  if (r.dirty) {
+  if (r.dirty()) {
     write_back(r);
     h2d_waits_.push_back(&*r.written_back);
   }
   if (r.released.recorded()) { h2d_waits_.push_back(&r.released); }
-  if (r.stepped_here) { h2d_waits_.push_back(&*r.grads_copied); }
+  if (r.host_stepped()) { h2d_waits_.push_back(&*r.grads_copied); }
   const std::size_t keep = r.layout.params_bytes;
-  held_bytes_ -= r.held_bytes - taken(keep);
-  r.held_bytes = taken(keep);
-  r.slot = pool_->shrink(r.pool_slot, keep);
-  r.params_only = true;
+  r.held_bytes = p_.model.taken(keep);
+  r.slot = p_.pool.shrink(r.pool_slot, keep);
+  go(r, slot_move::narrow_to_params);
   note_device_bytes();
 }
 
@@ -144,22 +148,22 @@ void runtime::impl::narrow_to_params(unit_record& r)
 // more than a query (the unit left the device at least one swap earlier), bounded by
 // [runtime] timeout as every other wait of the runtime is. One thread uses the pool, so holding
 // its lock meanwhile stops nobody.
-device_span runtime::impl::map_slot(unit_record& r, std::size_t bytes)
+device_span swap_engine::map_slot(unit_record& r, std::size_t bytes)
 {
   // The units whose earlier uses of the addresses must be done: r itself, or for a packed unit
   // the units that had places in the class granule that moves.
-  return pool_->map(r.pool_slot, bytes, [&](detail::device_pool::slot_id slot) {
-    if (slot >= unit_of_slot_.size() || unit_of_slot_[slot] >= units_.size()) { return; }  // staging: never used
-    const unit_record& u = units_[unit_of_slot_[slot]];
-    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  return p_.pool.map(r.pool_slot, bytes, [&](device_pool::slot_id slot) {
+    if (slot >= unit_of_slot_.size() || unit_of_slot_[slot] >= p_.units.size()) { return; }  // staging: never used
+    const unit_record& u = p_.units[unit_of_slot_[slot]];
+    const auto deadline = std::chrono::steady_clock::now() + p_.timeout;
     const auto wait = [&](const event& e, const char* what) {
       if (!e.recorded() || e.query()) { return; }
       const auto left =
         std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
       if (!e.synchronize_for(left)) {
-        stalled(detail::message("moving device memory that '", u.name, "' used: its previous use (", what,
-                                ") has not finished within ", options_.timeout.count(),
-                                " ms ([runtime] timeout); the trainer's stream or a copy is stalled"));
+        p_.stalled(message("moving device memory that '", u.name, "' used: its previous use (", what,
+                           ") has not finished within ", p_.timeout.count(),
+                           " ms ([runtime] timeout); the trainer's stream or a copy is stalled"));
       }
     };
     wait(u.arrived, "swap-in");
@@ -172,12 +176,12 @@ device_span runtime::impl::map_slot(unit_record& r, std::size_t bytes)
   });
 }
 
-bool runtime::impl::make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, bool for_acquire)
+bool swap_engine::make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, bool for_acquire)
 {
   const auto fits = [&] {
-    if (r.packed) { return r.resident() || pool_->fits(r.pool_slot, bytes); }  // resident: its own place frees
-    const std::size_t freed_later = r.resident() ? taken(r.slot->size()) : 0;
-    return pool_->free() + freed_later >= taken(bytes);
+    if (r.packed) { return r.resident() || p_.pool.fits(r.pool_slot, bytes); }  // resident: its own place frees
+    const std::size_t freed_later = r.resident() ? p_.model.taken(r.slot->size()) : 0;
+    return p_.pool.free() + freed_later >= p_.model.taken(bytes);
   };
   while (true) {
     if (fits()) { return true; }
@@ -190,16 +194,18 @@ bool runtime::impl::make_room(const unit_record& r, std::size_t bytes, std::uint
     // lowest unit id (the order the planner replays).
     unit_record* wide = nullptr;
     for (const std::uint32_t i : resident_) {
-      unit_record& h = units_[i];
-      if (!h.held || !h.frozen || h.frozen_reduced || h.params_only || h.packed) { continue; }  // a place cannot narrow
-      if (wide == nullptr || std::pair(h.dirty, h.index) < std::pair(wide->dirty, wide->index)) { wide = &h; }
+      unit_record& h = p_.units[i];
+      if (h.phase() != detail::step_phase::frozen || h.params_only() || h.packed) {
+        continue;
+      }  // a place cannot narrow
+      if (wide == nullptr || std::pair(h.dirty(), h.index) < std::pair(wide->dirty(), wide->index)) { wide = &h; }
     }
     if (wide == nullptr) { return false; }
     narrow_to_params(*wide);
   }
 }
 
-bool runtime::impl::swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole)
+bool swap_engine::swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole)
 {
   // Its parameters alone are here and it must come in whole: for an acquire, that copy goes first
   // (its room may be what the whole unit needs); a prefetch keeps it until the room is found.
@@ -208,26 +214,41 @@ bool runtime::impl::swap_in(unit_record& r, std::uint64_t use, bool for_acquire,
   if (!make_room(r, bytes, use, for_acquire)) { return false; }  // counting what r gives up below
   if (r.resident()) { evict(r); }
   r.slot = map_slot(r, bytes);
-  r.params_only = !whole;
+  go(r, whole ? detail::slot_move::swap_in_whole : detail::slot_move::swap_in_params);
   add_resident(r);
   fill_slot(r);
   note_device_bytes();
   return true;
 }
 
+bool swap_engine::swap_in_grads(unit_record& r, std::uint64_t use, stream_view user)
+{
+  const std::size_t bytes = r.layout.device_grad_bytes();
+  if (!make_room(r, bytes, use, true)) { return false; }
+  r.slot = map_slot(r, bytes);
+  go(r, slot_move::map_grads);
+  add_resident(r);
+  flush_h2d_waits();  // the pool memory's previous users are done with it
+  fill_async(*r.slot, std::byte{0}, p_.h2d);
+  r.arrived.record(p_.h2d);
+  r.arrived.wait(user);
+  note_device_bytes();
+  return true;
+}
+
 // Brings in the upcoming units in the order of their use, as far as each one's lookahead and the
 // budget allow; stops at the first that does not fit, so no later unit takes its room.
-void runtime::impl::prefetch()
+void swap_engine::prefetch()
 {
-  plan_.for_each_upcoming(max_lookahead_, [&](unit_id u, detail::planned_acquisition a, std::size_t distance) {
-    unit_record& r = units_[u.value];
+  p_.plan.for_each_upcoming(max_lookahead_, [&](unit_id u, planned_acquisition a, std::size_t distance) {
+    unit_record& r = p_.units[u.value];
     const bool whole = a.whole();
     if (r.resident_for(whole)) { return true; }
     if (r.policy.residency != residency::prefetch) { return true; }
     if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }
-    if (r.held) { return false; }  // its parameters are in use: it comes in whole at its acquire, first
+    if (r.held()) { return false; }  // its parameters are in use: it comes in whole at its acquire, first
     return swap_in(r, a.position, false, whole);
   });
 }
 
-}  // namespace taskswap
+}  // namespace taskswap::detail

@@ -26,20 +26,13 @@ struct unit_record {
   std::optional<device_span> slot;
   std::uint32_t pool_slot = 0;  // its slot in the device pool (not pinned)
   bool packed = false;  // its slot is a place in a granule shared by its size class
-  bool held = false;
-  bool dirty = false;  // the device copy is newer than home (device placement)
-  bool params_stale = false;  // home is newer than the device copy (host placement, after a step)
-  bool stepped_here = false;  // a host step read this residency's gradients
-  bool stepped = false;  // step() since its acquire (without a communicator)
-  bool params_only = false;  // its slot holds the parameters alone (brought in or narrowed for a frozen use)
-  bool frozen = false;  // the current acquisition is a frozen use (forward only)
-  bool frozen_reduced = false;  // ... while other ranks train it: whole, zero gradients, takes the update
-  std::size_t held_bytes = 0;  // what its acquisition adds to runtime::impl::held_bytes_
+  // What its slot holds, its device copy against home, its step phase (Note [Unit states]):
+  // changed only by go().
+  unit_states st;
+  std::size_t held_bytes = 0;  // what its acquisition takes of the budget (an error names the sum)
   std::int64_t step = 0;
   std::uint64_t last_release = 0;
   std::size_t resident_index = 0;  // in runtime::impl::resident_
-  std::size_t swap_ins = 0;
-  std::size_t write_backs = 0;
   event arrived;
   event released;
   std::optional<event> grads_ready_event;
@@ -49,16 +42,9 @@ struct unit_record {
   std::optional<event> host_updated;
   std::size_t trace_span = 0;
   std::uint32_t index = 0;  // its unit_id
-  // With a communicator, within the current step:
-  bool update_only = false;  // acquired by the runtime to apply an update other ranks trained
-  bool step_requested = false;  // step() was called (or the runtime stepped it)
-  bool step_deferred = false;  // step() came before its reduction was launched; the update waits
-  bool updated_on_aux = false;  // its update ran on the runtime's aux stream
-  bool release_deferred = false;  // the trainer released it before the deferred update ran
   void* released_on = nullptr;  // the stream of its last release: a user on another one waits for it
-  bool grads_only = false;  // its slot holds only a gradient slab (host placement, update only)
-  std::optional<event> step_point;  // the trainer's stream at step()
-  std::optional<event> trainer_released;  // the trainer's stream at release()
+  std::optional<event> step_point;  // the trainer's stream at step(), for an update that runs later
+  std::optional<event> trainer_released;  // the trainer's stream at release(), for a release that runs later
 
   unit_record(const device& dev, std::uint32_t i, std::string n, unit_policy p, unit_layout l)
       : name(std::move(n)), policy(std::move(p)), layout(std::move(l)), arrived(dev), released(dev), index(i)
@@ -66,7 +52,26 @@ struct unit_record {
   [[nodiscard]] bool resident() const noexcept { return slot.has_value(); }
   /// Resident with what a use needs: the whole slot, or for a frozen use (`whole` false) at least
   /// the parameters.
-  [[nodiscard]] bool resident_for(bool whole) const noexcept { return resident() && !(whole && params_only); }
+  [[nodiscard]] bool resident_for(bool whole) const noexcept
+  {
+    return resident() && !(whole && st.content == slot_content::params);
+  }
+  /// Someone holds it: the trainer, or the runtime for an update.
+  [[nodiscard]] bool held() const noexcept { return st.held(); }
+  [[nodiscard]] step_phase phase() const noexcept { return st.phase; }
+  /// Its device copy has an update not written home (device placement).
+  [[nodiscard]] bool dirty() const noexcept { return st.coh == coherence::device_newer; }
+  /// A host step read the gradients of this residency: its slot's reuse waits for that copy.
+  [[nodiscard]] bool host_stepped() const noexcept
+  {
+    return st.coh == coherence::home_newer || st.coh == coherence::refreshed;
+  }
+  [[nodiscard]] bool params_only() const noexcept { return st.content == slot_content::params; }
+  [[nodiscard]] bool grads_only() const noexcept { return st.content == slot_content::grads; }
+  /// The moves (Note [Unit states]): each leads where its table says, or is an internal error.
+  void go(phase_move m, step_path p) { st.phase = after(phase_after, st.phase, m, p); }
+  void go(slot_move m, step_path p) { st.content = after(slot_after, st.content, m, p); }
+  void go(coherence_move m, step_path p) { st.coh = after(coherence_after, st.coh, m, p); }
   [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
   /// Its home copy as host memory (for the CPU AdamW, checkpoints, replica checks, home()).
   [[nodiscard]] std::byte* home_block() const { return home.tier->host_block(home).data(); }
@@ -78,45 +83,21 @@ struct unit_record {
     home.tier->write_back(home, offset, src, s);
   }
   /// Where the gradients start in its slot.
-  [[nodiscard]] std::size_t grads_at() const noexcept { return grads_only ? 0 : layout.device_grads; }
+  [[nodiscard]] std::size_t grads_at() const noexcept { return grads_only() ? 0 : layout.device_grads; }
+
+ private:
+  template <class Lookup, class State, class Move>
+  [[nodiscard]] State after(const Lookup& lookup, State from, Move m, step_path p) const
+  {
+    const std::optional<State> to = lookup(from, m, p);
+    if (!to) { illegal_move(name, to_string(m), to_string(from), p); }
+    return *to;
+  }
 };
 
 inline unit_state state_of(const unit_record& r) noexcept
 {
-  return r.held ? unit_state::held : r.resident() ? unit_state::resident : unit_state::home;
-}
-
-/// Its states (Note [Unit states]) read off its flags.
-inline unit_states derive(const unit_record& r) noexcept
-{
-  unit_states s;
-  if (r.slot) {
-    s.content = r.params_only ? slot_content::params : r.grads_only ? slot_content::grads : slot_content::whole;
-    s.coh = r.dirty          ? coherence::device_newer
-            : r.params_stale ? coherence::home_newer
-            : r.stepped_here ? coherence::refreshed
-                             : coherence::clean;
-  }
-  if (!r.held) {
-    s.phase = r.step_requested ? step_phase::updated : step_phase::idle;
-  } else if (r.release_deferred) {
-    s.phase = step_phase::release_deferred;
-  } else if (r.update_only) {
-    s.phase = step_phase::update_only;
-  } else if (r.step_deferred) {
-    s.phase = step_phase::step_deferred;
-  } else if (r.updated_on_aux) {
-    s.phase = step_phase::updated_on_aux;
-  } else if (r.step_requested) {
-    s.phase = step_phase::stepped_reduced;
-  } else if (r.frozen) {
-    s.phase = r.frozen_reduced ? step_phase::frozen_reduced : step_phase::frozen;
-  } else if (r.stepped) {
-    s.phase = step_phase::stepped_local;
-  } else {
-    s.phase = step_phase::train;
-  }
-  return s;
+  return r.held() ? unit_state::held : r.resident() ? unit_state::resident : unit_state::home;
 }
 
 /// The event in `e`, made on first use.

@@ -3,6 +3,10 @@
 
 #include "runtime/unit_state.hpp"
 
+#include "device/message.hpp"
+
+#include <taskswap/error.hpp>
+
 namespace taskswap::detail {
 
 std::string_view to_string(slot_content c) noexcept
@@ -101,6 +105,12 @@ std::string_view to_string(coherence_move m) noexcept
     case coherence_move::drop: return "drop";
   }
   return "?";
+}
+
+void illegal_move(std::string_view unit, std::string_view move, std::string_view from, step_path p)
+{
+  throw error(message("taskswap internal error: unit '", unit, "': the ", to_string(p), " step path has no move ", move,
+                      " from ", from, " (Note [Unit states])"));
 }
 
 }  // namespace taskswap::detail

@@ -15,12 +15,14 @@
 // Which phases a unit can reach depends on the runtime's step path, fixed at construction: with
 // or without a communicator, guarded (loss scaling or clipping) or not. The tables below are the
 // legal moves; docs/runtime.md ("Unit states") lists them, and tests/runtime/unit_state_test.cpp
-// walks every (phase, move, path). The runtime still records the states as flags on unit_record;
-// derive() in unit_record.hpp reads the states off them, and with TASKSWAP_CHECK_STATES=1 (set
+// walks every (phase, move, path). A unit_record holds its three states and nothing else about
+// them: the runtime changes them only by named moves (unit_record::go), and a move the tables do
+// not have from the unit's state on the runtime's path throws an internal error, in every build
+// (the tables are compiled into lookups: a move costs one load). With TASKSWAP_CHECK_STATES=1 (set
 // for the tests) each public step call (acquire, grads_ready, step, release, end_step, flush,
-// plan) checks that every unit's states are consistent, and that the unit it names reached its
-// phase by the moves that call may make (acquire_moves, step_moves, release_moves(path); none for
-// grads_ready). Moving the runtime onto these states, flags gone, is the next step.
+// plan) also checks that every unit's states are consistent across the three machines
+// (inconsistency()), and that the unit it names reached its phase by the moves that call may make
+// (acquire_moves, step_moves, release_moves(path); none for grads_ready).
 
 #include <array>
 #include <cstddef>
@@ -31,7 +33,9 @@
 namespace taskswap::detail {
 
 enum class slot_content : std::uint8_t { none, whole, params, grads };
+inline constexpr std::size_t slot_content_count = 4;
 enum class coherence : std::uint8_t { clean, device_newer, home_newer, refreshed };
+inline constexpr std::size_t coherence_count = 4;
 enum class step_phase : std::uint8_t {
   idle,  // not held (and not updated this step)
   train,  // held by the trainer for a trained use, not stepped
@@ -76,7 +80,9 @@ enum class phase_move : std::uint8_t {
 inline constexpr std::size_t phase_move_count = 14;
 
 enum class slot_move : std::uint8_t { place_pinned, swap_in_whole, swap_in_params, map_grads, narrow_to_params, evict };
+inline constexpr std::size_t slot_move_count = 6;
 enum class coherence_move : std::uint8_t { fill, step_on_device, step_on_host, write_back, upload_params, drop };
+inline constexpr std::size_t coherence_move_count = 6;
 
 [[nodiscard]] std::string_view to_string(slot_content c) noexcept;
 [[nodiscard]] std::string_view to_string(coherence c) noexcept;
@@ -180,6 +186,51 @@ template <class Move, class State, std::size_t N>
   }
   return std::nullopt;
 }
+
+/// A table as a lookup: the state each (path, move, from) leads to, or nothing; what the runtime's
+/// moves consult (equal to next() over the rows, which unit_state_test checks for every triple).
+template <class Move, class State, std::size_t Moves, std::size_t States>
+class move_lookup {
+ public:
+  template <std::size_t N>
+  constexpr explicit move_lookup(const std::array<transition_row<Move, State>, N>& rows) noexcept
+  {
+    to_.fill(none);
+    for (const auto& row : rows) {
+      for (std::size_t p = 0; p < path_count; ++p) {
+        for (std::size_t from = 0; from < States; ++from) {
+          if ((row.paths & (std::uint32_t{1} << p)) != 0 && (row.from & (std::uint32_t{1} << from)) != 0) {
+            to_[index(static_cast<step_path>(p), row.move, static_cast<State>(from))] =
+              static_cast<std::uint8_t>(row.to);
+          }
+        }
+      }
+    }
+  }
+  [[nodiscard]] constexpr std::optional<State> operator()(State from, Move move, step_path p) const noexcept
+  {
+    const std::uint8_t to = to_[index(p, move, from)];
+    return to == none ? std::nullopt : std::optional<State>(static_cast<State>(to));
+  }
+
+ private:
+  static constexpr std::uint8_t none = 0xFF;
+  [[nodiscard]] static constexpr std::size_t index(step_path p, Move move, State from) noexcept
+  {
+    return (static_cast<std::size_t>(p) * Moves + static_cast<std::size_t>(move)) * States +
+           static_cast<std::size_t>(from);
+  }
+  std::array<std::uint8_t, path_count * Moves * States> to_{};
+};
+
+inline constexpr move_lookup<phase_move, step_phase, phase_move_count, phase_count> phase_after{phase_rows};
+inline constexpr move_lookup<slot_move, slot_content, slot_move_count, slot_content_count> slot_after{slot_rows};
+inline constexpr move_lookup<coherence_move, coherence, coherence_move_count, coherence_count> coherence_after{
+  coherence_rows};
+
+/// A move the tables do not have: the runtime's internal error, naming the unit, the move, the
+/// state and the path.
+[[noreturn]] void illegal_move(std::string_view unit, std::string_view move, std::string_view from, step_path p);
 
 inline constexpr std::uint32_t all_phase_moves = (std::uint32_t{1} << phase_move_count) - 1;
 

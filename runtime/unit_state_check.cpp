@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The unit states' check (Note [Unit states]): with TASKSWAP_CHECK_STATES=1, after every public
-// step call, each unit's states read off its flags are consistent, and the unit the call named
+// step call, each unit's states are consistent across the three machines, and the unit the call named
 // reached its phase by the moves that call may make on the step path.
 
 #include "runtime/runtime_impl.hpp"
@@ -14,14 +14,14 @@ using detail::to_string;
 detail::step_phase runtime::impl::phase_before(unit_id u) const
 {
   if (!check_states_ || u.value >= units_.size()) { return step_phase::idle; }
-  return derive(units_[u.value]).phase;
+  return units_[u.value].phase();
 }
 
 void runtime::impl::check_unit(unit_id u, step_phase before, std::uint32_t moves, const char* call) const
 {
   if (!check_states_) { return; }
   const unit_record& r = units_[u.value];
-  const step_phase now = derive(r).phase;
+  const step_phase now = r.phase();
   const bool unchanged_allowed = moves == 0;  // grads_ready moves nothing
   if (!(unchanged_allowed && now == before) &&
       (detail::reachable_phases(before, path(), moves) & detail::bit(now)) == 0) {
@@ -36,7 +36,7 @@ void runtime::impl::check_units(const char* call, bool step_ended) const
 {
   if (!check_states_) { return; }
   for (const unit_record& r : units_) {
-    const detail::unit_states s = derive(r);
+    const detail::unit_states& s = r.st;
     const std::string_view wrong =
       detail::inconsistency(s, r.policy.optimizer == optimizer_placement::host, r.pinned(), path());
     const bool left_held = step_ended && s.phase != step_phase::idle;

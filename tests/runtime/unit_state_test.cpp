@@ -5,6 +5,8 @@
 
 #include "runtime/unit_state.hpp"
 
+#include <taskswap/error.hpp>
+
 #include <gtest/gtest.h>
 
 #include <set>
@@ -175,6 +177,48 @@ TEST(unit_state, slot_and_coherence_moves)
   EXPECT_EQ(next(coherence_rows, coherence::device_newer, coherence_move::write_back, any), coherence::clean);
   EXPECT_EQ(next(coherence_rows, coherence::home_newer, coherence_move::upload_params, any), coherence::refreshed);
   EXPECT_FALSE(next(coherence_rows, coherence::clean, coherence_move::upload_params, any));
+}
+
+// What the runtime's moves consult: the lookups compiled from the tables, for every triple.
+template <class Move, class State, std::size_t Moves, std::size_t States, std::size_t N>
+void expect_lookup_is_the_table(const move_lookup<Move, State, Moves, States>& lookup,
+                                const std::array<transition_row<Move, State>, N>& rows)
+{
+  std::size_t moves = 0;
+  for (std::size_t p = 0; p < path_count; ++p) {
+    for (std::size_t m = 0; m < Moves; ++m) {
+      for (std::size_t from = 0; from < States; ++from) {
+        const auto path = static_cast<step_path>(p);
+        const auto move = static_cast<Move>(m);
+        const auto state = static_cast<State>(from);
+        EXPECT_EQ(lookup(state, move, path), next(rows, state, move, path))
+          << to_string(path) << ": " << to_string(move) << " from " << to_string(state);
+        moves += lookup(state, move, path) ? 1U : 0U;
+      }
+    }
+  }
+  EXPECT_GT(moves, 0U);
+}
+
+TEST(unit_state, the_lookups_the_runtime_moves_by_are_the_tables)
+{
+  expect_lookup_is_the_table(phase_after, phase_rows);
+  expect_lookup_is_the_table(slot_after, slot_rows);
+  expect_lookup_is_the_table(coherence_after, coherence_rows);
+  EXPECT_EQ(phase_after(step_phase::train, phase_move::release, step_path::reduced), std::nullopt);
+  EXPECT_EQ(phase_after(step_phase::train, phase_move::release, step_path::local), step_phase::idle);
+}
+
+TEST(unit_state, an_illegal_move_is_an_internal_error_naming_the_unit_move_state_and_path)
+{
+  try {
+    illegal_move("task/3", to_string(phase_move::release), to_string(step_phase::train), step_path::reduced);
+    FAIL() << "illegal_move returned";
+  } catch (const error& e) {
+    EXPECT_STREQ(e.what(),
+                 "taskswap internal error: unit 'task/3': the reduced step path has no move release from train "
+                 "(Note [Unit states])");
+  }
 }
 
 TEST(unit_state, consistency_rules)

@@ -1,0 +1,93 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The swap engine: which units are on the device. It fills slots from home and writes them back,
+// evicts by the residency model's Belady rule (conservative for a prefetch), makes room, narrows
+// a frozen use's slot, and prefetches what the plan needs next. It owns the resident set, the
+// device pool's slot-to-unit map and the waits the next write into pool memory must follow; it
+// changes a unit's slot content and coherence (Note [Unit states]) and never its step phase. The
+// step protocol (runtime::impl) calls it; it calls back nothing but `stalled` (a wait on a
+// previous use of pool memory ran out of [runtime] timeout).
+
+#include "runtime/device_pool.hpp"
+#include "runtime/plan_queue.hpp"
+#include "runtime/residency_model.hpp"
+#include "runtime/step_ledger.hpp"
+#include "runtime/trace.hpp"
+#include "runtime/unit_record.hpp"
+
+#include <taskswap/device.hpp>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace taskswap::detail {
+
+class swap_engine {
+ public:
+  /// What it works with, owned by the runtime and outliving it.
+  struct parts {
+    const device& dev;
+    std::deque<unit_record>& units;
+    const plan_queue& plan;
+    const residency_model& model;
+    device_pool& pool;
+    step_ledger& ledger;
+    stream& h2d;  // swap-ins, parameter uploads
+    stream& d2h;  // write-backs
+    trace_recorder* trace;  // null without [runtime] trace
+    int h2d_track;
+    int d2h_track;
+    step_path path;
+    std::chrono::milliseconds timeout;
+    std::function<void(const std::string&)> stalled;  // throws timeout_error
+  };
+  explicit swap_engine(parts p);
+
+  /// Brings `r` in for the use at position `use` of the plan: its whole slot, or its parameters
+  /// alone (`whole` false, a frozen use). An acquire (`for_acquire`) may evict any unit not held
+  /// and narrow frozen uses; a prefetch displaces only what Belady would at `use`. False where
+  /// the room cannot be found.
+  bool swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole);
+  /// A zeroed gradient slab alone for `r` (a host update of another rank's training), for an
+  /// acquire at `use`, ready for `user` to read. False where the room cannot be found.
+  bool swap_in_grads(unit_record& r, std::uint64_t use, stream_view user);
+  /// Copies the travelling prefix of the home block into the (mapped) slot of `r`.
+  void fill_slot(unit_record& r);
+  void write_back(unit_record& r);
+  void evict(unit_record& r);
+  /// Brings in the upcoming units in the order of their use, as far as each one's lookahead and
+  /// the budget allow.
+  void prefetch();
+  /// Makes h2d wait for every earlier use of pool memory before the next write into it.
+  void flush_h2d_waits();
+  /// Counts the pool's bytes in use now (the step's peak) and traces them.
+  void note_device_bytes();
+
+ private:
+  bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, bool for_acquire);
+  device_span map_slot(unit_record& r, std::size_t bytes);
+  unit_record* pick_victim(std::uint64_t use, bool for_acquire);
+  void narrow_to_params(unit_record& r);
+  void add_resident(unit_record& r);
+  void remove_resident(unit_record& r);
+  template <class Move>
+  void go(unit_record& r, Move m)
+  {
+    r.go(m, p_.path);
+  }
+
+  parts p_;
+  std::size_t max_lookahead_ = 0;  // the longest lookahead of a prefetched unit
+  std::vector<std::uint32_t> unit_of_slot_;  // device pool slot -> unit
+  std::vector<std::uint32_t> resident_;  // non-pinned resident units
+  std::vector<victim_candidate> victim_candidates_;  // pick_victim's, kept to reuse its memory
+  std::vector<const event*> h2d_waits_;  // must precede the next write into pool memory
+};
+
+}  // namespace taskswap::detail
