@@ -61,9 +61,9 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
   std::vector<detail::step_agreement> agreed = reducer_->agree(trained, first);
   std::vector<step_plan> full_steps(steps.size());
   std::vector<std::vector<std::uint32_t>> frozen_reduced(steps.size());
-  std::vector<agreed_step> agreed_steps;
+  std::vector<detail::agreed_step> agreed_steps;
   for (std::size_t k = 0; k < steps.size(); ++k) {
-    agreed_step a{std::move(agreed[k]), {}};
+    detail::agreed_step a{std::move(agreed[k]), {}};
     for (const std::uint32_t u : a.agreement.order) {
       const auto in = [&](const std::vector<std::uint32_t>& v) { return std::find(v.begin(), v.end(), u) != v.end(); };
       if (in(frozen[k])) {
@@ -101,7 +101,7 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
   }
   for (std::size_t k = 0; k < steps.size(); ++k) {  // all checked: nothing is planned half
     plan_.append(full_steps[k], frozen_reduced[k]);
-    agreed_.push_back(std::move(agreed_steps[k]));
+    round_.agree(std::move(agreed_steps[k]));
   }
 }
 

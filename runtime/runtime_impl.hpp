@@ -10,6 +10,7 @@
 //   plan_check.cpp          the plan: per-step budget check, agreement with the other ranks
 //   step_protocol.cpp       acquire, grads_ready, step, release, end_step
 //   step_reduction.cpp      the step with a communicator: updates the runtime owns, deferrals
+//   step_round.hpp          the current step's deferred updates' bookkeeping (detail::step_round)
 //   host_optimizer.cpp      host placement: gradients home, the CPU AdamW, parameters back up
 //   step_stats.cpp          per-step stats, stall timers, trace tracks, runtime::stats
 //   step_guard.cpp          guarded steps: loss scaling and clipping over the step, updates at end_step
@@ -44,6 +45,7 @@
 #include "runtime/plan_queue.hpp"
 #include "runtime/residency_model.hpp"
 #include "runtime/step_ledger.hpp"
+#include "runtime/step_round.hpp"
 #include "runtime/swap_engine.hpp"
 #include "runtime/trace.hpp"
 #include "runtime/unit_record.hpp"
@@ -125,6 +127,7 @@ struct runtime::impl {
   void release_reduced_guarded(unit_record& r, stream_view s);
   // Gives the trainer's gradients up without a step: zero again for the next use.
   void zero_grads(unit_record& r, stream_view s);
+  void warn_unstepped(const unit_record& r);
 
   // A unit's AdamW settings for its step: with weight decay, and without (no-decay tensors).
   struct update_scalars {
@@ -279,17 +282,10 @@ struct runtime::impl {
   int host_track_ = 0;
   std::unordered_map<void*, int> compute_tracks_;
 
-  // With a communicator: the reducer, the agreed upcoming steps (front: the current one) and the
-  // stream on which the runtime applies the updates it owns.
-  struct agreed_step {
-    detail::step_agreement agreement;
-    std::vector<std::uint32_t> update_only;  // active elsewhere, not acquired here
-  };
+  // With a communicator: the reducer; with one or guarded steps, the stream on which the runtime
+  // applies the updates it owns, and the current step's deferred updates (detail::step_round).
   std::optional<stream> aux_;
-  std::deque<agreed_step> agreed_;
-  bool step_begun_ = false;
-  adamw_options step_optimizer_{};  // the optimizer settings of the current step
-  std::vector<std::uint32_t> step_units_;  // units acquired in the step: back to idle at end_step
+  detail::step_round round_;
   std::optional<detail::reducer> reducer_;
 
   // Guarded steps (step_guard.cpp): device memory taken from the budget, pinned host memory from
@@ -311,7 +307,6 @@ struct runtime::impl {
     bool downloaded = false;  // copies home are enqueued: read_guard_steps after the wait
   };
   std::optional<guard_memory> guard_;
-  std::vector<std::uint32_t> guard_units_;  // the units the current guarded step updates
 };
 
 }  // namespace taskswap

@@ -159,7 +159,7 @@ void runtime::impl::defer_update(unit_record& r, stream_view s)
   }
   ensure(r.step_point, device_).record(s);
   go(r, detail::phase_move::defer_to_end_step);
-  guard_units_.push_back(r.index);
+  round_.defer(r.index);
 }
 
 // The trainer lets go of a unit whose update waits for end_step: it keeps its room until then.
@@ -175,9 +175,8 @@ void runtime::impl::finish_guarded_step()
   guard_memory& g = *guard_;
   stream& aux = *aux_;
   if (g.wait_done && !g.done.query()) { g.done.wait(aux); }
-  std::sort(guard_units_.begin(), guard_units_.end());
-  guard_units_.erase(std::unique(guard_units_.begin(), guard_units_.end()), guard_units_.end());
-  for (const std::uint32_t u : guard_units_) {
+  const std::span<const std::uint32_t> deferred = round_.deferred();
+  for (const std::uint32_t u : deferred) {
     unit_record& r = units_[u];
     if (r.step_point && r.step_point->recorded() && !r.step_point->query()) { r.step_point->wait(aux); }
     // The trainer's work up to its release (it may still read the parameters after step()).
@@ -192,21 +191,21 @@ void runtime::impl::finish_guarded_step()
     detail::square_sum_async(r.slot->data() + r.grads_at(), r.layout.grad, r.layout.trainable, g.state, g.block_sums,
                              aux);
   }
-  const adamw_options& optimizer = reducer_ && step_begun_ ? step_optimizer_ : options_.optimizer;
+  const adamw_options& optimizer = round_.optimizer(options_.optimizer);
   const detail::guard_settings settings{.clip = static_cast<float>(optimizer.clip),
                                         .scaler = options_.scaler.enabled,
                                         .growth_factor = static_cast<float>(options_.scaler.growth_factor),
                                         .backoff_factor = static_cast<float>(options_.scaler.backoff_factor),
                                         .growth_interval = static_cast<std::int32_t>(options_.scaler.growth_interval)};
   detail::finish_guard_async(g.state, settings, aux);
-  for (const std::uint32_t u : guard_units_) {
+  for (const std::uint32_t u : deferred) {
     unit_record& r = units_[u];
     guarded_update(r, optimizer);
     // end_step found it released by the trainer, or held by the runtime: aux waited for the
     // trainer's release above.
     release(r, aux, detail::phase_move::update_and_release);
   }
-  guard_units_.clear();
+  round_.clear_deferred();
   g.done.record(aux);
   g.wait_done = true;
 }

@@ -106,7 +106,7 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
   go(r, m);
   ++held_count_;
   r.held_bytes = r.pinned() ? 0 : charged(r, r.slot->size());
-  if (reducer_) { step_units_.push_back(r.index); }
+  if (reducer_) { round_.touched(r.index); }
   // The previous use ended on another stream (the trainer's, or aux after an update): wait for it.
   if (r.released_on != nullptr && r.released_on != s.native_handle()) {
     if (!r.released.query()) { r.released.wait(s); }
@@ -202,7 +202,7 @@ void runtime::impl::apply_step(unit_record& r, stream_view s)
   ++r.step;
   // With a communicator every update of a step uses the settings the step began with, whichever
   // rank's call order enqueues it: replicas stay identical when set_optimizer changes them.
-  const update_scalars scalars = scalars_for(r, reducer_ && step_begun_ ? step_optimizer_ : options_.optimizer);
+  const update_scalars scalars = scalars_for(r, round_.optimizer(options_.optimizer));
   if (r.policy.optimizer == optimizer_placement::host) {
     host_step(r, scalars, s);
     return;
@@ -252,6 +252,17 @@ void runtime::impl::release_local_guarded(unit_record& r, stream_view s)
   release(r, s, phase_move::release);
 }
 
+// A trained use released without step() (with a communicator, the runtime steps it); a frozen
+// use that other ranks train takes their update at its release by design, and says nothing.
+void runtime::impl::warn_unstepped(const unit_record& r)
+{
+  if (r.phase() != step_phase::train) { return; }
+  detail::log_once("release without step", log_level::warning,
+                   message("release('", r.name,
+                           "'): the unit was not stepped; with a communicator the runtime "
+                           "steps it so that every rank applies the same update. Call step() before release()"));
+}
+
 // With a communicator every rank applies the same update: a trained use (or a frozen use other
 // ranks train) not stepped yet is stepped here.
 void runtime::impl::release_reduced(unit_record& r, stream_view s)
@@ -261,12 +272,7 @@ void runtime::impl::release_reduced(unit_record& r, stream_view s)
     return;
   }
   if (r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced) {
-    if (r.phase() == step_phase::train) {  // a frozen use that others train takes their update here, by design
-      detail::log_once("release without step", log_level::warning,
-                       message("release('", r.name,
-                               "'): the unit was not stepped; with a communicator the runtime "
-                               "steps it so that every rank applies the same update. Call step() before release()"));
-    }
+    warn_unstepped(r);
     step_reduced(r, s);
   }
   switch (r.phase()) {
@@ -288,12 +294,7 @@ void runtime::impl::release_reduced_guarded(unit_record& r, stream_view s)
     return;
   }
   if (r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced) {
-    if (r.phase() == step_phase::train) {
-      detail::log_once("release without step", log_level::warning,
-                       message("release('", r.name,
-                               "'): the unit was not stepped; with a communicator the runtime "
-                               "steps it so that every rank applies the same update. Call step() before release()"));
-    }
+    warn_unstepped(r);
     step_guarded(r, s);
   }
   defer_release(r, s);
@@ -338,7 +339,7 @@ step_stats runtime::impl::end_step()
   check_comm();
   if (reducer_) {
     begin_step();  // a rank that trained nothing in the step still takes its updates
-    if (step_begun_) { complete_step(); }
+    if (round_.begun()) { complete_step(); }
   }
   if (held_count_ != 0) {
     for (const unit_record& r : units_) {
@@ -346,14 +347,11 @@ step_stats runtime::impl::end_step()
                        message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
     }
   }
-  if (guard_ && !guard_units_.empty()) { finish_guarded_step(); }
-  if (reducer_ && step_begun_) {
+  if (guard_ && round_.any_deferred()) { finish_guarded_step(); }
+  if (reducer_ && round_.begun()) {
     reducer_->end();
     ledger_.reduced(reducer_->step_bytes(), reducer_->all_bytes());
-    agreed_.pop_front();
-    step_begun_ = false;
-    for (const std::uint32_t u : step_units_) { go(units_[u], phase_move::end_step_reset); }
-    step_units_.clear();
+    for (const std::uint32_t u : round_.end()) { go(units_[u], phase_move::end_step_reset); }
   }
   plan_.end_step();
   const step_stats done = ledger_.close(pool_->stats().used);

@@ -19,11 +19,11 @@ using detail::step_phase;
 // acquired on aux with zero gradients, ready for their buckets.
 void runtime::impl::begin_step()
 {
-  if (!reducer_ || step_begun_ || agreed_.empty()) { return; }
-  step_begun_ = true;
-  step_optimizer_ = options_.optimizer;
-  reducer_->begin(agreed_.front().agreement, ledger_.step());
-  for (const std::uint32_t u : agreed_.front().update_only) { hold_for_update(units_[u]); }
+  if (!reducer_) { return; }
+  const detail::agreed_step* step = round_.begin(options_.optimizer);
+  if (step == nullptr) { return; }
+  reducer_->begin(step->agreement, ledger_.step());
+  for (const std::uint32_t u : step->update_only) { hold_for_update(units_[u]); }
 }
 
 // A unit this rank updates without training it: it contributes zero gradients and applies the
@@ -38,7 +38,7 @@ void runtime::impl::hold_for_update(unit_record& r)
     acquire(r, *aux_, phase_move::hold_for_update);
     fill_async(r.slot->subspan(r.grads_at(), r.layout.device_grad_bytes()), std::byte{0}, *aux_);
   }
-  if (guard_) { guard_units_.push_back(r.index); }  // its update runs with the step's others
+  if (guard_) { round_.defer(r.index); }  // its update runs with the step's others
   mark_ready(r, *aux_);
 }
 
@@ -56,7 +56,7 @@ void runtime::impl::hold_gradients_only(unit_record& r)
   go(r, phase_move::hold_for_update);
   ++held_count_;
   r.held_bytes = charged(r, bytes);
-  step_units_.push_back(r.index);
+  round_.touched(r.index);
 }
 
 void runtime::impl::mark_ready(unit_record& r, stream_view s)
