@@ -12,7 +12,7 @@
 //   step_reduction.cpp      the step with a communicator: updates the runtime owns, deferrals
 //   step_round.hpp          the current step's deferred updates' bookkeeping (detail::step_round)
 //   host_optimizer.cpp      host placement: gradients home, the CPU AdamW, parameters back up
-//   step_stats.cpp          per-step stats, stall timers, trace tracks, runtime::stats
+//   step_stats.cpp          runtime::stats (the ledger's counters with the pool's figures), trace tracks
 //   step_guard.cpp          guarded steps: loss scaling and clipping over the step, updates at end_step
 //   runtime_checkpoint.cpp  checkpoint sources, save and load (agreed by the ranks)
 //   runtime.cpp             the public methods, forwarding here through guarded()
@@ -100,8 +100,8 @@ struct runtime::impl {
     return model_->charged(r.index, bytes);
   }
   [[nodiscard]] std::string granule_note() const { return model_->granule_note(); }
-  // What the units the trainer holds take of the budget (for an error's numbers).
-  [[nodiscard]] std::size_t trainer_held_bytes() const noexcept;
+  // What the units held_count_ counts take of the budget (for an error's numbers).
+  [[nodiscard]] std::size_t held_bytes() const noexcept;
 
   // Plan checks (plan_check.cpp)
   // `frozen_reduced`: units the step uses frozen here that other ranks train (they take their whole slot).
@@ -154,7 +154,6 @@ struct runtime::impl {
   void broadcast_replicas();
   void begin_step();
   void mark_ready(unit_record& r, stream_view s);
-  void request_step(unit_record& r, stream_view s);
   void on_launched(const std::vector<std::uint32_t>& units);
   void update_on_aux(unit_record& r);
   void hold_for_update(unit_record& r);
@@ -268,7 +267,7 @@ struct runtime::impl {
   stream d2h_;
   stream host_opt_;
   detail::plan_queue plan_;
-  std::size_t held_count_ = 0;  // units the trainer holds, and those the runtime holds for an update
+  std::size_t held_count_ = 0;  // units the trainer holds and those held for an update (not a deferred release)
   std::uint64_t tick_ = 0;
   std::uint64_t planned_steps_ = 0;  // steps appended to the plan, over all time
   bool started_ = false;

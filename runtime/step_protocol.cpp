@@ -21,12 +21,12 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
 {
   unit_record& r = record(u);
   TASKSWAP_EXPECTS(r.phase() != step_phase::release_deferred && r.phase() != step_phase::updated,
-                   message("acquire('", r.name, "'): the unit was trained and released earlier in this step",
+                   message("acquire('", r.name, "'): the unit was ",
                            r.phase() == step_phase::updated
-                             ? " and updated"
-                             : " and its update has not run yet (it waits for its reduction, or with loss scaling "
-                               "or clipping for end_step)",
-                           "; acquire a trained unit once per step (accumulate its micro-batches within one "
+                             ? "updated earlier in this step"
+                             : "trained and released earlier in this step and its update has not run yet (it waits "
+                               "for its reduction, or with loss scaling or clipping for end_step)",
+                           "; acquire a unit once per step (accumulate a trained unit's micro-batches within one "
                            "acquisition)"));
   TASKSWAP_EXPECTS(!r.held(), message("acquire('", r.name, "'): the unit is already held; release it first"));
   TASKSWAP_EXPECTS(use == unit_use::frozen || !r.layout.frozen,
@@ -97,7 +97,7 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
       const std::size_t needed = charged(r, whole ? r.layout.device_bytes : r.layout.params_bytes);
       throw out_of_memory(
         message("acquire('", r.name, "') needs ", bytes_text(needed), " of device memory", granule_note(), "; ",
-                held_count_, " units held now take ", bytes_text(trainer_held_bytes()), " and the pinned units ",
+                held_count_, " units held now take ", bytes_text(held_bytes()), " and the pinned units ",
                 bytes_text(model_->pinned_bytes()), " of the ", bytes_text(model_->capacity()),
                 " budget; release units earlier or plan the step so the runtime checks it ahead"),
         needed, pool_->free(), budget);
@@ -325,7 +325,7 @@ void runtime::impl::release(unit_record& r, stream_view s, phase_move m)
   swap_->prefetch();
 }
 
-std::size_t runtime::impl::trainer_held_bytes() const noexcept
+std::size_t runtime::impl::held_bytes() const noexcept
 {
   std::size_t bytes = 0;
   for (const unit_record& r : units_) {

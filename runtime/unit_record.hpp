@@ -32,7 +32,7 @@ struct unit_record {
   std::size_t held_bytes = 0;  // what its acquisition takes of the budget (an error names the sum)
   std::int64_t step = 0;
   std::uint64_t last_release = 0;
-  std::size_t resident_index = 0;  // in runtime::impl::resident_
+  std::size_t resident_index = 0;  // in swap_engine's resident set
   event arrived;
   event released;
   std::optional<event> grads_ready_event;
