@@ -92,7 +92,7 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
     ledger_.hit();
   } else {
     ledger_.miss();
-    if (!swap_->swap_in(r, planned ? planned->position : 0, true, whole)) {
+    if (!swap_->swap_in(r, planned ? planned->position : 0, detail::swap_engine::room_for::acquire, whole)) {
       const std::size_t budget = options_.device.budget;
       const std::size_t needed = charged(r, whole ? r.layout.device_bytes : r.layout.params_bytes);
       throw out_of_memory(

@@ -112,12 +112,23 @@ void swap_engine::evict(unit_record& r)
 // again in the plan), those idle until `use` were released before the others will have been by
 // then, so Belady at `use` takes one of them: a tie with a unit that is held or needed first does
 // not stop the prefetch.
-unit_record* swap_engine::pick_victim(std::uint64_t use, bool for_acquire)
+// Note [Prefetch victims]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// An acquire takes the room Belady's rule gives among the units not held. A prefetch is
+// conservative: it moves a fetch earlier but never adds one, so it displaces a unit only where
+// the acquire it anticipates would displace the same one. For a use in a later step, the units
+// held now are released before that use, and one of them may be the better victim then: they
+// stay candidates, and when Belady picks one the prefetch waits for its release. For a later use
+// in the step in progress (the next layer of a streamed trunk), the units held now (the step's
+// task units) stay held past that use, as its acquire would find them: they are not candidates,
+// or a unit held to the step's end, never used again, would stop every prefetch within the step.
+unit_record* swap_engine::pick_victim(std::uint64_t use, room_for why)
 {
+  const bool for_acquire = why == room_for::acquire;
   victim_candidates_.clear();
   for (const std::uint32_t i : resident_) {
     const unit_record& r = p_.units[i];
-    if (for_acquire && r.held()) { continue; }
+    if (why != room_for::prefetch_later && r.held()) { continue; }
     const std::uint64_t next = for_acquire ? p_.plan.next_use(unit_id{i}) : p_.plan.next_use_after(unit_id{i}, use);
     const bool idle = for_acquire || (!r.held() && p_.plan.next_use(unit_id{i}) >= use);
     victim_candidates_.push_back({.unit = i, .next_use = next, .last_release = r.last_release, .idle = idle});
@@ -176,7 +187,7 @@ device_span swap_engine::map_slot(unit_record& r, std::size_t bytes)
   });
 }
 
-bool swap_engine::make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, bool for_acquire)
+bool swap_engine::make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, room_for why)
 {
   const auto fits = [&] {
     if (r.packed) { return r.resident() || p_.pool.fits(r.pool_slot, bytes); }  // resident: its own place frees
@@ -185,11 +196,11 @@ bool swap_engine::make_room(const unit_record& r, std::size_t bytes, std::uint64
   };
   while (true) {
     if (fits()) { return true; }
-    if (unit_record* victim = pick_victim(use, for_acquire)) {
+    if (unit_record* victim = pick_victim(use, why)) {
       evict(*victim);
       continue;
     }
-    if (!for_acquire) { return false; }  // a prefetch never narrows what the trainer holds
+    if (why != room_for::acquire) { return false; }  // a prefetch never narrows what the trainer holds
     // A unit held frozen in its whole slot: a clean one first (nothing to write home), then the
     // lowest unit id (the order the planner replays).
     unit_record* wide = nullptr;
@@ -205,13 +216,13 @@ bool swap_engine::make_room(const unit_record& r, std::size_t bytes, std::uint64
   }
 }
 
-bool swap_engine::swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole)
+bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool whole)
 {
   // Its parameters alone are here and it must come in whole: for an acquire, that copy goes first
   // (its room may be what the whole unit needs); a prefetch keeps it until the room is found.
-  if (for_acquire && r.resident()) { evict(r); }
+  if (why == room_for::acquire && r.resident()) { evict(r); }
   const std::size_t bytes = whole ? r.layout.device_bytes : r.layout.params_bytes;
-  if (!make_room(r, bytes, use, for_acquire)) { return false; }  // counting what r gives up below
+  if (!make_room(r, bytes, use, why)) { return false; }  // counting what r gives up below
   if (r.resident()) { evict(r); }
   r.slot = map_slot(r, bytes);
   go(r, whole ? detail::slot_move::swap_in_whole : detail::slot_move::swap_in_params);
@@ -224,7 +235,7 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, bool for_acquire, b
 bool swap_engine::swap_in_grads(unit_record& r, std::uint64_t use, stream_view user)
 {
   const std::size_t bytes = r.layout.device_grad_bytes();
-  if (!make_room(r, bytes, use, true)) { return false; }
+  if (!make_room(r, bytes, use, room_for::acquire)) { return false; }
   r.slot = map_slot(r, bytes);
   go(r, slot_move::map_grads);
   add_resident(r);
@@ -247,7 +258,7 @@ void swap_engine::prefetch()
     if (r.policy.residency != residency::prefetch) { return true; }
     if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }
     if (r.held()) { return false; }  // its parameters are in use: it comes in whole at its acquire, first
-    return swap_in(r, a.position, false, whole);
+    return swap_in(r, a.position, distance == 0 ? room_for::prefetch_this_step : room_for::prefetch_later, whole);
   });
 }
 

@@ -50,11 +50,15 @@ class swap_engine {
   };
   explicit swap_engine(parts p);
 
+  /// Why room is made (Note [Prefetch victims]).
+  enum class room_for : std::uint8_t {
+    acquire,  // the trainer needs the unit now: any unit not held may go, frozen uses narrow
+    prefetch_this_step,  // a later use in the step in progress: the units held now stay held past it
+    prefetch_later,  // a use in a later step: the units held now are released before it
+  };
   /// Brings `r` in for the use at position `use` of the plan: its whole slot, or its parameters
-  /// alone (`whole` false, a frozen use). An acquire (`for_acquire`) may evict any unit not held
-  /// and narrow frozen uses; a prefetch displaces only what Belady would at `use`. False where
-  /// the room cannot be found.
-  bool swap_in(unit_record& r, std::uint64_t use, bool for_acquire, bool whole);
+  /// alone (`whole` false, a frozen use). False where the room cannot be found.
+  bool swap_in(unit_record& r, std::uint64_t use, room_for why, bool whole);
   /// A zeroed gradient slab alone for `r` (a host update of another rank's training), for an
   /// acquire at `use`, ready for `user` to read. False where the room cannot be found.
   bool swap_in_grads(unit_record& r, std::uint64_t use, stream_view user);
@@ -71,9 +75,9 @@ class swap_engine {
   void note_device_bytes();
 
  private:
-  bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, bool for_acquire);
+  bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, room_for why);
   device_span map_slot(unit_record& r, std::size_t bytes);
-  unit_record* pick_victim(std::uint64_t use, bool for_acquire);
+  unit_record* pick_victim(std::uint64_t use, room_for why);
   void narrow_to_params(unit_record& r);
   void add_resident(unit_record& r);
   void remove_resident(unit_record& r);

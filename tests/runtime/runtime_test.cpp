@@ -335,6 +335,50 @@ TEST(runtime_protocol, a_prefetch_is_not_held_back_by_a_tie_with_a_unit_needed_f
   EXPECT_EQ(rt.stats().total.swap_ins, 4U);  // every unit fetched once: the prefetch added none
 }
 
+// A streamed trunk: the step's task unit is held to its end and never used again in the plan, so
+// Belady ranks it the best victim; it cannot be evicted, and an in-step prefetch that waited for
+// it (as one for a later step rightly does) would never run. Each layer must be brought in while
+// the one before it is in use (Note [Prefetch victims]).
+TEST(runtime_protocol, stream_prefetches_the_next_layer_past_a_unit_held_to_the_end)
+{
+  device dev = emulated(64 * MiB);
+  constexpr std::uint32_t layers = 8;
+  std::vector<unit_spec> specs{make_unit("task/0", 1024)};
+  for (std::uint32_t l = 0; l < layers; ++l) { specs.push_back(make_unit("layer/" + std::to_string(l), 1024)); }
+  const std::size_t slot = footprint(specs[0], optimizer_placement::device).device_bytes;
+  runtime rt(dev, options_with_budget(3 * slot), specs);  // the task unit and two layers
+  const auto layer = [](std::uint32_t l) { return unit_id{1 + l}; };
+  const auto plan_step = [&] {
+    step_plan p;
+    p.acquire(unit_id{0});
+    for (std::uint32_t l = 0; l < layers; ++l) { p.acquire(layer(l), unit_use::frozen).release(layer(l)); }
+    for (std::uint32_t l = layers; l-- > 0;) { p.acquire(layer(l)).release(layer(l)); }
+    return p;
+  };
+  rt.plan(std::vector<step_plan>{plan_step(), plan_step()});
+  stream s(dev);
+  for (int step = 0; step < 2; ++step) {
+    (void)rt.acquire(unit_id{0}, s);
+    for (std::uint32_t l = 0; l < layers; ++l) {
+      (void)rt.acquire(layer(l), s, unit_use::frozen);
+      if (l + 1 < layers) {
+        EXPECT_NE(rt.state(layer(l + 1)), unit_state::home)
+          << "step " << step << ": layer " << l + 1 << " was not prefetched while layer " << l << " is held";
+      }
+      rt.release(layer(l), s);
+    }
+    for (std::uint32_t l = layers; l-- > 0;) {
+      (void)rt.acquire(layer(l), s);
+      rt.step(layer(l), s);
+      rt.release(layer(l), s);
+    }
+    rt.release(unit_id{0}, s);
+    const step_stats st = rt.end_step();
+    EXPECT_LE(st.misses, step == 0 ? 2U : 0U) << "step " << step;  // the first step's first uses may miss
+    EXPECT_LE(st.peak_device_bytes, 3 * slot);
+  }
+}
+
 TEST(runtime_protocol, protocol_errors_say_what_to_do)
 {
   device dev = emulated(1 * MiB);
