@@ -9,6 +9,11 @@ and out of a device budget that holds a few of them.
     python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml
     python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml --all-resident
     python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml --reference torch
+    python3 samples/python/peft_multitask.py samples/configs/peft-stream.toml   # a base 9x the budget
+
+With ``[model] stream = true`` the base's decoder layers stream through the device within each
+step (``taskswap.torch.peft.register(..., stream=True)``): a base larger than the device budget
+trains; ``--all-resident`` then holds every layer instead (the baseline).
     mpirun -np 2 python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml --comm mpi
 
 ``--reference torch`` trains the same model with plain torch, peft and torch.optim.AdamW on the
@@ -91,15 +96,25 @@ def adapter_state(model: torch.nn.Module, tasks: int) -> dict[str, torch.Tensor]
 
 
 def train_taskswap(m: dict, options: taskswap.Options, steps: int, all_resident: bool = False, comm=None,
-                   log_every: int = 0) -> dict:
+                   log_every: int = 0, dtype: torch.dtype = torch.float32, checkpointing: str | None = None) -> dict:
+    """``checkpointing``: None, "reentrant" or "non_reentrant": transformers' gradient checkpointing
+    of the decoder layers (their forward runs again in backward)."""
     cuda = options.device.backend == taskswap.Backend.cuda
     device = torch.device("cuda", options.device.index) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    model = build_model(m).to(device)  # what the runtime does not hold (none here) computes there too
+    model = build_model(m, dtype).to(device)  # what the runtime does not hold (none here) computes there too
+    if checkpointing is not None:
+        llama = model.base_model.model
+        reentrant = checkpointing == "reentrant"
+        llama.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        if reentrant:  # the frozen embeddings' output must require grad for it
+            llama.enable_input_require_grads()
     rt = tt.Runtime(options=options, comm=comm)
     pin = "pinned" if all_resident else None
-    adapters = tpeft.register(rt, model, base="per_layer", base_residency="pinned", residency=pin)
+    stream = bool(m.get("stream", False)) and not all_resident
+    adapters = tpeft.register(rt, model, base="per_layer", base_residency=None if stream else "pinned",
+                              residency=pin, stream=stream)
     if all_resident:  # the baseline: the budget every unit needs, each resident
         rt.options.device.budget = rt.all_pinned_budget()
     rt.start()
@@ -122,8 +137,10 @@ def train_taskswap(m: dict, options: taskswap.Options, steps: int, all_resident:
     elapsed = time.perf_counter() - t0
     stats = rt.stats()
     state = rt.state_dict()
+    layer_names = {b.name for b in adapters.base if b._layer is not None}  # the streamed base layers
+    streamed = sum(u.device_bytes for u in stats.units if u.name in layer_names)
     out = {"schedule": sched, "losses": losses, "seconds": elapsed, "rank": rank, "world": rt.world_size,
-           "stats": stats, "budget": stats.budget, "units": len(rt.units),
+           "stats": stats, "budget": stats.budget, "units": len(rt.units), "streamed_bytes": streamed,
            "state": {k: v for k, v in state.items() if k.startswith("adapter/")}}
     rt.close()  # the model gets its trained adapters back
     out["model_state"] = {k: v.cpu() for k, v in adapter_state(model, m["tasks"]).items()}
@@ -221,6 +238,9 @@ def main() -> int:
                   f"misses {s.misses}, unplanned {s.unplanned}, stall {s.stall_ms:.1f} ms, evictions {s.evictions}, "
                   f"peak device {s.peak_device_bytes / 2**20:.2f} MiB of a {run['budget'] / 2**20:.2f} MiB budget, "
                   f"{run['units']} units")
+            if run["streamed_bytes"]:
+                print(f"streamed base layers: {run['streamed_bytes'] / 2**20:.2f} MiB, "
+                      f"{run['streamed_bytes'] / run['budget']:.1f}x the budget")
     if args.save:
         keep = {k: run[k] for k in ("schedule", "losses", "seconds", "model_state")}
         if "stats" in run:

@@ -19,6 +19,11 @@ accumulates straight into the memory taskswap reduces and steps::
         # leaving the scope: gradients ready, AdamW step, release, end of step
     rt.close()  # the modules get their trained values back
 
+A trunk larger than the device streams layer by layer within each step: ``register_layers``
+registers each module of a list (``model.model.layers``) as a unit, and hooks acquire a layer
+for its forward, release it, acquire it again for its backward and, a trained layer, step it as
+soon as its gradients are complete (see ``Runtime.register_layers``).
+
 Between steps a registered parameter is an empty tensor: using a module outside a step scope fails
 at once instead of reading memory the runtime has given to another unit. A tensor taken from a
 parameter inside a scope (``w = p.detach()``) still aliases the slot after the scope ends and
@@ -51,7 +56,7 @@ _RESIDENCY = {
 }
 _PLACEMENT = {"device": _core.OptimizerPlacement.device, "host": _core.OptimizerPlacement.host}
 _DTYPES = {torch.float32: _core.DType.f32, torch.bfloat16: _core.DType.bf16, torch.float16: _core.DType.f16}
-_TRAIN, _FROZEN = 0, 1
+_TRAIN, _FROZEN, _RELEASE = 0, 1, 2
 
 
 def _choice(table: dict, value, what: str):
@@ -181,6 +186,8 @@ class Unit:
         self._passes = 0
         self._ready = False  # the hooks handed the gradients to the reduction
         self._handed_versions: list[int] | None = None  # their version counters then
+        self._layer: int | None = None  # its place in the streamed layers (register_layers)
+        self._layer_module: torch.nn.Module | None = None
 
     def _grads_changed(self) -> bool:
         """After the hooks handed the gradients to the reduction: replaced, or changed in place."""
@@ -256,6 +263,17 @@ def _close_at_exit(ref) -> None:
         rt.close(give_back=False)
 
 
+def _tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in a module's output: a tensor, or tuples, lists and dicts (a ModelOutput) of them."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors_in(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors_in(v)]
+    return []
+
+
 def _use_of(entry) -> _Use:
     if type(entry) is Unit:
         return entry._train_use if entry.trainable else entry._frozen_use
@@ -321,6 +339,7 @@ class Runtime:
         self._scope: _StepScope | None = None
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._hooks = False  # gradient hooks: with a communicator
+        self._layers: list[Unit] = []  # the streamed layers, in forward order
         self._scale_view: torch.Tensor | None = None  # the device's loss scale, once asked for
         self.last_step: _core.StepStats | None = None
         self._closed = False
@@ -364,6 +383,73 @@ class Runtime:
         return self._register_entries(name, param_entries, buffer_entries, module, trainable=trainable,
                                       residency=residency, lookahead=lookahead, optimizer=optimizer,
                                       lr_scale=lr_scale, weight_decay=weight_decay, no_weight_decay=no_weight_decay)
+
+    def register_layers(self, layers: Iterable[torch.nn.Module], prefix: str, *, trainable: bool | None = None,
+                        residency: str | None = None, lookahead: int | None = None, optimizer: str | None = None,
+                        lr_scale: float | None = None, weight_decay: float | None = None,
+                        no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None
+                        ) -> list[Unit]:
+        """Registers each module of ``layers``, in the order the forward pass runs them, as the unit
+        ``f"{prefix}/{i}"`` and streams it within each step: a trunk larger than the device trains.
+
+        The layers are not named in ``plan`` or ``step``: the plan of each step is the units it
+        names (acquired when the scope opens, held to its end), then every layer used in forward
+        order, then in backward order, and hooks make those acquisitions. A forward pre-hook
+        acquires a layer (its parameters alone; the prefetch brought it ahead), a forward hook
+        releases it, a hook on its outputs' gradients acquires it again before its backward (with
+        its gradient slab, where it is trained), and a trained layer is stepped and released as
+        soon as autograd has accumulated all its gradients; a frozen one is released once the
+        backward has reached the layer below. A layer's tensors that another unit holds already
+        (a PEFT adapter inside the layer: register it first) stay that unit's.
+
+        Correct whatever the step does: with ``torch.no_grad()`` a layer is released after its
+        forward, with activation checkpointing (``torch.utils.checkpoint``) the re-run forward uses
+        the layer held for its backward (or acquires it again), and a layer a step skips (early
+        exit), or one used off the plan, is fetched on demand and counted as unplanned. Each layer
+        runs once per forward pass; a trained layer is stepped once per backward pass that reaches
+        it (micro_batches 1), and not stepped in a step whose backward does not reach it.
+
+        Without a communicator only, so far; trained layers also need a step without loss scaling
+        or clipping (a guarded update waits for the step's end, so every trained layer would be held
+        to it). The other arguments are register()'s, for every layer. Refused, it registers nothing."""
+        if self._core is not None:
+            raise _core.InvalidArgument(f"taskswap: register_layers '{prefix}' before the runtime starts (the first "
+                                        "plan or step)")
+        modules = list(layers)
+        if not modules or not all(isinstance(m, torch.nn.Module) for m in modules):
+            raise _core.ConfigError(f"taskswap: register_layers '{prefix}': give the layers as a non-empty list of "
+                                    "modules in forward order (a ModuleList such as model.model.layers)")
+        if len({id(m) for m in modules}) != len(modules):
+            raise _core.ConfigError(f"taskswap: register_layers '{prefix}': a module is listed twice; each layer "
+                                    "runs once per forward pass")
+        settings = {"trainable": trainable, "residency": residency, "lookahead": lookahead, "optimizer": optimizer,
+                    "lr_scale": lr_scale, "weight_decay": weight_decay, "no_weight_decay": no_weight_decay}
+        made: list[Unit] = []
+        try:
+            for i, layer in enumerate(modules):
+                params, buffers = _module_entries(layer)
+                params = [e for e in params if id(e.tensor) not in self._owner_of]
+                buffers = [e for e in buffers if id(e.tensor) not in self._owner_of]
+                made.append(self._register_entries(f"{prefix}/{i}", params, buffers, layer, **settings))
+        except BaseException:
+            self._unregister(made)
+            raise
+        self._stream_layers(made, modules)
+        return made
+
+    def _stream_layers(self, units: list[Unit], modules: list[torch.nn.Module]) -> None:
+        """Marks registered units as streamed layers run by `modules` (forward order)."""
+        for u, m in zip(units, modules):
+            u._layer, u._layer_module = len(self._layers), m
+            self._layers.append(u)
+
+    def _unregister(self, units: list[Unit]) -> None:
+        """Takes back units registered by a call that failed (the runtime has not started)."""
+        for u in units:
+            self.units.remove(u)
+            del self._by_name[u.name]
+            for e in u._entries:
+                self._owner_of.pop(id(e.tensor), None)
 
     def _register_entries(self, name: str, params: list[_Entry], buffers: list[_Entry],
                           module: torch.nn.Module | None, *, trainable, residency, lookahead, optimizer, lr_scale,
@@ -518,6 +604,8 @@ class Runtime:
                     for j, p in enumerate(u._params):
                         u._hook_handles.append(p.register_hook(self._make_pre_hook(u)))
                         u._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(u, j)))
+            if self._layers:
+                self._hook_layers()
         except BaseException:
             self._unstart()
             raise
@@ -633,8 +721,24 @@ class Runtime:
         that each step fits the budget; a refused plan changes nothing."""
         plan = [[self._own(_use_of(e)) for e in step] for step in steps]
         with self._starting():
-            self._core.plan([[(e.unit.id, e.kind) for e in step] for step in plan])
+            self._core.plan([self._planned(step) for step in plan])
             self._began = True
+
+    def _planned(self, uses: list[_Use]) -> list[tuple[int, int]]:
+        """A step's plan: its units, then the streamed layers forward (each released before the next)
+        and backward (each released once the layer below is acquired, as the hooks do)."""
+        entries = [(e.unit.id, e.kind) for e in uses]
+        above = None
+        for u in self._layers:
+            entries += [(u.id, _FROZEN), (u.id, _RELEASE)]
+        for u in reversed(self._layers):
+            entries.append((u.id, _TRAIN if u.trainable else _FROZEN))
+            if above is not None:
+                entries.append((above.id, _RELEASE))
+            above = u
+        if above is not None:
+            entries.append((above.id, _RELEASE))
+        return entries
 
     def _own(self, use: _Use) -> _Use:
         if use.unit._owner is not self:
@@ -642,6 +746,10 @@ class Runtime:
         if use.kind == _TRAIN and not use.unit.trainable:
             raise _core.InvalidArgument(f"taskswap: unit '{use.unit.name}' was registered trainable=False; it is "
                                         "used frozen only")
+        if use.unit._layer is not None:
+            raise _core.InvalidArgument(f"taskswap: unit '{use.unit.name}' is a streamed layer (register_layers): "
+                                        "its hooks acquire it in forward and backward; leave it out of plan() and "
+                                        "step()")
         return use
 
     def step(self, *units: Unit | _Use, micro_batches: int = 1) -> _StepScope:
@@ -651,6 +759,11 @@ class Runtime:
         (gradient accumulation: call backward that many times inside the scope)."""
         if micro_batches < 1:
             raise _core.InvalidArgument(f"taskswap: micro_batches is at least 1, not {micro_batches}")
+        if micro_batches > 1 and any(u.trainable for u in self._layers):
+            raise _core.InvalidArgument(
+                f"taskswap: micro_batches={micro_batches} with trained streamed layers: a streamed layer is stepped "
+                "as soon as one backward pass completes its gradients; sum the micro-batches' losses and call "
+                "backward once, or register the layers with register()")
         return _StepScope(self, list(map(_use_of, units)), micro_batches)
 
     def _current_stream(self) -> _core.Stream:
@@ -661,6 +774,45 @@ class Runtime:
         if s is None:
             s = self._external[handle] = _core.external_stream(self.device, handle)
         return s
+
+    def _hook_layers(self) -> None:
+        """The streamed layers' hooks (register_layers)."""
+        if self._hooks:
+            raise _core.InvalidArgument(
+                f"taskswap: the layers '{self._layers[0].name}'.. stream without a communicator only, so far (with "
+                "one, a unit is acquired once per step); register them with register() and plan them whole, or "
+                "train on one rank")
+        if (self.options.scaler.enabled or self.options.optimizer.clip > 0) and any(u.trainable for u in self._layers):
+            raise _core.InvalidArgument(
+                f"taskswap: the trained layers '{self._layers[0].name}'.. cannot stream with loss scaling or "
+                "clipping: a guarded update waits for the step's end, so each trained layer would stay on the device "
+                "to it. Stream frozen layers (trainable=False), or turn off [scaler] and [optimizer] clip")
+        ref = weakref.ref(self)  # the module's hooks must not keep the runtime alive
+
+        def scope_of():
+            rt = ref()
+            return rt._scope if rt is not None else None
+
+        for u in self._layers:
+            def pre_hook(module, args, u=u):
+                scope = scope_of()
+                if scope is not None:
+                    scope._layer_forward(u)
+
+            def post_hook(module, args, output, u=u):
+                scope = scope_of()
+                if scope is not None:
+                    scope._layer_forward_done(u, output)
+
+            def grad_hook(param, u=u):
+                scope = scope_of()
+                if scope is not None:
+                    scope._layer_grad(u)
+
+            m = u._layer_module
+            u._hook_handles += [m.register_forward_pre_hook(pre_hook), m.register_forward_hook(post_hook)]
+            if u.trainable:
+                u._hook_handles += [p.register_post_accumulate_grad_hook(grad_hook) for p in u._params]
 
     def _make_pre_hook(self, u: Unit):
         # Before autograd accumulates into the slab: one pass more than the scope's micro_batches
@@ -698,7 +850,9 @@ class Runtime:
                     u._handed_versions = [g._version for g in u._grad_views]
         return hook
 
-    def _attach(self, u: Unit, kind: int, addrs: tuple[int, int]) -> None:
+    def _attach(self, u: Unit, kind: int, addrs: tuple[int, int], forward: bool = False) -> None:
+        """Points the unit's tensors at its device views. ``forward``: a streamed layer's forward
+        use (parameters alone), which autograd records for a trained layer all the same."""
         core = self._core
         # Every view first (the scope checked the model): a failure then leaves the tensors as they were.
         if u._param_addr != addrs[0]:
@@ -709,6 +863,8 @@ class Runtime:
             for t, v in zip(u._tensors, u._views):
                 t.data = v
             if kind == _FROZEN:
+                if forward and u.trainable:  # its gradient slab comes with the backward's acquisition
+                    return
                 for p in u._params:
                     if p.requires_grad:
                         p.requires_grad_(False)
@@ -874,7 +1030,8 @@ class _Starting:
 
 
 class _StepScope:
-    __slots__ = ("rt", "uses", "micro_batches", "kinds", "stream", "acquired", "attached", "stats", "_starting")
+    __slots__ = ("rt", "uses", "micro_batches", "kinds", "stream", "acquired", "attached", "stats", "_starting",
+                 "layers")
 
     def __init__(self, rt: Runtime, uses: list[_Use], micro_batches: int):
         self.rt = rt
@@ -886,6 +1043,8 @@ class _StepScope:
         self.attached: list[_Use] = []
         self.stats: _core.StepStats | None = None
         self._starting: _Starting | None = None
+        # The streamed layers held now: unit id -> (unit, held for its forward, use kind).
+        self.layers: dict[int, tuple[Unit, bool, int]] = {}
 
     def __enter__(self) -> _StepScope:
         rt = self.rt
@@ -894,7 +1053,7 @@ class _StepScope:
         uses = self.uses
         for use in uses:  # before anything is started or acquired: a bad scope changes nothing
             u = use.unit
-            if u._owner is not rt or (use.kind == _TRAIN and not u.trainable):
+            if u._owner is not rt or (use.kind == _TRAIN and not u.trainable) or u._layer is not None:
                 rt._own(use)
             if u._holders:
                 u._check_model()
@@ -950,6 +1109,7 @@ class _StepScope:
         changed = None
         stepped = set()
         try:
+            self._finish_layers()
             for use in self.acquired:
                 if use.kind != _TRAIN:
                     continue
@@ -991,6 +1151,10 @@ class _StepScope:
                     if use.kind == _TRAIN and not use.unit._ready and use.unit.id not in stepped:
                         for g in use.unit._grad_views:
                             g.zero_()
+                for u, _, kind in self.layers.values():
+                    if kind == _TRAIN:
+                        for g in u._grad_views:
+                            g.zero_()
         except BaseException as e:  # kept, the cleanup goes on
             first = e
         if rt._hooks:
@@ -1021,6 +1185,11 @@ class _StepScope:
         the parameters back at their empty placeholders; raises the first error after all."""
         first = None
         core, stream = self.rt._core, self.stream
+        for u, _, _ in sorted(self.layers.values(), key=lambda held: -held[0]._layer):
+            try:
+                self._layer_release(u)
+            except BaseException as e:  # every unit is released
+                first = first or e
         for use in reversed(self.acquired):
             try:
                 core.release(use.unit.id, stream)
@@ -1034,3 +1203,85 @@ class _StepScope:
             self.rt._scope = None
         if first is not None:
             raise first
+
+    # --- streamed layers (Runtime.register_layers) -------------------------------------------
+    def _layer_stream(self) -> _core.Stream:
+        rt = self.rt
+        return rt._stream or rt._current_stream()  # in backward: the stream autograd runs the node on
+
+    def _layer_acquire(self, u: Unit, kind: int, forward: bool) -> None:
+        rt = self.rt
+        addrs = rt._core.acquire(u.id, self._layer_stream(), kind == _FROZEN)
+        self.layers[u.id] = (u, forward, kind)
+        try:
+            rt._attach(u, kind, addrs, forward=forward)
+        except BaseException:
+            self._layer_release(u)
+            raise
+
+    def _layer_release(self, u: Unit) -> None:
+        _, _, kind = self.layers.pop(u.id)
+        try:
+            self.rt._core.release(u.id, self._layer_stream())
+        finally:
+            Runtime._detach(u, kind)
+
+    def _layer_forward(self, u: Unit) -> None:
+        """Forward pre-hook: the layer's forward use, unless it is held (a forward re-run inside its
+        backward by activation checkpointing uses the backward's acquisition)."""
+        if u.id not in self.layers:
+            self._layer_acquire(u, _FROZEN, forward=True)
+
+    def _layer_forward_done(self, u: Unit, output) -> None:
+        """Forward hook: releases the layer; if backward will pass through it, a hook on its outputs'
+        gradients acquires it again before its backward runs."""
+        held = self.layers.get(u.id)
+        if held is None or not held[1]:
+            return
+        outputs = [t for t in _tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
+        self._layer_release(u)
+        if not outputs:
+            return
+        reached: list[bool] = []
+
+        def before_backward(_grad):
+            if not reached:
+                reached.append(True)
+                self._layer_backward(u)
+
+        for t in outputs:
+            t.register_hook(before_backward)
+
+    def _layer_backward(self, u: Unit) -> None:
+        """The gradient of the layer's output is computed: acquires it for its backward, then lets go
+        of the frozen layers above it, whose backward is over."""
+        if self.rt._scope is not self:
+            raise _core.InvalidArgument(f"taskswap: backward reached the streamed layer '{u.name}' after its step "
+                                        "scope closed; call backward inside the step scope")
+        if u.id in self.layers:
+            return
+        self._layer_acquire(u, _TRAIN if u.trainable else _FROZEN, forward=False)
+        for other, forward, kind in list(self.layers.values()):
+            if not forward and kind == _FROZEN and other._layer > u._layer:
+                self._layer_release(other)
+
+    def _layer_grad(self, u: Unit) -> None:
+        """A trained layer's parameter has its gradient: once all have, the layer is stepped and
+        released while backward goes on below it."""
+        held = self.layers.get(u.id)
+        if held is None or held[1]:
+            return
+        u._fired += 1
+        if u._fired == len(u._params):
+            u._fired = 0
+            self.rt._core.step(u.id, self._layer_stream())
+            self._layer_release(u)
+
+    def _finish_layers(self) -> None:
+        """At the scope's end: a trained layer still held (one of its parameters got no gradient) is
+        stepped as a named unit is; the other layers are released with the scope's units."""
+        for u, _, kind in sorted(self.layers.values(), key=lambda held: -held[0]._layer):
+            if kind == _TRAIN:
+                Runtime._repair_grads(u)
+                self.rt._core.step(u.id, self._layer_stream())
+                self._layer_release(u)

@@ -124,9 +124,10 @@ class Adapters:
         return names
 
     def uses(self, names: str | Sequence[str], *extra) -> list:
-        """A step's units as plan() and step() take them: the base (frozen) and the adapters
-        ``names`` (trained), then ``extra`` units (a task head, ...)."""
-        return [*self.base, *(self.units[n] for n in self._names(names)), *extra]
+        """A step's units as plan() and step() take them: the base (frozen; streamed layers left out,
+        their hooks acquire them) and the adapters ``names`` (trained), then ``extra`` units (a
+        task head, ...)."""
+        return [*(b for b in self.base if b._layer is None), *(self.units[n] for n in self._names(names)), *extra]
 
     def activate(self, names: str | Sequence[str]) -> None:
         """Makes ``names`` the model's active adapter(s), as ``model.set_adapter`` does."""
@@ -156,7 +157,7 @@ class Adapters:
 
 def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | None = None,
              base: str | None = "per_layer", prefix: str = "adapter/", base_prefix: str = "base/",
-             base_residency: str | None = None, **adapter_settings) -> Adapters:
+             base_residency: str | None = None, stream: bool = False, **adapter_settings) -> Adapters:
     """Registers a PEFT model with ``rt``: one unit per adapter (``prefix + name``, trained) and
     the base model's weights, which PEFT froze, as units registered ``trainable=False``.
 
@@ -166,7 +167,12 @@ def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | N
     not registered: it stays where torch has it). Units whose parameters differ in dtype are split
     by dtype (a ``.float32`` suffix). ``base_residency`` and ``adapter_settings`` (residency,
     lookahead, optimizer, lr_scale, weight_decay, no_weight_decay) are passed to ``register``;
-    left out, the config's rules decide. Refused, it registers nothing."""
+    left out, the config's rules decide. ``stream`` (with ``base="per_layer"``): the decoder layers'
+    base units stream within each step, as ``Runtime.register_layers`` does (a base larger than the
+    device trains); ``uses`` then leaves them out. Refused, it registers nothing."""
+    if stream and base != "per_layer":
+        raise _core.ConfigError(f"taskswap: stream=True streams the base's decoder layers: it needs "
+                                f"base=\"per_layer\", not {base!r}")
     if base not in ("per_layer", "one", None):
         raise _core.ConfigError(f"taskswap: base is \"per_layer\", \"one\" or None, not {base!r}")
     found = _adapter_entries(model)
@@ -180,12 +186,12 @@ def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | N
                                     f"{', '.join(sorted(found)[:8])}{', ...' if len(found) > 8 else ''})")
     adapter_ids = {id(e.tensor) for entries in found.values() for e in entries}
 
-    groups: list[tuple[str, list[_Entry], list[_Entry]]] = []  # (unit name, params, buffers)
+    groups: list[tuple[str, list[_Entry], list[_Entry], torch.nn.Module | None]] = []  # name, params, buffers, layer
     if base is not None:
         params, buffers = _module_entries(model)
         params = [e for e in params if id(e.tensor) not in adapter_ids]
         if base == "one":
-            groups.append((f"{base_prefix}all", params, buffers))
+            groups.append((f"{base_prefix}all", params, buffers, None))
         else:
             layers = _layer_list(model, adapter_ids)
             if layers is None:
@@ -199,14 +205,14 @@ def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | N
                 for e in lp + lb:
                     e.name = f"{lname}.{i}.{e.name}"
                 placed.update(id(e.tensor) for e in lp + lb)
-                groups.append((f"{base_prefix}{i}", lp, lb))
+                groups.append((f"{base_prefix}{i}", lp, lb, layer))
             rest_p = [e for e in params if id(e.tensor) not in placed]
             rest_b = [e for e in buffers if id(e.tensor) not in placed]
             if rest_p:
-                groups.append((f"{base_prefix}rest", rest_p, rest_b))
+                groups.append((f"{base_prefix}rest", rest_p, rest_b, None))
     # A unit's parameters share one dtype: split a group whose parameters do not.
-    split: list[tuple[str, list[_Entry], list[_Entry]]] = []
-    for gname, gp, gb in groups:
+    split: list[tuple[str, list[_Entry], list[_Entry], torch.nn.Module | None]] = []
+    for gname, gp, gb, layer in groups:
         if not gp:
             continue
         by_dtype: dict[torch.dtype, list[_Entry]] = defaultdict(list)
@@ -215,14 +221,14 @@ def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | N
         main = max(by_dtype, key=lambda d: sum(e.tensor.numel() for e in by_dtype[d]))
         for dtype, entries in by_dtype.items():
             suffix = "" if dtype == main else f".{str(dtype).removeprefix('torch.')}"
-            split.append((gname + suffix, entries, [b for b in gb if b.tensor.dtype == dtype]))
+            split.append((gname + suffix, entries, [b for b in gb if b.tensor.dtype == dtype], layer))
 
     made: list[Unit] = []
     try:
         base_units = [rt._register_entries(gname, gp, gb, None, trainable=False, residency=base_residency,
                                            lookahead=None, optimizer=None, lr_scale=None, weight_decay=None,
                                            no_weight_decay=None)
-                      for gname, gp, gb in split]
+                      for gname, gp, gb, _ in split]
         made += base_units
         units: dict[str, Unit] = {}
         for n in names:
@@ -234,15 +240,9 @@ def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | N
             units[n] = rt._register_entries(f"{prefix}{n}", found[n], [], None, trainable=True, **settings)
             made.append(units[n])
     except BaseException:
-        _unregister(rt, made)
+        rt._unregister(made)
         raise
+    if stream:
+        streamed = [(u, layer) for u, (_, _, _, layer) in zip(base_units, split) if layer is not None]
+        rt._stream_layers([u for u, _ in streamed], [layer for _, layer in streamed])
     return Adapters(rt, model, base_units, units)
-
-
-def _unregister(rt: Runtime, units: list[Unit]) -> None:
-    """Takes back units registered by a call that failed (the runtime has not started)."""
-    for u in units:
-        rt.units.remove(u)
-        del rt._by_name[u.name]
-        for e in u._entries:
-            rt._owner_of.pop(id(e.tensor), None)
