@@ -275,6 +275,9 @@ struct trainer::impl {
     margin = plan_margin(model, options);
     if (options.scaler.enabled) { loss_scale = rt.loss_scale(); }
     for (int l = 0; l < model.trunk_layers; ++l) { trunk.push_back(rt.find("trunk/" + std::to_string(l))); }
+    // A trunk that is not pinned streams through the device within each step (without a
+    // communicator, which agrees on one acquisition of a unit per step).
+    streamed = !comm && rt.policy(trunk.front()).residency != taskswap::residency::pinned;
     for (int t = 0; t < model.tasks; ++t) { tasks.push_back(rt.find("task/" + std::to_string(t))); }
     carve();
     initialise();
@@ -374,7 +377,10 @@ struct trainer::impl {
     if (model.compute != dtype::f32) { kernels->narrow(v.grad(i), model.compute, wide, v.tensors[i].count); }
   }
 
-  // Forward and backward of one step; returns nothing, the loss lands in losses[step].
+  // Forward and backward of one step; returns nothing, the loss lands in losses[step]. A streamed
+  // trunk acquires each layer for its forward (parameters alone) and releases it, and again for
+  // its backward, stepped and released at once; the adapter comes in after the trunk's forward.
+  // The arithmetic is the same either way, so a streamed run equals a held one bit for bit.
   void train_step(std::int64_t step)
   {
     const int task = task_of_step(model, rank(), step);
@@ -385,12 +391,15 @@ struct trainer::impl {
     const int layers = model.trunk_layers;
     const auto act = [this](int l) { return h[static_cast<std::size_t>(l)]; };
     const bool frozen = model.trunk_frozen(step);
-    std::vector<taskswap::unit_view> tv;
-    tv.reserve(trunk.size());
-    for (taskswap::unit_id u : trunk) {
-      tv.push_back(rt.acquire(u, compute, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train));
+    const taskswap::unit_id adapter = tasks[static_cast<std::size_t>(task)];
+    std::vector<taskswap::unit_view> tv(trunk.size());
+    taskswap::unit_view av;
+    if (!streamed) {
+      for (std::size_t l = 0; l < trunk.size(); ++l) {
+        tv[l] = rt.acquire(trunk[l], compute, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train);
+      }
+      av = rt.acquire(adapter, compute);
     }
-    const taskswap::unit_view av = rt.acquire(tasks[static_cast<std::size_t>(task)], compute);
 
     // The batch and its targets: x random, y = x · A_task.
     kernels->random_uniform(
@@ -407,10 +416,14 @@ struct trainer::impl {
 
     // Forward.
     for (int l = 0; l < layers; ++l) {
-      const auto& v = tv[static_cast<std::size_t>(l)];
+      const taskswap::unit_id u = trunk[static_cast<std::size_t>(l)];
+      auto& v = tv[static_cast<std::size_t>(l)];
+      if (streamed) { v = rt.acquire(u, compute, taskswap::unit_use::frozen); }
       kernels->gemm(false, false, b, d, d, 1.0F, act(l), weight(v, 0, wide_weight), 0.0F, act(l + 1));
       kernels->bias_activation(act(l + 1), weight(v, 1, wide_bias), b, d, true);
+      if (streamed) { rt.release(u, compute); }
     }
+    if (streamed) { av = rt.acquire(adapter, compute); }
     kernels->gemm(false, false, b, hd, d, 1.0F, act(layers), weight(av, 0, wide_weight), 0.0F, hidden);
     kernels->bias_activation(hidden, weight(av, 1, wide_bias), b, hd, true);
     kernels->gemm(false, false, b, o, hd, 1.0F, hidden, weight(av, 2, wide_weight), 0.0F, y);
@@ -430,7 +443,9 @@ struct trainer::impl {
     store_grad(av, 1, wide_bias_grad);
     if (frozen) {  // the trunk takes no gradient: backward ends at the adapter
       finish(av.id);
-      for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { rt.release(*it, compute); }
+      if (!streamed) {
+        for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { rt.release(*it, compute); }
+      }
       last_stats = rt.end_step();
       return;
     }
@@ -441,7 +456,8 @@ struct trainer::impl {
     float* dh = back[1];
     float* next = back[0];
     for (int l = layers - 1; l >= 0; --l) {
-      const auto& v = tv[static_cast<std::size_t>(l)];
+      auto& v = tv[static_cast<std::size_t>(l)];
+      if (streamed) { v = rt.acquire(trunk[static_cast<std::size_t>(l)], compute); }
       kernels->relu_backward(dh, act(l + 1), static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
       kernels->gemm(true, false, d, d, b, 1.0F, act(l), dh, 0.0F, grad_target(v, 0, wide_grad));
       store_grad(v, 0, wide_grad);
@@ -478,9 +494,21 @@ struct trainer::impl {
     std::vector<taskswap::step_plan> plans;
     for (std::int64_t s = first; s < end; ++s) {
       taskswap::step_plan p;
-      const taskswap::unit_use use = model.trunk_frozen(s) ? taskswap::unit_use::frozen : taskswap::unit_use::train;
-      for (taskswap::unit_id u : trunk) { p.acquire(u, use); }
-      p.acquire(tasks[static_cast<std::size_t>(task_of_step(model, rank(), s))]);
+      const bool frozen = model.trunk_frozen(s);
+      const taskswap::unit_id adapter = tasks[static_cast<std::size_t>(task_of_step(model, rank(), s))];
+      if (streamed) {  // as train_step makes the calls
+        for (taskswap::unit_id u : trunk) { p.acquire(u, taskswap::unit_use::frozen).release(u); }
+        p.acquire(adapter);
+        if (!frozen) {
+          p.release(adapter);
+          for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { p.acquire(*it).release(*it); }
+        }
+      } else {
+        for (taskswap::unit_id u : trunk) {
+          p.acquire(u, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train);
+        }
+        p.acquire(adapter);
+      }
       plans.push_back(std::move(p));
     }
     rt.plan(plans);
@@ -496,6 +524,7 @@ struct trainer::impl {
   taskswap::stream compute;
   std::shared_ptr<taskswap::communicator> comm;
   taskswap::runtime rt;
+  bool streamed = false;  // the trunk streams within each step
   std::unique_ptr<ops> kernels;
   taskswap::device_buffer workspace;
   taskswap::pinned_buffer losses_home;
