@@ -10,6 +10,7 @@
 //   (a host function that sleeps on the compute stream, so it costs no CPU), runs AdamW on the
 //   device, and releases it; swapping moves the unit's parameters and moments both ways.
 //   step_time_ratio = step time swapping / step time all-resident. Target ≤ 1.03.
+// runtime_streaming: a streamed trunk's step time against all-resident (see the function).
 // cuda_runtime_overlap: the same loop on a CUDA device, the step's transfer time measured as a
 //   plain duplex cudaMemcpyAsync between pinned_buffers and device buffers; at compute 0,
 //   link_ratio = the runtime's swap rate / that copy's rate.
@@ -239,6 +240,128 @@ void cuda_runtime_overlap(benchmark::State& state)
   state.counters["link_ratio"] = state.counters["swap_GBps"].value / state.counters["anchor_GBps"].value;
 }
 
+// One step over a streamed trunk: the task unit, then every layer forward (a frozen use: its
+// parameters alone), then every layer backward (a trained use, stepped and released at once); each
+// use "computes" on the stream for `forward` or `backward`.
+step_plan streamed_step(std::size_t layers)
+{
+  step_plan p;
+  p.acquire(unit_id{0});
+  for (std::uint32_t l = 1; l <= layers; ++l) { p.acquire(unit_id{l}, unit_use::frozen).release(unit_id{l}); }
+  for (auto l = static_cast<std::uint32_t>(layers); l >= 1; --l) { p.acquire(unit_id{l}).release(unit_id{l}); }
+  return p;
+}
+
+loop_result stream_steps(runtime& rt, stream& s, std::size_t layers, std::size_t steps,
+                         std::chrono::microseconds forward, std::chrono::microseconds backward, std::size_t& planned,
+                         std::size_t& done)
+{
+  const runtime_stats before = rt.stats();
+  rt.flush();
+  s.synchronize();
+  const auto compute = [&](std::chrono::microseconds t) {
+    launch_host_func(s, [t] { std::this_thread::sleep_for(t); });
+  };
+  const auto begin = clock_type::now();
+  for (std::size_t i = 0; i < steps; ++i, ++done) {
+    for (; planned < done + 3; ++planned) { rt.plan(streamed_step(layers)); }
+    (void)rt.acquire(unit_id{0}, s);
+    for (std::uint32_t l = 1; l <= layers; ++l) {
+      (void)rt.acquire(unit_id{l}, s, unit_use::frozen);
+      compute(forward);
+      rt.release(unit_id{l}, s);
+    }
+    for (auto l = static_cast<std::uint32_t>(layers); l >= 1; --l) {
+      (void)rt.acquire(unit_id{l}, s);
+      compute(backward);
+      rt.step(unit_id{l}, s);
+      rt.release(unit_id{l}, s);
+    }
+    rt.step(unit_id{0}, s);
+    rt.release(unit_id{0}, s);
+    (void)rt.end_step();
+  }
+  s.synchronize();
+  loop_result r;
+  r.seconds = std::chrono::duration<double>(clock_type::now() - begin).count();
+  const runtime_stats after = rt.stats();
+  r.totals.h2d_bytes = after.total.h2d_bytes - before.total.h2d_bytes;
+  r.totals.d2h_bytes = after.total.d2h_bytes - before.total.d2h_bytes;
+  r.totals.stall_ms = after.total.stall_ms - before.total.stall_ms;
+  r.totals.misses = after.total.misses - before.total.misses;
+  r.totals.peak_device_bytes = after.total.peak_device_bytes;
+  return r;
+}
+
+// runtime_streaming: a trunk of `layers` trained layer units streamed through a budget of the task
+// unit and `room` layers (3: the two the backward holds and one prefetched), against the same loop with every unit resident, in the same run, on the
+// emulated device with a 5 GB/s link. A layer's forward computes compute_factor × its parameters'
+// transfer, its backward compute_factor × its whole travel (the optimizer state in, the update
+// out), so compute ≥ transfer at a factor ≥ 1. Target: step_time_ratio ≤ 1.10.
+void runtime_streaming(benchmark::State& state)
+{
+  constexpr double link = 5e9;
+  const auto layers = static_cast<std::size_t>(state.range(0));
+  const double compute_factor = static_cast<double>(state.range(1)) / 100.0;
+  const auto room = static_cast<std::size_t>(state.range(2));
+  constexpr std::size_t elements = 256 * 1024;  // 1 MiB of f32 parameters per layer
+  constexpr std::size_t steps = 6;
+  std::vector<unit_spec> streamed_specs{task_unit(0, elements / 4, residency::prefetch, 1)};
+  std::vector<unit_spec> resident_specs{task_unit(0, elements / 4, residency::pinned, 1)};
+  for (std::size_t l = 1; l <= layers; ++l) {
+    streamed_specs.push_back(task_unit(l, elements, residency::prefetch, 1));
+    resident_specs.push_back(task_unit(l, elements, residency::pinned, 1));
+  }
+  const std::size_t layer_bytes = 4 * elements * sizeof(float);
+  const std::size_t task_bytes = layer_bytes / 4;
+  runtime_options streamed_options;
+  streamed_options.device.budget = task_bytes + room * layer_bytes;
+  runtime_options resident_options;
+  resident_options.device.budget = task_bytes + layers * layer_bytes;
+  const auto dev = [&](std::size_t budget) {
+    return emulated_device({.memory_bytes = budget, .link = {.bytes_per_second = link}});
+  };
+  const device streamed_dev = dev(streamed_options.device.budget);
+  const device resident_dev = dev(resident_options.device.budget);
+  runtime streamed(streamed_dev, streamed_options, streamed_specs);
+  runtime resident(resident_dev, resident_options, resident_specs);
+  stream streamed_stream(streamed_dev);
+  stream resident_stream(resident_dev);
+  const auto seconds = [&](std::size_t bytes) {
+    return std::chrono::duration<double>(static_cast<double>(bytes) / link);
+  };
+  const auto forward =
+    std::chrono::duration_cast<std::chrono::microseconds>(seconds(elements * sizeof(float)) * compute_factor);
+  const auto backward =
+    std::chrono::duration_cast<std::chrono::microseconds>(seconds(3 * elements * sizeof(float)) * compute_factor);
+  std::size_t sp = 0, sd = 0, rp = 0, rd = 0;
+  (void)stream_steps(streamed, streamed_stream, layers, 1, forward, backward, sp, sd);  // warm-up
+  (void)stream_steps(resident, resident_stream, layers, 1, forward, backward, rp, rd);
+  double streamed_seconds = 0, resident_seconds = 0, stall_ms = 0;
+  std::size_t h2d = 0, misses = 0, peak = 0;
+  for (auto _ : state) {
+    const loop_result a = stream_steps(resident, resident_stream, layers, steps, forward, backward, rp, rd);
+    const loop_result b = stream_steps(streamed, streamed_stream, layers, steps, forward, backward, sp, sd);
+    resident_seconds += a.seconds;
+    streamed_seconds += b.seconds;
+    stall_ms += b.totals.stall_ms;
+    h2d += b.totals.h2d_bytes;
+    misses += b.totals.misses;
+    peak = std::max(peak, b.totals.peak_device_bytes);
+    state.SetIterationTime(b.seconds);
+  }
+  const double n = static_cast<double>(state.iterations()) * static_cast<double>(steps);
+  state.counters["step_time_ratio"] = streamed_seconds / resident_seconds;
+  state.counters["step_ms_streamed"] = streamed_seconds / n * 1e3;
+  state.counters["step_ms_resident"] = resident_seconds / n * 1e3;
+  state.counters["stall_ms_per_step"] = stall_ms / n;
+  state.counters["h2d_MiB_per_step"] = static_cast<double>(h2d) / n / (1 << 20);
+  state.counters["misses"] = static_cast<double>(misses);
+  state.counters["trunk_over_budget"] =
+    static_cast<double>(layers * layer_bytes) / static_cast<double>(streamed_options.device.budget);
+  state.counters["peak_over_budget"] = static_cast<double>(peak) / static_cast<double>(streamed_options.device.budget);
+}
+
 }  // namespace
 
 // {registered units, units the budget holds}: all resident (every acquire a hit, no copies), and
@@ -258,6 +381,13 @@ BENCHMARK(runtime_overlap)
   ->UseManualTime()
   ->Unit(benchmark::kMillisecond)
   ->Iterations(4);
+// 28 and 56 layers of 4 MiB, compute 1.25x and 2x the transfer, room for 3 layers (8.6x and 17x
+// the budget) and for 4.
+BENCHMARK(runtime_streaming)
+  ->ArgsProduct({{28, 56}, {125, 200}, {3, 4}})
+  ->UseManualTime()
+  ->Unit(benchmark::kMillisecond)
+  ->Iterations(2);
 // 4 Mi, 12 Mi and 24 Mi f32 elements (48, 144, 288 MiB each way per step); compute 0 (the swap
 // rate against the plain copy), 1.25× and 2× the measured transfer.
 BENCHMARK(cuda_runtime_overlap)
