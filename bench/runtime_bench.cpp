@@ -88,6 +88,20 @@ struct loop_result {
   step_stats totals{};
 };
 
+// A loop's wall time and the runtime's figures since `before` (the peak: the run's so far).
+loop_result result_since(const runtime& rt, const runtime_stats& before, double seconds)
+{
+  loop_result r;
+  r.seconds = seconds;
+  const runtime_stats after = rt.stats();
+  r.totals.h2d_bytes = after.total.h2d_bytes - before.total.h2d_bytes;
+  r.totals.d2h_bytes = after.total.d2h_bytes - before.total.d2h_bytes;
+  r.totals.stall_ms = after.total.stall_ms - before.total.stall_ms;
+  r.totals.misses = after.total.misses - before.total.misses;
+  r.totals.peak_device_bytes = after.total.peak_device_bytes;
+  return r;
+}
+
 loop_result train(runtime& rt, stream& s, std::size_t tasks, std::size_t steps, std::chrono::microseconds compute,
                   std::size_t& next_planned, std::size_t& next_step)
 {
@@ -110,14 +124,7 @@ loop_result train(runtime& rt, stream& s, std::size_t tasks, std::size_t steps, 
   }
   s.synchronize();
   const auto end = clock_type::now();
-  loop_result r;
-  r.seconds = std::chrono::duration<double>(end - begin).count();
-  const runtime_stats after = rt.stats();
-  r.totals.h2d_bytes = after.total.h2d_bytes - before.total.h2d_bytes;
-  r.totals.d2h_bytes = after.total.d2h_bytes - before.total.d2h_bytes;
-  r.totals.stall_ms = after.total.stall_ms - before.total.stall_ms;
-  r.totals.misses = after.total.misses - before.total.misses;
-  return r;
+  return result_since(rt, before, std::chrono::duration<double>(end - begin).count());
 }
 
 // One timed plain duplex copy of `bytes` each way between pinned_buffers (not the runtime's
@@ -282,15 +289,7 @@ loop_result stream_steps(runtime& rt, stream& s, std::size_t layers, std::size_t
     (void)rt.end_step();
   }
   s.synchronize();
-  loop_result r;
-  r.seconds = std::chrono::duration<double>(clock_type::now() - begin).count();
-  const runtime_stats after = rt.stats();
-  r.totals.h2d_bytes = after.total.h2d_bytes - before.total.h2d_bytes;
-  r.totals.d2h_bytes = after.total.d2h_bytes - before.total.d2h_bytes;
-  r.totals.stall_ms = after.total.stall_ms - before.total.stall_ms;
-  r.totals.misses = after.total.misses - before.total.misses;
-  r.totals.peak_device_bytes = after.total.peak_device_bytes;
-  return r;
+  return result_since(rt, before, std::chrono::duration<double>(clock_type::now() - begin).count());
 }
 
 // runtime_streaming: a trunk of `layers` trained layer units streamed through a budget of the task
