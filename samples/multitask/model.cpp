@@ -188,6 +188,31 @@ int plan_margin(const model_config& m, const taskswap::runtime_options& options)
   return std::min(m.plan_window, lookahead + 1);
 }
 
+bool trunk_streams(const model_config& m, const taskswap::runtime_options& options, bool communicator)
+{
+  return !communicator && m.trunk_layers > 0 &&
+         taskswap::policy_for(model_units(m).front(), options).residency != taskswap::residency::pinned;
+}
+
+taskswap::step_plan step_plan_of(const model_config& m, std::span<const taskswap::unit_id> trunk,
+                                 taskswap::unit_id adapter, std::int64_t step, bool streamed)
+{
+  taskswap::step_plan p;
+  const bool frozen = m.trunk_frozen(step);
+  if (!streamed) {
+    for (taskswap::unit_id u : trunk) { p.acquire(u, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train); }
+    p.acquire(adapter);
+    return p;
+  }
+  for (taskswap::unit_id u : trunk) { p.acquire(u, taskswap::unit_use::frozen).release(u); }
+  p.acquire(adapter);
+  if (!frozen) {
+    p.release(adapter);
+    for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { p.acquire(*it).release(*it); }
+  }
+  return p;
+}
+
 namespace {
 
 // The buffers of one batch: activations (per sample) first, then the fixed ones.
@@ -275,9 +300,7 @@ struct trainer::impl {
     margin = plan_margin(model, options);
     if (options.scaler.enabled) { loss_scale = rt.loss_scale(); }
     for (int l = 0; l < model.trunk_layers; ++l) { trunk.push_back(rt.find("trunk/" + std::to_string(l))); }
-    // A trunk that is not pinned streams through the device within each step (without a
-    // communicator, which agrees on one acquisition of a unit per step).
-    streamed = !comm && rt.policy(trunk.front()).residency != taskswap::residency::pinned;
+    streamed = trunk_streams(model, options, comm != nullptr);
     for (int t = 0; t < model.tasks; ++t) { tasks.push_back(rt.find("task/" + std::to_string(t))); }
     carve();
     initialise();
@@ -493,23 +516,8 @@ struct trainer::impl {
     planned_until = end;
     std::vector<taskswap::step_plan> plans;
     for (std::int64_t s = first; s < end; ++s) {
-      taskswap::step_plan p;
-      const bool frozen = model.trunk_frozen(s);
-      const taskswap::unit_id adapter = tasks[static_cast<std::size_t>(task_of_step(model, rank(), s))];
-      if (streamed) {  // as train_step makes the calls
-        for (taskswap::unit_id u : trunk) { p.acquire(u, taskswap::unit_use::frozen).release(u); }
-        p.acquire(adapter);
-        if (!frozen) {
-          p.release(adapter);
-          for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { p.acquire(*it).release(*it); }
-        }
-      } else {
-        for (taskswap::unit_id u : trunk) {
-          p.acquire(u, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train);
-        }
-        p.acquire(adapter);
-      }
-      plans.push_back(std::move(p));
+      plans.push_back(
+        step_plan_of(model, trunk, tasks[static_cast<std::size_t>(task_of_step(model, rank(), s))], s, streamed));
     }
     rt.plan(plans);
   }

@@ -17,6 +17,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -108,6 +109,17 @@ struct run_result {
 /// largest prefetch lookahead of the units plus one (at most the window), so that prefetching
 /// never stops at a window's end. Every rank computes the same.
 [[nodiscard]] int plan_margin(const model_config& m, const taskswap::runtime_options& options);
+
+/// Whether the trainer streams its trunk within each step: the trunk is not pinned, and there is no
+/// communicator (with one the ranks agree on one acquisition of a unit per step).
+[[nodiscard]] bool trunk_streams(const model_config& m, const taskswap::runtime_options& options, bool communicator);
+
+/// Step `step`'s plan as the trainer makes its calls: the trunk (`trunk`, forward order) and the
+/// step's adapter. Held: the trunk, then the adapter, all to the step's end. Streamed: each layer
+/// for its forward (its parameters alone) and released; the adapter; then, unless the trunk is
+/// frozen at this step, the adapter released and each layer, last first, for its backward.
+[[nodiscard]] taskswap::step_plan step_plan_of(const model_config& m, std::span<const taskswap::unit_id> trunk,
+                                               taskswap::unit_id adapter, std::int64_t step, bool streamed);
 
 /// What run() does besides training.
 struct run_options {

@@ -19,13 +19,16 @@ WIDTH, LAYERS, TASKS = 32, 32, 4
 class Deep(torch.nn.Module):
     """A trunk of LAYERS residual blocks (each a unit when streamed) and one head per task."""
 
-    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32, checkpoint: str | None = None):
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32, checkpoint: str | None = None,
+                 width: int = WIDTH, aux: bool = False):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
+        block = Auxiliary if aux else torch.nn.Sequential
         self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(WIDTH), torch.nn.Linear(WIDTH, 2 * WIDTH), torch.nn.GELU(),
-                                torch.nn.Linear(2 * WIDTH, WIDTH)) for _ in range(LAYERS))
-        self.heads = torch.nn.ModuleList(torch.nn.Linear(WIDTH, 3) for _ in range(TASKS))
+            block(torch.nn.LayerNorm(width), torch.nn.Linear(width, 2 * width), torch.nn.GELU(),
+                  torch.nn.Linear(2 * width, width)) for _ in range(LAYERS))
+        self.heads = torch.nn.ModuleList(torch.nn.Linear(width, 3) for _ in range(TASKS))
+        self.aux = aux
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.2)
@@ -35,20 +38,33 @@ class Deep(torch.nn.Module):
     def forward(self, x: torch.Tensor, task: int, depth: int = LAYERS) -> torch.Tensor:
         if self.checkpoint == "reentrant" and torch.is_grad_enabled():
             x = x.detach().requires_grad_()  # reentrant checkpointing differentiates a layer only for such inputs
+        aux = 0.0
         for layer in self.layers[:depth]:
-            if self.checkpoint is None or not torch.is_grad_enabled():
+            if self.aux:  # an auxiliary output whose loss reaches every layer's backward first
+                y, a = layer(x)
+                x, aux = x + y, aux + a
+            elif self.checkpoint is None or not torch.is_grad_enabled():
                 x = x + layer(x)
             else:
                 x = x + torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=self.checkpoint == "reentrant")
-        return self.heads[task](x)
+        return self.heads[task](x) + 0.01 * aux
 
 
-def batch(step: int, dtype: torch.dtype):
+class Auxiliary(torch.nn.Sequential):
+    """A block that also returns an auxiliary value (as a mixture of experts' router loss)."""
+
+    def forward(self, x: torch.Tensor):
+        y = super().forward(x)
+        return y, y.square().mean()
+
+
+def batch(step: int, dtype: torch.dtype, width: int = WIDTH):
     g = torch.Generator().manual_seed(7919 * step)
-    return torch.randn(8, WIDTH, generator=g).to(dtype), torch.randn(8, 3, generator=g).to(dtype)
+    return torch.randn(8, width, generator=g).to(dtype), torch.randn(8, 3, generator=g).to(dtype)
 
 
 def layer_bytes(model: Deep, trained: bool) -> int:
+    """A layer's device bytes (trained: whole; frozen: its parameters)."""
     tensors = [taskswap.TensorSpec(n, list(p.shape)) for n, p in model.layers[0].named_parameters()]
     dtype = {torch.float32: taskswap.DType.f32, torch.bfloat16: taskswap.DType.bf16}[next(model.parameters()).dtype]
     spec = taskswap.UnitSpec("l", tensors, dtype, trainable=trained)
@@ -57,10 +73,11 @@ def layer_bytes(model: Deep, trained: bool) -> int:
 
 def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = torch.float32,
           checkpoint: str | None = None, steps: int = 12, depth=lambda step: LAYERS, evaluate: bool = False,
-          backend: str = "emulated"):
-    """Trains Deep; returns (its state, the runtime's totals, the budget, the layers' bytes)."""
+          backend: str = "emulated", width: int = WIDTH, aux: bool = False, loss_of=None):
+    """Trains Deep; returns (its state, the runtime's totals, the budget, the layers' bytes).
+    `loss_of(model, x, y, task, step)` runs a step's forward and backward (default: one of each)."""
     device = "cuda" if backend == "cuda" else "cpu"
-    model = Deep(dtype=dtype, checkpoint=checkpoint).to(device)
+    model = Deep(dtype=dtype, checkpoint=checkpoint, width=width, aux=aux).to(device)
     if not trained_layers:
         for p in model.layers.parameters():
             p.requires_grad_(False)
@@ -68,19 +85,21 @@ def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = t
     rt = tt.Runtime(options=config("1 MiB", backend=backend), comm="none")
     heads = [rt.register(h, f"task/{t}") for t, h in enumerate(model.heads)]
     layers = rt.register_layers(model.layers, "trunk", residency=None if streamed else "pinned")
-    # Streamed: room for two layers beside the heads (the backward holds a layer and the one above it).
-    budget = rt.all_pinned_budget() - (0 if not streamed else (LAYERS - 2) * per_layer)
-    if streamed and backend == "cuda":  # each unit is charged a 2 MiB granule there: the heads and three layers
-        budget = (TASKS + 3) * taskswap._core.make_device(rt.options.device).granularity
+    # Streamed: room for two layers beside the heads (the backward holds a layer and the one above
+    # it), in whole granules of the device (256 bytes on the emulated one, 2 MiB on CUDA).
+    granule = taskswap._core.make_device(rt.options.device).granularity
+    budget = rt.all_pinned_budget() - (0 if not streamed else (LAYERS - 2) * (-(-per_layer // granule) * granule))
     rt.options.device.budget = budget
     assert [u.name for u in layers][:2] == ["trunk/0", "trunk/1"]
     tasks = [s % TASKS for s in range(steps)]
     rt.plan([[heads[t]] for t in tasks])
     for step, t in enumerate(tasks):
-        x, y = (v.to(device) for v in batch(step, dtype))
+        x, y = (v.to(device) for v in batch(step, dtype, width))
         with rt.step(heads[t]):
-            loss = torch.nn.functional.mse_loss(model(x, t, depth(step)).float(), y.float())
-            loss.backward()
+            if loss_of is not None:
+                loss_of(model, x, y, t, step)
+            else:
+                torch.nn.functional.mse_loss(model(x, t, depth(step)).float(), y.float()).backward()
         if evaluate and step % 3 == 0:
             with torch.no_grad(), rt.step(heads[t].frozen()):
                 model(x, t)
@@ -148,4 +167,55 @@ def test_layers_are_refused_in_plans_and_steps_and_with_micro_batches():
     with pytest.raises(taskswap.ConfigError, match="already registered"):
         rt.register_layers(model.layers, "trunk")
     assert len(rt.units) == 1 + LAYERS  # the refused call registered nothing
+    rt.close()
+
+
+@pytest.mark.parametrize("trained_layers", [True, False], ids=["trained", "frozen"])
+def test_an_auxiliary_output_acquires_its_layer_for_backward_in_time(trained_layers):
+    """Each block also returns a value with a loss of its own (as a router loss): the first of a
+    layer's outputs' gradients to arrive acquires it (autograd runs nodes in reverse creation
+    order, so the auxiliary one comes just before the layer's own backward, not all at the start)."""
+    streamed, totals, budget, _ = train(streamed=True, trained_layers=trained_layers, aux=True)
+    resident, _, _, _ = train(streamed=False, trained_layers=trained_layers, aux=True)
+    assert_same(streamed, resident)
+    assert totals.peak_device_bytes <= budget
+
+
+def test_create_graph_gradients_reach_the_update():
+    """backward(create_graph=True) makes autograd replace each .grad: the layer's update reads them."""
+    def loss_of(model, x, y, task, step):
+        torch.nn.functional.mse_loss(model(x, task), y).backward(create_graph=True)
+    streamed, _, _, _ = train(streamed=True, loss_of=loss_of, steps=4)
+    resident, _, _, _ = train(streamed=False, loss_of=loss_of, steps=4)
+    plain, _, _, _ = train(streamed=False, steps=4)
+    assert_same(streamed, resident)
+    assert_same(streamed, plain)  # the same gradients as a plain backward
+
+
+@pytest.mark.parametrize("trained_layers", [True, False], ids=["trained", "frozen"])
+def test_a_second_backward_through_a_stepped_layer_is_refused_and_frozen_layers_allow_it(trained_layers):
+    def loss_of(model, x, y, task, step):
+        out = model(x, task)
+        torch.nn.functional.mse_loss(out, y).backward(retain_graph=True)
+        out.square().mean().backward()
+    if trained_layers:
+        with pytest.raises(taskswap.InvalidArgument, match="second backward pass reached the streamed layer"):
+            train(streamed=True, loss_of=loss_of, steps=1)
+    else:
+        streamed, _, _, _ = train(streamed=True, trained_layers=False, loss_of=loss_of, steps=4)
+        resident, _, _, _ = train(streamed=False, trained_layers=False, loss_of=loss_of, steps=4)
+        assert_same(streamed, resident)
+
+
+def test_layers_of_half_a_granule_or_less_are_refused_at_start():
+    """They would share granules and could come back at another address for their backward."""
+    model = Deep()
+    tiny = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))  # 16.3 KiB of parameters each
+    options = config("1 MiB")
+    options.device.emulated.granularity = 64 * 1024  # as CUDA's 2 MiB granule is to a 1 MiB layer
+    rt = tt.Runtime(options=options, comm="none")
+    rt.register(model.heads[0], "task/0")
+    rt.register_layers(tiny, "tiny")
+    with pytest.raises(taskswap.InvalidArgument, match="at most half a device granule"):
+        rt.start()
     rt.close()

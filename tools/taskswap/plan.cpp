@@ -49,6 +49,16 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
     in.steps.push_back(std::move(step));
     in.frozen.push_back(std::move(frozen));
   }
+  // A trunk the trainer streams: its calls in order (the peak is then one layer or two, not the trunk).
+  if (multitask::trunk_streams(cfg.model, cfg.runtime, cfg.runtime.comm.backend != comm_backend::none)) {
+    std::vector<unit_id> layers;
+    for (std::size_t l = 0; l < trunk; ++l) { layers.push_back(unit_id{static_cast<std::uint32_t>(l)}); }
+    for (int s = 0; s < steps; ++s) {
+      const auto adapter =
+        static_cast<std::uint32_t>(trunk + static_cast<std::size_t>(multitask::task_of_step(cfg.model, 0, s)));
+      in.ordered.push_back(multitask::step_plan_of(cfg.model, layers, unit_id{adapter}, s, true));
+    }
+  }
   in.plan_window = static_cast<std::size_t>(cfg.model.plan_window);
   in.plan_margin = static_cast<std::size_t>(multitask::plan_margin(cfg.model, cfg.runtime));
   in.device_memory = device_memory;

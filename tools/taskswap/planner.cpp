@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <limits>
 #include <map>
+#include <set>
 #include <sstream>
 
 namespace taskswap::tools {
@@ -43,6 +44,123 @@ void check_rules(const plan_input& in)
                          rule.match + "\" matches no unit of the model; fix the pattern or remove the rule");
     }
   }
+}
+
+// The step from which the trainer has not planned yet, seen from step `s` (never: all planned).
+std::size_t plan_horizon(const plan_input& in, std::size_t s)
+{
+  if (in.plan_window == 0) { return never; }
+  return in.plan_window * (1 + (s + in.plan_margin) / in.plan_window);
+}
+
+struct traffic {
+  double h2d = 0;
+  double d2h = 0;
+  double swap_ins = 0;
+};
+
+// The replay of steps given as the trainer's calls in order (plan_input::ordered): Belady over the
+// positions of the uses within and across steps (the runtime's positions), the units held at the
+// time never victims, a trained use written back when evicted after its update. Traffic counts in
+// the step of its use.
+traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& units, std::size_t room)
+{
+  std::vector<std::vector<std::size_t>> positions(units.size());  // of each unit's acquisitions
+  std::vector<std::size_t> step_of;  // the step of each position
+  for (std::size_t s = 0; s < in.ordered.size(); ++s) {
+    for (const step_plan::entry& e : in.ordered[s].entries()) {
+      if (!e.acquire) { continue; }
+      positions.at(e.unit.value).push_back(step_of.size());
+      step_of.push_back(s);
+    }
+  }
+  struct slot {
+    bool dirty = false;
+    bool params_only = false;
+  };
+  std::map<std::size_t, slot> resident;
+  std::map<std::size_t, bool> held;  // unit -> held for a trained use
+  std::vector<std::size_t> last_release(units.size(), 0);
+  std::size_t tick = 0;
+  std::size_t used = 0;
+  std::size_t position = 0;
+  traffic t;
+  std::vector<detail::victim_candidate> candidates;
+  const auto bytes_of = [&](std::size_t u, const slot& sl) {
+    return sl.params_only ? units[u].fp.frozen_device_bytes : units[u].fp.device_bytes;
+  };
+  const auto next_use = [&](std::size_t u, std::size_t after, std::size_t s) {
+    const auto& q = positions[u];
+    const auto it = std::upper_bound(q.begin(), q.end(), after);
+    return it == q.end() || step_of[*it] >= plan_horizon(in, s) ? never : *it;
+  };
+  for (std::size_t s = 0; s < in.ordered.size(); ++s) {
+    const double counted = s >= in.warmup_steps ? 1.0 : 0.0;
+    const auto release = [&](std::size_t u, bool trained) {
+      last_release[u] = ++tick;
+      const planned_unit& p = units[u];
+      if (!trained || p.pinned()) { return; }
+      if (!p.host()) {
+        resident[u].dirty = true;
+        return;
+      }
+      // Host AdamW: gradients go home; new parameters come back if the unit is used again soon.
+      t.d2h += counted * static_cast<double>(p.fp.grad_bytes);
+      const std::size_t next = next_use(u, position, s);
+      if (next != never && step_of[next] - s <= static_cast<std::size_t>(std::max(p.policy.lookahead, 0))) {
+        t.h2d += counted * static_cast<double>(p.fp.param_bytes);
+      } else {
+        used -= bytes_of(u, resident[u]);
+        resident.erase(u);
+      }
+    };
+    for (const step_plan::entry& e : in.ordered[s].entries()) {
+      const std::size_t u = e.unit.value;
+      if (!e.acquire) {
+        const auto h = held.find(u);
+        if (h != held.end()) {
+          release(u, h->second);
+          held.erase(h);
+        }
+        continue;
+      }
+      const std::size_t here = position++;
+      const bool whole = e.use == unit_use::train;
+      held[u] = whole;
+      const planned_unit& p = units[u];
+      if (p.pinned()) { continue; }
+      const auto r = resident.find(u);
+      if (r != resident.end() && (!whole || !r->second.params_only)) { continue; }  // a hit
+      if (r != resident.end()) {  // its parameters alone are here: it comes in whole
+        used -= bytes_of(u, r->second);
+        resident.erase(r);
+      }
+      const std::size_t bytes = whole ? p.fp.device_bytes : p.fp.frozen_device_bytes;
+      while (used + bytes > room) {
+        candidates.clear();
+        for (const auto& [v, sl] : resident) {
+          if (held.contains(v)) { continue; }
+          candidates.push_back({.unit = static_cast<std::uint32_t>(v),
+                                .next_use = next_use(v, here, s),
+                                .last_release = last_release[v],
+                                .idle = true});
+        }
+        const std::size_t k = detail::residency_model::choose_victim(candidates);  // the runtime's rule
+        if (k == candidates.size()) { break; }  // cannot happen after the plan check: the held units fit
+        const std::size_t v = candidates[k].unit;
+        if (resident[v].dirty) { t.d2h += counted * static_cast<double>(units[v].fp.write_back_bytes); }
+        used -= bytes_of(v, resident[v]);
+        resident.erase(v);
+      }
+      t.h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
+      t.swap_ins += counted;
+      resident[u] = {.dirty = false, .params_only = !whole};
+      used += bytes;
+    }
+    for (const auto& [u, trained] : held) { release(u, trained); }  // held to the step's end
+    held.clear();
+  }
+  return t;
 }
 
 }  // namespace
@@ -132,14 +250,36 @@ plan_report make_plan(const plan_input& in)
   // Each step as the runtime checks it (its frozen uses first, as the replay acquires them).
   std::size_t most_held = 0;
   std::size_t most_held_raw = 0;  // the same units' slabs, before rounding
+  if (!in.ordered.empty() && in.ordered.size() != in.steps.size()) {
+    throw config_error("the plan has " + std::to_string(in.steps.size()) + " steps but " +
+                       std::to_string(in.ordered.size()) + " ordered ones; give one per step, or none");
+  }
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
     step_plan step;
     std::size_t raw = 0;
-    for (std::size_t u : frozen_of(s)) {
+    if (!in.ordered.empty()) {  // the trainer's calls: the most held at once, before rounding
+      step = in.ordered[s];
+      std::map<std::size_t, std::size_t> held_raw;
+      std::size_t now = 0;
+      for (const step_plan::entry& e : step.entries()) {
+        const planned_unit& p = units.at(e.unit.value);
+        if (!e.acquire) {
+          now -= held_raw[e.unit.value];
+          held_raw.erase(e.unit.value);
+          continue;
+        }
+        const std::size_t b =
+          p.pinned() ? 0 : (e.use == unit_use::train ? p.fp.device_bytes : p.fp.frozen_device_bytes);
+        held_raw[e.unit.value] = b;
+        now += b;
+        raw = std::max(raw, now);
+      }
+    }
+    for (std::size_t u : in.ordered.empty() ? frozen_of(s) : none) {
       step.acquire(unit_id{static_cast<std::uint32_t>(u)}, unit_use::frozen);
       raw += units[u].pinned() ? 0 : units[u].fp.frozen_device_bytes;
     }
-    for (std::size_t u : in.steps[s]) {
+    for (std::size_t u : in.ordered.empty() ? in.steps[s] : none) {
       step.acquire(unit_id{static_cast<std::uint32_t>(u)});
       raw += units[u].pinned() ? 0 : units[u].fp.device_bytes;
     }
@@ -161,13 +301,9 @@ plan_report make_plan(const plan_input& in)
 
   // Replay: Belady over the swapped units in the room the pinned ones leave, seeing only the
   // steps planned so far (the runtime knows nothing beyond), least recently used among equals.
-  const auto horizon = [&](std::size_t s) {
-    if (in.plan_window == 0) { return never; }
-    return in.plan_window * (1 + (s + in.plan_margin) / in.plan_window);
-  };
   const auto next_use = [&](const planned_unit& p, std::size_t s) {
     const std::size_t next = p.next_use_after(s);
-    return next >= horizon(s) ? never : next;
+    return next >= plan_horizon(in, s) ? never : next;
   };
   std::vector<std::size_t> last_use(units.size(), 0);  // release order: a tick per release
   std::size_t tick = 0;
@@ -181,7 +317,13 @@ plan_report make_plan(const plan_input& in)
   double d2h = 0;
   double swap_ins = 0;
   std::vector<detail::victim_candidate> candidates;
-  for (std::size_t s = 0; s < in.steps.size(); ++s) {
+  if (!in.ordered.empty()) {
+    const traffic t = replay_ordered(in, units, room);
+    h2d = t.h2d;
+    d2h = t.d2h;
+    swap_ins = t.swap_ins;
+  }
+  for (std::size_t s = 0; s < (in.ordered.empty() ? in.steps.size() : 0); ++s) {
     const std::vector<std::size_t>& trained = in.steps[s];
     const std::vector<std::size_t>& frozen = frozen_of(s);
     std::vector<std::size_t> need(frozen);

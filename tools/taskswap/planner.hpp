@@ -25,6 +25,10 @@ struct plan_input {
   /// The units each step uses frozen (forward only: the parameters alone, nothing written back),
   /// acquired before steps[s]'s and held to its end; empty, or one list per step.
   std::vector<std::vector<std::size_t>> frozen;
+  /// Where a trainer releases units within a step (a streamed trunk, its layers acquired for the
+  /// forward and again for the backward): each step's calls in order, one plan per step. Then the
+  /// plan check and the replay follow them, use by use; `steps` and `frozen` are not read.
+  std::vector<step_plan> ordered;
   std::size_t warmup_steps = 0;  ///< leading steps replayed but not counted in the traffic
   std::size_t plan_window = 0;  ///< the trainer plans this many steps at a time (0: all at once)
   std::size_t plan_margin = 0;  ///< … the next window when this many planned steps remain

@@ -787,6 +787,19 @@ class Runtime:
                 f"taskswap: the trained layers '{self._layers[0].name}'.. cannot stream with loss scaling or "
                 "clipping: a guarded update waits for the step's end, so each trained layer would stay on the device "
                 "to it. Stream frozen layers (trainable=False), or turn off [scaler] and [optimizer] clip")
+        # Autograd keeps views of a layer's parameters (nn.Linear saves weight.t()) at the address
+        # its forward saw, so the backward's acquisition must find the layer there again. A unit
+        # keeps its slot's address, except one of at most half a device granule, which the pool
+        # packs into a shared granule at any free place.
+        granule = self.device.granularity
+        for u in self._layers:
+            smallest = _core.footprint(u.spec(), _core.OptimizerPlacement.host).frozen_device_bytes
+            if -(-smallest // 256) * 256 * 2 <= granule:
+                raise _core.InvalidArgument(
+                    f"taskswap: the streamed layer '{u.name}' has {smallest} bytes of parameters, at most half a "
+                    f"device granule ({granule} bytes): such units share granules and may come back at another "
+                    "address for their backward, where autograd's saved views of their parameters would not follow. "
+                    "Stream larger layers (group small ones into one module), or register them with register()")
         ref = weakref.ref(self)  # the module's hooks must not keep the runtime alive
 
         def scope_of():
@@ -794,15 +807,15 @@ class Runtime:
             return rt._scope if rt is not None else None
 
         for u in self._layers:
-            def pre_hook(module, args, u=u):
+            def pre_hook(module, args, kwargs, u=u):
                 scope = scope_of()
                 if scope is not None:
                     scope._layer_forward(u)
 
-            def post_hook(module, args, output, u=u):
+            def post_hook(module, args, kwargs, output, u=u):
                 scope = scope_of()
                 if scope is not None:
-                    scope._layer_forward_done(u, output)
+                    scope._layer_forward_done(u, (args, kwargs), output)
 
             def grad_hook(param, u=u):
                 scope = scope_of()
@@ -810,7 +823,8 @@ class Runtime:
                     scope._layer_grad(u)
 
             m = u._layer_module
-            u._hook_handles += [m.register_forward_pre_hook(pre_hook), m.register_forward_hook(post_hook)]
+            u._hook_handles += [m.register_forward_pre_hook(pre_hook, with_kwargs=True),
+                                m.register_forward_hook(post_hook, with_kwargs=True)]
             if u.trainable:
                 u._hook_handles += [p.register_post_accumulate_grad_hook(grad_hook) for p in u._params]
 
@@ -1031,7 +1045,7 @@ class _Starting:
 
 class _StepScope:
     __slots__ = ("rt", "uses", "micro_batches", "kinds", "stream", "acquired", "attached", "stats", "_starting",
-                 "layers")
+                 "layers", "stepped_layers")
 
     def __init__(self, rt: Runtime, uses: list[_Use], micro_batches: int):
         self.rt = rt
@@ -1045,6 +1059,7 @@ class _StepScope:
         self._starting: _Starting | None = None
         # The streamed layers held now: unit id -> (unit, held for its forward, use kind).
         self.layers: dict[int, tuple[Unit, bool, int]] = {}
+        self.stepped_layers: set[int] = set()  # trained layers updated in this step
 
     def __enter__(self) -> _StepScope:
         rt = self.rt
@@ -1229,12 +1244,21 @@ class _StepScope:
     def _layer_forward(self, u: Unit) -> None:
         """Forward pre-hook: the layer's forward use, unless it is held (a forward re-run inside its
         backward by activation checkpointing uses the backward's acquisition)."""
-        if u.id not in self.layers:
-            self._layer_acquire(u, _FROZEN, forward=True)
+        if u.id in self.layers:
+            return
+        if u._holders:
+            u._check_model()
+        if u._stat_modules:  # the forward use is a frozen one: running statistics would not be kept
+            u._check_eval()
+        self._layer_acquire(u, _FROZEN, forward=True)
 
-    def _layer_forward_done(self, u: Unit, output) -> None:
-        """Forward hook: releases the layer; if backward will pass through it, a hook on its outputs'
-        gradients acquires it again before its backward runs."""
+    def _layer_forward_done(self, u: Unit, inputs, output) -> None:
+        """Forward hook: releases the layer. If backward will pass through it, the first of its
+        outputs' gradients to arrive acquires it again (the backward of that output's path needs
+        the parameters: an auxiliary output's, a router loss, may come before the hidden state's;
+        autograd runs nodes in reverse creation order, so it comes just before the layer's own
+        backward), and a frozen layer is released once its inputs' gradients are in, when its
+        backward is over."""
         held = self.layers.get(u.id)
         if held is None or not held[1]:
             return
@@ -1242,28 +1266,43 @@ class _StepScope:
         self._layer_release(u)
         if not outputs:
             return
-        reached: list[bool] = []
 
         def before_backward(_grad):
-            if not reached:
-                reached.append(True)
-                self._layer_backward(u)
+            self._layer_backward(u)
 
         for t in outputs:
             t.register_hook(before_backward)
+        sources = [t for t in _tensors_in(inputs) if t.requires_grad]
+        if not u.trainable and sources:
+            left = [len(sources)]
+
+            def input_done(_grad):  # (each input's gradient is computed once per backward pass)
+                left[0] -= 1
+                if left[0] == 0:
+                    left[0] = len(sources)
+                    self._layer_backward_done(u)
+
+            for t in sources:
+                t.register_hook(input_done)
 
     def _layer_backward(self, u: Unit) -> None:
-        """The gradient of the layer's output is computed: acquires it for its backward, then lets go
-        of the frozen layers above it, whose backward is over."""
+        """The gradients of the layer's outputs are computed: acquires it for its backward."""
         if self.rt._scope is not self:
             raise _core.InvalidArgument(f"taskswap: backward reached the streamed layer '{u.name}' after its step "
                                         "scope closed; call backward inside the step scope")
-        if u.id in self.layers:
-            return
-        self._layer_acquire(u, _TRAIN if u.trainable else _FROZEN, forward=False)
-        for other, forward, kind in list(self.layers.values()):
-            if not forward and kind == _FROZEN and other._layer > u._layer:
-                self._layer_release(other)
+        if u.id in self.stepped_layers:
+            raise _core.InvalidArgument(
+                f"taskswap: a second backward pass reached the streamed layer '{u.name}' after its update (a trained "
+                "streamed layer is stepped as soon as one backward pass completes its gradients); sum the losses and "
+                "call backward once per step")
+        if u.id not in self.layers:
+            self._layer_acquire(u, _TRAIN if u.trainable else _FROZEN, forward=False)
+
+    def _layer_backward_done(self, u: Unit) -> None:
+        """The gradients of a frozen layer's inputs are computed: its backward is over."""
+        held = self.layers.get(u.id)
+        if held is not None and not held[1]:
+            self._layer_release(u)
 
     def _layer_grad(self, u: Unit) -> None:
         """A trained layer's parameter has its gradient: once all have, the layer is stepped and
@@ -1274,6 +1313,8 @@ class _StepScope:
         u._fired += 1
         if u._fired == len(u._params):
             u._fired = 0
+            Runtime._repair_grads(u)  # autograd may have replaced a gradient (create_graph)
+            self.stepped_layers.add(u.id)
             self.rt._core.step(u.id, self._layer_stream())
             self._layer_release(u)
 
@@ -1283,5 +1324,6 @@ class _StepScope:
         for u, _, kind in sorted(self.layers.values(), key=lambda held: -held[0]._layer):
             if kind == _TRAIN:
                 Runtime._repair_grads(u)
+                self.stepped_layers.add(u.id)
                 self.rt._core.step(u.id, self._layer_stream())
                 self._layer_release(u)
