@@ -44,6 +44,11 @@ headroom)
   "$taskswap" headroom "$work/granule.toml" --json "$work/granule.json" --rounds 1 --steps 4 > /dev/null || fail "headroom at 64 KiB granules"
   [ "$(json "$work/granule.json" "abs(d['predicted_max_batch_taskswap'] - d['max_batch_taskswap']) <= 0.05 * d['max_batch_taskswap']")" = True ] || fail "prediction at 64 KiB granules off by more than 5 %"
   python3 -c "import json; t=json.load(open('$work/trace.json')); assert any('swap-in' in e.get('name','') for e in t['traceEvents'])" || fail "trace"
+  # The trunk not pinned: it streams, and the deepest trunk each trains at the batch is found too.
+  sed '/^\[\[units\]\]/,/^residency = "pinned"/d' "$configs/../../tests/tools/headroom-small.toml" > "$work/stream.toml"
+  "$taskswap" headroom "$work/stream.toml" --json "$work/stream.json" --rounds 1 --steps 4 > /dev/null || fail "headroom, streamed trunk"
+  [ "$(json "$work/stream.json" "d['max_trunk_layers_streamed'] > d['max_trunk_layers_resident'] > 0")" = True ] || fail "the streamed trunk is not deeper"
+  [ "$(json "$work/stream.json" "abs(d['predicted_max_trunk_layers_streamed'] - d['max_trunk_layers_streamed']) <= 0.05 * d['max_trunk_layers_streamed']")" = True ] || fail "trunk depth prediction off by more than 5 %"
   ;;
 errors)
   expect_error "the configuration '$work/missing.toml' does not exist" "$taskswap" headroom "$work/missing.toml"

@@ -2,7 +2,8 @@
 // `taskswap headroom CONFIG`: trains the sample model of a configuration at growing batch sizes,
 // all-resident and under the configured policies, catching out-of-memory, to find the largest
 // batch each fits (real steps, exact to one sample); then times both at the all-resident batch
-// and taskswap at its own, and prints them beside the planner's prediction.
+// and taskswap at its own, and prints them beside the planner's prediction. Where the trunk
+// streams (not pinned), it also finds the deepest trunk each trains at the configuration's batch.
 
 #include "commands.hpp"
 
@@ -34,6 +35,13 @@ class headroom_search {
   std::optional<multitask::run_result> try_batch(const runtime_options& options, std::int64_t batch, int steps,
                                                  const std::string& trace = {})
   {
+    return try_model(options, cfg_.model, batch, steps, trace);
+  }
+
+  // As try_batch, for a model other than the configuration's (another trunk depth).
+  std::optional<multitask::run_result> try_model(const runtime_options& options, multitask::model_config m,
+                                                 std::int64_t batch, int steps, const std::string& trace = {})
+  {
     runtime_options o = options;
     o.trace = !trace.empty();
     if (o.device.backend == backend_kind::emulated) { o.device.emulated.memory_bytes = memory_; }
@@ -43,7 +51,6 @@ class headroom_search {
       filler.emplace(dev, dev.memory().free - memory_);
     }
     try {
-      multitask::model_config m = cfg_.model;
       m.log_every = 0;
       multitask::trainer t(dev, o, m, static_cast<int>(batch), steps);
       multitask::run_result r = t.run();
@@ -59,9 +66,6 @@ class headroom_search {
   // more sample does not.
   void search(arm& a)
   {
-    std::int64_t fits = 0;
-    std::int64_t fails = -1;
-    std::int64_t b = 64;
     const auto probe = [&](std::int64_t batch) {
       ++a.probes;
       progress(a.name + ": batch " + std::to_string(batch) + "…");
@@ -70,27 +74,54 @@ class headroom_search {
       if (r) { a.at_max = *r; }
       return r.has_value();
     };
-    while (fails < 0 && b <= (std::int64_t{1} << 26)) {
-      if (probe(b)) {
-        fits = b;
-        b *= 2;
-      } else {
-        fails = b;
-      }
-    }
-    if (fails < 0) { throw invalid_argument("batch " + std::to_string(fits) + " still fits; the search stops there"); }
     // Exact to one sample, or to 0.1 % where the batches are large (each probe at a GPU's batch
     // sizes re-pins the home arena and runs real steps).
-    while (fails - fits > std::max<std::int64_t>(1, fits / 1000)) {
-      const std::int64_t mid = fits + (fails - fits) / 2;
-      if (probe(mid)) {
-        fits = mid;
-      } else {
-        fails = mid;
-      }
-    }
+    const std::int64_t fits = largest(64, std::int64_t{1} << 26, probe, 1000, "batch");
     if (fits == 0) { throw out_of_memory(a.name + ": not even a batch of 1 fits: " + last_oom_, 0, 0, memory_); }
     a.max_batch = fits;
+  }
+
+  // The deepest trunk (layers) that trains at the configuration's batch: all-resident (every unit
+  // pinned, the budget their bytes) or under the configured policies (the trunk streamed).
+  std::int64_t deepest_trunk(bool all_resident, std::int64_t& probes)
+  {
+    const std::string name = all_resident ? "all-resident" : "streamed";
+    return largest(
+      1, 1 << 16,
+      [&](std::int64_t layers) {
+        ++probes;
+        multitask::model_config m = cfg_.model;
+        m.trunk_layers = static_cast<int>(layers);
+        progress(name + ": " + std::to_string(layers) + " trunk layers…");
+        const runtime_options o =
+          all_resident ? multitask::all_resident(cfg_.runtime, multitask::model_units(m)) : cfg_.runtime;
+        return try_model(o, m, m.batch, args_.probe_steps).has_value();
+      },
+      0, "a trunk of layers");
+  }
+
+  // The largest value for which `fits` holds (0: none): gallops up from `start` until one does
+  // not fit, then bisects to one (or, with `fraction` > 0, to within 1/fraction of the result).
+  static std::int64_t largest(std::int64_t start, std::int64_t limit, const std::function<bool(std::int64_t)>& fits,
+                              std::int64_t fraction, const std::string& what)
+  {
+    std::int64_t fit = 0;
+    std::int64_t fails = -1;
+    for (std::int64_t v = start; fails < 0 && v <= limit; v *= 2) {
+      if (fits(v)) {
+        fit = v;
+      } else {
+        fails = v;
+      }
+    }
+    if (fails < 0) {
+      throw invalid_argument(what + " of " + std::to_string(fit) + " still fits; the search stops there");
+    }
+    while (fails - fit > std::max<std::int64_t>(1, fraction > 0 ? fit / fraction : 1)) {
+      const std::int64_t mid = fit + (fails - fit) / 2;
+      (fits(mid) ? fit : fails) = mid;
+    }
+    return fit;
   }
 
   void progress(const std::string& line)
@@ -183,6 +214,33 @@ int run_headroom(const headroom_args& args)
     keep_fastest(swap_max, search.try_batch(swapped.options, swapped.max_batch, timed,
                                             round + 1 == args.rounds ? args.trace : std::string()));
   }
+  // A streamed trunk: the deepest each trains at the configuration's batch, and the planner's.
+  struct trunk_depths {
+    std::int64_t resident = 0;
+    std::int64_t streamed = 0;
+    std::int64_t predicted = 0;
+    std::int64_t probes = 0;
+  };
+  std::optional<trunk_depths> depth;
+  if (multitask::trunk_streams(cfg.model, cfg.runtime, cfg.runtime.comm.backend != comm_backend::none)) {
+    trunk_depths d;
+    d.resident = search.deepest_trunk(true, d.probes);
+    d.streamed = search.deepest_trunk(false, d.probes);
+    d.predicted = headroom_search::largest(
+      1, 1 << 16,
+      [&](std::int64_t layers) {
+        multitask::configuration c = cfg;
+        c.model.trunk_layers = static_cast<int>(layers);
+        try {
+          const plan_report p = make_plan(model_plan_input(c, timed, memory));
+          return p.max_batch.value_or(0) >= c.model.batch;
+        } catch (const config_error&) {
+          return false;
+        }
+      },
+      0, "a trunk of layers");
+    depth = d;
+  }
   search.progress_done();
 
   const double ratio = res_time && swap_same ? swap_same->step_ms() / res_time->step_ms() : 0.0;
@@ -238,6 +296,17 @@ int run_headroom(const headroom_args& args)
       "  the budget (%s) leaves taskswap no larger batch: this plan peaks at %s; lower [device] budget toward it\n",
       b(static_cast<double>(predicted.budget)).c_str(), b(static_cast<double>(predicted.peak_device_bytes)).c_str());
   }
+  if (depth) {
+    std::printf("\n  %-28s %14lld %14lld %20lld\n", ("deepest trunk, batch " + std::to_string(cfg.model.batch)).c_str(),
+                static_cast<long long>(depth->resident), static_cast<long long>(depth->streamed),
+                static_cast<long long>(depth->predicted));
+    std::printf("  streaming trains a %.2fx deeper trunk (%lld vs %lld layers) in the same device memory; the "
+                "planner's depth is %+.2f %% off the measured one (%lld probes)\n",
+                depth->resident > 0 ? static_cast<double>(depth->streamed) / static_cast<double>(depth->resident) : 0.0,
+                static_cast<long long>(depth->streamed), static_cast<long long>(depth->resident),
+                percent(static_cast<double>(depth->predicted), static_cast<double>(depth->streamed)),
+                static_cast<long long>(depth->probes));
+  }
   std::printf("  (%lld + %lld probes of %d steps; timed runs of %d steps, the fastest of %d rounds)\n",
               static_cast<long long>(resident.probes), static_cast<long long>(swapped.probes), args.probe_steps, timed,
               args.rounds);
@@ -266,6 +335,11 @@ int run_headroom(const headroom_args& args)
                      {"probe_steps", args.probe_steps},
                      {"timed_steps", timed},
                      {"rounds", args.rounds}};
+    if (depth) {
+      j["max_trunk_layers_resident"] = depth->resident;
+      j["max_trunk_layers_streamed"] = depth->streamed;
+      j["predicted_max_trunk_layers_streamed"] = depth->predicted;
+    }
     write_json(j, args.json);
   }
   return 0;
