@@ -398,20 +398,24 @@ class Runtime:
         acquires a layer (its parameters alone; the prefetch brought it ahead), a forward hook
         releases it, a hook on its outputs' gradients acquires it again before its backward (with
         its gradient slab, where it is trained), and a trained layer is stepped and released as
-        soon as autograd has accumulated all its gradients; a frozen one is released once the
-        backward has reached the layer below. A layer's tensors that another unit holds already
-        (a PEFT adapter inside the layer: register it first) stay that unit's.
+        soon as autograd has accumulated all its gradients; a frozen one is released once its
+        inputs' gradients are computed. A layer's tensors that another unit holds already (a PEFT
+        adapter inside the layer: register it first) stay that unit's.
 
         Correct whatever the step does: with ``torch.no_grad()`` a layer is released after its
         forward, with activation checkpointing (``torch.utils.checkpoint``) the re-run forward uses
         the layer held for its backward (or acquires it again), and a layer a step skips (early
         exit), or one used off the plan, is fetched on demand and counted as unplanned. Each layer
-        runs once per forward pass; a trained layer is stepped once per backward pass that reaches
-        it (micro_batches 1), and not stepped in a step whose backward does not reach it.
+        runs once per forward pass; a trained layer is stepped when the step's backward pass
+        completes its gradients (micro_batches 1; a second backward reaching it is refused), and
+        not stepped in a step whose backward does not reach it.
 
         Without a communicator only, so far; trained layers also need a step without loss scaling
         or clipping (a guarded update waits for the step's end, so every trained layer would be held
-        to it). The other arguments are register()'s, for every layer. Refused, it registers nothing."""
+        to it); a layer of at most half a device granule is refused at start (such units share
+        granules and may move between forward and backward, where autograd's saved views of the
+        weights would not follow). The other arguments are register()'s, for every layer. Refused,
+        it registers nothing."""
         if self._core is not None:
             raise _core.InvalidArgument(f"taskswap: register_layers '{prefix}' before the runtime starts (the first "
                                         "plan or step)")
