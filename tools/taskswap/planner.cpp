@@ -20,6 +20,12 @@ namespace {
 constexpr std::size_t page = 4096;
 constexpr std::size_t never = std::numeric_limits<std::size_t>::max();
 
+struct traffic {
+  double h2d = 0;
+  double d2h = 0;
+  double swap_ins = 0;
+};
+
 struct planned_unit {
   unit_policy policy;
   unit_footprint fp;
@@ -30,6 +36,18 @@ struct planned_unit {
   {
     const auto it = std::upper_bound(uses.begin(), uses.end(), step);
     return it == uses.end() ? never : *it;
+  }
+  /// Host AdamW after a trained use: the gradients go home, and the new parameters come back if
+  /// the unit stays (pinned, or used again within its lookahead, `steps_to_next` steps on). Returns
+  /// whether it stays resident.
+  bool host_update(std::size_t steps_to_next, double counted, traffic& t) const
+  {
+    t.d2h += counted * static_cast<double>(fp.grad_bytes);
+    if (pinned() || steps_to_next <= static_cast<std::size_t>(std::max(policy.lookahead, 0))) {
+      t.h2d += counted * static_cast<double>(fp.param_bytes);
+      return true;
+    }
+    return false;
   }
 };
 
@@ -52,12 +70,6 @@ std::size_t plan_horizon(const plan_input& in, std::size_t s)
   if (in.plan_window == 0) { return never; }
   return in.plan_window * (1 + (s + in.plan_margin) / in.plan_window);
 }
-
-struct traffic {
-  double h2d = 0;
-  double d2h = 0;
-  double swap_ins = 0;
-};
 
 // The replay of steps given as the trainer's calls in order (plan_input::ordered): Belady over the
 // positions of the uses within and across steps (the runtime's positions), the units held at the
@@ -104,12 +116,8 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
         resident[u].dirty = true;
         return;
       }
-      // Host AdamW: gradients go home; new parameters come back if the unit is used again soon.
-      t.d2h += counted * static_cast<double>(p.fp.grad_bytes);
       const std::size_t next = next_use(u, position, s);
-      if (next != never && step_of[next] - s <= static_cast<std::size_t>(std::max(p.policy.lookahead, 0))) {
-        t.h2d += counted * static_cast<double>(p.fp.param_bytes);
-      } else {
+      if (!p.host_update(next == never ? never : step_of[next] - s, counted, t)) {
         used -= bytes_of(u, resident[u]);
         resident.erase(u);
       }
@@ -313,16 +321,9 @@ plan_report make_plan(const plan_input& in)
   const auto slot_bytes = [&](std::size_t u) {
     return params_only[u] ? units[u].fp.frozen_device_bytes : units[u].fp.device_bytes;
   };
-  double h2d = 0;
-  double d2h = 0;
-  double swap_ins = 0;
+  traffic t;
   std::vector<detail::victim_candidate> candidates;
-  if (!in.ordered.empty()) {
-    const traffic t = replay_ordered(in, units, room);
-    h2d = t.h2d;
-    d2h = t.d2h;
-    swap_ins = t.swap_ins;
-  }
+  if (!in.ordered.empty()) { t = replay_ordered(in, units, room); }
   for (std::size_t s = 0; s < (in.ordered.empty() ? in.steps.size() : 0); ++s) {
     const std::vector<std::size_t>& trained = in.steps[s];
     const std::vector<std::size_t>& frozen = frozen_of(s);
@@ -363,7 +364,7 @@ plan_report make_plan(const plan_input& in)
         const std::size_t chosen = detail::residency_model::choose_victim(candidates);  // the runtime's rule
         const std::size_t victim = chosen == candidates.size() ? never : candidates[chosen].unit;
         if (victim != never) {
-          if (resident[victim]) { d2h += counted * static_cast<double>(units[victim].fp.write_back_bytes); }
+          if (resident[victim]) { t.d2h += counted * static_cast<double>(units[victim].fp.write_back_bytes); }
           used -= slot_bytes(victim);
           resident.erase(victim);
           params_only.erase(victim);
@@ -380,14 +381,14 @@ plan_report make_plan(const plan_input& in)
         }
         if (wide == never) { break; }  // cannot happen after the checks above: the held units fit
         if (resident[wide]) {
-          d2h += (s >= in.warmup_steps ? 1.0 : 0.0) * static_cast<double>(units[wide].fp.write_back_bytes);
+          t.d2h += (s >= in.warmup_steps ? 1.0 : 0.0) * static_cast<double>(units[wide].fp.write_back_bytes);
         }
         used -= units[wide].fp.device_bytes - units[wide].fp.frozen_device_bytes;
         resident[wide] = false;
         params_only[wide] = true;
       }
-      h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
-      swap_ins += counted;
+      t.h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
+      t.swap_ins += counted;
       used += bytes;
       resident[u] = false;
       params_only[u] = !whole;
@@ -401,13 +402,8 @@ plan_report make_plan(const plan_input& in)
         if (!p.pinned()) { resident[u] = true; }
         continue;
       }
-      // Host AdamW: gradients go home; new parameters come back if the unit is used again soon.
-      d2h += counted * static_cast<double>(p.fp.grad_bytes);
       const std::size_t next = next_use(p, s);
-      const bool soon = next != never && next - s <= static_cast<std::size_t>(std::max(p.policy.lookahead, 0));
-      if (p.pinned() || soon) {
-        h2d += counted * static_cast<double>(p.fp.param_bytes);
-      } else {
+      if (!p.host_update(next == never ? never : next - s, counted, t)) {
         used -= p.fp.device_bytes;
         resident.erase(u);
         params_only.erase(u);
@@ -416,9 +412,9 @@ plan_report make_plan(const plan_input& in)
   }
   const double n =
     std::max<double>(1.0, static_cast<double>(in.steps.size() - std::min(in.warmup_steps, in.steps.size())));
-  r.h2d_bytes_per_step = h2d / n;
-  r.d2h_bytes_per_step = d2h / n;
-  r.swap_ins_per_step = swap_ins / n;
+  r.h2d_bytes_per_step = t.h2d / n;
+  r.d2h_bytes_per_step = t.d2h / n;
+  r.swap_ins_per_step = t.swap_ins / n;
   r.link_bytes_per_second = in.link_bytes_per_second;
   r.link_source = in.link_source;
   if (in.link_bytes_per_second > 0) {

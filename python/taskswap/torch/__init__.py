@@ -1317,17 +1317,18 @@ class _StepScope:
         u._fired += 1
         if u._fired == len(u._params):
             u._fired = 0
-            Runtime._repair_grads(u)  # autograd may have replaced a gradient (create_graph)
-            self.stepped_layers.add(u.id)
-            self.rt._core.step(u.id, self._layer_stream())
-            self._layer_release(u)
+            self._step_layer(u)
+
+    def _step_layer(self, u: Unit) -> None:
+        """Steps a trained layer and releases it."""
+        Runtime._repair_grads(u)  # autograd may have replaced a gradient (create_graph)
+        self.stepped_layers.add(u.id)
+        self.rt._core.step(u.id, self._layer_stream())
+        self._layer_release(u)
 
     def _finish_layers(self) -> None:
         """At the scope's end: a trained layer still held (one of its parameters got no gradient) is
         stepped as a named unit is; the other layers are released with the scope's units."""
         for u, _, kind in sorted(self.layers.values(), key=lambda held: -held[0]._layer):
             if kind == _TRAIN:
-                Runtime._repair_grads(u)
-                self.stepped_layers.add(u.id)
-                self.rt._core.step(u.id, self._layer_stream())
-                self._layer_release(u)
+                self._step_layer(u)
