@@ -89,4 +89,13 @@ class checkpoint_error : public error {
   using error::error;
 };
 
+/// @brief A unit file of the disk home tier could not be opened, read, written or synced (an I/O
+/// error, a full drive, a short read, a file deleted or truncated under the run); the message
+/// names the file, the unit, the offset, the bytes and the system's reason. Nothing already saved
+/// (the other units' files, the last checkpoint) is changed by the failure.
+class storage_error : public error {
+ public:
+  using error::error;
+};
+
 }  // namespace taskswap

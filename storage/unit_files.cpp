@@ -1,0 +1,462 @@
+// SPDX-License-Identifier: Apache-2.0
+// The disk home tier's files: Note [Unit files] in storage/unit_files.hpp.
+
+#include "storage/unit_files.hpp"
+
+#include "device/expects.hpp"
+#include "device/log.hpp"
+#include "device/message.hpp"
+
+#include <taskswap/error.hpp>
+
+#include <fcntl.h>
+#include <liburing.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cerrno>
+#include <deque>
+#include <system_error>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace taskswap::detail {
+namespace {
+
+constexpr std::size_t direct_alignment = 4096;  // the largest logical block size of today's drives
+constexpr std::size_t max_registered = std::size_t{1} << 30;  // the kernel's limit per registered buffer
+
+std::string errno_text(int e) { return message(std::generic_category().message(e), " (errno ", e, ")"); }
+
+std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
+
+struct unit_file {
+  std::string unit;
+  std::filesystem::path path;
+  int fd = -1;
+  std::size_t bytes = 0;
+  bool existed = false;
+};
+
+// One request to the ring: a block of a transfer, or the rest of one that came back short.
+struct block {
+  std::uint64_t transfer = 0;
+  unit_files::file_index file = 0;
+  std::size_t offset = 0;  // in the file
+  std::byte* buffer = nullptr;
+  std::size_t bytes = 0;
+  bool write = false;
+  std::uint64_t request = 0;  // its number among the requests sent (faults count these)
+};
+
+struct transfer_state {
+  std::size_t blocks_left = 0;
+  std::string error;  // the first failure
+};
+
+}  // namespace
+
+struct unit_files::impl {
+  unit_file_options options;
+  io_faults faults;
+  io_uring ring{};
+  bool direct = true;
+  std::vector<unit_file> files;
+  std::deque<block> waiting;  // not sent yet, in order
+  std::vector<block> flight;  // by slot; a request's user data is its slot
+  std::vector<std::uint32_t> free_slots;
+  std::unordered_map<std::uint64_t, transfer_state> transfers;
+  std::uint64_t next_transfer = 1;
+  std::byte* registered = nullptr;  // registered memory, in max_registered pieces
+  std::size_t registered_bytes = 0;
+  bool tried_registering = false;
+  unit_file_stats stats;
+  std::string ring_failure;  // set once the ring itself failed: every later call throws it
+
+  impl(unit_file_options o, io_faults f) : options(std::move(o)), faults(f) {}
+
+  void check_ring() const
+  {
+    if (!ring_failure.empty()) { throw storage_error(ring_failure); }
+  }
+
+  std::size_t alignment() const noexcept { return direct ? direct_alignment : 1; }
+
+  void probe_direct()
+  {
+    const std::filesystem::path probe = options.directory / ".taskswap-direct-probe";
+    const int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | (faults.refuse_direct ? 0 : O_DIRECT), 0600);
+    const int e = fd >= 0 ? (faults.refuse_direct ? EINVAL : 0) : errno;
+    if (fd >= 0) {
+      ::close(fd);
+      ::unlink(probe.c_str());
+    }
+    if (e == 0) { return; }
+    if (e != EINVAL) {
+      throw config_error(message("[storage] path '", options.directory.string(),
+                                 "': cannot make a file there: ", errno_text(e), "; point it at a writable directory"));
+    }
+    direct = false;
+    log_once(
+      message("storage buffered ", options.directory.string()), log_level::warning,
+      message("storage: '", options.directory.string(),
+              "' does not take O_DIRECT (a tmpfs before Linux 6.6?); unit files go through the page cache, which costs "
+              "host memory beside the host cache and a copy per transfer"));
+  }
+
+  std::string where(const block& b) const
+  {
+    const unit_file& f = files[b.file];
+    return message(b.write ? "writing " : "reading ", bytes_text(b.bytes), " at offset ", b.offset, " of '",
+                   f.path.string(), "' (unit '", f.unit, "')");
+  }
+
+  void finish_block(std::uint64_t transfer) { --transfers.at(transfer).blocks_left; }
+
+  void fail(const block& b, const std::string& why)
+  {
+    transfer_state& t = transfers.at(b.transfer);
+    if (t.error.empty()) { t.error = message(where(b), ": ", why); }
+    finish_block(b.transfer);
+  }
+
+  // Registered memory holding all of [p, p + n): the index of its piece, or -1.
+  int fixed_index(const std::byte* p, std::size_t n) const
+  {
+    if (registered == nullptr || p < registered || p + n > registered + registered_bytes) { return -1; }
+    const auto first = static_cast<std::size_t>(p - registered) / max_registered;
+    const auto last = static_cast<std::size_t>(p + n - 1 - registered) / max_registered;
+    return first == last ? static_cast<int>(first) : -1;
+  }
+
+  // Sends waiting blocks while places are free; a block of a failed transfer is dropped.
+  void send()
+  {
+    bool queued = false;
+    while (!waiting.empty() && !free_slots.empty()) {
+      block b = waiting.front();
+      if (!transfers.at(b.transfer).error.empty()) {
+        waiting.pop_front();
+        finish_block(b.transfer);
+        continue;
+      }
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+      if (sqe == nullptr) { break; }  // cannot happen with as many entries as places; sent next time
+      waiting.pop_front();
+      const std::uint32_t slot = free_slots.back();
+      free_slots.pop_back();
+      b.request = ++stats.requests;
+      const int fd = files[b.file].fd;
+      const auto n = static_cast<unsigned>(b.bytes);
+      const auto off = static_cast<__u64>(b.offset);
+      const int fixed = fixed_index(b.buffer, b.bytes);
+      if (fixed >= 0) {
+        ++stats.fixed;
+        if (b.write) {
+          io_uring_prep_write_fixed(sqe, fd, b.buffer, n, off, fixed);
+        } else {
+          io_uring_prep_read_fixed(sqe, fd, b.buffer, n, off, fixed);
+        }
+      } else if (b.write) {
+        io_uring_prep_write(sqe, fd, b.buffer, n, off);
+      } else {
+        io_uring_prep_read(sqe, fd, b.buffer, n, off);
+      }
+      io_uring_sqe_set_data64(sqe, slot);
+      flight[slot] = b;
+      queued = true;
+    }
+    if (!queued) { return; }
+    int r = 0;
+    do {
+      r = io_uring_submit(&ring);
+    } while (r == -EINTR);
+    if (r < 0) {
+      ring_failure = message("storage: io_uring_submit failed: ", errno_text(-r), " (", in_flight(),
+                             " requests in flight, queue depth ", options.queue_depth,
+                             "); the unit files keep what was written before; the last checkpoint still resumes");
+      check_ring();
+    }
+  }
+
+  [[nodiscard]] std::size_t in_flight() const noexcept { return flight.size() - free_slots.size(); }
+
+  void complete(std::uint32_t slot, int res)
+  {
+    block b = flight.at(slot);
+    free_slots.push_back(slot);
+    if (b.request == faults.fail_request) { res = -faults.fail_errno; }
+    if (b.request == faults.short_request && res > 0) {
+      res = static_cast<int>(std::min(static_cast<std::size_t>(res), faults.short_bytes));
+    }
+    if (res == -EAGAIN || res == -EINTR) {  // not done; send it again
+      ++stats.resent;
+      waiting.push_front(b);
+      return;
+    }
+    if (res < 0) {
+      fail(b, errno_text(-res));
+      return;
+    }
+    const auto got = static_cast<std::size_t>(res);
+    (b.write ? stats.bytes_written : stats.bytes_read) += got;
+    if (got == b.bytes) {
+      finish_block(b.transfer);
+      return;
+    }
+    if (got == 0) {
+      fail(b, b.write ? "the drive took none of the bytes"
+                      : "the file ends before them (a short read: was the file truncated or replaced under the run?)");
+      return;
+    }
+    ++stats.resent;  // a short transfer: the rest goes again
+    b.offset += got;
+    b.buffer += got;
+    b.bytes -= got;
+    waiting.push_front(b);
+  }
+
+  // Takes the completions there are; with `block_for_one`, waits for one first if none is there.
+  void reap(bool block_for_one)
+  {
+    io_uring_cqe* cqe = nullptr;
+    if (block_for_one && in_flight() != 0) {
+      int r = 0;
+      do {
+        r = io_uring_wait_cqe(&ring, &cqe);
+      } while (r == -EINTR);
+      if (r < 0) {
+        ring_failure = message("storage: io_uring_wait_cqe failed: ", errno_text(-r));
+        check_ring();
+      }
+    }
+    unsigned head = 0;
+    unsigned seen = 0;
+    io_uring_for_each_cqe(&ring, head, cqe)
+    {
+      complete(static_cast<std::uint32_t>(io_uring_cqe_get_data64(cqe)), cqe->res);
+      ++seen;
+    }
+    io_uring_cq_advance(&ring, seen);
+    send();
+  }
+
+  transfer start(file_index f, std::size_t offset, std::byte* buffer, std::size_t bytes, bool write)
+  {
+    check_ring();
+    TASKSWAP_EXPECTS(f < files.size(), message("unit file ", f, " was not opened"));
+    const unit_file& file = files[f];
+    TASKSWAP_EXPECTS(offset <= file.bytes && bytes <= file.bytes - offset,
+                     message(write ? "writing " : "reading ", bytes, " bytes at offset ", offset, " of '",
+                             file.path.string(), "' (unit '", file.unit, "'): past its ", file.bytes, " bytes"));
+    const std::size_t a = alignment();
+    TASKSWAP_EXPECTS(offset % a == 0 && bytes % a == 0 && std::bit_cast<std::uintptr_t>(buffer) % a == 0,
+                     message(write ? "writing " : "reading ", "'", file.path.string(), "' (unit '", file.unit,
+                             "'): direct I/O needs the offset (", offset, "), the length (", bytes,
+                             ") and the buffer's address to be multiples of ", a));
+    const std::uint64_t id = next_transfer++;
+    transfer_state& t = transfers[id];
+    for (std::size_t done = 0; done < bytes; done += options.block_bytes) {
+      const std::size_t n = std::min(options.block_bytes, bytes - done);
+      waiting.push_back(block{.transfer = id,
+                              .file = f,
+                              .offset = offset + done,
+                              .buffer = buffer + done,
+                              .bytes = n,
+                              .write = write,
+                              .request = 0});
+      ++t.blocks_left;
+    }
+    send();
+    return transfer{id};
+  }
+
+  transfer_state& state(transfer t)
+  {
+    const auto it = transfers.find(t.id);
+    TASKSWAP_EXPECTS(it != transfers.end(), message("transfer ", t.id, " is not in progress (waited for already?)"));
+    return it->second;
+  }
+};
+
+unit_files::unit_files(unit_file_options options, io_faults faults)
+    : impl_(std::make_unique<impl>(std::move(options), faults))
+{
+  const unit_file_options& o = impl_->options;
+  TASKSWAP_EXPECTS(o.queue_depth >= 1 && o.queue_depth <= 4096,
+                   message("[storage] queue_depth = ", o.queue_depth, ": give 1 to 4096 requests in flight"));
+  TASKSWAP_EXPECTS(
+    o.block_bytes >= direct_alignment && o.block_bytes % direct_alignment == 0 && o.block_bytes <= max_registered,
+    message("[storage] block = ", o.block_bytes, " bytes: give a multiple of ", direct_alignment,
+            " bytes of at most 1 GiB"));
+  std::error_code ec;
+  std::filesystem::create_directories(o.directory, ec);
+  if (ec) {
+    throw config_error(message("[storage] path '", o.directory.string(), "': cannot make the directory: ", ec.message(),
+                               "; point it at a writable directory on a local drive"));
+  }
+  impl_->probe_direct();
+  const int r = io_uring_queue_init(o.queue_depth, &impl_->ring, 0);
+  if (r < 0) {
+    throw storage_error(message("storage: io_uring_queue_init(", o.queue_depth, ") failed: ", errno_text(-r),
+                                "; the disk tier needs io_uring (Linux 5.6 or later, not disabled by "
+                                "kernel.io_uring_disabled or a container's seccomp profile), or keep home = \"host\""));
+  }
+  impl_->flight.resize(o.queue_depth);
+  for (std::uint32_t s = o.queue_depth; s > 0; --s) { impl_->free_slots.push_back(s - 1); }
+}
+
+unit_files::~unit_files()
+{
+  impl& m = *impl_;
+  m.waiting.clear();
+  while (m.in_flight() != 0) {
+    io_uring_cqe* cqe = nullptr;
+    if (io_uring_wait_cqe(&m.ring, &cqe) == -EINTR) { continue; }
+    if (cqe == nullptr) { break; }  // the ring failed: nothing more will complete
+    m.free_slots.push_back(static_cast<std::uint32_t>(io_uring_cqe_get_data64(cqe)));
+    io_uring_cqe_seen(&m.ring, cqe);
+  }
+  io_uring_queue_exit(&m.ring);
+  for (const unit_file& f : m.files) { ::close(f.fd); }
+}
+
+std::string unit_files::file_name(std::string_view unit, std::uint64_t identity)
+{
+  static constexpr char hex[] = "0123456789abcdef";
+  std::string out;
+  for (const char c : unit) {
+    const auto b = static_cast<unsigned char>(c);
+    if ((b >= 'a' && b <= 'z') || (b >= 'A' && b <= 'Z') || (b >= '0' && b <= '9') || b == '_' || b == '-') {
+      out += c;
+    } else {
+      out += '%';
+      out += hex[b >> 4U];
+      out += hex[b & 15U];
+    }
+  }
+  out += '.';
+  for (int shift = 60; shift >= 0; shift -= 4) { out += hex[(identity >> static_cast<unsigned>(shift)) & 15U]; }
+  return out + ".unit";
+}
+
+unit_files::file_index unit_files::open(std::string_view unit, std::uint64_t identity, std::size_t bytes)
+{
+  impl& m = *impl_;
+  m.check_ring();
+  unit_file f{.unit = std::string(unit), .path = m.options.directory / file_name(unit, identity)};
+  const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (m.direct ? O_DIRECT : 0);
+  f.existed = std::filesystem::exists(f.path);
+  f.fd = ::open(f.path.c_str(), flags, 0644);
+  if (f.fd < 0) {
+    throw storage_error(message("opening '", f.path.string(), "' for unit '", unit, "': ", errno_text(errno),
+                                "; check that [storage] path is a writable directory"));
+  }
+  f.bytes = round_up(bytes, m.alignment());
+  struct stat st {};
+  int e = ::fstat(f.fd, &st) == 0 ? 0 : errno;
+  if (e == 0 && static_cast<std::size_t>(st.st_size) < f.bytes) {
+    e = ::posix_fallocate(f.fd, 0, static_cast<off_t>(f.bytes));
+    if (e == EOPNOTSUPP || e == EINVAL) { e = ::ftruncate(f.fd, static_cast<off_t>(f.bytes)) == 0 ? 0 : errno; }
+  }
+  if (e != 0) {
+    struct statvfs fs {};
+    const std::size_t free_bytes = ::fstatvfs(f.fd, &fs) == 0 ? std::size_t{fs.f_bavail} * fs.f_frsize : 0;
+    ::close(f.fd);
+    if (!f.existed) { ::unlink(f.path.c_str()); }
+    throw storage_error(message("unit '", unit, "' needs ", bytes_text(f.bytes), " for its file '", f.path.string(),
+                                "': ", errno_text(e), "; the drive has ", bytes_text(free_bytes),
+                                " free: free space or set [storage] path to a larger drive"));
+  }
+  m.files.push_back(std::move(f));
+  return static_cast<file_index>(m.files.size() - 1);
+}
+
+bool unit_files::existed(file_index f) const { return impl_->files.at(f).existed; }
+const std::filesystem::path& unit_files::path(file_index f) const { return impl_->files.at(f).path; }
+std::size_t unit_files::file_bytes(file_index f) const { return impl_->files.at(f).bytes; }
+
+void unit_files::register_buffers(std::span<std::byte> memory)
+{
+  impl& m = *impl_;
+  m.check_ring();
+  TASKSWAP_EXPECTS(!m.tried_registering, "unit_files::register_buffers: memory is registered once");
+  m.tried_registering = true;
+  if (memory.empty()) { return; }
+  std::vector<iovec> pieces;
+  for (std::size_t at = 0; at < memory.size(); at += max_registered) {
+    pieces.push_back(iovec{memory.data() + at, std::min(max_registered, memory.size() - at)});
+  }
+  const int r = io_uring_register_buffers(&m.ring, pieces.data(), static_cast<unsigned>(pieces.size()));
+  if (r < 0) {
+    log_once(
+      "storage register", log_level::warning,
+      message("storage: the kernel refused to register ", bytes_text(memory.size()), " of host memory with io_uring (",
+              errno_text(-r), "; raise the memlock limit, ulimit -l); unit files use plain requests"));
+    return;
+  }
+  m.registered = memory.data();
+  m.registered_bytes = memory.size();
+}
+
+unit_files::transfer unit_files::read(file_index f, std::size_t offset, std::span<std::byte> into)
+{
+  return impl_->start(f, offset, into.data(), into.size(), false);
+}
+
+unit_files::transfer unit_files::write(file_index f, std::size_t offset, std::span<const std::byte> from)
+{
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-const-cast): io_uring_prep_write takes a void* and only reads it
+  return impl_->start(f, offset, const_cast<std::byte*>(from.data()), from.size(), true);
+}
+
+bool unit_files::done(transfer t)
+{
+  impl& m = *impl_;
+  transfer_state& s = m.state(t);
+  if (s.blocks_left != 0) { m.reap(false); }
+  return s.blocks_left == 0;
+}
+
+void unit_files::wait(transfer t)
+{
+  impl& m = *impl_;
+  transfer_state& s = m.state(t);
+  while (s.blocks_left != 0) { m.reap(true); }
+  const std::string error = std::move(s.error);
+  m.transfers.erase(t.id);
+  if (!error.empty()) { throw storage_error(error); }
+}
+
+void unit_files::sync(file_index f)
+{
+  impl& m = *impl_;
+  const unit_file& file = m.files.at(f);
+  struct stat st {};
+  if (::fstat(file.fd, &st) != 0) {
+    throw storage_error(message("checking '", file.path.string(), "' (unit '", file.unit, "'): ", errno_text(errno)));
+  }
+  if (st.st_nlink == 0) {
+    throw storage_error(message("'", file.path.string(), "', the file of unit '", file.unit,
+                                "', was deleted while the run used it: its bytes are lost when the run ends; "
+                                "resume from the last checkpoint"));
+  }
+  int r = 0;
+  do {
+    r = ::fsync(file.fd);
+  } while (r != 0 && errno == EINTR);
+  if (r != 0) {
+    throw storage_error(message("syncing '", file.path.string(), "' (unit '", file.unit, "'): ", errno_text(errno),
+                                "; the last checkpoint is unchanged"));
+  }
+}
+
+bool unit_files::direct() const noexcept { return impl_->direct; }
+std::size_t unit_files::alignment() const noexcept { return impl_->alignment(); }
+const unit_file_options& unit_files::options() const noexcept { return impl_->options; }
+unit_file_stats unit_files::stats() const noexcept { return impl_->stats; }
+
+}  // namespace taskswap::detail
