@@ -33,6 +33,12 @@ plan)
 probe)
   "$taskswap" probe --emulated --size "8 MiB" --repeats 2 --json "$work/probe.json" || fail "probe failed"
   [ "$(json "$work/probe.json" "d['devices'][0]['bandwidth'][0]['h2d_bytes_per_second'] > 0 and d['devices'][0]['copy_engines'] == 2")" = True ] || fail "probe json"
+  # The disk tier's drive: a unit file written and read in a directory of the work folder.
+  "$taskswap" probe --emulated --size "1 MiB" --repeats 2 --storage "$work/drive" --storage-size "5 MiB" --json "$work/storage.json" > "$work/storage.txt" || fail "probe --storage failed"
+  grep -q "^storage $work/drive" "$work/storage.txt" || fail "probe --storage printed no rates"
+  [ "$(json "$work/storage.json" "d['storage']['read_bytes_per_second'] > 0 and d['storage']['write_bytes_per_second'] > 0 and d['storage']['bytes'] == 5 << 20")" = True ] || fail "probe storage json"
+  [ ! -e "$work/drive/taskswap-probe-"* ] || fail "probe left its unit file"
+  expect_error "cannot make the directory" "$taskswap" probe --emulated --size "1 MiB" --storage "$work/storage.txt/below"
   ;;
 headroom)
   "$taskswap" headroom "$configs/../../tests/tools/headroom-small.toml" --json "$work/headroom.json" --trace "$work/trace.json" --rounds 1 --steps 4 || fail "headroom failed"

@@ -30,6 +30,8 @@ struct probe_args {
   std::string size = "256 MiB";
   int repeats = 5;
   bool emulated = false;
+  std::string storage;  // a directory: also measure the disk tier's unit files there
+  std::string storage_size = "256 MiB";
 };
 
 struct headroom_args {

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The `taskswap` command line:
 //   taskswap plan CONFIG       predicted device and host bytes, traffic, transfer time, largest batch
-//   taskswap probe             devices, NUMA nodes, copy rates, copy engines
+//   taskswap probe             devices, NUMA nodes, copy rates, copy engines; a drive's unit-file rates
 //   taskswap headroom CONFIG   the largest batch all-resident and with taskswap, measured
 
 #include "commands.hpp"
@@ -38,6 +38,9 @@ int main(int argc, char** argv)
   pr->add_option("--size", probe.size, "bytes per copy");
   pr->add_option("--repeats", probe.repeats, "copies per measurement")->check(CLI::PositiveNumber);
   pr->add_flag("--emulated", probe.emulated, "probe the emulated device even where there is a GPU");
+  pr->add_option("--storage", probe.storage,
+                 "also measure reading and writing unit files in this directory (the disk tier's drive)");
+  pr->add_option("--storage-size", probe.storage_size, "bytes of the unit file --storage reads and writes");
 
   headroom_args headroom;
   bool quiet = false;

@@ -1,14 +1,25 @@
 // SPDX-License-Identifier: Apache-2.0
 // `taskswap probe`: the devices, the NUMA node of each, host↔device copy rates from the local
 // node and from a remote one, and the copy engines; the emulated device where there is no GPU.
+// With --storage, the disk tier's unit-file read and write rates on that directory's drive.
 
 #include "commands.hpp"
+
+#include "storage/unit_files.hpp"
+
+#include <unistd.h>
 
 #if TASKSWAP_TOOLS_CUDA
 #include <cuda_runtime.h>
 #endif
 
+#include <algorithm>
+#include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
 
 namespace taskswap::tools {
 
@@ -54,6 +65,56 @@ int copy_engines(const device& dev)
   }
 #endif
   return dev.kind() == backend_kind::emulated ? 2 : -1;  // emulated: one link per direction
+}
+
+// The disk tier's read and write rates in `dir`: one unit file of `bytes` written, then read, whole,
+// `repeats` times each (the best pass), with the tier's default queue depth and block size.
+nlohmann::json measure_storage(const std::string& dir, std::size_t bytes, int repeats)
+{
+  const std::filesystem::path where = std::filesystem::path(dir) / ("taskswap-probe-" + std::to_string(::getpid()));
+  const detail::unit_file_options options{.directory = where};
+  const std::size_t rounded = (bytes + 4095) / 4096 * 4096;
+  const std::unique_ptr<std::byte, decltype(&std::free)> memory(
+    static_cast<std::byte*>(std::aligned_alloc(4096, rounded)), &std::free);
+  const std::span<std::byte> buffer(memory.get(), rounded);
+  std::memset(buffer.data(), 0x5a, buffer.size());
+  double write = 0;
+  double read = 0;
+  bool direct = false;
+  try {
+    detail::unit_files files(options);
+    files.register_buffers(buffer);
+    direct = files.direct();
+    const auto f = files.open("probe", 0, rounded);
+    const auto pass = [&](bool writing) {
+      const auto start = std::chrono::steady_clock::now();
+      files.wait(writing ? files.write(f, 0, buffer) : files.read(f, 0, buffer));
+      if (writing) { files.sync(f); }
+      return static_cast<double>(rounded) /
+             std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    };
+    for (int k = 0; k < repeats; ++k) {
+      write = std::max(write, pass(true));
+      read = std::max(read, pass(false));
+    }
+  } catch (...) {
+    std::error_code ignored;
+    std::filesystem::remove_all(where, ignored);
+    throw;
+  }
+  std::filesystem::remove_all(where);
+  std::printf("\nstorage %s (%s): read %.2f GB/s, write %.2f GB/s (a %s unit file, queue depth %u, %s blocks)\n",
+              dir.c_str(), direct ? "O_DIRECT" : "buffered: no O_DIRECT there", read / 1e9, write / 1e9,
+              bytes_text(static_cast<double>(rounded)).c_str(), options.queue_depth,
+              bytes_text(static_cast<double>(options.block_bytes)).c_str());
+  return {{"path", dir},
+          {"direct", direct},
+          {"read_bytes_per_second", read},
+          {"write_bytes_per_second", write},
+          {"bytes", rounded},
+          {"queue_depth", options.queue_depth},
+          {"block_bytes", options.block_bytes},
+          {"repeats", repeats}};
 }
 
 }  // namespace
@@ -120,6 +181,9 @@ int run_probe(const probe_args& args)
     }
     if (nodes.size() == 1) { std::printf("  (one NUMA node: no remote node to measure from)\n"); }
     j["devices"].push_back(std::move(d));
+  }
+  if (!args.storage.empty()) {
+    j["storage"] = measure_storage(args.storage, parse_size(args.storage_size), args.repeats);
   }
   if (!args.json.empty()) { write_json(j, args.json); }
   return 0;
