@@ -67,6 +67,24 @@ class unit_files_test : public ::testing::Test {
     return {.directory = dir_, .queue_depth = depth, .block_bytes = block};
   }
 
+  // Random bytes written to the start of `f` (waited for), returned to compare with.
+  aligned_bytes write_random(unit_files& files, unit_files::file_index f, std::size_t bytes,
+                             std::uint64_t salt = 0) const
+  {
+    aligned_bytes data(bytes);
+    fill_random(data.span(), seed_ + salt);
+    files.wait(files.write(f, 0, data.span()));
+    return data;
+  }
+
+  // Whether the start of `f` reads back as `expected`.
+  static bool reads_back(unit_files& files, unit_files::file_index f, const aligned_bytes& expected)
+  {
+    const aligned_bytes back(expected.bytes);
+    files.wait(files.read(f, 0, back.span()));
+    return same(back.span(), expected.span());
+  }
+
   fs::path dir_;
   std::uint64_t seed_ = test::test_seed();
   ::testing::ScopedTrace trace_{__FILE__, __LINE__, "TASKSWAP_TEST_SEED=" + std::to_string(seed_)};
@@ -173,12 +191,8 @@ TEST_F(unit_files_test, a_tmpfs_directory_works_whether_or_not_it_takes_o_direct
   dir_ = fs::path("/dev/shm") / ("taskswap-unit-files-" + std::to_string(::getpid()));
   unit_files files(options());  // Linux 6.6 and later: direct; before: buffered, said once
   const unit_files::file_index f = files.open("task/0", 3, 128 * kib);
-  aligned_bytes data(128 * kib);
-  fill_random(data.span(), seed_);
-  files.wait(files.write(f, 0, data.span()));
-  aligned_bytes back(128 * kib);
-  files.wait(files.read(f, 0, back.span()));
-  EXPECT_TRUE(same(back.span(), data.span()));
+  const aligned_bytes data = write_random(files, f, 128 * kib);
+  EXPECT_TRUE(reads_back(files, f, data));
 }
 
 TEST_F(unit_files_test, an_injected_io_error_fails_its_transfer_only_and_names_the_file_and_unit)
@@ -187,11 +201,9 @@ TEST_F(unit_files_test, an_injected_io_error_fails_its_transfer_only_and_names_t
   unit_files files(options(2), io_faults{.fail_request = 6, .fail_errno = EIO});
   const unit_files::file_index a = files.open("task/a", 1, 256 * kib);
   const unit_files::file_index b = files.open("task/b", 1, 256 * kib);
-  aligned_bytes da(256 * kib);
+  const aligned_bytes da = write_random(files, a, 256 * kib);
   aligned_bytes db(256 * kib);
-  fill_random(da.span(), seed_);
   fill_random(db.span(), seed_ + 1);
-  files.wait(files.write(a, 0, da.span()));
   const unit_files::transfer tb = files.write(b, 0, db.span());
   try {
     files.wait(tb);
@@ -203,10 +215,7 @@ TEST_F(unit_files_test, an_injected_io_error_fails_its_transfer_only_and_names_t
     EXPECT_NE(what.find("offset 65536"), std::string::npos) << what;
     EXPECT_NE(what.find("errno 5"), std::string::npos) << what;
   }
-  // Unit a's saved bytes are intact, and the ring goes on serving.
-  aligned_bytes back(256 * kib);
-  files.wait(files.read(a, 0, back.span()));
-  EXPECT_TRUE(same(back.span(), da.span()));
+  EXPECT_TRUE(reads_back(files, a, da));  // unit a's saved bytes are intact, and the ring goes on serving
 }
 
 TEST_F(unit_files_test, an_injected_full_drive_is_one_error)
@@ -223,12 +232,8 @@ TEST_F(unit_files_test, a_short_transfer_is_sent_again_for_the_rest)
 {
   unit_files files(options(4), io_faults{.short_request = 3, .short_bytes = 8 * kib});
   const unit_files::file_index f = files.open("task/0", 1, 256 * kib);
-  aligned_bytes data(256 * kib);
-  fill_random(data.span(), seed_);
-  files.wait(files.write(f, 0, data.span()));  // requests 1-4
-  aligned_bytes back(256 * kib);
-  files.wait(files.read(f, 0, back.span()));  // requests 5-8
-  EXPECT_TRUE(same(back.span(), data.span()));
+  const aligned_bytes data = write_random(files, f, 256 * kib);  // requests 1-4
+  EXPECT_TRUE(reads_back(files, f, data));  // requests 5-8
   EXPECT_EQ(files.stats().resent, 1U);
   EXPECT_EQ(files.stats().requests, 9U);
 }
@@ -245,9 +250,7 @@ TEST_F(unit_files_test, a_file_truncated_under_the_run_is_a_short_read_naming_it
 {
   unit_files files(options());
   const unit_files::file_index f = files.open("task/cut", 1, 256 * kib);
-  aligned_bytes data(256 * kib);
-  fill_random(data.span(), seed_);
-  files.wait(files.write(f, 0, data.span()));
+  const aligned_bytes data = write_random(files, f, 256 * kib);
   fs::resize_file(files.path(f), 64 * kib);
   try {
     files.wait(files.read(f, 0, data.span()));
