@@ -258,6 +258,27 @@ void read_host(const toml::table& t, std::string_view source, host_options& h)
   r.reject_unknown();
 }
 
+void read_storage(const toml::table& t, std::string_view source, storage_options& st)
+{
+  table_reader r(t, source, "[storage]");
+  if (auto p = r.string("path")) {
+    if (p->empty()) { r.fail(*r.get("path"), "path", "must name a directory on a local drive"); }
+    st.path = *p;
+  }
+  if (auto b = r.quantity("host_cache", size_units, "64 GiB", table_reader::positive::yes)) {
+    st.host_cache = static_cast<std::size_t>(*b);
+  }
+  if (auto n = r.integer("queue_depth", 1, 4096)) { st.queue_depth = static_cast<unsigned>(*n); }
+  if (auto b = r.quantity("block", size_units, "1 MiB", table_reader::positive::yes)) {
+    const auto bytes = static_cast<std::size_t>(*b);
+    if (bytes % 4096 != 0 || bytes > (std::size_t{1} << 30)) {
+      r.fail(*r.get("block"), "block", "must be a multiple of 4 KiB of at most 1 GiB, e.g. block = \"1 MiB\"");
+    }
+    st.block = bytes;
+  }
+  r.reject_unknown();
+}
+
 template <typename Policy>
 void read_policy(table_reader& r, Policy& p)
 {
@@ -428,14 +449,15 @@ runtime_options parse_config(std::string_view text, std::string_view source,
     }
     if (std::find(own_tables.begin(), own_tables.end(), k) != own_tables.end()) { continue; }
     const toml::table* t = section(root, k, source);
-    if (t == nullptr || (k != "device" && k != "host" && k != "defaults" && k != "optimizer" && k != "comm" &&
-                         k != "runtime" && k != "scaler")) {
+    if (t == nullptr || (k != "device" && k != "host" && k != "storage" && k != "defaults" && k != "optimizer" &&
+                         k != "comm" && k != "runtime" && k != "scaler")) {
       throw config_error(message(source, ":", key.source().begin.line, ": unknown key '", k,
-                                 "'; the sections are [device], [host], [defaults], [[units]], [optimizer], [scaler], "
-                                 "[comm], [runtime]"));
+                                 "'; the sections are [device], [host], [storage], [defaults], [[units]], [optimizer], "
+                                 "[scaler], [comm], [runtime]"));
     }
     if (k == "device") { read_device(*t, source, o.device); }
     if (k == "host") { read_host(*t, source, o.host); }
+    if (k == "storage") { read_storage(*t, source, o.storage); }
     if (k == "optimizer") { read_optimizer(*t, source, o.optimizer); }
     if (k == "comm") { read_comm(*t, source, o.comm); }
     if (k == "runtime") { read_runtime(*t, source, o); }

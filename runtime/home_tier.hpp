@@ -11,13 +11,21 @@
 // - write_back: a range from the device into the home copy (a write-back, gradients or state
 //               tensors home, a broadcast received), enqueued on a stream;
 // - host_block: the home copy as host memory, for the CPU AdamW, checkpoints, replica checks and
-//               the public home() view.
+//               the public home() view;
+// - used:       work on a stream (or the host, done) used the host_block, and whether it wrote it.
+//               The runtime says so at once after taking a host_block, before touching another
+//               home: a tier whose host memory is a cache must not reuse that block until then.
 // Adding a tier is one file that fills a home_tier and one row in home_tiers (home_tier.cpp); a
 // unit takes the tier its policy names (unit_policy::home, [[units]] home = "..."). The host tier
-// (home_tier_host.cpp) keeps every home in the pinned, NUMA-local arena of home_store.
+// (home_tier_host.cpp) keeps every home in the pinned, NUMA-local arena of home_store; the disk
+// tier (home_tier_disk.cpp) keeps it in a unit file, behind the host cache (Note [Host cache]).
+
+#include "storage/host_cache.hpp"
+#include "storage/unit_files.hpp"
 
 #include <taskswap/device.hpp>
 #include <taskswap/host.hpp>
+#include <taskswap/runtime.hpp>
 
 #include <cstddef>
 #include <cstdint>
@@ -35,27 +43,40 @@ struct unit_home {
   const home_tier* tier = nullptr;
   std::byte* block = nullptr;  // the host tier: the unit's block in the pinned arena
   std::size_t bytes = 0;  // the block's size (the layout's home_bytes)
+  host_cache* cache = nullptr;  // the disk tier: the cache in front of the unit's file
+  host_cache::entry_id entry = 0;
+};
+
+/// What a tier places: the unit's name and identity (what its tensors are) and its home's bytes.
+struct home_request {
+  std::string_view unit;
+  std::uint64_t identity = 0;
+  std::size_t bytes = 0;
 };
 
 /// What the tiers keep for the runtime: the pinned, NUMA-local arena every host home (and the
-/// runtime's own pinned buffers) lies in.
+/// runtime's own pinned buffers, and the host cache) lies in; the disk tier's files and cache.
 struct home_store {
   std::optional<pinned_arena> arena;
+  std::optional<unit_files> files;
+  std::optional<host_cache> cache;
 };
 
 struct home_tier {
   std::string_view name;  // as [[units]] home = "..." names it
   /// The pinned host memory (of store.arena) a home of `bytes` takes in this tier.
   std::size_t (*pinned_bytes)(std::size_t bytes);
-  /// Reserves `home`'s block of `bytes` in `store`, whose arena has what pinned_bytes() asked.
-  /// @throws out_of_memory, config_error
-  void (*place)(home_store& store, unit_home& home, std::size_t bytes);
+  /// Places `home` in `store`, whose arena has what pinned_bytes() asked.
+  /// @throws out_of_memory, config_error, storage_error
+  void (*place)(home_store& store, unit_home& home, const home_request& request);
   /// Enqueues on `s` the copy of home bytes [offset, offset + dst.size()) to `dst`. Does not synchronise.
   void (*stage_in)(const unit_home& home, std::size_t offset, device_span dst, stream_view s);
   /// Enqueues on `s` the copy of `src` into home bytes [offset, offset + src.size()). Does not synchronise.
   void (*write_back)(const unit_home& home, std::size_t offset, const_device_span src, stream_view s);
   /// The home copy as host memory. Current once the work enqueued on it is done.
   std::span<std::byte> (*host_block)(const unit_home& home);
+  /// Work enqueued on `s` (nullptr: the host, done) used host_block(home); `wrote`: changed it.
+  void (*used)(const unit_home& home, const stream_view* s, bool wrote);
 };
 
 /// The tier named `name`.
@@ -66,7 +87,13 @@ struct home_tier {
 [[nodiscard]] std::string home_tier_names();
 
 /// Makes `store`'s arena of `bytes` (what the tiers' pinned_bytes() ask and the runtime's own
-/// pinned buffers) on `node` (-1: the device's local node).
-void setup_homes(home_store& store, const device& dev, std::size_t bytes, int node, bool huge_pages);
+/// pinned buffers) on `node` (-1: the device's local node); with `disk`, also the disk tier's
+/// files in `storage.path` and its host cache of `storage.host_cache` bytes in the same arena.
+/// @throws config_error when `disk` and [storage] lacks a path or a host cache
+void setup_homes(home_store& store, const device& dev, std::size_t bytes, const host_options& host,
+                 const storage_options& storage, bool disk);
+
+/// A unit's identity for its disk file: a hash of its layout (tensors, dtypes, sizes).
+[[nodiscard]] std::uint64_t home_identity(std::string_view text);
 
 }  // namespace taskswap::detail

@@ -11,10 +11,10 @@ namespace {
 
 std::size_t host_pinned_bytes(std::size_t bytes) { return bytes; }
 
-void host_place(home_store& store, unit_home& home, std::size_t bytes)
+void host_place(home_store& store, unit_home& home, const home_request& request)
 {
-  home.block = store.arena->allocate(bytes, slab_alignment).data();
-  home.bytes = bytes;
+  home.block = store.arena->allocate(request.bytes, slab_alignment).data();
+  home.bytes = request.bytes;
 }
 
 void host_stage_in(const unit_home& home, std::size_t offset, device_span dst, stream_view s)
@@ -29,6 +29,8 @@ void host_write_back(const unit_home& home, std::size_t offset, const_device_spa
 
 std::span<std::byte> host_block(const unit_home& home) { return {home.block, home.bytes}; }
 
+void host_used(const unit_home& /*home*/, const stream_view* /*s*/, bool /*wrote*/) {}  // the arena is the home
+
 }  // namespace
 
 extern const home_tier host_home_tier;
@@ -37,6 +39,7 @@ const home_tier host_home_tier{.name = "host",
                                .place = host_place,
                                .stage_in = host_stage_in,
                                .write_back = host_write_back,
-                               .host_block = host_block};
+                               .host_block = host_block,
+                               .used = host_used};
 
 }  // namespace taskswap::detail

@@ -72,6 +72,8 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
     for (const auto& [slabs, decay] : runs) { detail::cpu_adamw_step(slabs, decay ? k.decay : k.no_decay, *cpu); }
     if (trace != nullptr) { trace->host_span(track, "adamw " + name, begin, detail::trace_recorder::clock::now()); }
   });
+  const stream_view opt = host_opt_;
+  r.home_used(&opt, true);  // the CPU AdamW writes the home block on host_opt
   ensure(r.host_updated, device_).record(host_opt_);
   go(r, detail::coherence_move::step_on_host);
 }

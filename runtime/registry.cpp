@@ -117,8 +117,23 @@ void runtime::impl::place_homes()
     any_host = any_host || (r.policy.optimizer == optimizer_placement::host && !r.layout.frozen);
   }
   const std::size_t guard_host = guards(options_) ? guard_host_bytes(units_.size()) : 0;
-  detail::setup_homes(homes_, device_, total + guard_host, options_.host.numa_node, options_.host.huge_pages);
-  for (unit_record& r : units_) { r.home.tier->place(homes_, r.home, r.layout.home_bytes); }
+  const bool disk =
+    std::any_of(units_.begin(), units_.end(), [](const unit_record& r) { return r.policy.home == "disk"; });
+  detail::setup_homes(homes_, device_, total + guard_host, options_.host, options_.storage, disk);
+  for (unit_record& r : units_) {
+    r.home.tier->place(homes_, r.home, {.unit = r.name, .identity = identity_of(r), .bytes = r.layout.home_bytes});
+  }
+  if (homes_.cache) {
+    // The host cache evicts by the plan, as the device does: an entry is a unit's home.
+    std::vector<std::uint32_t> unit_of(units_.size());
+    for (const unit_record& r : units_) {
+      if (r.home.cache != nullptr) { unit_of.at(r.home.entry) = r.index; }
+    }
+    homes_.cache->next_use([this, unit_of = std::move(unit_of)](detail::host_cache::entry_id e) -> std::uint64_t {
+      const std::uint64_t next = plan_.next_use(unit_id{unit_of[e]});
+      return next == detail::never ? detail::host_cache::never : next;
+    });
+  }
   if (any_host) { cpu_.emplace(static_cast<int>(homes_.arena->numa_node()), options_.host.optimizer_threads); }
   if (guard_host != 0) { make_guard(homes_.arena->allocate(guard_host, detail::slab_alignment)); }
   // Pinned units are packed together; every other unit has a slot of its own, mapped when resident.
@@ -132,6 +147,21 @@ void runtime::impl::place_homes()
   }
 }
 
+// What the unit holds, for its disk file's name (Note [Unit files]): a file written by a model
+// whose unit differs in any tensor, dtype or size is never read as this one.
+std::uint64_t runtime::impl::identity_of(const unit_record& r)
+{
+  const detail::unit_layout& l = r.layout;
+  std::string text = detail::message(to_string(l.compute), "/", to_string(l.grad), l.frozen ? "/frozen" : "/trained",
+                                     "/", l.home_bytes, ";");
+  for (const tensor_info& t : l.tensors) {
+    text += detail::message(t.name, "[");
+    for (const std::size_t d : t.shape) { text += detail::message(d, ","); }
+    text += detail::message("]", t.no_weight_decay ? "n" : "", t.state ? "s" : "", ";");
+  }
+  return detail::home_identity(text);
+}
+
 // Runs before the first plan or acquire, so the trainer can initialise the home copies first.
 void runtime::impl::start()
 {
@@ -142,6 +172,7 @@ void runtime::impl::start()
     if (l.compute != dtype::f32 && !l.frozen) {  // the master is the source of truth; derive the params from it
       std::byte* home = r.home_block();
       detail::host_cast(home + l.params, l.compute, home + l.master, dtype::f32, l.trainable);  // not the state
+      r.home_used(nullptr, true);
     }
     if (r.pinned()) { swap_->fill_slot(r); }
   }

@@ -12,6 +12,13 @@ using detail::message;
 
 std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
 {
+  // A disk home's block is valid only until the cache loads another unit, and these sources hold
+  // every unit's at once (issue 33: checkpoints that name the unit files instead).
+  if (homes_.cache) {
+    throw config_error(
+      "checkpoints of a run with home = \"disk\" units are not supported yet (the unit files would have to be "
+      "copied through host memory); flush() makes the unit files in [storage] path current");
+  }
   std::vector<detail::checkpoint_source> out;
   for (unit_record& r : units_) {
     const detail::unit_layout& l = r.layout;

@@ -91,6 +91,7 @@ struct runtime::impl {
   // Registration (lifetime.cpp)
   void register_units(const runtime_options& options, const std::vector<unit_spec>& specs);
   void place_homes();
+  [[nodiscard]] static std::uint64_t identity_of(const unit_record& r);
   void start();
 
   // The residency model's arithmetic (runtime/residency_model.hpp).

@@ -372,6 +372,7 @@ void runtime::impl::flush()
   }
   if (guard_) { download_guard(); }
   wait_streams("flush");
+  if (homes_.cache) { homes_.cache->flush(); }  // the unit files become the disk homes
   if (guard_) { read_guard_steps(); }
   resolve_stalls(true);
   check_comm();

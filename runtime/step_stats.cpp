@@ -29,6 +29,17 @@ runtime_stats runtime::impl::stats()
   const pinned_arena_stats arena = homes_.arena->stats();
   s.home_bytes = arena.used;
   s.host_bytes_pinned = arena.pinned;
+  if (homes_.cache) {
+    const detail::host_cache_stats c = homes_.cache->stats();
+    s.disk = {.host_cache_bytes = homes_.cache->capacity(),
+              .cached_bytes = c.used_bytes,
+              .hits = c.hits,
+              .misses = c.misses,
+              .evictions = c.evictions,
+              .written_back = c.written_back,
+              .read_bytes = c.bytes_read,
+              .written_bytes = c.bytes_written};
+  }
   s.units.reserve(units_.size());
   for (const unit_record& r : units_) {
     s.units.push_back(unit_stats{.name = r.name,

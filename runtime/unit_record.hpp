@@ -75,6 +75,9 @@ struct unit_record {
   [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
   /// Its home copy as host memory (for the CPU AdamW, checkpoints, replica checks, home()).
   [[nodiscard]] std::byte* home_block() const { return home.tier->host_block(home).data(); }
+  /// Work on `s` (nullptr: the host, done) used home_block(); `wrote`: it changed it. Said at once
+  /// after taking home_block(), before another home is touched (Note [Home tiers]).
+  void home_used(const stream_view* s, bool wrote) const { home.tier->used(home, s, wrote); }
   /// Enqueues on `s` the copy of home bytes [offset, offset + dst.size()) to `dst`.
   void stage_in(std::size_t offset, device_span dst, stream_view s) const { home.tier->stage_in(home, offset, dst, s); }
   /// Enqueues on `s` the copy of `src` into home bytes [offset, offset + src.size()).

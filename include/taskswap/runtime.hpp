@@ -93,10 +93,20 @@ struct host_options {
   int optimizer_threads = 0;  ///< CPU AdamW threads; 0: the node's CPUs
 };
 
+/// @brief The disk home tier ([storage]): the homes of units with home = "disk" live in files on a
+/// local drive, with pinned host memory caching them (docs/storage.md).
+struct storage_options {
+  std::filesystem::path path{};  ///< the directory of the unit files (made if missing)
+  std::size_t host_cache = 0;  ///< pinned host bytes caching disk homes; at least the largest disk-homed unit
+  unsigned queue_depth = 8;  ///< reads and writes in flight at once
+  std::size_t block = std::size_t{1} << 20;  ///< bytes per request, a multiple of 4 KiB
+};
+
 /// @brief Everything the TOML configuration holds (see load_config in config.hpp).
 struct runtime_options {
   device_options device{};
   host_options host{};
+  storage_options storage{};
   unit_policy defaults{};
   std::vector<unit_rule> units{};  ///< applied in order over `defaults`
   adamw_options optimizer{};
@@ -314,6 +324,18 @@ struct unit_stats {
 };
 
 /// @brief Cumulative figures, the recent steps, and each unit.
+/// @brief The disk home tier's host cache since the runtime began (zeros without disk homes).
+struct disk_stats {
+  std::size_t host_cache_bytes = 0;  ///< the cache's capacity ([storage] host_cache)
+  std::size_t cached_bytes = 0;  ///< disk homes in the cache now
+  std::uint64_t hits = 0;  ///< a disk home wanted while cached
+  std::uint64_t misses = 0;  ///< read from its file first
+  std::uint64_t evictions = 0;
+  std::uint64_t written_back = 0;  ///< dirty blocks written to their files (evictions and flushes)
+  std::uint64_t read_bytes = 0;
+  std::uint64_t written_bytes = 0;
+};
+
 struct runtime_stats {
   step_stats total;
   std::vector<step_stats> steps;  ///< the most recent steps (up to 4096), oldest first
@@ -325,6 +347,7 @@ struct runtime_stats {
   std::size_t host_bytes_pinned = 0;  ///< bytes page-locked for them
   std::size_t device_granule = 0;  ///< the device pool maps whole granules of this many bytes
   std::size_t device_rounding_bytes = 0;  ///< in use beyond what the resident slabs need: granule rounding
+  disk_stats disk{};  ///< the disk home tier ([storage])
 };
 
 /// @brief The runtime: holds every unit's home copy in a pinned, NUMA-local arena and the
@@ -373,6 +396,11 @@ class runtime {
 
   /// @brief The home copy. Call flush() first for current values; writing to it between flush()
   /// and the next acquire sets what the device will see.
+  ///
+  /// A unit whose home is on disk (home = "disk") is viewed in its host-cache block, which the
+  /// next call to this runtime (another home() included) may give to another unit: use each view
+  /// before taking the next (the sample initialises such units one at a time). A host home's view
+  /// stays valid for the runtime's life.
   [[nodiscard]] home_view home(unit_id u);
 
   /// @brief Appends upcoming steps; the first step not yet begun is the next to run. Checks that

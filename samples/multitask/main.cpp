@@ -145,6 +145,12 @@ int train(int argc, char** argv)
     std::printf("summary: %.2f ms/step; swap-ins %zu, write-backs %zu, h2d %s, d2h %s, stall %.1f ms; reduced %s\n",
                 r.step_ms(), r.total.swap_ins, r.total.write_backs, mib(r.total.h2d_bytes).c_str(),
                 mib(r.total.d2h_bytes).c_str(), r.total.stall_ms, mib(r.total.reduced_bytes).c_str());
+    if (r.disk.host_cache_bytes != 0) {
+      std::printf("  disk homes: %llu reads (%s), %llu writes (%s) through a %s host cache (%llu hits)\n",
+                  static_cast<unsigned long long>(r.disk.misses), mib(r.disk.read_bytes).c_str(),
+                  static_cast<unsigned long long>(r.disk.written_back), mib(r.disk.written_bytes).c_str(),
+                  mib(r.disk.host_cache_bytes).c_str(), static_cast<unsigned long long>(r.disk.hits));
+    }
     if (r.scaler) {
       std::printf("  guarded steps: loss scale %g, %lld of %lld steps skipped (a gradient not finite), last global "
                   "gradient norm %.4g\n",

@@ -353,12 +353,24 @@ struct trainer::impl {
   {
     // Units on all the host's threads (a GPU configuration holds hundreds of millions of weights).
     const std::size_t n = rt.unit_count();
+    // A disk home's view lasts until the next call to the runtime: those units one at a time.
+    for (std::size_t u = 0; u < n; ++u) {
+      if (rt.policy({static_cast<std::uint32_t>(u)}).home == "disk") {
+        initialise_unit(rt.home({static_cast<std::uint32_t>(u)}), u);
+      }
+    }
     std::vector<taskswap::home_view> homes;
-    for (std::size_t u = 0; u < n; ++u) { homes.push_back(rt.home({static_cast<std::uint32_t>(u)})); }
+    std::vector<std::size_t> in_memory;
+    for (std::size_t u = 0; u < n; ++u) {
+      if (rt.policy({static_cast<std::uint32_t>(u)}).home != "disk") {
+        homes.push_back(rt.home({static_cast<std::uint32_t>(u)}));
+        in_memory.push_back(u);
+      }
+    }
     const std::size_t workers = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 64);
     std::atomic<std::size_t> next{0};
     const auto work = [&] {
-      for (std::size_t u = next++; u < n; u = next++) { initialise_unit(homes[u], u); }
+      for (std::size_t i = next++; i < homes.size(); i = next++) { initialise_unit(homes[i], in_memory[i]); }
     };
     std::vector<std::jthread> threads;
     for (std::size_t w = 1; w < workers; ++w) { threads.emplace_back(work); }
@@ -734,6 +746,7 @@ run_result trainer::run(const run_options& options)
   const taskswap::runtime_stats stats = m.rt.stats();
   r.total = stats.total;
   if (m.rt.guards_steps()) { r.scaler = m.rt.scaler_state(); }
+  r.disk = m.rt.stats().disk;
   for (const taskswap::step_stats& st : stats.steps) {  // the steps after the warm-up (the last 4096)
     if (st.step <= static_cast<std::uint64_t>(begin)) { continue; }
     r.timed.h2d_bytes += st.h2d_bytes;

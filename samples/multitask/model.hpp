@@ -99,6 +99,7 @@ struct run_result {
   double stop_agreement_seconds = 0;  ///< host time in runtime::agree_stop over the timed steps
   std::int64_t steps_done = 0;  ///< the steps done in all when run() returned
   std::optional<taskswap::loss_scaler_state> scaler;  ///< with loss scaling or clipping
+  taskswap::disk_stats disk{};  ///< the disk home tier's host cache (zeros without disk homes)
   [[nodiscard]] double step_ms() const
   {
     return timed_steps == 0 ? 0 : seconds * 1e3 / static_cast<double>(timed_steps);

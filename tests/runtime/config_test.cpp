@@ -158,7 +158,7 @@ TEST(config, a_units_home_tier_is_named_by_a_rule_and_checked)
   EXPECT_EQ(policy_for(unit_spec{.name = "task/1", .tensors = {{"w", {4}}}}, o).home, "host");
   expect_error_mentioning<config_error>(
     [] { (void)parse_config("[device]\nbudget = \"1 GiB\"\n[[units]]\nmatch = \"a\"\nhome = \"tape\"\n", "my.toml"); },
-    "my.toml:5: [[units]] home: \"tape\" is not a home tier; the tiers are \"host\"");
+    "my.toml:5: [[units]] home: \"tape\" is not a home tier; the tiers are \"host\", \"disk\"");
   runtime_options code;
   code.device.budget = 1 << 20;
   code.defaults.home = "tape";
@@ -167,6 +167,30 @@ TEST(config, a_units_home_tier_is_named_by_a_rule_and_checked)
       runtime rt(emulated_device({.memory_bytes = 1 << 20}), code, {unit_spec{.name = "u", .tensors = {{"w", {4}}}}});
     },
     "unit 'u': home \"tape\" is not a home tier");
+}
+
+TEST(config, storage_names_the_disk_tiers_directory_cache_and_requests)
+{
+  const runtime_options o =
+    parse_config("[device]\nbudget = \"1 GiB\"\n[storage]\npath = \"/nvme/ts\"\nhost_cache = \"3 GiB\"\n"
+                 "queue_depth = 16\nblock = \"256 KiB\"\n[[units]]\nmatch = \"task/*\"\nhome = \"disk\"\n",
+                 "my.toml");
+  EXPECT_EQ(o.storage.path, std::filesystem::path("/nvme/ts"));
+  EXPECT_EQ(o.storage.host_cache, std::size_t{3} << 30U);
+  EXPECT_EQ(o.storage.queue_depth, 16U);
+  EXPECT_EQ(o.storage.block, std::size_t{256} << 10U);
+  EXPECT_EQ(o.units[0].home, std::optional<std::string>("disk"));
+  const runtime_options defaults = parse_config("[device]\nbudget = \"1 GiB\"\n", "my.toml");
+  EXPECT_EQ(defaults.storage.queue_depth, 8U);
+  EXPECT_EQ(defaults.storage.block, std::size_t{1} << 20U);
+  const auto fails = [](const std::string& text, const std::string& needle) {
+    expect_error_mentioning<config_error>([&] { (void)parse_config(text, "my.toml"); }, needle);
+  };
+  fails("[device]\nbudget = \"1 GiB\"\n[storage]\nblock = \"1000 B\"\n",
+        "my.toml:4: [storage] block: must be a multiple of 4 KiB");
+  fails("[device]\nbudget = \"1 GiB\"\n[storage]\nqueue_depth = 0\n", "[storage] queue_depth");
+  fails("[device]\nbudget = \"1 GiB\"\n[storage]\npath = \"\"\n", "[storage] path: must name a directory");
+  fails("[device]\nbudget = \"1 GiB\"\n[storage]\ncache = \"1 GiB\"\n", "cache");
 }
 
 TEST(config, errors_name_the_file_the_line_and_the_key)

@@ -6,6 +6,7 @@
 set -euo pipefail
 source "$(dirname "$0")/launch.sh" "$@"
 set -- "${rest[@]}"
+cd "$work"  # a configuration's relative paths ([storage] path) land in the test's own folder
 "${launch[@]}" "$@" --save-params "$work/swapped.bin" | tail -n 3
 "${launch[@]}" "$@" --all-resident --save-params "$work/resident.bin" | tail -n 1
 files=("$work"/swapped.bin*)

@@ -1,0 +1,86 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The host cache in front of the disk home tier: pinned host memory holding the home blocks of
+// the disk-homed units that were used last or are used next.
+//
+// Note [Host cache]:
+// - A unit whose home is on disk has an entry: its unit file, and, while cached, a block of the
+//   cache's memory holding the file's bytes (or newer ones: dirty).
+// - A run starts its homes as zeros, as the host tier's arena does: an entry's first block() in
+//   this run is zeroed, not read, whatever an earlier run left in its file (the trainer then
+//   writes the initial values through home()). Later, block() reads the file on a miss (the
+//   caller waits: back-pressure). The block stays valid until a later block() of another entry evicts it, so a
+//   caller that enqueues work on the block says so at once with used(): eviction waits for that
+//   work (events, one per stream), and a block written (wrote = true) is dirty.
+// - Eviction takes the cached entry whose next use (the runtime's plan, next_use()) is furthest,
+//   the least recently used among equals: Belady's rule, as the device's. A dirty victim is
+//   written to its file before its memory is reused, so nothing is lost between the tiers
+//   (DESIGN.md invariant 9).
+// - flush() writes every dirty block and syncs the files it wrote: the files are then the homes.
+// - One thread owns a host_cache, as the runtime's calls are.
+
+#include "storage/unit_files.hpp"
+
+#include <taskswap/device.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <span>
+#include <string_view>
+
+namespace taskswap::detail {
+
+struct host_cache_stats {
+  std::uint64_t hits = 0;
+  std::uint64_t misses = 0;  // block() read the file first (not its first, zeroed, block)
+  std::uint64_t evictions = 0;
+  std::uint64_t written_back = 0;  // dirty blocks written to their files (evictions and flushes)
+  std::uint64_t bytes_read = 0;
+  std::uint64_t bytes_written = 0;
+  std::size_t used_bytes = 0;  // cached blocks now
+};
+
+class host_cache {
+ public:
+  using entry_id = std::uint32_t;
+  static constexpr std::uint64_t never = std::numeric_limits<std::uint64_t>::max();
+
+  /// Caches in `memory` (page-aligned pinned host memory that outlives this object, registered
+  /// with `files`' ring by the caller if wanted) the homes kept in `files`.
+  host_cache(const device& dev, std::span<std::byte> memory, unit_files& files);
+  ~host_cache();
+  host_cache(const host_cache&) = delete;
+  host_cache& operator=(const host_cache&) = delete;
+
+  /// Adds the home of unit `unit` (its file named by name and identity), of `bytes`.
+  /// @throws storage_error when its file cannot be made
+  /// @throws config_error when the cache cannot hold it at all
+  entry_id add(std::string_view unit, std::uint64_t identity, std::size_t bytes);
+  /// The position of an entry's next use (never: none planned); the larger, the later.
+  void next_use(std::function<std::uint64_t(entry_id)> when);
+
+  /// The entry's block, read from its file first when it is not cached. Valid until the next
+  /// block() of another entry.
+  /// @throws storage_error when a read or a victim's write fails
+  /// @throws out_of_memory when the entry does not fit beside the blocks that are in use
+  [[nodiscard]] std::span<std::byte> block(entry_id e);
+  /// Work enqueued on `s` (nullptr: done by the host already) uses the block; `wrote`: it changes it.
+  void used(entry_id e, const stream_view* s, bool wrote);
+  /// Writes every dirty block to its file and syncs the files written.
+  /// @throws storage_error
+  void flush();
+
+  [[nodiscard]] const std::filesystem::path& file(entry_id e) const;
+  [[nodiscard]] std::size_t capacity() const noexcept;
+  [[nodiscard]] host_cache_stats stats() const noexcept;
+
+ private:
+  struct impl;
+  std::unique_ptr<impl> impl_;
+};
+
+}  // namespace taskswap::detail

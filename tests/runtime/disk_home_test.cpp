@@ -1,0 +1,204 @@
+// SPDX-License-Identifier: Apache-2.0
+// The disk home tier: units whose homes are unit files behind a host cache train bitwise as
+// with host homes, through a cache too small for them, under both optimizer placements; the
+// files hold the homes after flush(); and what is not supported yet, or misconfigured, says so.
+
+#include "expect_error.hpp"
+
+#include <taskswap/taskswap.hpp>
+
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+namespace taskswap::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr std::size_t task_elements = 20'000;
+
+// A pinned trunk and six task units (bf16 with device AdamW, f32 with host AdamW, in turn), in a
+// 1 MiB budget that holds two task units at a time; with `disk`, the tasks' homes are files.
+std::vector<unit_spec> units()
+{
+  std::vector<unit_spec> u;
+  u.push_back({.name = "trunk", .tensors = {{"w", {64, 64}}, {"b", {64}}}, .compute = dtype::f32});
+  u.back().policy = unit_policy{residency::pinned, 0, optimizer_placement::device};
+  for (int t = 0; t < 6; ++t) {
+    u.push_back({.name = "task/" + std::to_string(t),
+                 .tensors = {{"w", {task_elements}}, {"b", {100}, true}},
+                 .compute = t % 2 == 0 ? dtype::bf16 : dtype::f32,
+                 .grad = dtype::f32});
+  }
+  return u;
+}
+
+runtime_options options(const fs::path& storage, std::size_t host_cache)
+{
+  runtime_options o;
+  o.device = {.backend = backend_kind::emulated, .budget = std::size_t{1} << 20U};
+  o.optimizer.lr = 1e-2;
+  o.optimizer.weight_decay = 0.05;
+  unit_rule tasks;
+  tasks.match = "task/*";
+  tasks.residency = residency::prefetch;
+  tasks.lookahead = 1;
+  o.units.push_back(tasks);
+  unit_rule host_adamw;
+  host_adamw.match = "task/[13579]";
+  host_adamw.optimizer = optimizer_placement::host;
+  o.units.push_back(host_adamw);
+  if (!storage.empty()) {
+    unit_rule disk;
+    disk.match = "task/*";
+    disk.home = "disk";
+    o.units.push_back(disk);
+    o.storage = {.path = storage, .host_cache = host_cache, .queue_depth = 4, .block = 64 * 1024};
+  }
+  return o;
+}
+
+struct model {
+  device dev = emulated_device({.memory_bytes = std::size_t{1} << 20U, .link = {}});
+  stream s{dev};
+  runtime rt;
+  model(const fs::path& storage, std::size_t host_cache) : rt(dev, options(storage, host_cache), units())
+  {
+    for (std::size_t i = 0; i < rt.unit_count(); ++i) {
+      const home_view h = rt.home({static_cast<std::uint32_t>(i)});
+      auto* m = static_cast<float*>(h.master.data);
+      for (std::size_t k = 0; k < h.master.count; ++k) {
+        m[k] = 0.01F * static_cast<float>((k * 7 + i * 13) % 101) - 0.5F;
+      }
+    }
+  }
+
+  // Steps [0, steps): the trunk and a task drawn from the step, planned two steps ahead.
+  void train(std::uint64_t steps)
+  {
+    const auto task_of = [&](std::uint64_t step) {
+      return rt.find("task/" + std::to_string((step * 5 + step / 3) % 6));
+    };
+    const unit_id trunk = rt.find("trunk");
+    rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(0)}, step_plan{trunk, task_of(1)}});
+    for (std::uint64_t step = 0; step < steps; ++step) {
+      rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(step + 2)}});
+      for (const unit_id u : {trunk, task_of(step)}) {
+        const unit_view v = rt.acquire(u, s);
+        auto* g = static_cast<float*>(v.grads.data);
+        const std::size_t n = v.grads.count;
+        launch_host_func(s, [g, n, step, u] {
+          for (std::size_t k = 0; k < n; ++k) {
+            g[k] = 0.001F * static_cast<float>((k + step * 31 + u.value * 17) % 53) - 0.026F;
+          }
+        });
+        rt.grads_ready(u, s);
+        rt.step(u, s);
+        rt.release(u, s);
+      }
+      (void)rt.end_step();
+    }
+  }
+
+  // Every unit's home slabs and step, as bytes.
+  std::string state()
+  {
+    rt.flush();
+    std::string out;
+    for (std::size_t i = 0; i < rt.unit_count(); ++i) {
+      const home_view h = rt.home({static_cast<std::uint32_t>(i)});
+      for (const slab_view& v : {h.params, h.master, h.m, h.v}) {
+        out.append(static_cast<const char*>(v.data), v.bytes());
+      }
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
+      out.append(reinterpret_cast<const char*>(&h.step), sizeof h.step);
+    }
+    return out;
+  }
+};
+
+class disk_home_test : public ::testing::Test {
+ protected:
+  void SetUp() override
+  {
+    dir_ = fs::temp_directory_path() / ("taskswap-disk-home-" + std::to_string(::getpid()) + "-" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  fs::path dir_;
+};
+
+TEST_F(disk_home_test, disk_homes_through_a_small_host_cache_train_bitwise_as_host_homes)
+{
+  model host({}, 0);
+  host.train(40);
+  // A task's home is about 320 KiB (device AdamW) or 400 KiB (host AdamW, with its gradients):
+  // the cache holds two or three of the six.
+  model disk(dir_, 1024 * 1024);
+  disk.train(40);
+  const disk_stats d = disk.rt.stats().disk;
+  EXPECT_EQ(d.host_cache_bytes, std::size_t{1} << 20U);
+  EXPECT_GT(d.misses, 6U);  // more than the first read of each
+  EXPECT_GT(d.written_back, 0U);
+  EXPECT_GT(d.evictions, 0U);
+  EXPECT_EQ(host.state(), disk.state());
+  EXPECT_EQ(host.rt.stats().disk.misses, 0U);
+}
+
+TEST_F(disk_home_test, after_flush_each_unit_file_holds_its_home)
+{
+  model disk(dir_, 768 * 1024);
+  disk.train(12);
+  disk.rt.flush();
+  std::size_t files = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir_)) {
+    ++files;
+    EXPECT_EQ(e.path().extension(), ".unit") << e.path();
+  }
+  EXPECT_EQ(files, 6U);  // the tasks'; the trunk's home is in host memory
+  for (int t = 0; t < 6; ++t) {
+    const std::string name = "task/" + std::to_string(t);
+    const home_view h = disk.rt.home(disk.rt.find(name));
+    fs::path file;
+    for (const fs::directory_entry& e : fs::directory_iterator(dir_)) {
+      if (e.path().filename().string().rfind("task%2f" + std::to_string(t) + ".", 0) == 0) { file = e.path(); }
+    }
+    ASSERT_FALSE(file.empty()) << name;
+    std::string bytes(fs::file_size(file), '\0');
+    std::ifstream(file, std::ios::binary).read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    // The home block starts with the parameters; the master, m and v follow at their offsets.
+    for (const slab_view& v : {h.params, h.master, h.m, h.v}) {
+      const auto at =
+        static_cast<std::size_t>(static_cast<const std::byte*>(v.data) - static_cast<const std::byte*>(h.params.data));
+      ASSERT_LE(at + v.bytes(), bytes.size()) << name;
+      EXPECT_EQ(std::memcmp(bytes.data() + at, v.data, v.bytes()), 0) << name << " at " << at;
+    }
+  }
+}
+
+TEST_F(disk_home_test, what_is_missing_or_not_supported_yet_says_so)
+{
+  const device dev = emulated_device({.memory_bytes = std::size_t{1} << 20U, .link = {}});
+  runtime_options no_path = options(dir_, 1 << 20);
+  no_path.storage.path.clear();
+  expect_error_mentioning<config_error>([&] { runtime rt(dev, no_path, units()); }, "[storage] path is missing");
+  runtime_options no_cache = options(dir_, 1 << 20);
+  no_cache.storage.host_cache = 0;
+  expect_error_mentioning<config_error>([&] { runtime rt(dev, no_cache, units()); }, "host_cache is missing");
+  expect_error_mentioning<config_error>([&] { runtime rt(dev, options(dir_, 64 * 1024), units()); },
+                                        "raise host_cache to at least the largest disk-homed unit");
+  model disk(dir_, 1 << 20);
+  disk.train(2);
+  expect_error_mentioning<config_error>([&] { disk.rt.save_checkpoint(dir_ / "ckpt"); },
+                                        "checkpoints of a run with home = \"disk\" units are not supported yet");
+}
+
+}  // namespace
+}  // namespace taskswap::test
