@@ -269,6 +269,7 @@ void read_storage(const toml::table& t, std::string_view source, storage_options
     st.host_cache = static_cast<std::size_t>(*b);
   }
   if (auto n = r.integer("queue_depth", 1, 4096)) { st.queue_depth = static_cast<unsigned>(*n); }
+  if (auto n = r.integer("lookahead", 0, 1 << 20)) { st.lookahead = static_cast<int>(*n); }
   if (auto b = r.quantity("block", size_units, "1 MiB", table_reader::positive::yes)) {
     const auto bytes = static_cast<std::size_t>(*b);
     if (bytes % 4096 != 0 || bytes > (std::size_t{1} << 30)) {

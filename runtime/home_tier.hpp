@@ -12,6 +12,8 @@
 //               tensors home, a broadcast received), enqueued on a stream;
 // - host_block: the home copy as host memory, for the CPU AdamW, checkpoints, replica checks and
 //               the public home() view;
+// - ready:      whether stage_in would start at once (a disk home's read is done), so that the
+//               device prefetch never waits for the drive;
 // - used:       work on a stream (or the host, done) used the host_block, and whether it wrote it.
 //               The runtime says so at once after taking a host_block, before touching another
 //               home: a tier whose host memory is a cache must not reuse that block until then.
@@ -75,6 +77,8 @@ struct home_tier {
   void (*write_back)(const unit_home& home, std::size_t offset, const_device_span src, stream_view s);
   /// The home copy as host memory. Current once the work enqueued on it is done.
   std::span<std::byte> (*host_block)(const unit_home& home);
+  /// Whether stage_in() would not wait (the home is in host memory). Never waits.
+  bool (*ready)(const unit_home& home);
   /// Work enqueued on `s` (nullptr: the host, done) used host_block(home); `wrote`: changed it.
   void (*used)(const unit_home& home, const stream_view* s, bool wrote);
 };

@@ -27,12 +27,17 @@ void disk_stage_in(const unit_home& home, std::size_t offset, device_span dst, s
 
 void disk_write_back(const unit_home& home, std::size_t offset, const_device_span src, stream_view s)
 {
-  const std::span<std::byte> block = home.cache->block(home.entry);  // the rest of the block stays as the file has it
+  // A write-back of the whole home (device placement) needs nothing from the file; a part of it
+  // (host placement's gradients) keeps the rest as the file has it.
+  const bool whole = offset == 0 && src.size() >= home.bytes;
+  const std::span<std::byte> block = home.cache->block(home.entry, whole);
   copy_async(block.subspan(offset, src.size()), src, s);
   home.cache->used(home.entry, &s, true);
 }
 
 std::span<std::byte> disk_block(const unit_home& home) { return home.cache->block(home.entry).first(home.bytes); }
+
+bool disk_ready(const unit_home& home) { return home.cache->ready(home.entry); }
 
 void disk_used(const unit_home& home, const stream_view* s, bool wrote) { home.cache->used(home.entry, s, wrote); }
 
@@ -45,6 +50,7 @@ const home_tier disk_home_tier{.name = "disk",
                                .stage_in = disk_stage_in,
                                .write_back = disk_write_back,
                                .host_block = disk_block,
+                               .ready = disk_ready,
                                .used = disk_used};
 
 }  // namespace taskswap::detail

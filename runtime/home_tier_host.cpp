@@ -29,6 +29,8 @@ void host_write_back(const unit_home& home, std::size_t offset, const_device_spa
 
 std::span<std::byte> host_block(const unit_home& home) { return {home.block, home.bytes}; }
 
+bool host_ready(const unit_home& /*home*/) { return true; }
+
 void host_used(const unit_home& /*home*/, const stream_view* /*s*/, bool /*wrote*/) {}  // the arena is the home
 
 }  // namespace
@@ -40,6 +42,7 @@ const home_tier host_home_tier{.name = "host",
                                .stage_in = host_stage_in,
                                .write_back = host_write_back,
                                .host_block = host_block,
+                               .ready = host_ready,
                                .used = host_used};
 
 }  // namespace taskswap::detail

@@ -21,7 +21,7 @@ void runtime::impl::plan(std::span<const step_plan> steps)
   }
   planned_steps_ += steps.size();
   start();
-  swap_->prefetch();
+  prefetch();
 }
 
 void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,

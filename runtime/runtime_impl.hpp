@@ -83,6 +83,8 @@ struct runtime::impl {
   void trainer_release(unit_id u, stream_view s);
   step_stats end_step();
   void flush();
+  /// The plan's next homes into the host cache (disk homes), then the next units onto the device.
+  void prefetch();
   void save_checkpoint(const std::filesystem::path& dir, const std::map<std::string, std::string>& user);
   checkpoint_manifest load_checkpoint(const std::filesystem::path& dir);
   runtime_stats stats();

@@ -116,7 +116,7 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
     ledger_.wait_timed(r.arrived, s, options_.measure_stall);
   }  // a finished swap-in needs no wait
   if (trace_) { r.trace_span = trace_->open(compute_track(s), r.name, s); }
-  swap_->prefetch();
+  prefetch();
 }
 
 void runtime::impl::trainer_grads_ready(unit_id u, stream_view s)
@@ -322,7 +322,7 @@ void runtime::impl::release(unit_record& r, stream_view s, phase_move m)
       swap_->evict(r);
     }
   }
-  swap_->prefetch();
+  prefetch();
 }
 
 std::size_t runtime::impl::held_bytes() const noexcept
@@ -355,8 +355,26 @@ step_stats runtime::impl::end_step()
   }
   plan_.end_step();
   const step_stats done = ledger_.close(pool_->stats().used);
-  swap_->prefetch();
+  prefetch();
   return done;
+}
+
+// Note [Two hops]: disk homes come into the host cache up to [storage] lookahead steps ahead, in
+// the order of their use, as far as the cache's conservative Belady rule allows (Note [Host
+// cache]); the device prefetch then takes a unit only once its home is there (unit_record::
+// home_ready), so neither hop makes the trainer thread wait for the drive.
+void runtime::impl::prefetch()
+{
+  if (homes_.cache) {
+    detail::host_cache& cache = *homes_.cache;
+    cache.pump();
+    plan_.for_each_upcoming(static_cast<std::size_t>(std::max(options_.storage.lookahead, 0)),
+                            [&](unit_id u, detail::planned_acquisition, std::size_t) {
+                              const unit_record& r = units_[u.value];
+                              return r.home.cache == nullptr || cache.prefetch(r.home.entry);
+                            });
+  }
+  swap_->prefetch();
 }
 
 void runtime::impl::flush()

@@ -37,6 +37,8 @@ runtime_stats runtime::impl::stats()
               .misses = c.misses,
               .evictions = c.evictions,
               .written_back = c.written_back,
+              .prefetches = c.prefetches,
+              .wait_ms = c.wait_seconds * 1e3,
               .read_bytes = c.bytes_read,
               .written_bytes = c.bytes_written};
   }

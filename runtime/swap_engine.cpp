@@ -258,6 +258,7 @@ void swap_engine::prefetch()
     if (r.policy.residency != residency::prefetch) { return true; }
     if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }
     if (r.held()) { return false; }  // its parameters are in use: it comes in whole at its acquire, first
+    if (!r.home_ready()) { return false; }  // a disk home still being read: the next prefetch comes back to it
     return swap_in(r, a.position, distance == 0 ? room_for::prefetch_this_step : room_for::prefetch_later, whole);
   });
 }

@@ -75,6 +75,8 @@ struct unit_record {
   [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
   /// Its home copy as host memory (for the CPU AdamW, checkpoints, replica checks, home()).
   [[nodiscard]] std::byte* home_block() const { return home.tier->host_block(home).data(); }
+  /// Whether stage_in() would start at once (a disk home already read into the host cache).
+  [[nodiscard]] bool home_ready() const { return home.tier->ready(home); }
   /// Work on `s` (nullptr: the host, done) used home_block(); `wrote`: it changed it. Said at once
   /// after taking home_block(), before another home is touched (Note [Home tiers]).
   void home_used(const stream_view* s, bool wrote) const { home.tier->used(home, s, wrote); }

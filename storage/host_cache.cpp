@@ -10,6 +10,7 @@
 #include <taskswap/error.hpp>
 
 #include <bit>
+#include <chrono>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -23,10 +24,13 @@ struct cache_entry {
   std::string unit;
   unit_files::file_index file = 0;
   std::size_t bytes = 0;  // the file's, a multiple of the files' alignment
-  std::optional<std::size_t> offset;  // in the cache's memory, while cached
+  std::optional<std::size_t> offset;  // in the cache's memory, while cached (or being read or evicted)
   bool dirty = false;
   bool fresh = true;  // never cached in this run: its home starts as zeros, as a host home does
   bool synced = true;  // false: written to its file since the last flush's sync
+  std::optional<unit_files::transfer> io;  // a read filling the block, or a write of it, in flight
+  bool io_write = false;
+  bool evicting = false;  // its block is freed once its write is done
   std::vector<std::pair<void*, event>> busy;  // per stream, after the work that uses the block
   std::uint64_t last_used = 0;
 };
@@ -57,24 +61,18 @@ struct host_cache::impl {
     for (auto& [stream, done] : c.busy) { done.synchronize(); }
     c.busy.clear();
   }
-
-  void write_back(cache_entry& c)
+  // Whether the work that uses the block is done (then nothing waits on it).
+  static bool idle(cache_entry& c)
   {
-    quiesce(c);
-    files.wait(files.write(c.file, 0, span_of(c)));
-    c.dirty = false;
-    c.synced = false;
-    ++stats.written_back;
-    stats.bytes_written += c.bytes;
+    for (auto& [stream, done] : c.busy) {
+      if (!done.query()) { return false; }
+    }
+    c.busy.clear();
+    return true;
   }
 
-  void evict(cache_entry& c)
+  void free_block(cache_entry& c)
   {
-    if (c.dirty) {
-      write_back(c);
-    } else {
-      quiesce(c);
-    }
     const bool freed = ranges.deallocate(*c.offset, c.bytes);
     TASKSWAP_EXPECTS(freed, message("host cache: the block of '", c.unit, "' was not live"));
     c.offset.reset();
@@ -82,21 +80,159 @@ struct host_cache::impl {
     ++stats.evictions;
   }
 
-  // The cached entry, other than `keep`, whose next use is furthest (then the least recently used).
-  cache_entry* victim(entry_id keep)
+  // Ends the entry's transfer in flight: waiting for it, or (`wait` false) only if it is done.
+  // False when it is still in flight. A read's failure frees the block; a write's leaves it dirty.
+  bool finish_io(cache_entry& c, bool wait)
+  {
+    if (!c.io) { return true; }
+    if (!wait && !files.done(*c.io)) { return false; }
+    const unit_files::transfer t = *c.io;
+    c.io.reset();
+    const auto started = std::chrono::steady_clock::now();
+    try {
+      files.wait(t);
+    } catch (...) {
+      if (c.io_write) {
+        c.evicting = false;  // the block stays, dirty: nothing is lost
+      } else {
+        free_block(c);
+        --stats.evictions;
+      }
+      throw;
+    }
+    if (wait) {
+      stats.wait_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    }
+    if (c.io_write) {
+      c.synced = false;
+      ++stats.written_back;
+      stats.bytes_written += c.bytes;
+      if (c.evicting) {
+        c.evicting = false;
+        free_block(c);
+      }
+    } else {
+      ++stats.misses;
+      stats.bytes_read += c.bytes;
+    }
+    return true;
+  }
+
+  void start_write(cache_entry& c)
+  {
+    c.dirty = false;  // a write after this one's start finds it dirty again
+    c.io_write = true;
+    c.io = files.write(c.file, 0, span_of(c));
+  }
+
+  // The cached entry without a transfer in flight, other than `keep`, whose next use is furthest
+  // (then the least recently used); for a prefetch (`before` set) only one used after `before`
+  // and not let go already.
+  cache_entry* victim(entry_id keep, std::optional<std::uint64_t> before)
   {
     cache_entry* best = nullptr;
     std::uint64_t best_next = 0;
     for (entry_id i = 0; i < entries.size(); ++i) {
       cache_entry& c = entries[i];
-      if (i == keep || !c.offset) { continue; }
+      if (i == keep || !c.offset || c.io) { continue; }
       const std::uint64_t next = next_use(i);
+      if (before && (next <= *before || c.evicting)) { continue; }
       if (best == nullptr || next > best_next || (next == best_next && c.last_used < best->last_used)) {
         best = &c;
         best_next = next;
       }
     }
     return best;
+  }
+
+  // An entry let go (evicting) moves on without waiting: once no stream uses its block, a dirty
+  // one's write starts, a clean one's block is freed (a write's end frees it in finish_io).
+  void advance(cache_entry& c)
+  {
+    if (!c.evicting || c.io || !idle(c)) { return; }
+    if (c.dirty) {
+      start_write(c);
+    } else {
+      c.evicting = false;
+      free_block(c);
+    }
+  }
+
+  [[nodiscard]] std::size_t evicting_bytes() const
+  {
+    std::size_t bytes = 0;
+    for (const cache_entry& c : entries) {
+      if (c.offset && c.evicting) { bytes += c.bytes; }
+    }
+    return bytes;
+  }
+
+  // A block for `e`. On demand (`before` empty) it waits for what it evicts. For a prefetch of a
+  // use at `before` it lets go of entries used later, one at a time and only while those let go
+  // already would not make the room, and waits for nothing: their blocks come free as the
+  // streams' work on them and their writes end (pump()); until then, nothing (empty).
+  std::optional<std::size_t> room(entry_id e, std::optional<std::uint64_t> before)
+  {
+    const cache_entry& c = entries[e];
+    for (;;) {
+      if (std::optional<std::size_t> at = ranges.allocate(c.bytes, alignment())) { return at; }
+      if (before) {
+        if (evicting_bytes() >= c.bytes) { return std::nullopt; }
+        cache_entry* v = victim(e, before);
+        if (v == nullptr) { return std::nullopt; }
+        v->evicting = true;
+        advance(*v);
+        if (v->offset) { return std::nullopt; }
+        continue;
+      }
+      cache_entry* v = victim(e, before);
+      if (v == nullptr) {
+        // Blocks whose writes are in flight free once done: wait for one.
+        cache_entry* writing = nullptr;
+        for (cache_entry& w : entries) {
+          if (w.io && w.evicting) { writing = &w; }
+        }
+        if (writing == nullptr) {
+          throw out_of_memory(message("the host cache (", bytes_text(memory.size()), ") cannot hold the home of '",
+                                      c.unit, "' (", bytes_text(c.bytes),
+                                      ") beside the homes being read; raise "
+                                      "[storage] host_cache"),
+                              c.bytes, memory.size() - ranges.used(), memory.size());
+        }
+        (void)finish_io(*writing, true);
+        continue;
+      }
+      quiesce(*v);
+      if (!v->dirty) {
+        v->evicting = false;
+        free_block(*v);
+        continue;
+      }
+      v->evicting = true;
+      start_write(*v);
+      (void)finish_io(*v, true);
+    }
+  }
+
+  // Places `e` at `at`: zeros on its first use in this run, else its file's bytes (read started).
+  void fill(cache_entry& c, std::size_t at)
+  {
+    c.offset = at;
+    stats.used_bytes += c.bytes;
+    if (c.fresh) {  // a file left by an earlier run is not this run's state (a checkpoint's would be)
+      std::memset(span_of(c).data(), 0, c.bytes);
+      c.fresh = false;
+      c.dirty = true;
+      return;
+    }
+    c.io_write = false;
+    try {
+      c.io = files.read(c.file, 0, span_of(c));
+    } catch (...) {
+      free_block(c);
+      --stats.evictions;
+      throw;
+    }
   }
 };
 
@@ -126,53 +262,74 @@ host_cache::entry_id host_cache::add(std::string_view unit, std::uint64_t identi
 
 void host_cache::next_use(std::function<std::uint64_t(entry_id)> when) { impl_->next_use = std::move(when); }
 
-std::span<std::byte> host_cache::block(entry_id e)
+std::span<std::byte> host_cache::block(entry_id e, bool overwrite)
 {
   impl& m = *impl_;
   TASKSWAP_EXPECTS(e < m.entries.size(), message("host cache entry ", e, " was not added"));
   cache_entry& c = m.entries[e];
   c.last_used = ++m.tick;
   if (c.offset) {
-    ++m.stats.hits;
-    return m.span_of(c);
-  }
-  std::optional<std::size_t> at = m.ranges.allocate(c.bytes, m.alignment());
-  while (!at) {
-    cache_entry* v = m.victim(e);
-    if (v == nullptr) {
-      throw out_of_memory(message("the host cache (", bytes_text(m.memory.size()), ") cannot hold the home of '",
-                                  c.unit, "' (", bytes_text(c.bytes), "); raise [storage] host_cache"),
-                          c.bytes, m.memory.size() - m.ranges.used(), m.memory.size());
+    c.evicting = false;  // wanted again: an eviction's write in flight keeps the block
+    if (c.io && !c.io_write) {
+      (void)m.finish_io(c, true);  // a prefetch's read: wait for it
+    } else {
+      ++m.stats.hits;  // (a write in flight only reads the block)
     }
-    m.evict(*v);
-    at = m.ranges.allocate(c.bytes, m.alignment());
-  }
-  c.offset = *at;
-  m.stats.used_bytes += c.bytes;
-  if (c.fresh) {  // a file left by an earlier run is not this run's state (a checkpoint's would be)
-    std::memset(m.span_of(c).data(), 0, c.bytes);
-    c.fresh = false;
-    c.dirty = true;
     return m.span_of(c);
   }
-  try {
-    m.files.wait(m.files.read(c.file, 0, m.span_of(c)));
-  } catch (...) {
-    (void)m.ranges.deallocate(*c.offset, c.bytes);
-    c.offset.reset();
-    m.stats.used_bytes -= c.bytes;
-    throw;
+  const std::size_t at = *m.room(e, std::nullopt);
+  if (overwrite) {  // the caller replaces the whole home: nothing to read
+    c.offset = at;
+    m.stats.used_bytes += c.bytes;
+    c.fresh = false;
+    return m.span_of(c);
   }
-  ++m.stats.misses;
-  m.stats.bytes_read += c.bytes;
+  m.fill(c, at);
+  (void)m.finish_io(c, true);
   return m.span_of(c);
+}
+
+bool host_cache::prefetch(entry_id e)
+{
+  impl& m = *impl_;
+  cache_entry& c = m.entries.at(e);
+  if (c.offset) {
+    c.evicting = false;  // wanted again: an eviction's write in flight keeps the block
+    return true;
+  }
+  const std::optional<std::size_t> at = m.room(e, m.next_use(e));
+  if (!at) { return false; }
+  m.fill(c, *at);
+  ++m.stats.prefetches;
+  return true;
+}
+
+bool host_cache::ready(entry_id e)
+{
+  impl& m = *impl_;
+  cache_entry& c = m.entries.at(e);
+  if (!c.offset) { return false; }
+  if (c.io && c.io_write) {
+    c.evicting = false;  // wanted: the block stays
+    return true;
+  }
+  return m.finish_io(c, false);
+}
+
+void host_cache::pump()
+{
+  for (cache_entry& c : impl_->entries) {
+    (void)impl_->finish_io(c, false);
+    impl_->advance(c);
+  }
 }
 
 void host_cache::used(entry_id e, const stream_view* s, bool wrote)
 {
   impl& m = *impl_;
   cache_entry& c = m.entries.at(e);
-  TASKSWAP_EXPECTS(c.offset, message("host cache: '", c.unit, "' is used while not cached"));
+  TASKSWAP_EXPECTS(c.offset && (!c.io || c.io_write), message("host cache: '", c.unit, "' is used while not cached"));
+  c.evicting = false;  // in use: it stays
   c.dirty = c.dirty || wrote;
   if (s == nullptr) { return; }
   for (auto& [stream, done] : c.busy) {
@@ -188,8 +345,13 @@ void host_cache::used(entry_id e, const stream_view* s, bool wrote)
 void host_cache::flush()
 {
   impl& m = *impl_;
+  for (cache_entry& c : m.entries) { (void)m.finish_io(c, true); }
   for (cache_entry& c : m.entries) {
-    if (c.offset && c.dirty) { m.write_back(c); }
+    if (c.offset && c.dirty) {
+      m.quiesce(c);
+      m.start_write(c);
+      (void)m.finish_io(c, true);
+    }
   }
   for (cache_entry& c : m.entries) {
     if (!c.synced) {

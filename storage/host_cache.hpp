@@ -13,10 +13,15 @@
 //   caller waits: back-pressure). The block stays valid until a later block() of another entry evicts it, so a
 //   caller that enqueues work on the block says so at once with used(): eviction waits for that
 //   work (events, one per stream), and a block written (wrote = true) is dirty.
+// - prefetch() starts the read of an entry the plan uses soon, so that block() finds it there;
+//   ready() says when the read is done (the device prefetch waits for it: a unit is in host
+//   memory before its device copy starts).
 // - Eviction takes the cached entry whose next use (the runtime's plan, next_use()) is furthest,
 //   the least recently used among equals: Belady's rule, as the device's. A dirty victim is
 //   written to its file before its memory is reused, so nothing is lost between the tiers
-//   (DESIGN.md invariant 9).
+//   (DESIGN.md invariant 9). For a prefetch the rule is conservative, as the device's: only
+//   entries used after the one fetched, whose blocks no stream uses, and a dirty victim's write
+//   only starts (pump() frees its block once it is done); on demand, block() waits for both.
 // - flush() writes every dirty block and syncs the files it wrote: the files are then the homes.
 // - One thread owns a host_cache, as the runtime's calls are.
 
@@ -39,6 +44,8 @@ struct host_cache_stats {
   std::uint64_t misses = 0;  // block() read the file first (not its first, zeroed, block)
   std::uint64_t evictions = 0;
   std::uint64_t written_back = 0;  // dirty blocks written to their files (evictions and flushes)
+  std::uint64_t prefetches = 0;  // reads started ahead of use by prefetch()
+  double wait_seconds = 0;  // the caller's waits for reads and writes (block(), flush())
   std::uint64_t bytes_read = 0;
   std::uint64_t bytes_written = 0;
   std::size_t used_bytes = 0;  // cached blocks now
@@ -63,11 +70,23 @@ class host_cache {
   /// The position of an entry's next use (never: none planned); the larger, the later.
   void next_use(std::function<std::uint64_t(entry_id)> when);
 
-  /// The entry's block, read from its file first when it is not cached. Valid until the next
+  /// The entry's block, read from its file first when it is not cached (unless the caller will
+  /// `overwrite` all of it: then its bytes are undefined until written). Valid until the next
   /// block() of another entry.
   /// @throws storage_error when a read or a victim's write fails
   /// @throws out_of_memory when the entry does not fit beside the blocks that are in use
-  [[nodiscard]] std::span<std::byte> block(entry_id e);
+  [[nodiscard]] std::span<std::byte> block(entry_id e, bool overwrite = false);
+  /// Starts bringing the entry into the cache ahead of its use (its next_use()), evicting only
+  /// entries used later whose blocks are idle; a dirty victim's write starts and its room comes
+  /// at a later call. Returns false where there is no such room now (a prefetch in order stops).
+  /// @throws storage_error when a read or write cannot be started
+  bool prefetch(entry_id e);
+  /// Whether the entry's block is cached and its read done (reaps completions, never waits).
+  /// @throws storage_error when its read failed
+  [[nodiscard]] bool ready(entry_id e);
+  /// Ends the transfers that are done: a read's block is ready, an eviction's write frees it.
+  /// @throws storage_error when one failed
+  void pump();
   /// Work enqueued on `s` (nullptr: done by the host already) uses the block; `wrote`: it changes it.
   void used(entry_id e, const stream_view* s, bool wrote);
   /// Writes every dirty block to its file and syncs the files written.

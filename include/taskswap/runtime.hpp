@@ -100,6 +100,7 @@ struct storage_options {
   std::size_t host_cache = 0;  ///< pinned host bytes caching disk homes; at least the largest disk-homed unit
   unsigned queue_depth = 8;  ///< reads and writes in flight at once
   std::size_t block = std::size_t{1} << 20;  ///< bytes per request, a multiple of 4 KiB
+  int lookahead = 4;  ///< steps ahead the plan's disk homes are read into the host cache
 };
 
 /// @brief Everything the TOML configuration holds (see load_config in config.hpp).
@@ -332,6 +333,8 @@ struct disk_stats {
   std::uint64_t misses = 0;  ///< read from its file first
   std::uint64_t evictions = 0;
   std::uint64_t written_back = 0;  ///< dirty blocks written to their files (evictions and flushes)
+  std::uint64_t prefetches = 0;  ///< reads started ahead of use, as the plan says
+  double wait_ms = 0;  ///< the trainer thread's waits for the drive (a read not done at use, a victim's write)
   std::uint64_t read_bytes = 0;
   std::uint64_t written_bytes = 0;
 };

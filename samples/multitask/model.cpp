@@ -184,6 +184,7 @@ int plan_margin(const model_config& m, const taskswap::runtime_options& options)
   for (const taskswap::unit_spec& u : model_units(m)) {
     const taskswap::unit_policy p = taskswap::policy_for(u, options);
     if (p.residency == taskswap::residency::prefetch) { lookahead = std::max(lookahead, p.lookahead); }
+    if (p.home == "disk") { lookahead = std::max(lookahead, options.storage.lookahead); }  // the disk hop's
   }
   return std::min(m.plan_window, lookahead + 1);
 }

@@ -107,8 +107,8 @@ struct run_result {
 };
 
 /// How many steps before the end of the planned window the trainer plans the next one: the
-/// largest prefetch lookahead of the units plus one (at most the window), so that prefetching
-/// never stops at a window's end. Every rank computes the same.
+/// largest prefetch lookahead of the units (and [storage] lookahead, with disk homes) plus one
+/// (at most the window), so that prefetching never stops at a window's end. Every rank computes the same.
 [[nodiscard]] int plan_margin(const model_config& m, const taskswap::runtime_options& options);
 
 /// Whether the trainer streams its trunk within each step: the trunk is not pinned, and there is no
