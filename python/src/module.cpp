@@ -36,6 +36,7 @@ struct exception_classes {
   PyObject* timeout_error = nullptr;
   PyObject* device_error = nullptr;
   PyObject* checkpoint_error = nullptr;
+  PyObject* storage_error = nullptr;
 };
 exception_classes classes;
 
@@ -69,6 +70,10 @@ void make_exceptions(nb::module_& m)
                                        "The device failed an operation (emulated faults included).");
   classes.checkpoint_error = new_exception(m, "CheckpointError", classes.error, nullptr,
                                            "A checkpoint cannot be written, read, or does not match the runtime.");
+  classes.storage_error =
+    new_exception(m, "StorageError", classes.error, PyExc_OSError,
+                  "A unit file of the disk home tier could not be opened, read, written or synced; the message names "
+                  "the file, the unit and the system's reason.");
 }
 
 void raise_out_of_memory(const out_of_memory& e)
@@ -102,6 +107,8 @@ void translate(const std::exception_ptr& p, void*)
     PyErr_SetString(classes.device_error, e.what());
   } catch (const checkpoint_error& e) {
     PyErr_SetString(classes.checkpoint_error, e.what());
+  } catch (const storage_error& e) {
+    PyErr_SetString(classes.storage_error, e.what());
   } catch (const error& e) {
     PyErr_SetString(classes.error, e.what());
   }
@@ -118,6 +125,7 @@ void raise_for_test(std::string_view kind, const std::string& what)
   if (kind == "timeout_error") { throw timeout_error(what); }
   if (kind == "device_error") { throw device_error(what); }
   if (kind == "checkpoint_error") { throw checkpoint_error(what); }
+  if (kind == "storage_error") { throw storage_error(what); }
   if (kind == "error") { throw error(what); }
   throw std::logic_error("unknown error kind " + std::string(kind));
 }
@@ -133,6 +141,7 @@ nb::dict error_kinds()
   d["timeout_error"] = nb::handle(classes.timeout_error);
   d["device_error"] = nb::handle(classes.device_error);
   d["checkpoint_error"] = nb::handle(classes.checkpoint_error);
+  d["storage_error"] = nb::handle(classes.storage_error);
   d["error"] = nb::handle(classes.error);
   return d;
 }

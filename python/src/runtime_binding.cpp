@@ -122,6 +122,17 @@ void bind_stats(nb::module_& m)
     .def_ro("write_backs", &unit_stats::write_backs)
     .def_ro("step", &unit_stats::step)
     .def_ro("policy", &unit_stats::policy);
+  nb::class_<disk_stats>(m, "DiskStats", "The disk home tier's host cache since the runtime began.")
+    .def_ro("host_cache_bytes", &disk_stats::host_cache_bytes)
+    .def_ro("cached_bytes", &disk_stats::cached_bytes)
+    .def_ro("hits", &disk_stats::hits)
+    .def_ro("misses", &disk_stats::misses)
+    .def_ro("evictions", &disk_stats::evictions)
+    .def_ro("written_back", &disk_stats::written_back)
+    .def_ro("prefetches", &disk_stats::prefetches)
+    .def_ro("wait_ms", &disk_stats::wait_ms)
+    .def_ro("read_bytes", &disk_stats::read_bytes)
+    .def_ro("written_bytes", &disk_stats::written_bytes);
   nb::class_<runtime_stats>(m, "RuntimeStats", "Cumulative figures, the recent steps, and each unit.")
     .def_ro("total", &runtime_stats::total)
     .def_ro("steps", &runtime_stats::steps)
@@ -132,7 +143,8 @@ void bind_stats(nb::module_& m)
     .def_ro("home_bytes", &runtime_stats::home_bytes)
     .def_ro("host_bytes_pinned", &runtime_stats::host_bytes_pinned)
     .def_ro("device_granule", &runtime_stats::device_granule)
-    .def_ro("device_rounding_bytes", &runtime_stats::device_rounding_bytes);
+    .def_ro("device_rounding_bytes", &runtime_stats::device_rounding_bytes)
+    .def_ro("disk", &runtime_stats::disk);
 }
 
 /// A plan step as Python gives it: (unit, kind) pairs in call order; kind 0 acquires for

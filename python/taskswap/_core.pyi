@@ -17,6 +17,7 @@ from taskswap import (
     Error as Error,
     InvalidArgument as InvalidArgument,
     OutOfMemory as OutOfMemory,
+    StorageError as StorageError,
     TimeoutError as TimeoutError
 )
 
@@ -685,6 +686,39 @@ class UnitStats:
     @property
     def policy(self) -> UnitPolicy: ...
 
+class DiskStats:
+    """The disk home tier's host cache since the runtime began."""
+
+    @property
+    def host_cache_bytes(self) -> int: ...
+
+    @property
+    def cached_bytes(self) -> int: ...
+
+    @property
+    def hits(self) -> int: ...
+
+    @property
+    def misses(self) -> int: ...
+
+    @property
+    def evictions(self) -> int: ...
+
+    @property
+    def written_back(self) -> int: ...
+
+    @property
+    def prefetches(self) -> int: ...
+
+    @property
+    def wait_ms(self) -> float: ...
+
+    @property
+    def read_bytes(self) -> int: ...
+
+    @property
+    def written_bytes(self) -> int: ...
+
 class RuntimeStats:
     """Cumulative figures, the recent steps, and each unit."""
 
@@ -717,6 +751,9 @@ class RuntimeStats:
 
     @property
     def device_rounding_bytes(self) -> int: ...
+
+    @property
+    def disk(self) -> DiskStats: ...
 
 class Runtime:
     """The taskswap runtime (see taskswap::runtime)."""

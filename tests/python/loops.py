@@ -45,7 +45,7 @@ def schedule(steps: int, tasks: int, rank: int = 0) -> list[int]:
 
 
 def config(budget: str, residency: str = "prefetch", average: str | None = None,
-           backend: str = "emulated", eps: float = EPS) -> taskswap.Options:
+           backend: str = "emulated", eps: float = EPS, extra: str = "") -> taskswap.Options:
     text = f"""
 [device]
 backend = "{backend}"
@@ -63,7 +63,7 @@ weight_decay = {WD}
 """
     if average:
         text += f'\n[comm]\naverage = "{average}"\n'
-    return taskswap.parse_config(text, "test")
+    return taskswap.parse_config(text + extra, "test")
 
 
 def no_decay(name: str, p) -> bool:

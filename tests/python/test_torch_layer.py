@@ -52,6 +52,23 @@ def test_swapped_equals_all_pinned_bitwise_and_torch():
     assert max_relative(a, model_state(model)) > 1e-2
 
 
+def test_disk_homes_train_bitwise_as_host_homes(tmp_path):
+    """The heads' homes in unit files behind a host cache smaller than them: a config change only."""
+    model = Model(TASKS)
+    sched = schedule(STEPS, TASKS)
+    host = train_taskswap(fresh(model), sched, config("12 KiB"))
+    disk_homes = (f'\n[storage]\npath = "{tmp_path}"\nhost_cache = "40 KiB"\n'
+                  '\n[[units]]\nmatch = "task/*"\nhome = "disk"\n')
+    disk = train_taskswap(fresh(model), sched, config("12 KiB", extra=disk_homes))
+    d = disk.stats().disk
+    assert d.host_cache_bytes == 40 << 10 and d.evictions > 0 and d.written_back > 0 and d.misses > 0
+    assert host.stats().disk.host_cache_bytes == 0
+    assert len(list(tmp_path.glob("task%2f*.unit"))) == TASKS
+    a, b = host.state_dict(), disk.state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_gradients_alias_the_slabs():
     model = Model(4)
     rt = tt.Runtime(options=config("64 KiB"))
@@ -195,8 +212,10 @@ def test_exceptions_map_to_python_types():
     assert issubclass(taskswap.ConfigError, ValueError) and issubclass(taskswap.InvalidArgument, ValueError)
     assert issubclass(taskswap.OutOfMemory, MemoryError) and issubclass(taskswap.TimeoutError, TimeoutError)
     for cls in (taskswap.ConfigError, taskswap.InvalidArgument, taskswap.OutOfMemory, taskswap.CudaError,
-                taskswap.CommError, taskswap.TimeoutError, taskswap.DeviceError, taskswap.CheckpointError):
+                taskswap.CommError, taskswap.TimeoutError, taskswap.DeviceError, taskswap.CheckpointError,
+                taskswap.StorageError):
         assert issubclass(cls, taskswap.Error) and issubclass(cls, RuntimeError)
+    assert issubclass(taskswap.StorageError, OSError)
     for kind, cls in taskswap._core._error_kinds().items():
         with pytest.raises(cls, match=f"raised as {kind}") as info:
             taskswap._core._raise(kind, f"raised as {kind}")
