@@ -53,7 +53,8 @@ void setup_homes(home_store& store, const device& dev, std::size_t bytes, const 
   store.arena.emplace(dev, o);
   if (!disk) { return; }
   store.files.emplace(
-    unit_file_options{.directory = storage.path, .queue_depth = storage.queue_depth, .block_bytes = storage.block});
+    unit_file_options{.directory = storage.path, .queue_depth = storage.queue_depth, .block_bytes = storage.block},
+    io_faults{.fail_request = storage.fail_request, .fail_errno = storage.fail_errno});
   const std::span<std::byte> cache = store.arena->allocate(cache_bytes, page);
   store.files->register_buffers(cache);
   store.cache.emplace(dev, cache, *store.files);

@@ -205,9 +205,10 @@ struct runtime::impl {
   [[nodiscard]] checkpoint_manifest describe(std::span<const detail::checkpoint_source> sources,
                                              const std::map<std::string, std::string>& user);
 
-  // Failures. After the device failed, a wait timed out or a collective failed, every later call
-  // throws that first error again, and the runtime writes nothing home any more: a unit on the
-  // device may hold work that never finished, or an update from gradients that never arrived.
+  // Failures. After the device failed, a wait timed out, a collective failed or a unit file could
+  // not be read or written, every later call throws that first error again, and the runtime
+  // writes nothing home any more: a unit on the device may hold work that never finished, or an
+  // update from gradients that never arrived; a disk home may be half read.
   template <typename Body>
   decltype(auto) guarded(Body&& body)
   {
@@ -224,6 +225,9 @@ struct runtime::impl {
       failed_ = std::current_exception();
       throw;
     } catch (const cuda_error&) {  // a sticky CUDA error surfaces as the first call's failure
+      failed_ = std::current_exception();
+      throw;
+    } catch (const storage_error&) {
       failed_ = std::current_exception();
       throw;
     }

@@ -101,6 +101,10 @@ struct storage_options {
   unsigned queue_depth = 8;  ///< reads and writes in flight at once
   std::size_t block = std::size_t{1} << 20;  ///< bytes per request, a multiple of 4 KiB
   int lookahead = 4;  ///< steps ahead the plan's disk homes are read into the host cache
+  /// Fault injection, for tests (as emulated_faults): the unit files' `fail_request`-th block
+  /// request (counted from 1; 0: none) fails with errno `fail_errno` (5: EIO; 28: ENOSPC).
+  std::uint64_t fail_request = 0;
+  int fail_errno = 5;
 };
 
 /// @brief Everything the TOML configuration holds (see load_config in config.hpp).

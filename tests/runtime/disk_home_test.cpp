@@ -183,6 +183,41 @@ TEST_F(disk_home_test, after_flush_each_unit_file_holds_its_home)
   }
 }
 
+TEST_F(disk_home_test, a_failed_read_or_write_is_one_storage_error_naming_the_file_and_the_unit)
+{
+  for (const int error : {5 /* EIO */, 28 /* ENOSPC */}) {
+    SCOPED_TRACE(error);
+    fs::remove_all(dir_);
+    const device dev = emulated_device({.memory_bytes = std::size_t{1} << 20U, .link = {}});
+    runtime_options o = options(dir_, 1024 * 1024);
+    o.storage.block = 16 * 1024;
+    o.storage.fail_request = 60;  // after the first homes are written and read back
+    o.storage.fail_errno = error;
+    runtime rt(dev, o, units());
+    stream s{dev};
+    std::string first;
+    try {
+      for (std::uint64_t step = 0; step < 40; ++step) {
+        const unit_id task = rt.find("task/" + std::to_string(step % 6));
+        rt.plan(std::vector<step_plan>{step_plan{task}});
+        (void)rt.acquire(task, s);
+        rt.step(task, s);
+        rt.release(task, s);
+        (void)rt.end_step();
+      }
+      rt.flush();
+      ADD_FAILURE() << "no storage error";
+    } catch (const storage_error& e) {
+      first = e.what();
+    }
+    EXPECT_NE(first.find(dir_.string()), std::string::npos) << first;
+    EXPECT_NE(first.find(".unit' (unit 'task/"), std::string::npos) << first;
+    EXPECT_NE(first.find(error == 5 ? "Input/output error" : "No space left on device"), std::string::npos) << first;
+    // The runtime is failed: every later call says the same, and nothing more is written home.
+    expect_error_mentioning<storage_error>([&] { rt.flush(); }, first);
+  }
+}
+
 TEST_F(disk_home_test, what_is_missing_or_not_supported_yet_says_so)
 {
   const device dev = emulated_device({.memory_bytes = std::size_t{1} << 20U, .link = {}});
