@@ -115,6 +115,8 @@ unit_state runtime::state(unit_id u) const { return detail::state_of(impl_->reco
 
 home_view runtime::home(unit_id u)
 {
+  // Not guarded: after a failure the home copies stay readable. A disk home's failed read leaves
+  // it absent from the cache, and a victim's failed write leaves that block dirty: nothing is lost.
   detail::unit_record& r = impl_->record(u);
   const detail::unit_layout& l = r.layout;
   home_view v;

@@ -94,6 +94,7 @@ struct host_cache::impl {
     } catch (...) {
       if (c.io_write) {
         c.evicting = false;  // the block stays, dirty: nothing is lost
+        c.dirty = true;
       } else {
         free_block(c);
         --stats.evictions;
@@ -112,7 +113,6 @@ struct host_cache::impl {
         free_block(c);
       }
     } else {
-      ++stats.misses;
       stats.bytes_read += c.bytes;
     }
     return true;
@@ -120,9 +120,9 @@ struct host_cache::impl {
 
   void start_write(cache_entry& c)
   {
-    c.dirty = false;  // a write after this one's start finds it dirty again
+    c.io = files.write(c.file, 0, span_of(c));  // may throw: the block stays dirty
     c.io_write = true;
-    c.io = files.write(c.file, 0, span_of(c));
+    c.dirty = false;  // a write into the block after this one's start makes it dirty again
   }
 
   // The cached entry without a transfer in flight, other than `keep`, whose next use is furthest
@@ -134,7 +134,7 @@ struct host_cache::impl {
     std::uint64_t best_next = 0;
     for (entry_id i = 0; i < entries.size(); ++i) {
       cache_entry& c = entries[i];
-      if (i == keep || !c.offset || c.io) { continue; }
+      if (i == keep || !c.offset || (c.io && !finish_io(c, false)) || !c.offset) { continue; }
       const std::uint64_t next = next_use(i);
       if (before && (next <= *before || c.evicting)) { continue; }
       if (best == nullptr || next > best_next || (next == best_next && c.last_used < best->last_used)) {
@@ -179,7 +179,7 @@ struct host_cache::impl {
       if (before) {
         if (evicting_bytes() >= c.bytes) { return std::nullopt; }
         cache_entry* v = victim(e, before);
-        if (v == nullptr) { return std::nullopt; }
+        if (v == nullptr) { return ranges.allocate(c.bytes, alignment()); }  // victim() may have freed blocks
         v->evicting = true;
         advance(*v);
         if (v->offset) { return std::nullopt; }
@@ -187,19 +187,22 @@ struct host_cache::impl {
       }
       cache_entry* v = victim(e, before);
       if (v == nullptr) {
-        // Blocks whose writes are in flight free once done: wait for one.
-        cache_entry* writing = nullptr;
-        for (cache_entry& w : entries) {
-          if (w.io && w.evicting) { writing = &w; }
+        // victim() may have freed blocks whose eviction writes were done.
+        if (std::optional<std::size_t> at = ranges.allocate(c.bytes, alignment())) { return at; }
+        // Every other block has a transfer in flight: wait for one (a write may free its block, a
+        // read's block may then be let go), then look again.
+        cache_entry* busy_io = nullptr;
+        for (entry_id i = 0; i < entries.size(); ++i) {
+          if (i != e && entries[i].io) { busy_io = &entries[i]; }
         }
-        if (writing == nullptr) {
+        if (busy_io == nullptr) {
           throw out_of_memory(message("the host cache (", bytes_text(memory.size()), ") cannot hold the home of '",
                                       c.unit, "' (", bytes_text(c.bytes),
-                                      ") beside the homes being read; raise "
+                                      ") beside the homes in use; raise "
                                       "[storage] host_cache"),
                               c.bytes, memory.size() - ranges.used(), memory.size());
         }
-        (void)finish_io(*writing, true);
+        (void)finish_io(*busy_io, true);
         continue;
       }
       quiesce(*v);
@@ -270,14 +273,17 @@ std::span<std::byte> host_cache::block(entry_id e, bool overwrite)
   c.last_used = ++m.tick;
   if (c.offset) {
     c.evicting = false;  // wanted again: an eviction's write in flight keeps the block
-    if (c.io && !c.io_write) {
-      (void)m.finish_io(c, true);  // a prefetch's read: wait for it
+    if (c.io && !c.io_write && !m.files.done(*c.io)) {
+      ++m.stats.misses;  // a prefetch's read not done yet: wait for it
+      (void)m.finish_io(c, true);
     } else {
       ++m.stats.hits;  // (a write in flight only reads the block)
+      if (c.io && !c.io_write) { (void)m.finish_io(c, false); }
     }
     return m.span_of(c);
   }
   const std::size_t at = *m.room(e, std::nullopt);
+  ++m.stats.misses;
   if (overwrite) {  // the caller replaces the whole home: nothing to read
     c.offset = at;
     m.stats.used_bytes += c.bytes;

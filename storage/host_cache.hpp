@@ -41,7 +41,7 @@ namespace taskswap::detail {
 
 struct host_cache_stats {
   std::uint64_t hits = 0;
-  std::uint64_t misses = 0;  // block() read the file first (not its first, zeroed, block)
+  std::uint64_t misses = 0;  // block() found the entry absent, or its prefetch's read not done
   std::uint64_t evictions = 0;
   std::uint64_t written_back = 0;  // dirty blocks written to their files (evictions and flushes)
   std::uint64_t prefetches = 0;  // reads started ahead of use by prefetch()

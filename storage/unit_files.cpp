@@ -170,15 +170,18 @@ struct unit_files::impl {
       queued = true;
     }
     if (!queued) { return; }
-    int r = 0;
-    do {
-      r = io_uring_submit(&ring);
-    } while (r == -EINTR);
-    if (r < 0) {
-      ring_failure = message("storage: io_uring_submit failed: ", errno_text(-r), " (", in_flight(),
-                             " requests in flight, queue depth ", options.queue_depth,
-                             "); the unit files keep what was written before; the last checkpoint still resumes");
-      check_ring();
+    // The kernel may take fewer than were queued (it stops at a request it cannot start): what it
+    // left is submitted again, so that every place marked in flight is.
+    for (;;) {
+      const int r = io_uring_submit(&ring);
+      if (r == -EINTR) { continue; }
+      if (r < 0 || (r == 0 && io_uring_sq_ready(&ring) != 0)) {
+        ring_failure = message("storage: io_uring_submit failed: ", errno_text(r < 0 ? -r : EAGAIN), " (", in_flight(),
+                               " requests in flight, queue depth ", options.queue_depth,
+                               "); the unit files keep what was written before; the last checkpoint still resumes");
+        check_ring();
+      }
+      if (io_uring_sq_ready(&ring) == 0) { return; }
     }
   }
 
@@ -203,6 +206,11 @@ struct unit_files::impl {
     }
     const auto got = static_cast<std::size_t>(res);
     (b.write ? stats.bytes_written : stats.bytes_read) += got;
+    if (got != b.bytes && got % alignment() != 0) {  // the rest could not go as direct I/O
+      fail(b, message("the drive moved ", got, " of the bytes, not a multiple of ", alignment(),
+                      ", so the rest cannot be sent again with O_DIRECT"));
+      return;
+    }
     if (got == b.bytes) {
       finish_block(b.transfer);
       return;
@@ -313,7 +321,8 @@ unit_files::~unit_files()
 {
   impl& m = *impl_;
   m.waiting.clear();
-  while (m.in_flight() != 0) {
+  // After a ring failure requests the kernel never took would be waited for in vain.
+  while (m.ring_failure.empty() && m.in_flight() != 0) {
     io_uring_cqe* cqe = nullptr;
     if (io_uring_wait_cqe(&m.ring, &cqe) == -EINTR) { continue; }
     if (cqe == nullptr) { break; }  // the ring failed: nothing more will complete
@@ -416,6 +425,7 @@ unit_files::transfer unit_files::write(file_index f, std::size_t offset, std::sp
 bool unit_files::done(transfer t)
 {
   impl& m = *impl_;
+  m.check_ring();
   transfer_state& s = m.state(t);
   if (s.blocks_left != 0) { m.reap(false); }
   return s.blocks_left == 0;
@@ -424,6 +434,7 @@ bool unit_files::done(transfer t)
 void unit_files::wait(transfer t)
 {
   impl& m = *impl_;
+  m.check_ring();
   transfer_state& s = m.state(t);
   while (s.blocks_left != 0) { m.reap(true); }
   const std::string error = std::move(s.error);

@@ -334,7 +334,7 @@ struct disk_stats {
   std::size_t host_cache_bytes = 0;  ///< the cache's capacity ([storage] host_cache)
   std::size_t cached_bytes = 0;  ///< disk homes in the cache now
   std::uint64_t hits = 0;  ///< a disk home wanted while cached
-  std::uint64_t misses = 0;  ///< read from its file first
+  std::uint64_t misses = 0;  ///< a disk home wanted while absent from the cache, or its read not done
   std::uint64_t evictions = 0;
   std::uint64_t written_back = 0;  ///< dirty blocks written to their files (evictions and flushes)
   std::uint64_t prefetches = 0;  ///< reads started ahead of use, as the plan says

@@ -146,12 +146,12 @@ int train(int argc, char** argv)
                 r.step_ms(), r.total.swap_ins, r.total.write_backs, mib(r.total.h2d_bytes).c_str(),
                 mib(r.total.d2h_bytes).c_str(), r.total.stall_ms, mib(r.total.reduced_bytes).c_str());
     if (r.disk.host_cache_bytes != 0) {
-      std::printf("  disk homes: %llu reads (%s, %llu started ahead), %llu writes (%s) through a %s host cache (%llu "
-                  "hits); waited for the drive %.1f ms\n",
-                  static_cast<unsigned long long>(r.disk.misses), mib(r.disk.read_bytes).c_str(),
-                  static_cast<unsigned long long>(r.disk.prefetches),
+      std::printf("  disk homes: %s read (%llu reads started ahead), %llu writes (%s) through a %s host cache (%llu "
+                  "hits, %llu misses); waited for the drive %.1f ms\n",
+                  mib(r.disk.read_bytes).c_str(), static_cast<unsigned long long>(r.disk.prefetches),
                   static_cast<unsigned long long>(r.disk.written_back), mib(r.disk.written_bytes).c_str(),
-                  mib(r.disk.host_cache_bytes).c_str(), static_cast<unsigned long long>(r.disk.hits), r.disk.wait_ms);
+                  mib(r.disk.host_cache_bytes).c_str(), static_cast<unsigned long long>(r.disk.hits),
+                  static_cast<unsigned long long>(r.disk.misses), r.disk.wait_ms);
     }
     if (r.scaler) {
       std::printf("  guarded steps: loss scale %g, %lld of %lld steps skipped (a gradient not finite), last global "

@@ -4,6 +4,7 @@
 // files hold the homes after flush(); and what is not supported yet, or misconfigured, says so.
 
 #include "expect_error.hpp"
+#include "runtime/training_loop.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -89,38 +90,12 @@ struct model {
     rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(0)}, step_plan{trunk, task_of(1)}});
     for (std::uint64_t step = 0; step < steps; ++step) {
       rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(step + 2)}});
-      for (const unit_id u : {trunk, task_of(step)}) {
-        const unit_view v = rt.acquire(u, s);
-        auto* g = static_cast<float*>(v.grads.data);
-        const std::size_t n = v.grads.count;
-        launch_host_func(s, [g, n, step, u] {
-          for (std::size_t k = 0; k < n; ++k) {
-            g[k] = 0.001F * static_cast<float>((k + step * 31 + u.value * 17) % 53) - 0.026F;
-          }
-        });
-        rt.grads_ready(u, s);
-        rt.step(u, s);
-        rt.release(u, s);
-      }
-      (void)rt.end_step();
+      train_step(rt, s, {trunk, task_of(step)}, step);
     }
   }
 
   // Every unit's home slabs and step, as bytes.
-  std::string state()
-  {
-    rt.flush();
-    std::string out;
-    for (std::size_t i = 0; i < rt.unit_count(); ++i) {
-      const home_view h = rt.home({static_cast<std::uint32_t>(i)});
-      for (const slab_view& v : {h.params, h.master, h.m, h.v}) {
-        out.append(static_cast<const char*>(v.data), v.bytes());
-      }
-      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-      out.append(reinterpret_cast<const char*>(&h.step), sizeof h.step);
-    }
-    return out;
-  }
+  std::string state() { return home_state(rt); }
 };
 
 class disk_home_test : public ::testing::Test {
