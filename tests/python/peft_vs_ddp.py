@@ -14,6 +14,7 @@ usage: mpirun -np N python3 peft_vs_ddp.py PORT
 
 from __future__ import annotations
 
+import gc
 import sys
 from pathlib import Path
 
@@ -68,6 +69,10 @@ def main() -> int:
         print(f"gradient bytes per step: taskswap {ts_bytes / STEPS:.0f}, DDP {ddp_bytes[0] / STEPS:.0f} "
               f"({ddp_bytes[0] / max(ts_bytes, 1):.1f}x)")
     ok = loss_diff < 1e-5 and worst < 1e-4 and replicas_equal and moved > 0 and 0 < ts_bytes < ddp_bytes[0]
+    # DDP's reducer and its hooks form reference cycles that keep the Gloo group alive into the
+    # interpreter's exit, where its worker thread may drop a tensor after Python finalised and
+    # abort the process ("terminate called without an active exception"): free them first.
+    gc.collect()
     dist.barrier()
     dist.destroy_process_group()
     if not ok:
