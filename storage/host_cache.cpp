@@ -71,13 +71,14 @@ struct host_cache::impl {
     return true;
   }
 
-  void free_block(cache_entry& c)
+  // Gives the block back: an eviction, or (`evicted` false) a block whose read failed.
+  void free_block(cache_entry& c, bool evicted = true)
   {
     const bool freed = ranges.deallocate(*c.offset, c.bytes);
     TASKSWAP_EXPECTS(freed, message("host cache: the block of '", c.unit, "' was not live"));
     c.offset.reset();
     stats.used_bytes -= c.bytes;
-    ++stats.evictions;
+    if (evicted) { ++stats.evictions; }
   }
 
   // Ends the entry's transfer in flight: waiting for it, or (`wait` false) only if it is done.
@@ -96,8 +97,7 @@ struct host_cache::impl {
         c.evicting = false;  // the block stays, dirty: nothing is lost
         c.dirty = true;
       } else {
-        free_block(c);
-        --stats.evictions;
+        free_block(c, false);
       }
       throw;
     }
@@ -217,11 +217,16 @@ struct host_cache::impl {
     }
   }
 
-  // Places `e` at `at`: zeros on its first use in this run, else its file's bytes (read started).
-  void fill(cache_entry& c, std::size_t at)
+  // Places `e` at `at`: zeros on its first use in this run, nothing when the caller will
+  // `overwrite` all of it, else its file's bytes (read started).
+  void fill(cache_entry& c, std::size_t at, bool overwrite = false)
   {
     c.offset = at;
     stats.used_bytes += c.bytes;
+    if (overwrite) {
+      c.fresh = false;
+      return;
+    }
     if (c.fresh) {  // a file left by an earlier run is not this run's state (a checkpoint's would be)
       std::memset(span_of(c).data(), 0, c.bytes);
       c.fresh = false;
@@ -232,8 +237,7 @@ struct host_cache::impl {
     try {
       c.io = files.read(c.file, 0, span_of(c));
     } catch (...) {
-      free_block(c);
-      --stats.evictions;
+      free_block(c, false);
       throw;
     }
   }
@@ -284,13 +288,7 @@ std::span<std::byte> host_cache::block(entry_id e, bool overwrite)
   }
   const std::size_t at = *m.room(e, std::nullopt);
   ++m.stats.misses;
-  if (overwrite) {  // the caller replaces the whole home: nothing to read
-    c.offset = at;
-    m.stats.used_bytes += c.bytes;
-    c.fresh = false;
-    return m.span_of(c);
-  }
-  m.fill(c, at);
+  m.fill(c, at, overwrite);
   (void)m.finish_io(c, true);
   return m.span_of(c);
 }
