@@ -12,6 +12,8 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>  // NOLINT(modernize-deprecated-headers): renameat2
+#include <linux/fs.h>  // FICLONE
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -28,6 +30,7 @@
 #include <fstream>
 #include <optional>
 #include <sstream>
+#include <tuple>
 
 namespace taskswap {
 namespace {
@@ -37,6 +40,7 @@ using detail::message;
 constexpr std::string_view format_name = "taskswap-checkpoint";
 constexpr std::string_view manifest_file = "manifest.toml";
 constexpr std::string_view data_file = "data.bin";
+constexpr std::string_view units_dir = "units";  // the disk homes' unit files
 constexpr std::size_t io_chunk = std::size_t{8} << 20U;
 constexpr std::uintmax_t max_manifest_bytes = std::uintmax_t{256} << 20U;  // 2 MiB per 10,000 units: room to spare
 
@@ -227,14 +231,23 @@ checkpoint_unit read_unit(const toml::node& node, std::string_view source, std::
   }
   u.m = read_slab(r, "m");
   u.v = read_slab(r, "v");
+  if (const toml::node* file = r.maybe("file")) {
+    u.file = r.string("file");
+    // A name inside units/, never a path: a manifest cannot point a load elsewhere.
+    if (u.file.empty() || u.file == "." || u.file == ".." || u.file.find('/') != std::string::npos ||
+        u.file.find('\0') != std::string::npos) {
+      r.fail(file, " file: give the name of a file in units/ (no '/')");
+    }
+  }
   r.reject_unknown();
   return u;
 }
 
-// Every slab inside data.bin, none overlapping another.
+// Every slab of data.bin inside it; no slab overlapping another in the same file.
 void check_slabs(const checkpoint_manifest& m, std::string_view source)
 {
   struct extent {
+    std::string_view file;  // empty: data.bin
     std::uint64_t offset;
     std::uint64_t end;
     std::string what;
@@ -242,20 +255,21 @@ void check_slabs(const checkpoint_manifest& m, std::string_view source)
   std::vector<extent> all;
   for (const checkpoint_unit& u : m.units) {
     const auto add = [&](const checkpoint_slab& s, std::string_view what) {
-      if (s.offset + s.bytes > m.data_bytes) {
+      if (u.file.empty() && s.offset + s.bytes > m.data_bytes) {
         throw checkpoint_error(message(source, ": unit '", u.name, "' slab ", what, " (", s.bytes, " bytes at ",
                                        s.offset, ") reaches beyond data.bin's ", m.data_bytes, " bytes"));
       }
-      all.push_back({s.offset, s.offset + s.bytes, message("unit '", u.name, "' slab ", what)});
+      all.push_back({u.file, s.offset, s.offset + s.bytes, message("unit '", u.name, "' slab ", what)});
     };
     add(u.params, "params");
     if (u.master) { add(*u.master, "master"); }
     add(u.m, "m");
     add(u.v, "v");
   }
-  std::sort(all.begin(), all.end(), [](const extent& a, const extent& b) { return a.offset < b.offset; });
+  std::sort(all.begin(), all.end(),
+            [](const extent& a, const extent& b) { return std::tie(a.file, a.offset) < std::tie(b.file, b.offset); });
   for (std::size_t i = 1; i < all.size(); ++i) {
-    if (all[i].offset < all[i - 1].end) {
+    if (all[i].file == all[i - 1].file && all[i].offset < all[i - 1].end) {
       throw checkpoint_error(message(source, ": ", all[i].what, " overlaps ", all[i - 1].what));
     }
   }
@@ -302,6 +316,19 @@ class fd_file {
       offset += static_cast<std::uint64_t>(n);
     }
   }
+  /// Writes all of `data` at `offset`.
+  void write_at(std::span<const std::byte> data, std::uint64_t offset)
+  {
+    while (!data.empty()) {
+      const ssize_t n = ::pwrite(fd_, data.data(), std::min(data.size(), io_chunk), static_cast<off_t>(offset));
+      if (n < 0 && errno == EINTR) { continue; }
+      if (n <= 0) {
+        throw checkpoint_error(message("writing '", path_.string(), "' at ", offset, " failed: ", system_reason()));
+      }
+      data = data.subspan(static_cast<std::size_t>(n));
+      offset += static_cast<std::uint64_t>(n);
+    }
+  }
   void sync()
   {
     if (::fsync(fd_) != 0) {
@@ -316,6 +343,8 @@ class fd_file {
     }
     return static_cast<std::uint64_t>(st.st_size);
   }
+  [[nodiscard]] int fd() const noexcept { return fd_; }
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
 
  private:
   std::filesystem::path path_;
@@ -350,6 +379,20 @@ void for_each_slab(const checkpoint_unit& u, Fn&& fn)
   fn(u.v, "v");
 }
 
+// The file holding a unit's slabs in the checkpoint `dir`.
+std::filesystem::path slab_file(const std::filesystem::path& dir, const checkpoint_unit& u)
+{
+  return u.file.empty() ? dir / data_file : dir / units_dir / u.file;
+}
+
+// The largest end of a unit's slabs: its file is at least that long.
+std::uint64_t slabs_end(const checkpoint_unit& u)
+{
+  std::uint64_t end = 0;
+  for_each_slab(u, [&](const checkpoint_slab& s, std::string_view) { end = std::max(end, s.offset + s.bytes); });
+  return end;
+}
+
 }  // namespace
 
 checkpoint_manifest parse_checkpoint_manifest(std::string_view text, std::string_view source)
@@ -365,9 +408,9 @@ checkpoint_manifest parse_checkpoint_manifest(std::string_view text, std::string
     r.fail(root.get("format"), message(" format: not \"", format_name, "\"; this is not a taskswap checkpoint"));
   }
   const std::int64_t version = r.integer("version", 1, 1'000'000);
-  if (version != checkpoint_manifest::format_version) {
-    r.fail(root.get("version"),
-           message(" version ", version, ": this taskswap reads version ", checkpoint_manifest::format_version));
+  if (version > checkpoint_manifest::format_version) {
+    r.fail(root.get("version"), message(" version ", version, ": this taskswap reads versions 1 to ",
+                                        checkpoint_manifest::format_version, "; load it with a newer taskswap"));
   }
   checkpoint_manifest m;
   m.taskswap_version = r.string("taskswap");
@@ -451,12 +494,26 @@ void detail::verify_data(const std::filesystem::path& dir, const checkpoint_mani
   }
   std::vector<std::byte> buffer;
   for (const checkpoint_unit& u : m.units) {
+    std::optional<fd_file> own;  // the unit's file in units/
+    if (!u.file.empty()) {
+      std::error_code ec;
+      if (!std::filesystem::exists(slab_file(dir, u), ec)) {
+        throw checkpoint_error(message("checkpoint '", dir.string(), "': unit '", u.name, "' has no file ", units_dir,
+                                       "/", u.file, ": it is incomplete; use another checkpoint"));
+      }
+      own.emplace(slab_file(dir, u), O_RDONLY);
+      if (own->size() < slabs_end(u)) {
+        throw checkpoint_error(message("checkpoint '", dir.string(), "': ", units_dir, "/", u.file, " has ",
+                                       own->size(), " bytes but unit '", u.name, "' needs ", slabs_end(u),
+                                       ": it is incomplete or was changed; use another checkpoint"));
+      }
+    }
     for_each_slab(u, [&](const checkpoint_slab& s, std::string_view what) {
-      const std::uint32_t crc = slab_crc(f, s, buffer);
+      const std::uint32_t crc = slab_crc(own ? *own : f, s, buffer);
       if (crc != s.crc32c) {
         throw checkpoint_error(message("checkpoint '", dir.string(), "': unit '", u.name, "' slab ", what, " (",
-                                       s.bytes, " bytes at ", s.offset, ") has CRC-32C ", hex(crc),
-                                       " but the manifest says ", hex(s.crc32c),
+                                       s.bytes, " bytes at ", s.offset, " in ", slab_file(dir, u).filename().string(),
+                                       ") has CRC-32C ", hex(crc), " but the manifest says ", hex(s.crc32c),
                                        ": the checkpoint is corrupted; use another one"));
       }
     });
@@ -469,23 +526,32 @@ checkpoint_manifest describe_checkpoint(std::span<const checkpoint_source> units
 {
   checkpoint_manifest m;
   m.taskswap_version = build_features().version;
-  std::uint64_t at = 0;
-  const auto slab = [&](std::span<const std::byte> s) {
-    checkpoint_slab c{.offset = at, .bytes = s.size(), .crc32c = crc32c(s)};
-    at += s.size();
-    return c;
-  };
+  std::uint64_t at = 0;  // in data.bin
+  std::vector<std::byte> buffer;
   for (const checkpoint_source& u : units) {
+    std::optional<fd_file> file;  // a disk home: its slabs keep their places in its file
+    if (!u.file.empty()) { file.emplace(u.file, O_RDONLY); }
+    const auto slab = [&](const home_range& r) {
+      if (file) {
+        checkpoint_slab c{.offset = r.offset, .bytes = r.bytes};
+        c.crc32c = slab_crc(*file, c, buffer);
+        return c;
+      }
+      const checkpoint_slab c{.offset = at, .bytes = r.bytes, .crc32c = crc32c(u.home.subspan(r.offset, r.bytes))};
+      at += r.bytes;
+      return c;
+    };
     checkpoint_unit c;
     c.name = u.name;
     c.compute = u.compute;
     for (const tensor_info& t : u.tensors) { c.tensors.emplace_back(t.name, t.shape); }
     c.step = u.step;
     c.params = slab(u.params);
-    if (!u.master.empty()) { c.master = slab(u.master); }
+    if (u.master.bytes != 0) { c.master = slab(u.master); }
     c.m = slab(u.m);
     c.v = slab(u.v);
     c.trainable = u.trainable;
+    if (file) { c.file = u.file.filename().string(); }
     m.units.push_back(std::move(c));
   }
   m.data_bytes = at;
@@ -516,12 +582,15 @@ std::string manifest_text(const checkpoint_manifest& m)
                   {"v", slab(u.v)}};
     if (u.master) { t.insert("master", slab(*u.master)); }
     if (!u.trainable) { t.insert("trainable", false); }  // absent: trainable (as before units could be frozen)
+    if (!u.file.empty()) { t.insert("file", u.file); }
     units.push_back(std::move(t));
   }
   toml::table user;
   for (const auto& [k, v] : m.user) { user.insert(k, v); }
+  const bool own_files =
+    std::any_of(m.units.begin(), m.units.end(), [](const checkpoint_unit& u) { return !u.file.empty(); });
   toml::table root{{"format", std::string(format_name)},
-                   {"version", checkpoint_manifest::format_version},
+                   {"version", own_files ? checkpoint_manifest::format_version : std::int64_t{1}},
                    {"taskswap", m.taskswap_version},
                    {"steps_done", static_cast<std::int64_t>(m.steps_done)},
                    {"world", static_cast<std::int64_t>(m.world)},
@@ -539,12 +608,46 @@ std::string manifest_text(const checkpoint_manifest& m)
                 toml::table{{"scale", hex_float(m.scaler->scale)}, {"growth_tracker", m.scaler->growth_tracker}});
   }
   std::ostringstream out;
-  out << "# taskswap checkpoint manifest: slab offsets and sizes are bytes in data.bin; crc32c is CRC-32C.\n"
+  out << "# taskswap checkpoint manifest: slab offsets and sizes are bytes in data.bin, or in units/<file> for a\n"
+      << "# unit with a file; crc32c is CRC-32C.\n"
       << root << "\n";
   return out.str();
 }
 
 namespace {
+
+// Copies the file `from` to the new file `to` and flushes it: a clone where the file system shares
+// extents (XFS, btrfs: no space until one of them changes), else a copy inside the kernel, else
+// through a buffer.
+void copy_unit_file(const std::filesystem::path& from, const std::filesystem::path& to)
+{
+  fd_file src(from, O_RDONLY);
+  fd_file dst(to, O_WRONLY | O_CREAT | O_EXCL);
+  if (::ioctl(dst.fd(), FICLONE, src.fd()) != 0) {
+    const std::uint64_t size = src.size();
+    std::uint64_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::copy_file_range(src.fd(), nullptr, dst.fd(), nullptr, size - done, 0);
+      if (n < 0 && errno == EINTR) { continue; }
+      if (n < 0 && done == 0 && (errno == EXDEV || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP)) {
+        break;  // not between these files: through a buffer below
+      }
+      if (n <= 0) {
+        throw checkpoint_error(message("copying '", from.string(), "' to '", to.string(),
+                                       "' failed: ", n == 0 ? "it ended early" : system_reason()));
+      }
+      done += static_cast<std::uint64_t>(n);
+    }
+    std::vector<std::byte> buffer;
+    for (; done < size;) {
+      buffer.resize(static_cast<std::size_t>(std::min<std::uint64_t>(io_chunk, size - done)));
+      src.read_at(buffer, done);
+      dst.write_at(buffer, done);
+      done += buffer.size();
+    }
+  }
+  dst.sync();
+}
 
 // Whether `dir` holds a taskswap checkpoint's manifest (whatever the state of its data).
 bool holds_a_checkpoint(const std::filesystem::path& dir)
@@ -613,13 +716,22 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
     {
       fd_file data(tmp / data_file, O_WRONLY | O_CREAT | O_EXCL);
       for (const checkpoint_source& u : units) {
-        data.write_all(u.params);
-        if (!u.master.empty()) { data.write_all(u.master); }
-        data.write_all(u.m);
-        data.write_all(u.v);
+        if (!u.file.empty()) { continue; }
+        for (const home_range& r : {u.params, u.master, u.m, u.v}) {
+          data.write_all(u.home.subspan(r.offset, r.bytes));
+        }
       }
       data.sync();
     }
+    const fs::path own = tmp / units_dir;  // the disk homes' unit files
+    for (const checkpoint_source& u : units) {
+      if (u.file.empty()) { continue; }
+      if (!fs::exists(own, ec) && ::mkdir(own.c_str(), 0755) != 0) {
+        throw checkpoint_error(message("cannot create '", own.string(), "': ", system_reason()));
+      }
+      copy_unit_file(u.file, own / u.file.filename());
+    }
+    if (fs::exists(own, ec)) { sync_directory(own); }
     {
       const std::string text = manifest_text(manifest);
       fd_file f(tmp / manifest_file, O_WRONLY | O_CREAT | O_EXCL);
@@ -712,10 +824,10 @@ std::vector<std::size_t> match_units(const std::filesystem::path& dir, const che
                                        " in this runtime"));
       }
     }
-    const auto sizes_match = [&](const checkpoint_slab& s, std::span<const std::byte> mine, std::string_view what) {
-      if (s.bytes != mine.size()) {
+    const auto sizes_match = [&](const checkpoint_slab& s, const home_range& mine, std::string_view what) {
+      if (s.bytes != mine.bytes) {
         throw checkpoint_error(message(where, ": unit '", u.name, "' slab ", what, " has ", s.bytes,
-                                       " bytes in the checkpoint but ", mine.size(), " in this runtime"));
+                                       " bytes in the checkpoint but ", mine.bytes, " in this runtime"));
       }
     };
     sizes_match(c.params, u.params, "params");
@@ -738,13 +850,33 @@ std::vector<std::size_t> match_units(const std::filesystem::path& dir, const che
 void read_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
                      std::span<const checkpoint_source> units, std::span<const std::size_t> where)
 {
-  fd_file f(dir / data_file, O_RDONLY);
+  fd_file data(dir / data_file, O_RDONLY);
+  std::vector<std::byte> buffer;
   for (std::size_t i = 0; i < units.size(); ++i) {
     const checkpoint_unit& c = manifest.units[where[i]];
     const checkpoint_source& u = units[i];
-    const auto read = [&](const checkpoint_slab& s, std::span<std::byte> into, std::string_view what) {
-      f.read_at(into, s.offset);
-      if (crc32c(into) != s.crc32c) {
+    std::optional<fd_file> own;  // the unit's file in the checkpoint's units/
+    if (!c.file.empty()) { own.emplace(slab_file(dir, c), O_RDONLY); }
+    fd_file& from = own ? *own : data;
+    std::optional<fd_file> to;  // a disk home: its unit file, written in place
+    if (!u.file.empty()) { to.emplace(u.file, O_WRONLY); }
+    const auto read = [&](const checkpoint_slab& s, const home_range& into, std::string_view what) {
+      std::uint32_t crc = 0;
+      for (std::uint64_t done = 0; done < s.bytes;) {
+        const std::size_t n = static_cast<std::size_t>(std::min<std::uint64_t>(io_chunk, s.bytes - done));
+        std::span<std::byte> chunk;
+        if (to) {
+          buffer.resize(n);
+          chunk = buffer;
+        } else {
+          chunk = u.home.subspan(into.offset + done, n);
+        }
+        from.read_at(chunk, s.offset + done);
+        crc = crc32c(chunk, crc);
+        if (to) { to->write_at(chunk, into.offset + done); }
+        done += n;
+      }
+      if (crc != s.crc32c) {
         throw checkpoint_error(message("checkpoint '", dir.string(), "': unit '", u.name, "' slab ", what,
                                        " changed while it was being loaded; the runtime's home copies are partly "
                                        "overwritten: load a checkpoint again before training"));
@@ -754,6 +886,7 @@ void read_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest
     if (c.master) { read(*c.master, u.master, "master"); }
     read(c.m, u.m, "m");
     read(c.v, u.v, "v");
+    if (to) { to->sync(); }
   }
 }
 

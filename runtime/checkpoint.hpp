@@ -16,33 +16,46 @@
 
 namespace taskswap::detail {
 
-/// A unit's home slabs, as the runtime holds them.
+/// Where a slab lies in a unit's home block (and in its unit file, laid out as the block).
+struct home_range {
+  std::size_t offset = 0;
+  std::size_t bytes = 0;  // 0: the unit has no such slab
+};
+
+/// A unit's home slabs, as the runtime holds them: in host memory (`home`) or, for a disk home,
+/// in its unit file (`file`, flushed: its bytes are the home's).
 struct checkpoint_source {
   std::string name;
   dtype compute = dtype::f32;
   std::span<const tensor_info> tensors;
   std::int64_t step = 0;
-  std::span<std::byte> params;
-  std::span<std::byte> master;  // empty when the compute dtype is f32 (the params are the master)
-  std::span<std::byte> m;
-  std::span<std::byte> v;
   bool trainable = true;  // false: never trained; master, m and v are empty
+  std::span<std::byte> home;  // a host home's block
+  std::filesystem::path file;  // a disk home's unit file (then `home` is empty)
+  home_range params;
+  home_range master;  // empty when the compute dtype is f32 (the params are the master)
+  home_range m;
+  home_range v;
 };
 
-/// The manifest of `units` laid out in data.bin in order, with every slab's checksum.
+/// The manifest of `units`: host homes laid out in data.bin in order, disk homes each in a file
+/// of its own in units/ (the unit file's name and layout), with every slab's checksum (a disk
+/// home's read from its file).
+/// @throws checkpoint_error when a unit file cannot be read
 [[nodiscard]] checkpoint_manifest describe_checkpoint(std::span<const checkpoint_source> units);
 
 /// The manifest's text.
 [[nodiscard]] std::string manifest_text(const checkpoint_manifest& m);
 
-/// Writes data.bin and manifest.toml into a temporary directory beside `dir`, flushes both and
-/// the directory, then renames it to `dir` (exchanging it with an existing checkpoint there,
+/// Writes data.bin, the copies of the disk homes' unit files in units/ (clones where the file
+/// system shares extents) and manifest.toml into a temporary directory beside `dir`, flushes them
+/// and the directories, then renames it to `dir` (exchanging it with an existing checkpoint there,
 /// which is then removed). On any failure `dir` is as it was and the temporary directory is gone.
 /// @throws checkpoint_error naming the path and the system's reason
 void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
                       std::span<const checkpoint_source> units);
 
-/// Checks data.bin against `manifest` (its size and every slab's checksum).
+/// Checks data.bin and the units' files against `manifest` (their sizes and every slab's checksum).
 /// @throws checkpoint_error naming the first unit and slab that does not match
 void verify_data(const std::filesystem::path& dir, const checkpoint_manifest& manifest);
 
@@ -53,8 +66,10 @@ void verify_data(const std::filesystem::path& dir, const checkpoint_manifest& ma
                                                    const checkpoint_manifest& manifest,
                                                    std::span<const checkpoint_source> units);
 
-/// Reads every slab into `units` (manifest index `where[i]` into units[i]), checking each
-/// checksum again as it reads. Call after verify_checkpoint and match_units.
+/// Reads every slab into `units` (manifest index `where[i]` into units[i]): into a host home's
+/// block, or written into a disk home's unit file (then synced), checking each checksum again as
+/// it reads. Call after verify_checkpoint and match_units, with no transfer of those unit files in
+/// flight (host_cache::discard).
 /// @throws checkpoint_error if data.bin changed since it was verified
 void read_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
                      std::span<const checkpoint_source> units, std::span<const std::size_t> where);

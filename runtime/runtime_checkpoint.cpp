@@ -12,13 +12,6 @@ using detail::message;
 
 std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
 {
-  // A disk home's block is valid only until the cache loads another unit, and these sources hold
-  // every unit's at once (issue 33: checkpoints that name the unit files instead).
-  if (homes_.cache) {
-    throw config_error(
-      "checkpoints of a run with home = \"disk\" units are not supported yet (the unit files would have to be "
-      "copied through host memory); flush() makes the unit files in [storage] path current");
-  }
   std::vector<detail::checkpoint_source> out;
   for (unit_record& r : units_) {
     const detail::unit_layout& l = r.layout;
@@ -28,12 +21,16 @@ std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
     c.compute = l.compute;
     c.tensors = l.tensors;
     c.step = r.step;
-    std::byte* home = r.home_block();
-    c.params = {home + l.params, l.params_bytes};
-    if (l.compute != dtype::f32 && !l.frozen) { c.master = {home + l.master, f32_bytes}; }
     c.trainable = !l.frozen;
-    c.m = {home + l.m, f32_bytes};
-    c.v = {home + l.v, f32_bytes};
+    if (r.home.cache != nullptr) {
+      c.file = r.home.cache->file(r.home.entry);  // a disk home: its file, current after flush()
+    } else {
+      c.home = r.home.tier->host_block(r.home);
+    }
+    c.params = {l.params, l.params_bytes};
+    if (l.compute != dtype::f32 && !l.frozen) { c.master = {l.master, f32_bytes}; }
+    c.m = {l.m, f32_bytes};
+    c.v = {l.v, f32_bytes};
     out.push_back(std::move(c));
   }
   return out;
@@ -158,6 +155,9 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
   }
   agree(failure, "checks; nothing was loaded");
   try {
+    for (const unit_record& r : units_) {  // disk homes: their files are written below, not their blocks
+      if (r.home.cache != nullptr) { r.home.cache->discard(r.home.entry); }
+    }
     detail::read_checkpoint(dir, manifest, sources, where);
   } catch (const std::exception& e) {
     // The home copies are partly overwritten: nothing may train on them.

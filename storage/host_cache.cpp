@@ -358,11 +358,29 @@ void host_cache::flush()
     }
   }
   for (cache_entry& c : m.entries) {
+    if (c.fresh) {  // never used in this run: its home is zeros, whatever an earlier run left
+      m.files.zero(c.file);
+      c.fresh = false;
+      c.synced = false;
+    }
     if (!c.synced) {
       m.files.sync(c.file);
       c.synced = true;
     }
   }
+}
+
+void host_cache::discard(entry_id e)
+{
+  impl& m = *impl_;
+  cache_entry& c = m.entries.at(e);
+  c.evicting = false;
+  (void)m.finish_io(c, true);  // a failed read frees the block; a failed write leaves it, dropped below
+  m.quiesce(c);
+  if (c.offset) { m.free_block(c, false); }
+  c.dirty = false;
+  c.fresh = false;
+  c.synced = true;  // the caller syncs what it writes
 }
 
 const std::filesystem::path& host_cache::file(entry_id e) const { return impl_->files.path(impl_->entries.at(e).file); }

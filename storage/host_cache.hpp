@@ -22,7 +22,10 @@
 //   (DESIGN.md invariant 9). For a prefetch the rule is conservative, as the device's: only
 //   entries used after the one fetched, whose blocks no stream uses, and a dirty victim's write
 //   only starts (pump() frees its block once it is done); on demand, block() waits for both.
-// - flush() writes every dirty block and syncs the files it wrote: the files are then the homes.
+// - flush() writes every dirty block, zeroes the files of entries never used in this run, and
+//   syncs the files it wrote: the files are then the homes (a checkpoint copies them).
+// - discard() forgets an entry's block before the caller replaces its file (a checkpoint's load);
+//   the entry's next block() reads the new file.
 // - One thread owns a host_cache, as the runtime's calls are.
 
 #include "storage/unit_files.hpp"
@@ -89,9 +92,15 @@ class host_cache {
   void pump();
   /// Work enqueued on `s` (nullptr: done by the host already) uses the block; `wrote`: it changes it.
   void used(entry_id e, const stream_view* s, bool wrote);
-  /// Writes every dirty block to its file and syncs the files written.
+  /// Writes every dirty block to its file, zeroes the files of entries this run never used (their
+  /// homes are zeros), and syncs the files written: the files are then the homes.
   /// @throws storage_error
   void flush();
+  /// The caller is about to write the entry's file itself (a checkpoint's load): waits for the
+  /// entry's transfer and the work on its block, then drops the block unwritten; the next block()
+  /// reads the file.
+  /// @throws storage_error when the transfer in flight failed
+  void discard(entry_id e);
 
   [[nodiscard]] const std::filesystem::path& file(entry_id e) const;
   [[nodiscard]] std::size_t capacity() const noexcept;

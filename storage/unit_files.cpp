@@ -41,6 +41,23 @@ struct unit_file {
   bool existed = false;
 };
 
+// Reserves the file's first `bytes` (zeros where it had none); 0 or the errno.
+int reserve(int fd, std::size_t bytes)
+{
+  int e = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
+  if (e == EOPNOTSUPP || e == EINVAL) { e = ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 ? 0 : errno; }
+  return e;
+}
+
+std::string no_space_text(const unit_file& f, int e)
+{
+  struct statvfs fs {};
+  const std::size_t free_bytes = ::fstatvfs(f.fd, &fs) == 0 ? std::size_t{fs.f_bavail} * fs.f_frsize : 0;
+  return message("unit '", f.unit, "' needs ", bytes_text(f.bytes), " for its file '", f.path.string(),
+                 "': ", errno_text(e), "; the drive has ", bytes_text(free_bytes),
+                 " free: free space or set [storage] path to a larger drive");
+}
+
 // One request to the ring: a block of a transfer, or the rest of one that came back short.
 struct block {
   std::uint64_t transfer = 0;
@@ -367,18 +384,12 @@ unit_files::file_index unit_files::open(std::string_view unit, std::uint64_t ide
   f.bytes = round_up(bytes, m.alignment());
   struct stat st {};
   int e = ::fstat(f.fd, &st) == 0 ? 0 : errno;
-  if (e == 0 && static_cast<std::size_t>(st.st_size) < f.bytes) {
-    e = ::posix_fallocate(f.fd, 0, static_cast<off_t>(f.bytes));
-    if (e == EOPNOTSUPP || e == EINVAL) { e = ::ftruncate(f.fd, static_cast<off_t>(f.bytes)) == 0 ? 0 : errno; }
-  }
+  if (e == 0 && static_cast<std::size_t>(st.st_size) < f.bytes) { e = reserve(f.fd, f.bytes); }
   if (e != 0) {
-    struct statvfs fs {};
-    const std::size_t free_bytes = ::fstatvfs(f.fd, &fs) == 0 ? std::size_t{fs.f_bavail} * fs.f_frsize : 0;
+    const std::string why = no_space_text(f, e);
     ::close(f.fd);
     if (!f.existed) { ::unlink(f.path.c_str()); }
-    throw storage_error(message("unit '", unit, "' needs ", bytes_text(f.bytes), " for its file '", f.path.string(),
-                                "': ", errno_text(e), "; the drive has ", bytes_text(free_bytes),
-                                " free: free space or set [storage] path to a larger drive"));
+    throw storage_error(why);
   }
   m.files.push_back(std::move(f));
   return static_cast<file_index>(m.files.size() - 1);
@@ -440,6 +451,14 @@ void unit_files::wait(transfer t)
   const std::string error = std::move(s.error);
   m.transfers.erase(t.id);
   if (!error.empty()) { throw storage_error(error); }
+}
+
+void unit_files::zero(file_index f)
+{
+  const unit_file& file = impl_->files.at(f);
+  int e = ::ftruncate(file.fd, 0) == 0 ? 0 : errno;
+  if (e == 0) { e = reserve(file.fd, file.bytes); }
+  if (e != 0) { throw storage_error(no_space_text(file, e)); }
 }
 
 void unit_files::sync(file_index f)

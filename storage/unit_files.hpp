@@ -103,6 +103,10 @@ class unit_files {
   /// Blocks until the transfer is over; forgets it.
   /// @throws storage_error when it failed
   void wait(transfer t);
+  /// Makes the file all zeros (its space dropped and reserved again, as a new file's). No transfer
+  /// of the file may be in flight.
+  /// @throws storage_error when the space cannot be reserved again
+  void zero(file_index f);
   /// Makes the file's written bytes durable (fsync).
   /// @throws storage_error when the sync fails or the file was deleted under the run
   void sync(file_index f);

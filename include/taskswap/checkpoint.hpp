@@ -4,9 +4,11 @@
 /// @file
 /// @brief Checkpoints: what runtime::save_checkpoint writes and runtime::load_checkpoint reads.
 ///
-/// A checkpoint is a directory holding `data.bin` (every unit's home slabs: params, the f32 master
-/// where the compute dtype is not f32, m, v) and `manifest.toml` (the units, their tensors, dtypes
-/// and AdamW step counts; each slab's offset, size and CRC-32C; the plan position; the optimizer
+/// A checkpoint is a directory holding `data.bin` (the home slabs of every unit whose home is in
+/// host memory: params, the f32 master where the compute dtype is not f32, m, v), `units/` (a copy
+/// of the unit file of every unit whose home is on disk, `[[units]] home = "disk"`: a clone where
+/// the file system shares extents) and `manifest.toml` (the units, their tensors, dtypes and AdamW
+/// step counts; each slab's file, offset, size and CRC-32C; the plan position; the optimizer
 /// settings; the trainer's own entries). It is written into a temporary directory, flushed to the
 /// disk, and renamed into place, so a directory named as the checkpoint is either the complete
 /// old one or the complete new one; a partial one is refused at load.
@@ -25,7 +27,7 @@
 
 namespace taskswap {
 
-/// @brief Where a slab lies in data.bin, and its checksum.
+/// @brief Where a slab lies in its unit's file (data.bin, or the unit's file in units/), and its checksum.
 struct checkpoint_slab {
   std::uint64_t offset = 0;
   std::uint64_t bytes = 0;
@@ -43,6 +45,7 @@ struct checkpoint_unit {
   checkpoint_slab m;
   checkpoint_slab v;
   bool trainable = true;  ///< false: a unit never trained (unit_spec::trainable), whose m and v are empty
+  std::string file;  ///< empty: its slabs are in data.bin; else the name of its file in units/ (a disk home's copy)
 };
 
 /// @brief The loss scaler's state in a checkpoint (GradScaler.state_dict's scale and tracker).
@@ -53,11 +56,13 @@ struct checkpoint_scaler {
 
 /// @brief The manifest of a checkpoint.
 struct checkpoint_manifest {
-  static constexpr std::int64_t format_version = 1;
+  /// The newest version this reads. Version 2 added units' own files (`file`); a checkpoint
+  /// without them is written as version 1, which older taskswap reads.
+  static constexpr std::int64_t format_version = 2;
   std::string taskswap_version;
   std::uint64_t steps_done = 0;  ///< steps ended when it was saved: where the plan resumes
   int world = 1;  ///< ranks training together when it was saved
-  std::uint64_t data_bytes = 0;  ///< the size of data.bin
+  std::uint64_t data_bytes = 0;  ///< the size of data.bin (the units without a file of their own)
   adamw_options optimizer{};  ///< the settings then (restored exactly: stored as hex floats)
   std::map<std::string, std::string> user;  ///< the trainer's entries
   std::vector<checkpoint_unit> units;
@@ -76,7 +81,8 @@ struct checkpoint_manifest {
 /// @throws checkpoint_error when it is missing (an incomplete checkpoint) or invalid
 [[nodiscard]] checkpoint_manifest read_checkpoint_manifest(const std::filesystem::path& dir);
 
-/// @brief Checks `dir` completely: the manifest, the size of data.bin, every slab's checksum.
+/// @brief Checks `dir` completely: the manifest, the sizes of data.bin and the units' files, every
+/// slab's checksum.
 /// @param dir the checkpoint directory
 /// @throws checkpoint_error naming the first unit and slab that does not match
 void verify_checkpoint(const std::filesystem::path& dir);

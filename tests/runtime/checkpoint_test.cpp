@@ -307,8 +307,17 @@ TEST(checkpoint_manifest, the_reader_refuses_what_is_not_a_manifest_with_the_lin
     return t.replace(at, from.size(), to);
   };
   expect_error_mentioning<checkpoint_error>(
-    [&] { (void)parse_checkpoint_manifest(replaced("version = 1", "version = 2"), "m.toml"); },
-    "this taskswap reads version 1");
+    [&] { (void)parse_checkpoint_manifest(replaced("version = 1", "version = 3"), "m.toml"); },
+    "this taskswap reads versions 1 to 2");
+  // Host homes only: version 1, which taskswap before unit files reads too.
+  EXPECT_NO_THROW((void)parse_checkpoint_manifest(replaced("version = 1", "version = 2"), "m.toml"));
+  for (const std::string_view file : {"'../data.bin'", "'/etc/passwd'", "''", "'..'"}) {
+    expect_error_mentioning<checkpoint_error>(
+      [&] {
+        (void)parse_checkpoint_manifest(replaced("step = ", "file = " + std::string(file) + "\nstep = "), "m.toml");
+      },
+      "file: give the name of a file in units/");
+  }
   expect_error_mentioning<checkpoint_error>(
     [&] { (void)parse_checkpoint_manifest(replaced("world = 1", "world = 1\nwrold = 2"), "m.toml"); },
     "has an unknown key 'wrold'");

@@ -1,7 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The disk home tier: units whose homes are unit files behind a host cache train bitwise as
 // with host homes, through a cache too small for them, under both optimizer placements; the
-// files hold the homes after flush(); and what is not supported yet, or misconfigured, says so.
+// files hold the homes after flush(); checkpoints copy the files and resume bitwise, in either
+// tier; a damaged checkpoint is refused before anything is overwritten; and what is
+// misconfigured says so.
 
 #include "expect_error.hpp"
 #include "runtime/training_loop.hpp"
@@ -69,8 +71,10 @@ struct model {
   device dev = emulated_device({.memory_bytes = std::size_t{1} << 20U, .link = {}});
   stream s{dev};
   runtime rt;
-  model(const fs::path& storage, std::size_t host_cache) : rt(dev, options(storage, host_cache), units())
+  model(const fs::path& storage, std::size_t host_cache, bool initialise = true)
+      : rt(dev, options(storage, host_cache), units())
   {
+    if (!initialise) { return; }
     for (std::size_t i = 0; i < rt.unit_count(); ++i) {
       const home_view h = rt.home({static_cast<std::uint32_t>(i)});
       auto* m = static_cast<float*>(h.master.data);
@@ -80,15 +84,15 @@ struct model {
     }
   }
 
-  // Steps [0, steps): the trunk and a task drawn from the step, planned two steps ahead.
-  void train(std::uint64_t steps)
+  // Steps [from, to): the trunk and a task drawn from the step, planned two steps ahead.
+  void train(std::uint64_t to, std::uint64_t from = 0)
   {
     const auto task_of = [&](std::uint64_t step) {
       return rt.find("task/" + std::to_string((step * 5 + step / 3) % 6));
     };
     const unit_id trunk = rt.find("trunk");
-    rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(0)}, step_plan{trunk, task_of(1)}});
-    for (std::uint64_t step = 0; step < steps; ++step) {
+    rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(from)}, step_plan{trunk, task_of(from + 1)}});
+    for (std::uint64_t step = from; step < to; ++step) {
       rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(step + 2)}});
       train_step(rt, s, {trunk, task_of(step)}, step);
     }
@@ -204,10 +208,111 @@ TEST_F(disk_home_test, what_is_missing_or_not_supported_yet_says_so)
   expect_error_mentioning<config_error>([&] { runtime rt(dev, no_cache, units()); }, "host_cache is missing");
   expect_error_mentioning<config_error>([&] { runtime rt(dev, options(dir_, 64 * 1024), units()); },
                                         "raise host_cache to at least the largest disk-homed unit");
-  model disk(dir_, 1 << 20);
-  disk.train(2);
-  expect_error_mentioning<config_error>([&] { disk.rt.save_checkpoint(dir_ / "ckpt"); },
-                                        "checkpoints of a run with home = \"disk\" units are not supported yet");
+}
+
+// The bytes of a file.
+std::string file_bytes(const fs::path& file)
+{
+  std::string bytes(fs::file_size(file), '\0');
+  std::ifstream(file, std::ios::binary).read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  return bytes;
+}
+
+TEST_F(disk_home_test, a_checkpoint_copies_the_unit_files_and_resumes_bitwise_in_either_tier)
+{
+  const fs::path ck = dir_ / "ck";
+  const fs::path ck_host = dir_ / "ck-host";
+  fs::create_directories(dir_);
+  std::string expected;
+  {
+    model host({}, 0);
+    host.train(20);
+    host.rt.save_checkpoint(ck_host);
+    host.train(40, 20);
+    expected = host.state();
+  }
+  {
+    model disk(dir_ / "a", 1 << 20);
+    disk.train(20);
+    disk.rt.save_checkpoint(ck);
+    disk.train(40, 20);
+    EXPECT_EQ(disk.state(), expected);
+  }
+  // The disk homes are copies of their unit files in units/; only the trunk is in data.bin.
+  const checkpoint_manifest m = read_checkpoint_manifest(ck);
+  std::size_t own_files = 0;
+  for (const checkpoint_unit& u : m.units) {
+    EXPECT_EQ(u.file.empty(), u.name == "trunk") << u.name;
+    if (!u.file.empty()) {
+      ++own_files;
+      EXPECT_TRUE(fs::exists(ck / "units" / u.file)) << u.file;
+      EXPECT_EQ(fs::file_size(ck / "units" / u.file), fs::file_size(dir_ / "a" / u.file)) << u.file;
+    }
+  }
+  EXPECT_EQ(own_files, 6U);
+  EXPECT_EQ(fs::file_size(ck / "data.bin"), m.data_bytes);
+  EXPECT_NO_THROW(verify_checkpoint(ck));
+  // Resumed with disk homes: in a new directory; in the old one, whose files are 20 steps later
+  // and whose blocks the initial values were just written into; with host homes; and from the
+  // host run's checkpoint.
+  for (const auto& [storage, from] : {std::pair{dir_ / "b", ck}, std::pair{dir_ / "a", ck}, std::pair{fs::path{}, ck},
+                                      std::pair{dir_ / "c", ck_host}}) {
+    model resumed(storage, 1 << 20);
+    EXPECT_EQ(resumed.rt.load_checkpoint(from).steps_done, 20U);
+    resumed.train(40, 20);
+    EXPECT_EQ(resumed.state(), expected) << storage << " from " << from;
+  }
+}
+
+TEST_F(disk_home_test, a_damaged_checkpoint_is_refused_before_any_unit_file_is_written)
+{
+  const fs::path ck = dir_ / "ck";
+  fs::create_directories(dir_);
+  model disk(dir_ / "a", 1 << 20);
+  disk.train(10);
+  disk.rt.save_checkpoint(ck);
+  const std::string saved = disk.state();
+  const checkpoint_manifest m = read_checkpoint_manifest(ck);
+  const fs::path victim = ck / "units" / m.units.back().file;
+  const std::string original = file_bytes(victim);
+  {
+    std::string bytes = original;
+    bytes[m.units.back().m.offset + 3] ^= 0x40;
+    std::ofstream(victim, std::ios::binary | std::ios::trunc)
+      .write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  }
+  expect_error_mentioning<checkpoint_error>([&] { verify_checkpoint(ck); }, "slab m");
+  {
+    // Refused at the checks: the runtime's homes (and files) are its initial values still.
+    model target(dir_ / "c", 1 << 20);
+    expect_error_mentioning<checkpoint_error>([&] { (void)target.rt.load_checkpoint(ck); }, "has CRC-32C");
+    EXPECT_EQ(target.state(), model(dir_ / "d", 1 << 20).state());
+  }
+  fs::remove(victim);
+  expect_error_mentioning<checkpoint_error>([&] { (void)model(dir_ / "c", 1 << 20).rt.load_checkpoint(ck); },
+                                            "has no file units/" + m.units.back().file);
+  std::ofstream(victim, std::ios::binary).write(original.data(), static_cast<std::streamsize>(original.size()));
+  model resumed(dir_ / "c", 1 << 20);
+  (void)resumed.rt.load_checkpoint(ck);
+  EXPECT_EQ(resumed.state(), saved);
+}
+
+TEST_F(disk_home_test, a_run_that_never_uses_a_unit_flushes_its_file_as_zeros)
+{
+  {
+    model disk(dir_, 1 << 20);
+    disk.train(6);
+    disk.rt.flush();
+  }
+  model untouched(dir_, 1 << 20, false);  // the files hold the last run's homes
+  untouched.rt.flush();
+  std::size_t files = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir_)) {
+    const std::string bytes = file_bytes(e.path());
+    EXPECT_EQ(bytes.find_first_not_of('\0'), std::string::npos) << e.path();
+    ++files;
+  }
+  EXPECT_EQ(files, 6U);
 }
 
 }  // namespace

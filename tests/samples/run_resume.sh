@@ -7,6 +7,7 @@
 set -euo pipefail
 source "$(dirname "$0")/launch.sh" "$@"
 set -- "${rest[@]}"
+cd "$work"  # a configuration's relative paths ([storage] path) land in the test's own folder
 trainer=$1 config=$2 steps=$3 stop=$4
 "${launch[@]}" "$trainer" "$config" --steps "$steps" --save-params "$work/uninterrupted.bin" | tail -n 1
 "${launch[@]}" "$trainer" "$config" --steps "$steps" --stop-after "$stop" --checkpoint "$work/ck" \
