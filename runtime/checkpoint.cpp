@@ -178,7 +178,7 @@ checkpoint_slab read_slab(reader& parent, std::string_view key)
   return s;
 }
 
-checkpoint_unit read_unit(const toml::node& node, std::string_view source, std::size_t index)
+checkpoint_unit read_unit(const toml::node& node, std::string_view source, std::size_t index, std::int64_t version)
 {
   const toml::table* t = node.as_table();
   if (t == nullptr) {
@@ -232,6 +232,7 @@ checkpoint_unit read_unit(const toml::node& node, std::string_view source, std::
   u.m = read_slab(r, "m");
   u.v = read_slab(r, "v");
   if (const toml::node* file = r.maybe("file")) {
+    if (version < 2) { r.fail(file, " file: version 1 checkpoints have no unit files; this one is damaged"); }
     u.file = r.string("file");
     // A name inside units/, never a path: a manifest cannot point a load elsewhere.
     if (u.file.empty() || u.file == "." || u.file == ".." || u.file.find('/') != std::string::npos ||
@@ -292,6 +293,8 @@ class fd_file {
   }
   fd_file(const fd_file&) = delete;
   fd_file& operator=(const fd_file&) = delete;
+  fd_file(fd_file&& o) noexcept : path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)) {}
+  fd_file& operator=(fd_file&&) = delete;
 
   void write_all(std::span<const std::byte> data)
   {
@@ -343,6 +346,13 @@ class fd_file {
     }
     return static_cast<std::uint64_t>(st.st_size);
   }
+  [[nodiscard]] bool regular() const
+  {
+    struct stat st {};
+    return ::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode);
+  }
+  /// Drops the file's pages from the page cache (read once, or written and synced).
+  void forget() const { (void)::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED); }
   [[nodiscard]] int fd() const noexcept { return fd_; }
   [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
 
@@ -383,6 +393,24 @@ void for_each_slab(const checkpoint_unit& u, Fn&& fn)
 std::filesystem::path slab_file(const std::filesystem::path& dir, const checkpoint_unit& u)
 {
   return u.file.empty() ? dir / data_file : dir / units_dir / u.file;
+}
+
+// Opens a unit's file in a checkpoint for reading: a regular file, never through a link (a
+// damaged manifest or directory cannot make a load read elsewhere, or block on a pipe).
+fd_file open_checkpoint_file(const std::filesystem::path& dir, const checkpoint_unit& u)
+{
+  const std::filesystem::path path = slab_file(dir, u);
+  std::error_code ec;
+  if (std::filesystem::is_symlink(dir / units_dir, ec) || std::filesystem::is_symlink(path, ec)) {
+    throw checkpoint_error(message("checkpoint '", dir.string(), "': ", path.string(),
+                                   " is a symbolic link; a checkpoint holds its files itself: use another one"));
+  }
+  fd_file f(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK);
+  if (!f.regular()) {
+    throw checkpoint_error(
+      message("checkpoint '", dir.string(), "': ", path.string(), " is not a regular file: use another checkpoint"));
+  }
+  return f;
 }
 
 // The largest end of a unit's slabs: its file is at least that long.
@@ -445,7 +473,7 @@ checkpoint_manifest parse_checkpoint_manifest(std::string_view text, std::string
     }
   }
   std::size_t index = 0;
-  for (const toml::node& n : r.array("units")) { m.units.push_back(read_unit(n, source, index++)); }
+  for (const toml::node& n : r.array("units")) { m.units.push_back(read_unit(n, source, index++, version)); }
   r.reject_unknown();
   std::vector<std::string_view> names;
   for (const checkpoint_unit& u : m.units) { names.push_back(u.name); }
@@ -501,7 +529,7 @@ void detail::verify_data(const std::filesystem::path& dir, const checkpoint_mani
         throw checkpoint_error(message("checkpoint '", dir.string(), "': unit '", u.name, "' has no file ", units_dir,
                                        "/", u.file, ": it is incomplete; use another checkpoint"));
       }
-      own.emplace(slab_file(dir, u), O_RDONLY);
+      own.emplace(open_checkpoint_file(dir, u));
       if (own->size() < slabs_end(u)) {
         throw checkpoint_error(message("checkpoint '", dir.string(), "': ", units_dir, "/", u.file, " has ",
                                        own->size(), " bytes but unit '", u.name, "' needs ", slabs_end(u),
@@ -551,7 +579,10 @@ checkpoint_manifest describe_checkpoint(std::span<const checkpoint_source> units
     c.m = slab(u.m);
     c.v = slab(u.v);
     c.trainable = u.trainable;
-    if (file) { c.file = u.file.filename().string(); }
+    if (file) {
+      c.file = u.file.filename().string();
+      file->forget();
+    }
     m.units.push_back(std::move(c));
   }
   m.data_bytes = at;
@@ -623,14 +654,20 @@ void copy_unit_file(const std::filesystem::path& from, const std::filesystem::pa
 {
   fd_file src(from, O_RDONLY);
   fd_file dst(to, O_WRONLY | O_CREAT | O_EXCL);
+  const auto unsupported = [](int e) {  // the call does not apply to these files: the next way then
+    return e == EXDEV || e == EINVAL || e == ENOSYS || e == EOPNOTSUPP || e == ENOTTY || e == EPERM;
+  };
   if (::ioctl(dst.fd(), FICLONE, src.fd()) != 0) {
+    if (!unsupported(errno)) {
+      throw checkpoint_error(message("copying '", from.string(), "' to '", to.string(), "' failed: ", system_reason()));
+    }
     const std::uint64_t size = src.size();
     std::uint64_t done = 0;
     while (done < size) {
       const ssize_t n = ::copy_file_range(src.fd(), nullptr, dst.fd(), nullptr, size - done, 0);
       if (n < 0 && errno == EINTR) { continue; }
-      if (n < 0 && done == 0 && (errno == EXDEV || errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP)) {
-        break;  // not between these files: through a buffer below
+      if (done == 0 && (n == 0 || (n < 0 && unsupported(errno)))) {
+        break;  // not between these files (0 at the start: some file systems say so): through a buffer below
       }
       if (n <= 0) {
         throw checkpoint_error(message("copying '", from.string(), "' to '", to.string(),
@@ -647,6 +684,27 @@ void copy_unit_file(const std::filesystem::path& from, const std::filesystem::pa
     }
   }
   dst.sync();
+  src.forget();
+  dst.forget();
+}
+
+// Checks the copied unit files against the manifest's checksums (taken from the run's files)
+// before the checkpoint is put in place.
+void verify_copies(const std::filesystem::path& tmp, const checkpoint_manifest& manifest)
+{
+  std::vector<std::byte> buffer;
+  for (const checkpoint_unit& u : manifest.units) {
+    if (u.file.empty()) { continue; }
+    fd_file f(slab_file(tmp, u), O_RDONLY);
+    for_each_slab(u, [&](const checkpoint_slab& sl, std::string_view what) {
+      if (slab_crc(f, sl, buffer) != sl.crc32c) {
+        throw checkpoint_error(
+          message("the copy of unit '", u.name, "' (", f.path().string(), ") differs from its file in slab ", what,
+                  ": the unit file changed during the save, or the copy failed; nothing was replaced"));
+      }
+    });
+    f.forget();
+  }
 }
 
 // Whether `dir` holds a taskswap checkpoint's manifest (whatever the state of its data).
@@ -731,7 +789,10 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
       }
       copy_unit_file(u.file, own / u.file.filename());
     }
-    if (fs::exists(own, ec)) { sync_directory(own); }
+    if (fs::exists(own, ec)) {
+      sync_directory(own);
+      verify_copies(tmp, manifest);
+    }
     {
       const std::string text = manifest_text(manifest);
       fd_file f(tmp / manifest_file, O_WRONLY | O_CREAT | O_EXCL);
@@ -856,7 +917,7 @@ void read_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest
     const checkpoint_unit& c = manifest.units[where[i]];
     const checkpoint_source& u = units[i];
     std::optional<fd_file> own;  // the unit's file in the checkpoint's units/
-    if (!c.file.empty()) { own.emplace(slab_file(dir, c), O_RDONLY); }
+    if (!c.file.empty()) { own.emplace(open_checkpoint_file(dir, c)); }
     fd_file& from = own ? *own : data;
     std::optional<fd_file> to;  // a disk home: its unit file, written in place
     if (!u.file.empty()) { to.emplace(u.file, O_WRONLY); }
@@ -886,7 +947,11 @@ void read_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest
     if (c.master) { read(*c.master, u.master, "master"); }
     read(c.m, u.m, "m");
     read(c.v, u.v, "v");
-    if (to) { to->sync(); }
+    if (own) { own->forget(); }
+    if (to) {
+      to->sync();
+      to->forget();  // the host cache reads it with direct I/O
+    }
   }
 }
 

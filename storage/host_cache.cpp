@@ -358,7 +358,8 @@ void host_cache::flush()
     }
   }
   for (cache_entry& c : m.entries) {
-    if (c.fresh) {  // never used in this run: its home is zeros, whatever an earlier run left
+    if (c.fresh &&
+        m.files.existed(c.file)) {  // never used in this run: its home is zeros, not what an earlier run left
       m.files.zero(c.file);
       c.fresh = false;
       c.synced = false;
@@ -375,7 +376,11 @@ void host_cache::discard(entry_id e)
   impl& m = *impl_;
   cache_entry& c = m.entries.at(e);
   c.evicting = false;
-  (void)m.finish_io(c, true);  // a failed read frees the block; a failed write leaves it, dropped below
+  try {
+    (void)m.finish_io(c, true);
+  } catch (const storage_error&) {
+    // The bytes of a failed read or write are replaced now anyway (a failed read's block is freed).
+  }
   m.quiesce(c);
   if (c.offset) { m.free_block(c, false); }
   c.dirty = false;

@@ -97,9 +97,8 @@ class host_cache {
   /// @throws storage_error
   void flush();
   /// The caller is about to write the entry's file itself (a checkpoint's load): waits for the
-  /// entry's transfer and the work on its block, then drops the block unwritten; the next block()
-  /// reads the file.
-  /// @throws storage_error when the transfer in flight failed
+  /// entry's transfer (its failure no longer matters) and the work on its block, then drops the
+  /// block unwritten; the next block() reads the file.
   void discard(entry_id e);
 
   [[nodiscard]] const std::filesystem::path& file(entry_id e) const;

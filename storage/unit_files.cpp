@@ -11,6 +11,7 @@
 
 #include <fcntl.h>
 #include <liburing.h>
+#include <sys/file.h>  // flock
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -76,8 +77,22 @@ struct transfer_state {
 
 }  // namespace
 
+// The directory, open and locked (flock) while a unit_files uses it: two runs, or two ranks,
+// sharing it would read and write each other's unit files.
+struct directory_lock {
+  int fd = -1;
+  directory_lock() = default;
+  directory_lock(const directory_lock&) = delete;
+  directory_lock& operator=(const directory_lock&) = delete;
+  ~directory_lock()
+  {
+    if (fd >= 0) { ::close(fd); }
+  }
+};
+
 struct unit_files::impl {
   unit_file_options options;
+  directory_lock lock;
   io_faults faults;
   io_uring ring{};
   bool direct = true;
@@ -322,6 +337,14 @@ unit_files::unit_files(unit_file_options options, io_faults faults)
   if (ec) {
     throw config_error(message("[storage] path '", o.directory.string(), "': cannot make the directory: ", ec.message(),
                                "; point it at a writable directory on a local drive"));
+  }
+  impl_->lock.fd = ::open(o.directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (impl_->lock.fd < 0 || ::flock(impl_->lock.fd, LOCK_EX | LOCK_NB) != 0) {
+    const int e = errno;
+    throw config_error(message(
+      "[storage] path '", o.directory.string(), "': ",
+      e == EWOULDBLOCK ? std::string("another run (or rank) uses this directory") : "cannot lock it: " + errno_text(e),
+      "; give each run and each rank its own directory"));
   }
   impl_->probe_direct();
   const int r = io_uring_queue_init(o.queue_depth, &impl_->ring, 0);

@@ -311,13 +311,17 @@ TEST(checkpoint_manifest, the_reader_refuses_what_is_not_a_manifest_with_the_lin
     "this taskswap reads versions 1 to 2");
   // Host homes only: version 1, which taskswap before unit files reads too.
   EXPECT_NO_THROW((void)parse_checkpoint_manifest(replaced("version = 1", "version = 2"), "m.toml"));
+  const auto with_file = [&](std::string_view file, std::string_view version) {
+    std::string t = replaced("step = ", "file = " + std::string(file) + "\nstep = ");
+    return t.replace(t.find("version = 1"), 11, "version = " + std::string(version));
+  };
   for (const std::string_view file : {"'../data.bin'", "'/etc/passwd'", "''", "'..'"}) {
-    expect_error_mentioning<checkpoint_error>(
-      [&] {
-        (void)parse_checkpoint_manifest(replaced("step = ", "file = " + std::string(file) + "\nstep = "), "m.toml");
-      },
-      "file: give the name of a file in units/");
+    expect_error_mentioning<checkpoint_error>([&] { (void)parse_checkpoint_manifest(with_file(file, "2"), "m.toml"); },
+                                              "file: give the name of a file in units/");
   }
+  expect_error_mentioning<checkpoint_error>(
+    [&] { (void)parse_checkpoint_manifest(with_file("'a.unit'", "1"), "m.toml"); },
+    "version 1 checkpoints have no unit files");
   expect_error_mentioning<checkpoint_error>(
     [&] { (void)parse_checkpoint_manifest(replaced("world = 1", "world = 1\nwrold = 2"), "m.toml"); },
     "has an unknown key 'wrold'");

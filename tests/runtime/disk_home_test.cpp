@@ -283,9 +283,16 @@ TEST_F(disk_home_test, a_damaged_checkpoint_is_refused_before_any_unit_file_is_w
   }
   expect_error_mentioning<checkpoint_error>([&] { verify_checkpoint(ck); }, "slab m");
   {
-    // Refused at the checks: the runtime's homes (and files) are its initial values still.
+    // Refused at the checks: the runtime's homes and files are as they were.
     model target(dir_ / "c", 1 << 20);
+    const auto files = [&] {
+      std::string all;
+      for (const fs::directory_entry& e : fs::directory_iterator(dir_ / "c")) { all += file_bytes(e.path()); }
+      return all;
+    };
+    const std::string before = files();
     expect_error_mentioning<checkpoint_error>([&] { (void)target.rt.load_checkpoint(ck); }, "has CRC-32C");
+    EXPECT_EQ(files(), before);
     EXPECT_EQ(target.state(), model(dir_ / "d", 1 << 20).state());
   }
   fs::remove(victim);
@@ -295,6 +302,13 @@ TEST_F(disk_home_test, a_damaged_checkpoint_is_refused_before_any_unit_file_is_w
   model resumed(dir_ / "c", 1 << 20);
   (void)resumed.rt.load_checkpoint(ck);
   EXPECT_EQ(resumed.state(), saved);
+}
+
+TEST_F(disk_home_test, two_runs_cannot_share_a_storage_directory)
+{
+  model first(dir_, 1 << 20);
+  expect_error_mentioning<config_error>([&] { model second(dir_, 1 << 20); },
+                                        "another run (or rank) uses this directory");
 }
 
 TEST_F(disk_home_test, a_run_that_never_uses_a_unit_flushes_its_file_as_zeros)
