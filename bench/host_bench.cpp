@@ -7,7 +7,11 @@
 //     unit    the runtime's own: the home block of one unit of that size as runtime/unit_layout
 //             places it in the pinned arena (slabs of 8 MiB and more staggered);
 //     packed  the arrays back to back, exactly one array apart (the layout before the stagger,
-//             and what a trainer gets cutting them from one block): shown, not a target.
+//             and what a trainer gets cutting them from one block, e.g. 256 MiB apart at 64 Mi
+//             params): a caller's layout, which the kernel must not collapse on (layout_ratio,
+//             Note [Grouped stores] in host/cpu_adamw_kernel.hpp);
+//     packed-lockstep  the same with the stores of the streams interleaved (the kernel before
+//             grouped stores): shown, not a target.
 //   Measured in the same run, on separately mapped arrays, each shifted by a different odd number
 //   of 1088-byte steps (a layout that cannot share an aliasing pathology with the one judged):
 //     anchor_GBps    a STREAM-like kernel with the same 28 B/param of traffic (master, m and v read
@@ -62,7 +66,7 @@ using namespace taskswap;
 using clock_type = std::chrono::steady_clock;
 constexpr std::size_t chunk = std::size_t{1} << 16;  // cpu_adamw_step's chunk, for the anchor
 
-enum class layout_kind { unit, packed };
+enum class layout_kind { unit, packed, packed_lockstep };
 
 std::uint64_t mix(std::uint64_t x)  // splitmix64: a cheap, parallel fill
 {
@@ -279,7 +283,14 @@ void host_adamw(benchmark::State& state, layout_kind kind, std::size_t n, int th
   const judged_layout judged(kind, n, grad, threads);
   const separate_arrays separate(n, grad, threads);
   const detail::adamw_scalars scalars = detail::make_adamw_scalars({}, 1);
-  detail::cpu_adamw_step(judged.slabs, scalars, threads);  // warm-up of each
+  const auto judged_step = [&] {
+    if (kind == layout_kind::packed_lockstep) {
+      detail::cpu_adamw_step(judged.slabs, scalars, threads, detail::best_cpu_isa(), false);
+    } else {
+      detail::cpu_adamw_step(judged.slabs, scalars, threads);
+    }
+  };
+  judged_step();  // warm-up of each
   detail::cpu_adamw_step(separate.slabs, scalars, threads);
   stream_like(separate.slabs, threads);
   // Each iteration times the three in turn, each from cold caches, starting with a different one
@@ -293,8 +304,8 @@ void host_adamw(benchmark::State& state, layout_kind kind, std::size_t n, int th
   cache_evictor evict;
   for (auto _ : state) {
     const std::array<double, 3> t = three_cold(
-      turn, evict, threads, [&] { detail::cpu_adamw_step(judged.slabs, scalars, threads); },
-      [&] { detail::cpu_adamw_step(separate.slabs, scalars, threads); }, [&] { stream_like(separate.slabs, threads); });
+      turn, evict, threads, judged_step, [&] { detail::cpu_adamw_step(separate.slabs, scalars, threads); },
+      [&] { stream_like(separate.slabs, threads); });
     ++turn;
     state.SetIterationTime(t[0]);
     own.push_back(t[0]);
@@ -387,8 +398,11 @@ std::string size_name(std::size_t n)
     for (const std::size_t t : thread_counts) {
       for (const dtype grad : {dtype::f32, dtype::bf16}) {
         if (grad == dtype::bf16 && !chosen && n != (std::size_t{64} << 20)) { continue; }
-        for (const layout_kind kind : {layout_kind::unit, layout_kind::packed}) {
-          const std::string name = std::string("host_adamw/") + (kind == layout_kind::unit ? "unit/" : "packed/") +
+        for (const layout_kind kind : {layout_kind::unit, layout_kind::packed, layout_kind::packed_lockstep}) {
+          const std::string name = std::string("host_adamw/") +
+                                   (kind == layout_kind::unit     ? "unit/"
+                                    : kind == layout_kind::packed ? "packed/"
+                                                                  : "packed-lockstep/") +
                                    size_name(n) + "/" + std::to_string(t) + "t/" + std::string(to_string(grad));
           const auto iterations = static_cast<benchmark::IterationCount>(
             std::clamp<double>(32e9 / static_cast<double>(n * bytes_per_param(grad)), 9, 300));

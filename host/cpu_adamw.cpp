@@ -3,6 +3,7 @@
 
 #include "device/expects.hpp"
 #include "device/message.hpp"
+#include "host/stream_stagger.hpp"
 
 #include <cpuid.h>
 
@@ -12,9 +13,10 @@
 namespace taskswap::detail {
 
 // Defined in the per-instruction-set translation units.
-void cpu_adamw_range_portable(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t);
-void cpu_adamw_range_avx2(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t);
-void cpu_adamw_range_avx512(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t);
+// `grouped`: Note [Grouped stores] in cpu_adamw_kernel.hpp.
+void cpu_adamw_range_portable(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t, bool grouped);
+void cpu_adamw_range_avx2(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t, bool grouped);
+void cpu_adamw_range_avx512(const adamw_slabs&, const adamw_scalars&, std::size_t, std::size_t, bool grouped);
 
 std::optional<adamw_option_problem> adamw_problem(const adamw_options& o) noexcept
 {
@@ -77,13 +79,24 @@ cpu_isa best_cpu_isa() noexcept
   return best;
 }
 
+bool grouped_stores(const adamw_slabs& slabs) noexcept
+{
+  return slabs.count * sizeof(float) >= stagger_min_array_bytes;
+}
+
 void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin, std::size_t end,
                      cpu_isa isa)
 {
+  cpu_adamw_range(slabs, scalars, begin, end, isa, grouped_stores(slabs));
+}
+
+void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin, std::size_t end,
+                     cpu_isa isa, bool grouped)
+{
   switch (isa) {
-    case cpu_isa::avx512: cpu_adamw_range_avx512(slabs, scalars, begin, end); return;
-    case cpu_isa::avx2: cpu_adamw_range_avx2(slabs, scalars, begin, end); return;
-    case cpu_isa::portable: cpu_adamw_range_portable(slabs, scalars, begin, end); return;
+    case cpu_isa::avx512: cpu_adamw_range_avx512(slabs, scalars, begin, end, grouped); return;
+    case cpu_isa::avx2: cpu_adamw_range_avx2(slabs, scalars, begin, end, grouped); return;
+    case cpu_isa::portable: cpu_adamw_range_portable(slabs, scalars, begin, end, grouped); return;
   }
 }
 
@@ -94,6 +107,12 @@ void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host
 
 void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena, cpu_isa isa)
 {
+  cpu_adamw_step(slabs, scalars, arena, isa, grouped_stores(slabs));
+}
+
+void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena, cpu_isa isa,
+                    bool grouped)
+{
   if (slabs.count == 0) { return; }
   TASKSWAP_EXPECTS(slabs.master != nullptr && slabs.m != nullptr && slabs.v != nullptr && slabs.grad != nullptr,
                    message("AdamW on ", slabs.count, " elements needs master, m, v and gradient slabs"));
@@ -102,7 +121,7 @@ void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host
   TASKSWAP_EXPECTS(supports(isa), message("AdamW: this CPU lacks the ", to_string(isa), " instruction set"));
   const std::size_t chunks = (slabs.count + chunk_elements - 1) / chunk_elements;
   arena.parallel_for(chunks, [&](std::size_t first, std::size_t last) {
-    cpu_adamw_range(slabs, scalars, first * chunk_elements, std::min(slabs.count, last * chunk_elements), isa);
+    cpu_adamw_range(slabs, scalars, first * chunk_elements, std::min(slabs.count, last * chunk_elements), isa, grouped);
   });
 }
 

@@ -31,13 +31,24 @@ enum class cpu_isa { portable, avx2, avx512 };
 /// The widest instruction set this CPU supports among those compiled in.
 [[nodiscard]] cpu_isa best_cpu_isa() noexcept;
 
-/// Updates elements [begin, end) on the calling thread with the given instruction set.
+/// Whether a pass over these slabs writes its results through a tile buffer, each array's part
+/// in one run (Note [Grouped stores] in cpu_adamw_kernel.hpp): for slabs of
+/// stagger_min_array_bytes and more, whatever their layout.
+[[nodiscard]] bool grouped_stores(const adamw_slabs& slabs) noexcept;
+
+/// Updates elements [begin, end) on the calling thread with the given instruction set, its
+/// stores grouped as grouped_stores(slabs) says (or as `grouped` says).
 void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin, std::size_t end,
                      cpu_isa isa);
+void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin, std::size_t end,
+                     cpu_isa isa, bool grouped);
 
 /// Updates every element, in parallel inside `arena`, with the best instruction set (or `isa`).
 /// @throws invalid_argument for null slabs, a params copy in f32, or an ISA this CPU lacks
 void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena);
 void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena, cpu_isa isa);
+/// As above with the stores grouped or not, whatever the slabs' size (tests, benchmarks).
+void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host_task_arena& arena, cpu_isa isa,
+                    bool grouped);
 
 }  // namespace taskswap::detail

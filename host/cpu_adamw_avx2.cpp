@@ -52,9 +52,10 @@ struct avx2_lanes {
 
 }  // namespace
 
-void cpu_adamw_range_avx2(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin, std::size_t end)
+void cpu_adamw_range_avx2(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin, std::size_t end,
+                          bool grouped)
 {
-  adamw_range<avx2_lanes>(s, k, begin, end);
+  adamw_range<avx2_lanes>(s, k, begin, end, grouped);
 }
 
 }  // namespace taskswap::detail

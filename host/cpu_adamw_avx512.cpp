@@ -51,9 +51,10 @@ struct avx512_lanes {
 
 }  // namespace
 
-void cpu_adamw_range_avx512(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin, std::size_t end)
+void cpu_adamw_range_avx512(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin, std::size_t end,
+                            bool grouped)
 {
-  adamw_range<avx512_lanes>(s, k, begin, end);
+  adamw_range<avx512_lanes>(s, k, begin, end, grouped);
 }
 
 }  // namespace taskswap::detail

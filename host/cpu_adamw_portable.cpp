@@ -10,9 +10,10 @@ struct scalar_lanes {
 };
 }  // namespace
 
-void cpu_adamw_range_portable(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin, std::size_t end)
+void cpu_adamw_range_portable(const adamw_slabs& s, const adamw_scalars& k, std::size_t begin, std::size_t end,
+                              bool grouped)
 {
-  adamw_range<scalar_lanes>(s, k, begin, end);
+  adamw_range<scalar_lanes>(s, k, begin, end, grouped);
 }
 
 }  // namespace taskswap::detail

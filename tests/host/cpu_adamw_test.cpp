@@ -180,9 +180,11 @@ TEST_P(cpu_adamw, MatchesDoubleReferenceOverManyStepsOnEveryPath)
       const unit_state before = unit;
       std::vector<unit_state> results;
       for (const cpu_isa isa : available_isas()) {
-        unit_state run = before;
-        detail::cpu_adamw_step(run.slabs(), k, threads, isa);
-        results.push_back(std::move(run));
+        for (const bool grouped : {false, true}) {  // the stores in lockstep, or grouped by tile
+          unit_state run = before;
+          detail::cpu_adamw_step(run.slabs(), k, threads, isa, grouped);
+          results.push_back(std::move(run));
+        }
       }
       expect_step_matches_reference(before, results.front(), k);
       if (HasFatalFailure()) { return; }
