@@ -129,9 +129,19 @@ void runtime::impl::place_homes()
     for (const unit_record& r : units_) {
       if (r.home.cache != nullptr) { unit_of.at(r.home.entry) = r.index; }
     }
-    homes_.cache->next_use([this, unit_of = std::move(unit_of)](detail::host_cache::entry_id e) -> std::uint64_t {
-      const std::uint64_t next = plan_.next_use(unit_id{unit_of[e]});
+    // A unit held for training with host placement writes its gradients home at release, and
+    // the CPU AdamW then steps the home: its block is in use now, not at its next acquisition.
+    homes_.cache->next_use([this, unit_of](detail::host_cache::entry_id e) -> std::uint64_t {
+      const unit_record& r = units_[unit_of[e]];
+      if (r.held() && !r.st.frozen_use() && r.policy.optimizer == optimizer_placement::host) { return 0; }
+      const std::uint64_t next = plan_.next_use(unit_id{r.index});
       return next == detail::never ? detail::host_cache::never : next;
+    });
+    // A device copy with an update not written home replaces the whole home when it is written
+    // back: the block's older bytes need not reach the file first.
+    homes_.cache->superseded([this, unit_of](detail::host_cache::entry_id e) {
+      const unit_record& r = units_[unit_of[e]];
+      return r.dirty() && r.layout.writeback_bytes >= r.layout.home_bytes;
     });
   }
   if (any_host) { cpu_.emplace(static_cast<int>(homes_.arena->numa_node()), options_.host.optimizer_threads); }

@@ -44,6 +44,7 @@ struct host_cache::impl {
   best_fit_ranges ranges;
   std::vector<cache_entry> entries;
   std::function<std::uint64_t(entry_id)> next_use = [](entry_id) { return never; };
+  std::function<bool(entry_id)> superseded = [](entry_id) { return false; };
   std::uint64_t tick = 0;
   host_cache_stats stats;
 
@@ -77,6 +78,7 @@ struct host_cache::impl {
     const bool freed = ranges.deallocate(*c.offset, c.bytes);
     TASKSWAP_EXPECTS(freed, message("host cache: the block of '", c.unit, "' was not live"));
     c.offset.reset();
+    c.dirty = false;  // written, superseded, or a read that failed
     stats.used_bytes -= c.bytes;
     if (evicted) { ++stats.evictions; }
   }
@@ -145,12 +147,18 @@ struct host_cache::impl {
     return best;
   }
 
+  // Whether the entry's block must reach its file before it is let go.
+  bool needs_write(const cache_entry& c) const
+  {
+    return c.dirty && !superseded(static_cast<entry_id>(&c - entries.data()));
+  }
+
   // An entry let go (evicting) moves on without waiting: once no stream uses its block, a dirty
   // one's write starts, a clean one's block is freed (a write's end frees it in finish_io).
   void advance(cache_entry& c)
   {
     if (!c.evicting || c.io || !idle(c)) { return; }
-    if (c.dirty) {
+    if (needs_write(c)) {
       start_write(c);
     } else {
       c.evicting = false;
@@ -206,7 +214,7 @@ struct host_cache::impl {
         continue;
       }
       quiesce(*v);
-      if (!v->dirty) {
+      if (!needs_write(*v)) {
         v->evicting = false;
         free_block(*v);
         continue;
@@ -268,6 +276,7 @@ host_cache::entry_id host_cache::add(std::string_view unit, std::uint64_t identi
 }
 
 void host_cache::next_use(std::function<std::uint64_t(entry_id)> when) { impl_->next_use = std::move(when); }
+void host_cache::superseded(std::function<bool(entry_id)> when) { impl_->superseded = std::move(when); }
 
 std::span<std::byte> host_cache::block(entry_id e, bool overwrite)
 {

@@ -12,7 +12,9 @@
 //   writes the initial values through home()). Later, block() reads the file on a miss (the
 //   caller waits: back-pressure). The block stays valid until a later block() of another entry evicts it, so a
 //   caller that enqueues work on the block says so at once with used(): eviction waits for that
-//   work (events, one per stream), and a block written (wrote = true) is dirty.
+//   work (events, one per stream), and a block written (wrote = true) is dirty. A dirty block the
+//   runtime says is superseded (the unit's device copy has a newer update, which its write-back
+//   will bring home whole) is let go unwritten: its bytes would be overwritten before being read.
 // - prefetch() starts the read of an entry the plan uses soon, so that block() finds it there;
 //   ready() says when the read is done (the device prefetch waits for it: a unit is in host
 //   memory before its device copy starts).
@@ -72,6 +74,10 @@ class host_cache {
   entry_id add(std::string_view unit, std::uint64_t identity, std::size_t bytes);
   /// The position of an entry's next use (never: none planned); the larger, the later.
   void next_use(std::function<std::uint64_t(entry_id)> when);
+  /// Whether an entry's block is superseded: a newer copy of the whole home (a device copy with
+  /// an update) will overwrite it before anything reads it. A superseded dirty block is let go
+  /// without its write.
+  void superseded(std::function<bool(entry_id)> when);
 
   /// The entry's block, read from its file first when it is not cached (unless the caller will
   /// `overwrite` all of it: then its bytes are undefined until written). Valid until the next
