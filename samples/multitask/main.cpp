@@ -152,6 +152,10 @@ int train(int argc, char** argv)
                   static_cast<unsigned long long>(r.disk.written_back), mib(r.disk.written_bytes).c_str(),
                   mib(r.disk.host_cache_bytes).c_str(), static_cast<unsigned long long>(r.disk.hits),
                   static_cast<unsigned long long>(r.disk.misses), r.disk.wait_ms);
+      const double done = static_cast<double>(std::max<std::int64_t>(1, r.steps_done - r.first_step));
+      std::printf("  disk per step: %.1f KiB read, %.1f KiB written (the steps alone; taskswap plan predicts them)\n",
+                  static_cast<double>(r.disk_read_in_steps) / 1024.0 / done,
+                  static_cast<double>(r.disk_written_in_steps) / 1024.0 / done);
     }
     if (r.scaler) {
       std::printf("  guarded steps: loss scale %g, %lld of %lld steps skipped (a gradient not finite), last global "

@@ -672,6 +672,7 @@ run_result trainer::run(const run_options& options)
   };
   m.planned_until = std::max(m.planned_until, begin);
   run_result r;
+  const taskswap::disk_stats disk_before = m.rt.stats().disk;  // the initial values' writes are the set-up's
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   std::size_t interval_reduced = 0;
   for (std::int64_t s = begin; s < end_at; ++s) {
@@ -718,6 +719,10 @@ run_result trainer::run(const run_options& options)
   r.seconds = std::chrono::duration<double>(end - start).count();
   r.timed_steps = std::max<std::int64_t>(0, end_at - begin - 1);
   r.steps_done = end_at;
+  r.first_step = begin;
+  const taskswap::disk_stats disk_after = m.rt.stats().disk;
+  r.disk_read_in_steps = disk_after.read_bytes - disk_before.read_bytes;
+  r.disk_written_in_steps = disk_after.written_bytes - disk_before.written_bytes;
   if (!options.checkpoint.empty()) {
     save(end_at);
   } else {

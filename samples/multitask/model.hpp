@@ -98,8 +98,11 @@ struct run_result {
   int stopped_by = 0;  ///< the agreed stop code when the run stopped early (0: it did not)
   double stop_agreement_seconds = 0;  ///< host time in runtime::agree_stop over the timed steps
   std::int64_t steps_done = 0;  ///< the steps done in all when run() returned
+  std::int64_t first_step = 0;  ///< where the run started (a resumed run: its checkpoint's step)
   std::optional<taskswap::loss_scaler_state> scaler;  ///< with loss scaling or clipping
   taskswap::disk_stats disk{};  ///< the disk home tier's host cache (zeros without disk homes)
+  std::uint64_t disk_read_in_steps = 0;  ///< unit-file bytes read during the steps (not the set-up, not the last flush)
+  std::uint64_t disk_written_in_steps = 0;  ///< … and written
   [[nodiscard]] double step_ms() const
   {
     return timed_steps == 0 ? 0 : seconds * 1e3 / static_cast<double>(timed_steps);

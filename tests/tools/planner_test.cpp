@@ -7,7 +7,10 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <filesystem>
 #include <random>
 
 namespace {
@@ -159,6 +162,76 @@ TEST(planner, counts_what_the_runtime_does)
       rt.flush();
     }
   }
+}
+
+// 64 disk homes behind a host cache of 8, read 2 steps ahead, a random unit per step: the unit
+// files' bytes read and written during the steps (after the initial values were written through
+// home() and 50 steps) are what the planner's replay of the host cache predicts, within 10 %
+// under both placements. The replay is Belady's rule without the reads ahead, whose timing moves
+// some evictions: measured here, device placement -2 % read and +6 % written against the
+// prediction, host placement +7 % both ways (docs/storage.md; the sample is within 2 %).
+TEST(planner, predicts_the_disk_traffic_of_the_host_cache)
+{
+  constexpr unsigned units_count = 64;
+  const std::filesystem::path dir =
+    std::filesystem::temp_directory_path() / ("taskswap-planner-disk-" + std::to_string(::getpid()));
+  std::mt19937 rng(11);
+  for (const optimizer_placement placement : {optimizer_placement::device, optimizer_placement::host}) {
+    std::filesystem::remove_all(dir);
+    std::vector<unit_spec> units;
+    for (unsigned i = 0; i < units_count; ++i) {
+      std::string name = "u";
+      name += std::to_string(i);
+      units.push_back(unit(name, 8192));
+    }
+    const unit_footprint fp = footprint(units[0], placement);
+    auto in = input(units, 3 * fp.device_bytes, residency::prefetch, placement, 1);
+    in.options.defaults.home = "disk";
+    const std::size_t file = (fp.home_bytes + 4095) / 4096 * 4096;
+    in.options.storage = {.path = dir, .host_cache = 8 * file, .lookahead = 2};
+    for (int s = 0; s < 300; ++s) { in.steps.push_back({rng() % units_count}); }
+    in.frozen.assign(in.steps.size(), {});
+    in.warmup_steps = 50;  // the initial values' blocks are written out by then
+    const tools::plan_report r = tools::make_plan(in);
+    EXPECT_EQ(r.disk_units, units_count);
+    EXPECT_EQ(r.disk_bytes, units_count * file);
+    EXPECT_EQ(r.host_cache_step_bytes, file);
+    EXPECT_EQ(r.host_cache_bytes, 8 * file);
+
+    const device dev = emulated_device({.memory_bytes = in.options.device.budget, .link = {}});
+    runtime rt(dev, in.options, in.units);
+    for (std::uint32_t u = 0; u < units_count; ++u) {  // initial values, one home at a time (a disk home's view)
+      const home_view h = rt.home(unit_id{u});
+      std::fill_n(static_cast<float*>(h.params.data), h.params.count, 0.5F);
+    }
+    disk_stats before{};
+    std::vector<step_plan> plans;
+    for (const auto& step : in.steps) {
+      step_plan p;
+      p.acquire(unit_id{static_cast<std::uint32_t>(step[0])});
+      plans.push_back(p);
+    }
+    rt.plan(plans);
+    const stream s(dev);
+    for (std::size_t k = 0; k < in.steps.size(); ++k) {
+      if (k == in.warmup_steps) { before = rt.stats().disk; }
+      const unit_id u{static_cast<std::uint32_t>(in.steps[k][0])};
+      (void)rt.acquire(u, s);
+      rt.step(u, s);
+      rt.release(u, s);
+      (void)rt.end_step();
+    }
+    s.synchronize();
+    const disk_stats after = rt.stats().disk;
+    const auto n = static_cast<double>(in.steps.size() - in.warmup_steps);
+    const auto read = static_cast<double>(after.read_bytes - before.read_bytes);
+    const auto written = static_cast<double>(after.written_bytes - before.written_bytes);
+    const std::string what = placement == optimizer_placement::host ? "host placement" : "device placement";
+    EXPECT_GT(read, 0) << what;
+    EXPECT_NEAR(r.disk_read_bytes_per_step * n, read, 0.10 * read) << what;
+    EXPECT_NEAR(r.disk_write_bytes_per_step * n, written, 0.10 * written) << what;
+  }
+  std::filesystem::remove_all(dir);
 }
 
 // Runs the schedule of `in` (frozen uses first in each step) on the runtime; its totals.

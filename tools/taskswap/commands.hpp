@@ -19,6 +19,8 @@ struct plan_args {
   std::string config;
   std::string json;  ///< write the report here too
   std::optional<std::string> link_rate;
+  std::optional<std::string> disk_read_rate;  ///< the drive of [storage] path, e.g. from `taskswap probe --storage`
+  std::optional<std::string> disk_write_rate;
   std::optional<std::string> device_memory;
   std::optional<std::size_t> bytes_per_sample;  ///< default: the sample model's
   int steps = 0;  ///< steps of the schedule replayed (0: [model] steps)

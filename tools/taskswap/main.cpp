@@ -25,6 +25,9 @@ int main(int argc, char** argv)
   p->add_option("config", plan.config, "configuration (runtime sections and [model]; default: the embedded sample)");
   p->add_option("--json", plan.json, "also write the report as JSON to this file ('-': standard output)");
   p->add_option("--link-rate", plan.link_rate, "host↔device rate for the transfer time, e.g. \"25 GB/s\"");
+  p->add_option("--disk-read-rate", plan.disk_read_rate,
+                "the [storage] drive's read rate for the disk time (taskswap probe --storage), e.g. \"3 GB/s\"");
+  p->add_option("--disk-write-rate", plan.disk_write_rate, "… and its write rate, e.g. \"2 GB/s\"");
   p->add_flag("--measure-link", plan.measure_link, "measure the rate on the configured device");
   p->add_option("--device-memory", plan.device_memory,
                 "device bytes the budget and activations share, e.g. \"80 GiB\"");

@@ -123,6 +123,14 @@ int run_plan(const plan_args& args)
     in.link_bytes_per_second = measure_copies(dev, -1, bytes, 3).h2d;
     in.link_source = "measured host→device on " + dev.name();
   }
+  if (args.disk_read_rate.has_value() != args.disk_write_rate.has_value()) {
+    throw config_error("give both --disk-read-rate and --disk-write-rate (taskswap probe --storage measures them)");
+  }
+  if (args.disk_read_rate) {
+    in.disk_read_bytes_per_second = parse_rate(*args.disk_read_rate);
+    in.disk_write_bytes_per_second = parse_rate(*args.disk_write_rate);
+    in.disk_source = "--disk-read-rate, --disk-write-rate";
+  }
   const plan_report r = make_plan(in);
 
   const auto b = [](double v) { return bytes_text(v); };
@@ -136,6 +144,27 @@ int run_plan(const plan_args& args)
               b(static_cast<double>(r.rounding_bytes)).c_str(), b(static_cast<double>(r.granule)).c_str());
   std::printf("  %-34s %s\n", "all units resident would need", b(static_cast<double>(r.all_resident_bytes)).c_str());
   std::printf("  %-34s %s\n", "pinned host bytes (home arena)", b(static_cast<double>(r.pinned_host_bytes)).c_str());
+  if (r.disk_units > 0) {
+    std::printf("  %-34s %zu units, %s in unit files\n", "disk homes", r.disk_units,
+                b(static_cast<double>(r.disk_bytes)).c_str());
+    std::printf("  %-34s %s (one step uses at most %s of disk homes)\n", "host cache",
+                b(static_cast<double>(r.host_cache_bytes)).c_str(),
+                b(static_cast<double>(r.host_cache_step_bytes)).c_str());
+    std::printf("  %-34s %s read, %s written\n", "disk per step", b(r.disk_read_bytes_per_step).c_str(),
+                b(r.disk_write_bytes_per_step).c_str());
+    if (r.disk_ms_per_step > 0) {
+      std::printf("  %-34s %.3f ms at %.2f GB/s read, %.2f GB/s write (%s)\n", "disk time per step", r.disk_ms_per_step,
+                  r.disk_read_bytes_per_second / 1e9, r.disk_write_bytes_per_second / 1e9, r.disk_source.c_str());
+    } else {
+      std::printf("  %-34s unknown (give --disk-read-rate and --disk-write-rate, e.g. from taskswap probe --storage)\n",
+                  "disk time per step");
+    }
+    if (r.host_cache_step_bytes > r.host_cache_bytes) {
+      std::printf("  note: one step uses %s of disk homes, more than the %s host cache: raise [storage] host_cache\n",
+                  b(static_cast<double>(r.host_cache_step_bytes)).c_str(),
+                  b(static_cast<double>(r.host_cache_bytes)).c_str());
+    }
+  }
   std::printf("  %-34s %s h2d, %s d2h, %.2f swap-ins\n", "moved per step", b(r.h2d_bytes_per_step).c_str(),
               b(r.d2h_bytes_per_step).c_str(), r.swap_ins_per_step);
   if (r.link_bytes_per_second > 0) {
@@ -173,6 +202,15 @@ int run_plan(const plan_args& args)
                      {"link_bytes_per_second", r.link_bytes_per_second},
                      {"link_source", r.link_source},
                      {"transfer_ms_per_step", r.transfer_ms_per_step},
+                     {"disk_units", r.disk_units},
+                     {"disk_bytes", r.disk_bytes},
+                     {"host_cache_bytes", r.host_cache_bytes},
+                     {"host_cache_step_bytes", r.host_cache_step_bytes},
+                     {"disk_read_bytes_per_step", r.disk_read_bytes_per_step},
+                     {"disk_write_bytes_per_step", r.disk_write_bytes_per_step},
+                     {"disk_read_bytes_per_second", r.disk_read_bytes_per_second},
+                     {"disk_write_bytes_per_second", r.disk_write_bytes_per_second},
+                     {"disk_ms_per_step", r.disk_ms_per_step},
                      {"device_memory", r.device_memory},
                      {"fixed_bytes", r.fixed_bytes},
                      {"bytes_per_sample", r.bytes_per_sample},

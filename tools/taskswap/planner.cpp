@@ -9,6 +9,7 @@
 #include <array>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 #include <map>
 #include <set>
@@ -32,6 +33,9 @@ struct planned_unit {
   std::vector<std::size_t> uses;  // steps that acquire it, ascending
   [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
   [[nodiscard]] bool host() const noexcept { return policy.optimizer == optimizer_placement::host; }
+  [[nodiscard]] bool disk() const noexcept { return policy.home == "disk"; }
+  /// How a device write-back touches its disk home: whole (no read first) or in part.
+  [[nodiscard]] bool whole_write_back() const noexcept { return fp.write_back_bytes >= fp.home_bytes; }
   [[nodiscard]] std::size_t next_use_after(std::size_t step) const
   {
     const auto it = std::upper_bound(uses.begin(), uses.end(), step);
@@ -49,6 +53,80 @@ struct planned_unit {
     }
     return false;
   }
+};
+
+// The host cache in front of the disk homes (storage/host_cache.hpp, Note [Host cache]),
+// replayed at the runtime's touches of a disk home: a swap-in reads its block, a device
+// placement's write-back overwrites it whole, a host placement's update (gradients home, the CPU
+// AdamW) reads and changes it. Eviction is Belady's rule over the planned uses (a use of this step
+// not yet made is next), the least recently used among equals. Every home starts in its file (the
+// trainer wrote its initial values through home(), which the replay does not count): a miss
+// reads the unit file, but for a whole overwrite, and a dirty block evicted is written to it
+// unless it is superseded (its unit's device copy has an update its write-back brings home whole). Blocks are the files' sizes (4 KiB multiples); the cache's fragmentation and its
+// reads ahead of use are not modelled (the same bytes, earlier).
+class cache_replay {
+ public:
+  enum class access { read, overwrite, update };
+
+  cache_replay(std::size_t capacity, std::vector<std::size_t> file_bytes)
+      : capacity_(capacity), file_bytes_(std::move(file_bytes)), entries_(file_bytes_.size())
+  {}
+
+  [[nodiscard]] bool disk(std::size_t u) const { return file_bytes_[u] != 0; }
+
+  /// A touch of unit u's home; `next_use(v)` is when v is used next (larger is later).
+  template <typename Next>
+  void touch(std::size_t u, access a, double counted, Next&& next_use)
+  {
+    if (!disk(u)) { return; }
+    entry& e = entries_[u];
+    e.last = ++tick_;
+    if (!e.cached) {
+      while (used_ + file_bytes_[u] > capacity_) {
+        std::size_t victim = never;
+        std::size_t victim_next = 0;
+        for (std::size_t v = 0; v < entries_.size(); ++v) {
+          if (v == u || !entries_[v].cached) { continue; }
+          const std::size_t next = next_use(v);
+          if (victim == never || next > victim_next ||
+              (next == victim_next && entries_[v].last < entries_[victim].last)) {
+            victim = v;
+            victim_next = next;
+          }
+        }
+        if (victim == never) { break; }  // one home larger than the cache: the runtime refuses it
+        entry& out = entries_[victim];
+        if (out.dirty && !superseded_(victim)) { written_ += counted * static_cast<double>(file_bytes_[victim]); }
+        out.cached = false;
+        out.dirty = false;
+        used_ -= file_bytes_[victim];
+      }
+      if (a != access::overwrite) { read_ += counted * static_cast<double>(file_bytes_[u]); }
+      e.cached = true;
+      used_ += file_bytes_[u];
+    }
+    if (a != access::read) { e.dirty = true; }
+  }
+
+  /// Whether a unit's block is superseded (the replay's device copies say).
+  void superseded_when(std::function<bool(std::size_t)> when) { superseded_ = std::move(when); }
+  [[nodiscard]] double read() const noexcept { return read_; }  // bytes read from the unit files
+  [[nodiscard]] double written() const noexcept { return written_; }  // bytes written to them
+
+ private:
+  struct entry {
+    bool cached = false;
+    bool dirty = false;
+    std::size_t last = 0;  // the tick of its last touch
+  };
+  std::size_t capacity_;
+  std::vector<std::size_t> file_bytes_;  // 0: not a disk home
+  std::vector<entry> entries_;
+  std::size_t used_ = 0;
+  std::size_t tick_ = 0;
+  double read_ = 0;
+  double written_ = 0;
+  std::function<bool(std::size_t)> superseded_ = [](std::size_t) { return false; };
 };
 
 void check_rules(const plan_input& in)
@@ -75,7 +153,8 @@ std::size_t plan_horizon(const plan_input& in, std::size_t s)
 // positions of the uses within and across steps (the runtime's positions), the units held at the
 // time never victims, a trained use written back when evicted after its update. Traffic counts in
 // the step of its use.
-traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& units, std::size_t room)
+traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& units, std::size_t room,
+                       cache_replay& cache)
 {
   std::vector<std::vector<std::size_t>> positions(units.size());  // of each unit's acquisitions
   std::vector<std::size_t> step_of;  // the step of each position
@@ -98,6 +177,11 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
   std::size_t position = 0;
   traffic t;
   std::vector<detail::victim_candidate> candidates;
+  std::vector<std::size_t> written_home;  // this swap-in's victims written back
+  cache.superseded_when([&](std::size_t v) {
+    const auto r = resident.find(v);
+    return r != resident.end() && r->second.dirty && units[v].whole_write_back();
+  });
   const auto bytes_of = [&](std::size_t u, const slot& sl) {
     return sl.params_only ? units[u].fp.frozen_device_bytes : units[u].fp.device_bytes;
   };
@@ -117,6 +201,7 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
         return;
       }
       const std::size_t next = next_use(u, position, s);
+      cache.touch(u, cache_replay::access::update, counted, [&](std::size_t v) { return next_use(v, position, s); });
       if (!p.host_update(next == never ? never : step_of[next] - s, counted, t)) {
         used -= bytes_of(u, resident[u]);
         resident.erase(u);
@@ -156,12 +241,22 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
         const std::size_t k = detail::residency_model::choose_victim(candidates);  // the runtime's rule
         if (k == candidates.size()) { break; }  // cannot happen after the plan check: the held units fit
         const std::size_t v = candidates[k].unit;
-        if (resident[v].dirty) { t.d2h += counted * static_cast<double>(units[v].fp.write_back_bytes); }
+        if (resident[v].dirty) {
+          t.d2h += counted * static_cast<double>(units[v].fp.write_back_bytes);
+          written_home.push_back(v);
+        }
         used -= bytes_of(v, resident[v]);
         resident.erase(v);
       }
       t.h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
       t.swap_ins += counted;
+      const auto next_here = [&](std::size_t w) { return next_use(w, here, s); };
+      cache.touch(u, cache_replay::access::read, counted, next_here);  // before the victims' write-backs, as plain
+      for (const std::size_t v : written_home) {
+        cache.touch(v, units[v].whole_write_back() ? cache_replay::access::overwrite : cache_replay::access::update,
+                    counted, next_here);
+      }
+      written_home.clear();
       resident[u] = {.dirty = false, .params_only = !whole};
       used += bytes;
     }
@@ -224,7 +319,12 @@ plan_report make_plan(const plan_input& in)
     }
     p.fp = footprint(spec, p.policy.optimizer);
     r.all_resident_bytes += (footprint(spec, optimizer_placement::device).device_bytes + 255) / 256 * 256;
-    r.pinned_host_bytes += p.fp.home_bytes;
+    if (p.disk()) {
+      ++r.disk_units;
+      r.disk_bytes += (p.fp.home_bytes + page - 1) / page * page;
+    } else {
+      r.pinned_host_bytes += p.fp.home_bytes;
+    }
     if (p.pinned()) { ++r.pinned_units; }
     modelled.push_back({.name = spec.name,
                         .device_bytes = p.fp.device_bytes,
@@ -239,6 +339,10 @@ plan_report make_plan(const plan_input& in)
   const std::size_t guard = model.guard_bytes();
   r.pinned_device_bytes = model.pinned_bytes();
   r.all_resident_bytes = model.taken(r.all_resident_bytes);  // all pinned: packed, then whole granules
+  if (r.disk_units > 0) {
+    r.host_cache_bytes = in.options.storage.host_cache;
+    r.pinned_host_bytes += r.host_cache_bytes;
+  }
   r.pinned_host_bytes = (r.pinned_host_bytes + page - 1) / page * page;
   if (!in.frozen.empty() && in.frozen.size() != in.steps.size()) {
     throw config_error("the plan has " + std::to_string(in.steps.size()) + " steps but frozen uses for " +
@@ -323,7 +427,17 @@ plan_report make_plan(const plan_input& in)
   };
   traffic t;
   std::vector<detail::victim_candidate> candidates;
-  if (!in.ordered.empty()) { t = replay_ordered(in, units, room); }
+  std::vector<std::size_t> file_bytes(units.size(), 0);
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    if (units[i].disk()) { file_bytes[i] = (units[i].fp.home_bytes + page - 1) / page * page; }
+  }
+  cache_replay cache(in.options.storage.host_cache, file_bytes);
+  std::vector<std::pair<std::size_t, double>> written_home;  // a swap-in's victims written back, counted
+  if (!in.ordered.empty()) { t = replay_ordered(in, units, room, cache); }
+  cache.superseded_when([&](std::size_t v) {
+    const auto it = resident.find(v);
+    return it != resident.end() && it->second && units[v].whole_write_back();
+  });
   for (std::size_t s = 0; s < (in.ordered.empty() ? in.steps.size() : 0); ++s) {
     const std::vector<std::size_t>& trained = in.steps[s];
     const std::vector<std::size_t>& frozen = frozen_of(s);
@@ -338,6 +452,12 @@ plan_report make_plan(const plan_input& in)
       const std::size_t u = need[k];
       const bool whole = k >= frozen.size();
       const planned_unit& p = units[u];
+      // For the host cache: a unit this step acquires later is used now.
+      const auto next_now = [&](std::size_t v) {
+        return std::find(need.begin() + static_cast<std::ptrdiff_t>(k), need.end(), v) != need.end()
+                 ? s
+                 : next_use(units[v], s);
+      };
       if (p.pinned() || (resident.contains(u) && !(whole && params_only[u]))) { continue; }
       // A prefetched unit's copy (and the eviction that makes its room) happens up to its
       // lookahead earlier: the runtime counts it in that step's figures, so the replay does too.
@@ -363,8 +483,12 @@ plan_report make_plan(const plan_input& in)
         }
         const std::size_t chosen = detail::residency_model::choose_victim(candidates);  // the runtime's rule
         const std::size_t victim = chosen == candidates.size() ? never : candidates[chosen].unit;
+        const auto write_home = [&](std::size_t v, double c) {  // a dirty device copy to its home
+          t.d2h += c * static_cast<double>(units[v].fp.write_back_bytes);
+          written_home.emplace_back(v, c);
+        };
         if (victim != never) {
-          if (resident[victim]) { t.d2h += counted * static_cast<double>(units[victim].fp.write_back_bytes); }
+          if (resident[victim]) { write_home(victim, counted); }
           used -= slot_bytes(victim);
           resident.erase(victim);
           params_only.erase(victim);
@@ -380,15 +504,21 @@ plan_report make_plan(const plan_input& in)
           if (wide == never || std::pair(resident[v], v) < std::pair(resident[wide], wide)) { wide = v; }
         }
         if (wide == never) { break; }  // cannot happen after the checks above: the held units fit
-        if (resident[wide]) {
-          t.d2h += (s >= in.warmup_steps ? 1.0 : 0.0) * static_cast<double>(units[wide].fp.write_back_bytes);
-        }
+        if (resident[wide]) { write_home(wide, s >= in.warmup_steps ? 1.0 : 0.0); }
         used -= units[wide].fp.device_bytes - units[wide].fp.frozen_device_bytes;
         resident[wide] = false;
         params_only[wide] = true;
       }
       t.h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
       t.swap_ins += counted;
+      // The runtime reads the home into the host cache before the swap-in evicts to make room
+      // (Note [Two hops]): the victims' write-backs reach the cache after that read.
+      cache.touch(u, cache_replay::access::read, counted, next_now);
+      for (const auto& [v, c] : written_home) {
+        cache.touch(v, units[v].whole_write_back() ? cache_replay::access::overwrite : cache_replay::access::update, c,
+                    next_now);
+      }
+      written_home.clear();
       used += bytes;
       resident[u] = false;
       params_only[u] = !whole;
@@ -403,6 +533,7 @@ plan_report make_plan(const plan_input& in)
         continue;
       }
       const std::size_t next = next_use(p, s);
+      cache.touch(u, cache_replay::access::update, counted, [&](std::size_t v) { return next_use(units[v], s); });
       if (!p.host_update(next == never ? never : next - s, counted, t)) {
         used -= p.fp.device_bytes;
         resident.erase(u);
@@ -412,6 +543,25 @@ plan_report make_plan(const plan_input& in)
   }
   const double n =
     std::max<double>(1.0, static_cast<double>(in.steps.size() - std::min(in.warmup_steps, in.steps.size())));
+  r.disk_read_bytes_per_step = cache.read() / n;
+  r.disk_write_bytes_per_step = cache.written() / n;
+  for (std::size_t s = 0; s < in.steps.size(); ++s) {
+    std::size_t step_bytes = 0;
+    for (std::size_t i = 0; i < units.size(); ++i) {
+      if (file_bytes[i] != 0 && std::binary_search(units[i].uses.begin(), units[i].uses.end(), s)) {
+        step_bytes += file_bytes[i];
+      }
+    }
+    r.host_cache_step_bytes = std::max(r.host_cache_step_bytes, step_bytes);
+  }
+  r.disk_read_bytes_per_second = in.disk_read_bytes_per_second;
+  r.disk_write_bytes_per_second = in.disk_write_bytes_per_second;
+  r.disk_source = in.disk_source;
+  if (in.disk_read_bytes_per_second > 0 && in.disk_write_bytes_per_second > 0) {
+    r.disk_ms_per_step = (r.disk_read_bytes_per_step / in.disk_read_bytes_per_second +
+                          r.disk_write_bytes_per_step / in.disk_write_bytes_per_second) *
+                         1e3;
+  }
   r.h2d_bytes_per_step = t.h2d / n;
   r.d2h_bytes_per_step = t.d2h / n;
   r.swap_ins_per_step = t.swap_ins / n;

@@ -3,7 +3,7 @@
 
 // The planner behind `taskswap plan` and the prediction column of `taskswap headroom`: from the
 // units, their policies, the budget and a schedule of steps it predicts device and host bytes, the
-// traffic per step (a replay of the runtime's rules: Belady eviction over the swapped units,
+// host cache and the drive's traffic for disk homes, the traffic per step (a replay of the runtime's rules: Belady eviction over the swapped units,
 // write-back of dirty units, host-placed units' gradients home and parameters back, frozen uses
 // bringing the parameters alone and narrowing a whole unit held frozen when room is needed), the transfer
 // time, and the largest batch that fits beside the budget. No device is needed.
@@ -38,6 +38,9 @@ struct plan_input {
   std::string link_source;  ///< where the rate came from
   std::size_t fixed_bytes = 0;  ///< trainer's device bytes beside the budget, whatever the batch
   std::size_t bytes_per_sample = 0;  ///< and per sample of the batch
+  double disk_read_bytes_per_second = 0;  ///< the drive of [storage] path (0: unknown)
+  double disk_write_bytes_per_second = 0;
+  std::string disk_source;  ///< where the rates came from
 };
 
 struct plan_report {
@@ -49,7 +52,17 @@ struct plan_report {
   std::size_t granule = 0;  ///< the device pool's mapping granule
   std::size_t rounding_bytes = 0;  ///< of peak_device_bytes, what whole granules add to the slabs
   std::size_t all_resident_bytes = 0;  ///< every unit resident with its AdamW on the device
-  std::size_t pinned_host_bytes = 0;  ///< the home arena (page-rounded)
+  std::size_t pinned_host_bytes = 0;  ///< the home arena (page-rounded): host homes and the host cache
+  std::size_t disk_units = 0;  ///< units whose homes are on disk ([[units]] home = "disk")
+  std::size_t disk_bytes = 0;  ///< their unit files
+  std::size_t host_cache_bytes = 0;  ///< [storage] host_cache
+  std::size_t host_cache_step_bytes = 0;  ///< the most disk homes one step uses: a smaller cache reads some twice
+  double disk_read_bytes_per_step = 0;  ///< unit files read into the host cache
+  double disk_write_bytes_per_step = 0;  ///< dirty blocks written to them
+  double disk_read_bytes_per_second = 0;
+  double disk_write_bytes_per_second = 0;
+  std::string disk_source;
+  double disk_ms_per_step = 0;  ///< reads and writes at the drive's rates, one after the other (0 when unknown)
   std::size_t steps = 0;
   double h2d_bytes_per_step = 0;
   double d2h_bytes_per_step = 0;
