@@ -57,9 +57,7 @@ def test_disk_homes_train_bitwise_as_host_homes(tmp_path):
     model = Model(TASKS)
     sched = schedule(STEPS, TASKS)
     host = train_taskswap(fresh(model), sched, config("12 KiB"))
-    disk_homes = (f'\n[storage]\npath = "{tmp_path}"\nhost_cache = "40 KiB"\n'
-                  '\n[[units]]\nmatch = "task/*"\nhome = "disk"\n')
-    disk = train_taskswap(fresh(model), sched, config("12 KiB", extra=disk_homes))
+    disk = train_taskswap(fresh(model), sched, config("12 KiB", extra=disk_homes(tmp_path)))
     d = disk.stats().disk
     assert d.host_cache_bytes == 40 << 10 and d.evictions > 0 and d.written_back > 0 and d.misses > 0
     assert host.stats().disk.host_cache_bytes == 0
@@ -189,13 +187,24 @@ def test_frozen_use_keeps_the_unit_and_trains_the_rest():
     assert model.trunk[0].weight.requires_grad
 
 
-def test_checkpoint_round_trip(tmp_path):
+def disk_homes(path, cache: str = "40 KiB") -> str:
+    """The config lines that put the heads' homes in unit files under `path`."""
+    return (f'\n[storage]\npath = "{path}"\nhost_cache = "{cache}"\n'
+            '\n[[units]]\nmatch = "task/*"\nhome = "disk"\n')
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["host-homes", "disk-homes"])
+def test_checkpoint_round_trip(tmp_path, disk):
+    """Saved after 15 steps and resumed in a fresh runtime: bitwise the uninterrupted run. With disk
+    homes the checkpoint holds copies of the unit files (units/), and the resumed run has its own."""
     model = Model(6)
     sched = schedule(30, 6)
     whole = train_taskswap(fresh(model), sched, config("12 KiB"), plan=False)
-    first = train_taskswap(fresh(model), sched[:15], config("12 KiB"), plan=False)
+    first = train_taskswap(fresh(model), sched[:15], config("12 KiB", extra=disk_homes(tmp_path / "a") if disk else ""),
+                           plan=False)
     first.save_checkpoint(tmp_path / "ck", {"epoch": "3"})
-    second = tt.Runtime(options=config("12 KiB"))
+    assert len(list((tmp_path / "ck").glob("units/*.unit"))) == (6 if disk else 0)
+    second = tt.Runtime(options=config("12 KiB", extra=disk_homes(tmp_path / "b") if disk else ""))
     m2 = Model(6, seed=5)  # other initial values: the checkpoint must replace them
     trunk, heads = register(second, m2)
     steps_done, user = second.load_checkpoint(tmp_path / "ck")
