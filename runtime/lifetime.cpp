@@ -31,6 +31,11 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
   const char* check = std::getenv("TASKSWAP_CHECK_STATES");  // NOLINT(concurrency-mt-unsafe): read once, here
   check_states_ = check != nullptr && std::string_view(check) == "1";
   check_scaler(options);
+  if (!comm) { comm = make_communicator(dev, options.comm); }
+  if (comm && comm->size() > 1 && !options_.storage.path.empty()) {
+    // Every rank keeps its own replica of the disk homes: rank r's unit files are under rank<r>/.
+    options_.storage.path /= message("rank", comm->rank());
+  }
   register_units(options, specs);
   pool_.emplace(dev, options.device.budget - model_->guard_bytes());
   place_homes();
@@ -41,7 +46,6 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
     host_track_ = trace_->track("host optimizer");
   }
   if (guard_) { aux_.emplace(dev); }  // where guarded steps are finished and their units updated
-  if (!comm) { comm = make_communicator(dev, options.comm); }
   if (comm) {
     std::vector<detail::reducer_unit> units;
     units.reserve(units_.size());
