@@ -118,6 +118,11 @@ home_view runtime::home(unit_id u)
   // Not guarded: after a failure the home copies stay readable. A disk home's failed read leaves
   // it absent from the cache, and a victim's failed write leaves that block dirty: nothing is lost.
   detail::unit_record& r = impl_->record(u);
+  if (impl_->failed_ && r.home.cache != nullptr && r.home.cache->behind(r.home.entry)) {
+    throw storage_error(message("the home of unit '", r.name, "' in '", r.home.cache->file(r.home.entry).string(),
+                                "' is older than its last write-back: its newest bytes were in the device copy, "
+                                "which the failure lost; resume from the last checkpoint"));
+  }
   const detail::unit_layout& l = r.layout;
   home_view v;
   v.id = u;

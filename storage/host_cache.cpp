@@ -31,6 +31,7 @@ struct cache_entry {
   std::optional<unit_files::transfer> io;  // a read filling the block, or a write of it, in flight
   bool io_write = false;
   bool evicting = false;  // its block is freed once its write is done
+  bool behind = false;  // its file is older than a superseded block let go: only a whole overwrite brings it back
   std::vector<std::pair<void*, event>> busy;  // per stream, after the work that uses the block
   std::uint64_t last_used = 0;
 };
@@ -78,7 +79,8 @@ struct host_cache::impl {
     const bool freed = ranges.deallocate(*c.offset, c.bytes);
     TASKSWAP_EXPECTS(freed, message("host cache: the block of '", c.unit, "' was not live"));
     c.offset.reset();
-    c.dirty = false;  // written, superseded, or a read that failed
+    c.behind = c.behind || c.dirty;  // a dirty block freed unwritten: superseded
+    c.dirty = false;
     stats.used_bytes -= c.bytes;
     if (evicted) { ++stats.evictions; }
   }
@@ -284,6 +286,7 @@ std::span<std::byte> host_cache::block(entry_id e, bool overwrite)
   TASKSWAP_EXPECTS(e < m.entries.size(), message("host cache entry ", e, " was not added"));
   cache_entry& c = m.entries[e];
   c.last_used = ++m.tick;
+  c.behind = c.behind && !overwrite;  // the caller writes all of it now
   if (c.offset) {
     c.evicting = false;  // wanted again: an eviction's write in flight keeps the block
     if (c.io && !c.io_write && !m.files.done(*c.io)) {
@@ -393,9 +396,12 @@ void host_cache::discard(entry_id e)
   m.quiesce(c);
   if (c.offset) { m.free_block(c, false); }
   c.dirty = false;
+  c.behind = false;  // the caller's file is the home now
   c.fresh = false;
   c.synced = true;  // the caller syncs what it writes
 }
+
+bool host_cache::behind(entry_id e) const { return impl_->entries.at(e).behind; }
 
 const std::filesystem::path& host_cache::file(entry_id e) const { return impl_->files.path(impl_->entries.at(e).file); }
 std::size_t host_cache::capacity() const noexcept { return impl_->memory.size(); }

@@ -15,6 +15,9 @@
 //   work (events, one per stream), and a block written (wrote = true) is dirty. A dirty block the
 //   runtime says is superseded (the unit's device copy has a newer update, which its write-back
 //   will bring home whole) is let go unwritten: its bytes would be overwritten before being read.
+//   Until that write-back arrives the entry is behind() (its block, read again, would be older
+//   than the last write-back): the runtime refuses home() of such a unit after a failure, which
+//   lost the device copy, rather than hand out older bytes.
 // - prefetch() starts the read of an entry the plan uses soon, so that block() finds it there;
 //   ready() says when the read is done (the device prefetch waits for it: a unit is in host
 //   memory before its device copy starts).
@@ -107,6 +110,8 @@ class host_cache {
   /// block unwritten; the next block() reads the file.
   void discard(entry_id e);
 
+  /// Whether the entry's file is older than a superseded block let go (until a whole overwrite).
+  [[nodiscard]] bool behind(entry_id e) const;
   [[nodiscard]] const std::filesystem::path& file(entry_id e) const;
   [[nodiscard]] std::size_t capacity() const noexcept;
   [[nodiscard]] host_cache_stats stats() const noexcept;

@@ -190,6 +190,12 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
     const auto it = std::upper_bound(q.begin(), q.end(), after);
     return it == q.end() || step_of[*it] >= plan_horizon(in, s) ? never : *it;
   };
+  // For the host cache: a unit held for training with host placement is in use now (its
+  // gradients come home at release), as the runtime's host cache sees it.
+  const auto cache_next = [&](std::size_t v, std::size_t after, std::size_t s) {
+    const auto h = held.find(v);
+    return h != held.end() && h->second && units[v].host() ? after : next_use(v, after, s);
+  };
   for (std::size_t s = 0; s < in.ordered.size(); ++s) {
     const double counted = s >= in.warmup_steps ? 1.0 : 0.0;
     const auto release = [&](std::size_t u, bool trained) {
@@ -200,8 +206,10 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
         resident[u].dirty = true;
         return;
       }
-      const std::size_t next = next_use(u, position, s);
-      cache.touch(u, cache_replay::access::update, counted, [&](std::size_t v) { return next_use(v, position, s); });
+      // `position` is the index of the next acquisition: a use there is the next one.
+      const std::size_t after = position == 0 ? 0 : position - 1;
+      const std::size_t next = next_use(u, after, s);
+      cache.touch(u, cache_replay::access::update, counted, [&](std::size_t v) { return cache_next(v, after, s); });
       if (!p.host_update(next == never ? never : step_of[next] - s, counted, t)) {
         used -= bytes_of(u, resident[u]);
         resident.erase(u);
@@ -229,6 +237,10 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
         resident.erase(r);
       }
       const std::size_t bytes = whole ? p.fp.device_bytes : p.fp.frozen_device_bytes;
+      const auto next_here = [&](std::size_t w) { return cache_next(w, here, s); };
+      // The runtime reads the home into the host cache (Note [Two hops]) while the swap-in's
+      // victims are still resident; their write-backs reach the cache after that read.
+      cache.touch(u, cache_replay::access::read, counted, next_here);
       while (used + bytes > room) {
         candidates.clear();
         for (const auto& [v, sl] : resident) {
@@ -250,8 +262,6 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
       }
       t.h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
       t.swap_ins += counted;
-      const auto next_here = [&](std::size_t w) { return next_use(w, here, s); };
-      cache.touch(u, cache_replay::access::read, counted, next_here);  // before the victims' write-backs, as plain
       for (const std::size_t v : written_home) {
         cache.touch(v, units[v].whole_write_back() ? cache_replay::access::overwrite : cache_replay::access::update,
                     counted, next_here);
@@ -263,6 +273,7 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
     for (const auto& [u, trained] : held) { release(u, trained); }  // held to the step's end
     held.clear();
   }
+  cache.superseded_when([](std::size_t) { return false; });  // its predicate reads this replay's state
   return t;
 }
 
@@ -452,11 +463,14 @@ plan_report make_plan(const plan_input& in)
       const std::size_t u = need[k];
       const bool whole = k >= frozen.size();
       const planned_unit& p = units[u];
-      // For the host cache: a unit this step acquires later is used now.
+      // For the host cache: a unit this step acquires later is used now, and so is one held for
+      // training with host placement (its gradients come home at the step's end).
       const auto next_now = [&](std::size_t v) {
-        return std::find(need.begin() + static_cast<std::ptrdiff_t>(k), need.end(), v) != need.end()
-                 ? s
-                 : next_use(units[v], s);
+        const auto at = std::find(need.begin(), need.end(), v);
+        const bool now =
+          at != need.end() && (at >= need.begin() + static_cast<std::ptrdiff_t>(k) ||
+                               (units[v].host() && at >= need.begin() + static_cast<std::ptrdiff_t>(frozen.size())));
+        return now ? s : next_use(units[v], s);
       };
       if (p.pinned() || (resident.contains(u) && !(whole && params_only[u]))) { continue; }
       // A prefetched unit's copy (and the eviction that makes its room) happens up to its
@@ -470,6 +484,9 @@ plan_report make_plan(const plan_input& in)
         used -= slot_bytes(u);
         resident.erase(u);
       }
+      // The runtime reads the home into the host cache (Note [Two hops]) while the swap-in's
+      // victims are still resident; their write-backs reach the cache after that read.
+      cache.touch(u, cache_replay::access::read, counted, next_now);
       while (used + bytes > room) {
         candidates.clear();
         for (const auto& [v, dirty] : resident) {
@@ -511,9 +528,6 @@ plan_report make_plan(const plan_input& in)
       }
       t.h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
       t.swap_ins += counted;
-      // The runtime reads the home into the host cache before the swap-in evicts to make room
-      // (Note [Two hops]): the victims' write-backs reach the cache after that read.
-      cache.touch(u, cache_replay::access::read, counted, next_now);
       for (const auto& [v, c] : written_home) {
         cache.touch(v, units[v].whole_write_back() ? cache_replay::access::overwrite : cache_replay::access::update, c,
                     next_now);
@@ -533,7 +547,10 @@ plan_report make_plan(const plan_input& in)
         continue;
       }
       const std::size_t next = next_use(p, s);
-      cache.touch(u, cache_replay::access::update, counted, [&](std::size_t v) { return next_use(units[v], s); });
+      cache.touch(u, cache_replay::access::update, counted, [&](std::size_t v) {
+        const bool held_now = units[v].host() && std::find(trained.begin(), trained.end(), v) != trained.end();
+        return held_now ? s : next_use(units[v], s);
+      });
       if (!p.host_update(next == never ? never : next - s, counted, t)) {
         used -= p.fp.device_bytes;
         resident.erase(u);
