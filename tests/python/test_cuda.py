@@ -10,7 +10,18 @@ import torch
 
 import taskswap
 import taskswap.torch as tt
-from loops import Model, config, fresh, max_relative, model_state, register, schedule, train_taskswap, train_torch
+from loops import (
+    Model,
+    batch,
+    config,
+    fresh,
+    max_relative,
+    model_state,
+    register,
+    schedule,
+    train_taskswap,
+    train_torch,
+)
 
 pytestmark = pytest.mark.skipif(not (taskswap.with_cuda and torch.cuda.is_available()
                                      and taskswap.cuda_device_count() > 0),
@@ -84,3 +95,37 @@ def test_streamed_layers_equal_all_resident_bitwise_on_cuda():
         resident, _, _, _ = train(streamed=False, trained_layers=trained, backend="cuda", width=512)
         assert totals.evictions > 0 and totals.peak_device_bytes <= budget
         assert all(torch.equal(streamed[k], resident[k]) for k in streamed)
+
+
+def test_disk_homes_on_cuda_equal_host_homes_and_resume_bitwise(tmp_path):
+    """The heads' homes in unit files behind a host cache of three heads, on CUDA: the cache's
+    blocks are the sources and targets of the device copies. Bitwise the host-homed run; a
+    checkpoint after half the steps (units/ holds the files' copies) resumes bitwise."""
+    from test_torch_layer import disk_homes
+    model = Model(TASKS, out=8192)
+    sched = schedule(STEPS, TASKS)
+    cache = "7 MiB"  # three heads' state (2.1 MiB each), not all sixteen
+    host = train_taskswap(fresh(model), sched, config("16 MiB", backend="cuda"), device="cuda")
+    on_disk = config("16 MiB", backend="cuda", extra=disk_homes(tmp_path / "a", cache))
+    disk = train_taskswap(fresh(model), sched, on_disk, device="cuda")
+    d = disk.stats().disk
+    assert d.evictions > 0 and d.written_back > 0 and d.misses > 0
+    a, b = host.state_dict(), disk.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    half = STEPS // 2
+    first = train_taskswap(fresh(model), sched[:half],
+                           config("16 MiB", backend="cuda", extra=disk_homes(tmp_path / "b", cache)), device="cuda")
+    first.save_checkpoint(tmp_path / "ck", {})
+    assert len(list((tmp_path / "ck").glob("units/*.unit"))) == TASKS
+    del first
+    second = tt.Runtime(options=config("16 MiB", backend="cuda", extra=disk_homes(tmp_path / "c", cache)))
+    m2 = Model(TASKS, out=8192, seed=5).to("cuda")  # other initial values: the checkpoint replaces them
+    trunk, heads = register(second, m2)
+    assert second.load_checkpoint(tmp_path / "ck")[0] == half
+    for i, t in enumerate(sched[half:], start=half):
+        x, y = (v.to("cuda") for v in batch(i, t, out=8192))
+        with second.step(trunk, heads[t]):
+            torch.nn.functional.mse_loss(m2(x, t), y).backward()
+    c = second.state_dict()
+    assert all(torch.equal(a[k], c[k]) for k in a)
