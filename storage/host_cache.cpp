@@ -34,6 +34,7 @@ struct cache_entry {
   bool behind = false;  // its file is older than a superseded block let go: only a whole overwrite brings it back
   std::vector<std::pair<void*, event>> busy;  // per stream, after the work that uses the block
   std::uint64_t last_used = 0;
+  std::size_t live_at = 0;  // its index in impl::live, while it has a block
 };
 
 }  // namespace
@@ -44,6 +45,10 @@ struct host_cache::impl {
   unit_files& files;
   best_fit_ranges ranges;
   std::vector<cache_entry> entries;
+  // The entries with a block (cached, being read or being written): what pump(), victim() and
+  // room() look at, so that their cost follows the cache's size, not the number of units (10,000
+  // tasks behind a cache of a few dozen blocks). Unordered: removal swaps the last one in.
+  std::vector<entry_id> live;
   std::function<std::uint64_t(entry_id)> next_use = [](entry_id) { return never; };
   std::function<bool(entry_id)> superseded = [](entry_id) { return false; };
   std::uint64_t tick = 0;
@@ -79,6 +84,9 @@ struct host_cache::impl {
     const bool freed = ranges.deallocate(*c.offset, c.bytes);
     TASKSWAP_EXPECTS(freed, message("host cache: the block of '", c.unit, "' was not live"));
     c.offset.reset();
+    entries[live.back()].live_at = c.live_at;
+    live[c.live_at] = live.back();
+    live.pop_back();
     c.behind = c.behind || c.dirty;  // a dirty block freed unwritten: superseded
     c.dirty = false;
     stats.used_bytes -= c.bytes;
@@ -130,18 +138,22 @@ struct host_cache::impl {
   }
 
   // The cached entry without a transfer in flight, other than `keep`, whose next use is furthest
-  // (then the least recently used); for a prefetch (`before` set) only one used after `before`
-  // and not let go already.
+  // (then the least recently used, then the lowest id); for a prefetch (`before` set) only one
+  // used after `before` and not let go already.
   cache_entry* victim(entry_id keep, std::optional<std::uint64_t> before)
   {
     cache_entry* best = nullptr;
     std::uint64_t best_next = 0;
-    for (entry_id i = 0; i < entries.size(); ++i) {
+    // Backwards: finish_io() may free the block of the entry at k, which moves the last one (seen
+    // already) to k.
+    for (std::size_t k = live.size(); k-- > 0;) {
+      const entry_id i = live[k];
       cache_entry& c = entries[i];
-      if (i == keep || !c.offset || (c.io && !finish_io(c, false)) || !c.offset) { continue; }
+      if (i == keep || (c.io && !finish_io(c, false)) || !c.offset) { continue; }
       const std::uint64_t next = next_use(i);
       if (before && (next <= *before || c.evicting)) { continue; }
-      if (best == nullptr || next > best_next || (next == best_next && c.last_used < best->last_used)) {
+      if (best == nullptr || next > best_next ||
+          (next == best_next && (c.last_used < best->last_used || (c.last_used == best->last_used && &c < best)))) {
         best = &c;
         best_next = next;
       }
@@ -171,8 +183,8 @@ struct host_cache::impl {
   [[nodiscard]] std::size_t evicting_bytes() const
   {
     std::size_t bytes = 0;
-    for (const cache_entry& c : entries) {
-      if (c.offset && c.evicting) { bytes += c.bytes; }
+    for (const entry_id i : live) {
+      if (entries[i].evicting) { bytes += entries[i].bytes; }
     }
     return bytes;
   }
@@ -202,8 +214,8 @@ struct host_cache::impl {
         // Every other block has a transfer in flight: wait for one (a write may free its block, a
         // read's block may then be let go), then look again.
         cache_entry* busy_io = nullptr;
-        for (entry_id i = 0; i < entries.size(); ++i) {
-          if (i != e && entries[i].io) { busy_io = &entries[i]; }
+        for (const entry_id i : live) {
+          if (i != e && entries[i].io && (busy_io == nullptr || &entries[i] > busy_io)) { busy_io = &entries[i]; }
         }
         if (busy_io == nullptr) {
           throw out_of_memory(message("the host cache (", bytes_text(memory.size()), ") cannot hold the home of '",
@@ -232,6 +244,8 @@ struct host_cache::impl {
   void fill(cache_entry& c, std::size_t at, bool overwrite = false)
   {
     c.offset = at;
+    c.live_at = live.size();
+    live.push_back(static_cast<entry_id>(&c - entries.data()));
     stats.used_bytes += c.bytes;
     if (overwrite) {
       c.fresh = false;
@@ -334,9 +348,13 @@ bool host_cache::ready(entry_id e)
 
 void host_cache::pump()
 {
-  for (cache_entry& c : impl_->entries) {
-    (void)impl_->finish_io(c, false);
-    impl_->advance(c);
+  impl& m = *impl_;
+  // Backwards: finishing a transfer or letting a block go frees the block of the entry at k, which
+  // moves the last one (seen already) to k.
+  for (std::size_t k = m.live.size(); k-- > 0;) {
+    cache_entry& c = m.entries[m.live[k]];
+    (void)m.finish_io(c, false);
+    if (c.offset) { m.advance(c); }
   }
 }
 

@@ -12,6 +12,7 @@
 #include <fcntl.h>
 #include <liburing.h>
 #include <sys/file.h>  // flock
+#include <sys/resource.h>  // RLIMIT_NOFILE
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -392,6 +393,24 @@ std::string unit_files::file_name(std::string_view unit, std::uint64_t identity)
   return out + ".unit";
 }
 
+// Note [Open files]: each unit file stays open for the run (its transfers name the descriptor), so
+// 10,000 disk homes are 10,000 descriptors, where many systems' soft limit is 1,024 (kept low for
+// select(); the hard limit is far higher). When an open finds the limit reached, the soft limit is
+// raised to the hard one, once, and said; past the hard limit the error says what to raise.
+bool unit_files::raise_open_file_limit()
+{
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= limit.rlim_max) { return false; }
+  const rlim_t was = limit.rlim_cur;
+  limit.rlim_cur = limit.rlim_max;
+  if (::setrlimit(RLIMIT_NOFILE, &limit) != 0) { return false; }
+  log_once(
+    "storage open files", log_level::info,
+    message("storage: ", impl_->files.size(), " unit files are open; raised this process's open-file limit from ", was,
+            " to its hard limit, ", limit.rlim_max));
+  return true;
+}
+
 unit_files::file_index unit_files::open(std::string_view unit, std::uint64_t identity, std::size_t bytes)
 {
   impl& m = *impl_;
@@ -400,9 +419,19 @@ unit_files::file_index unit_files::open(std::string_view unit, std::uint64_t ide
   const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (m.direct ? O_DIRECT : 0);
   f.existed = std::filesystem::exists(f.path);
   f.fd = ::open(f.path.c_str(), flags, 0644);
+  if (f.fd < 0 && errno == EMFILE && raise_open_file_limit()) { f.fd = ::open(f.path.c_str(), flags, 0644); }
   if (f.fd < 0) {
-    throw storage_error(message("opening '", f.path.string(), "' for unit '", unit, "': ", errno_text(errno),
-                                "; check that [storage] path is a writable directory"));
+    const int e = errno;
+    rlimit limit{};
+    (void)::getrlimit(RLIMIT_NOFILE, &limit);
+    throw storage_error(
+      e == EMFILE ? message("opening '", f.path.string(), "' for unit '", unit, "': ", errno_text(e),
+                            ". Each disk-homed unit keeps its file open (", m.files.size(),
+                            " so far) and this process may open ", limit.rlim_cur,
+                            " files in all; raise the limit (ulimit -n, or LimitNOFILE in a systemd unit) above the "
+                            "number of disk-homed units plus what the trainer opens besides")
+                  : message("opening '", f.path.string(), "' for unit '", unit, "': ", errno_text(e),
+                            "; check that [storage] path is a writable directory"));
   }
   f.bytes = round_up(bytes, m.alignment());
   struct stat st {};

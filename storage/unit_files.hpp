@@ -79,8 +79,10 @@ class unit_files {
   [[nodiscard]] static std::string file_name(std::string_view unit, std::uint64_t identity);
 
   /// Opens the unit's file, making it if missing, and reserves `bytes` rounded up to alignment().
-  /// Returns its index. Existing contents are kept.
-  /// @throws storage_error when the file cannot be made or the drive lacks the space
+  /// Returns its index. Existing contents are kept. The file stays open for the run; where the
+  /// process's open-file limit is reached, its soft limit is raised to the hard one (Note [Open files]).
+  /// @throws storage_error when the file cannot be made, the drive lacks the space, or the hard
+  /// open-file limit is reached (the message says what to raise)
   file_index open(std::string_view unit, std::uint64_t identity, std::size_t bytes);
   /// Whether the file existed before open() (a later run finding its units' files).
   [[nodiscard]] bool existed(file_index f) const;
@@ -119,6 +121,7 @@ class unit_files {
   [[nodiscard]] unit_file_stats stats() const noexcept;
 
  private:
+  bool raise_open_file_limit();
   struct impl;
   std::unique_ptr<impl> impl_;
 };

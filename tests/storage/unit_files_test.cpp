@@ -11,16 +11,20 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
 #include <sys/statfs.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace taskswap::detail {
@@ -297,6 +301,59 @@ TEST_F(unit_files_test, bad_options_and_an_unusable_directory_say_what_to_change
   unit_file_options o = options();
   o.directory = file / "below";
   expect_error_mentioning<config_error>([&] { unit_files files(o); }, "cannot make the directory");
+}
+
+// Note [Open files]: every disk home keeps its file open, so a run of many disk homes meets the
+// soft open-file limit (1,024 on many systems) long before the hard one.
+std::size_t open_descriptors()
+{
+  return static_cast<std::size_t>(std::distance(fs::directory_iterator("/proc/self/fd"), fs::directory_iterator{}));
+}
+
+TEST_F(unit_files_test, more_files_than_the_soft_open_file_limit_raise_it_to_the_hard_one)
+{
+  rlimit was{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &was), 0);
+  const rlim_t low = open_descriptors() + 16;
+  if (was.rlim_max != RLIM_INFINITY && was.rlim_max < low + 64) {
+    GTEST_SKIP() << "the hard open-file limit is too low";
+  }
+  rlimit lowered = was;
+  lowered.rlim_cur = low;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &lowered), 0);
+  {
+    unit_files files(options());
+    for (int u = 0; u < 64; ++u) { (void)files.open("task/" + std::to_string(u), 1, 4 * kib); }
+    rlimit now{};
+    ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &now), 0);
+    EXPECT_EQ(now.rlim_cur, was.rlim_max);
+    const aligned_bytes data = write_random(files, 63, 4 * kib);
+    EXPECT_TRUE(reads_back(files, 63, data));
+  }
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &was), 0);
+}
+
+TEST_F(unit_files_test, more_files_than_the_hard_open_file_limit_is_an_error_saying_what_to_raise)
+{
+  // In a child process: a hard limit lowered cannot be raised again without privileges.
+  const auto child = [&] {
+    const rlim_t low = open_descriptors() + 16;
+    const rlimit lowered{.rlim_cur = low, .rlim_max = low};
+    if (::setrlimit(RLIMIT_NOFILE, &lowered) != 0) { std::_Exit(2); }
+    try {
+      unit_files files(options());
+      for (int u = 0; u < 64; ++u) { (void)files.open("task/" + std::to_string(u), 1, 4 * kib); }
+    } catch (const storage_error& e) {
+      const std::string what = e.what();
+      std::fprintf(stderr, "%s\n", what.c_str());
+      std::_Exit(what.find("ulimit -n") != std::string::npos && what.find("task/") != std::string::npos &&
+                     what.find("may open " + std::to_string(low)) != std::string::npos
+                   ? 0
+                   : 3);
+    }
+    std::_Exit(4);
+  };
+  EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "keeps its file open");
 }
 
 }  // namespace
