@@ -219,7 +219,8 @@ void bind_options(nb::module_& m)
     .def_rw("optimizer", &unit_policy::optimizer)
     .def_rw("lr_scale", &unit_policy::lr_scale)
     .def_rw("weight_decay", &unit_policy::weight_decay)
-    .def_rw("home", &unit_policy::home, "The home tier that keeps its home copy (\"host\").");
+    .def_rw("home", &unit_policy::home,
+            "The home tier that keeps its home copy (\"host\", or \"disk\" with Options.storage).");
 
   nb::class_<emulated_options>(m, "EmulatedOptions", "The emulated device's memory and link model.")
     .def_rw("memory_bytes", &emulated_options::memory_bytes)
@@ -248,6 +249,17 @@ void bind_options(nb::module_& m)
       "timeout_s", [](const comm_options& o) { return to_seconds(o.timeout); },
       [](comm_options& o, double s) { o.timeout = to_ms(s); });
 
+  nb::class_<storage_options>(m, "StorageOptions",
+                              "The [storage] table: the disk home tier's directory, host cache and requests.")
+    .def(nb::init<>())
+    .def_rw("path", &storage_options::path, "The directory of the unit files (made if missing).")
+    .def_rw("host_cache", &storage_options::host_cache,
+            "Pinned host bytes caching disk homes; at least the largest disk-homed unit.")
+    .def_rw("queue_depth", &storage_options::queue_depth, "Reads and writes in flight at once.")
+    .def_rw("block", &storage_options::block, "Bytes per request, a multiple of 4 KiB.")
+    .def_rw("lookahead", &storage_options::lookahead,
+            "Steps ahead the plan's disk homes are read into the host cache.");
+
   nb::class_<runtime_options>(m, "Options", "Everything a taskswap TOML configuration holds.")
     .def(nb::init<>())
     .def("__copy__", [](const runtime_options& o) { return o; })
@@ -258,6 +270,7 @@ void bind_options(nb::module_& m)
     .def_rw("optimizer", &runtime_options::optimizer)
     .def_rw("scaler", &runtime_options::scaler)
     .def_rw("comm", &runtime_options::comm)
+    .def_rw("storage", &runtime_options::storage)
     .def_rw("measure_stall", &runtime_options::measure_stall)
     .def_rw("trace", &runtime_options::trace)
     .def_rw("source", &runtime_options::source)
@@ -267,13 +280,14 @@ void bind_options(nb::module_& m)
       "add_rule",
       [](runtime_options& o, std::string match, std::optional<residency> r, std::optional<int> lookahead,
          std::optional<optimizer_placement> placement, std::optional<double> lr_scale,
-         std::optional<double> weight_decay, std::string origin) {
-        o.units.push_back(
-          unit_rule{std::move(match), r, lookahead, placement, std::move(origin), lr_scale, weight_decay});
+         std::optional<double> weight_decay, std::string origin, std::optional<std::string> home) {
+        o.units.push_back(unit_rule{std::move(match), r, lookahead, placement, std::move(origin), lr_scale,
+                                    weight_decay, std::move(home)});
       },
       "match"_a, "residency"_a = nb::none(), "lookahead"_a = nb::none(), "optimizer"_a = nb::none(),
-      "lr_scale"_a = nb::none(), "weight_decay"_a = nb::none(), "origin"_a = "python",
-      "Appends a [[units]] rule (later rules win); `origin` names it in error messages.")
+      "lr_scale"_a = nb::none(), "weight_decay"_a = nb::none(), "origin"_a = "python", "home"_a = nb::none(),
+      "Appends a [[units]] rule (later rules win); `origin` names it in error messages; `home`: the "
+      "home tier (\"host\" or \"disk\", which needs `storage`).")
     .def_prop_rw(
       "timeout_s", [](const runtime_options& o) { return to_seconds(o.timeout); },
       [](runtime_options& o, double s) { o.timeout = to_ms(s); })

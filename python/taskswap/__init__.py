@@ -35,6 +35,7 @@ from ._core import (  # noqa: F401
     RuntimeStats,
     StepStats,
     StorageError,
+    StorageOptions,
     Stream,
     TensorSpec,
     TimeoutError,

@@ -5,6 +5,7 @@ taskswap's runtime for Python (no libtorch link; views are DLPack tensors)
 from collections.abc import Mapping, Sequence
 import enum
 import os
+import pathlib
 
 import torch
 
@@ -214,7 +215,9 @@ class UnitPolicy:
 
     @property
     def home(self) -> str:
-        """The home tier that keeps its home copy ("host")."""
+        """
+        The home tier that keeps its home copy ("host", or "disk" with Options.storage).
+        """
 
     @home.setter
     def home(self, arg: str, /) -> None: ...
@@ -310,6 +313,50 @@ class CommOptions:
     @timeout_s.setter
     def timeout_s(self, arg: float, /) -> None: ...
 
+class StorageOptions:
+    """
+    The [storage] table: the disk home tier's directory, host cache and requests.
+    """
+
+    def __init__(self) -> None: ...
+
+    @property
+    def path(self) -> pathlib.Path:
+        """The directory of the unit files (made if missing)."""
+
+    @path.setter
+    def path(self, arg: str | os.PathLike, /) -> None: ...
+
+    @property
+    def host_cache(self) -> int:
+        """
+        Pinned host bytes caching disk homes; at least the largest disk-homed unit.
+        """
+
+    @host_cache.setter
+    def host_cache(self, arg: int, /) -> None: ...
+
+    @property
+    def queue_depth(self) -> int:
+        """Reads and writes in flight at once."""
+
+    @queue_depth.setter
+    def queue_depth(self, arg: int, /) -> None: ...
+
+    @property
+    def block(self) -> int:
+        """Bytes per request, a multiple of 4 KiB."""
+
+    @block.setter
+    def block(self, arg: int, /) -> None: ...
+
+    @property
+    def lookahead(self) -> int:
+        """Steps ahead the plan's disk homes are read into the host cache."""
+
+    @lookahead.setter
+    def lookahead(self, arg: int, /) -> None: ...
+
 class Options:
     """Everything a taskswap TOML configuration holds."""
 
@@ -350,6 +397,12 @@ class Options:
     def comm(self, arg: CommOptions, /) -> None: ...
 
     @property
+    def storage(self) -> StorageOptions: ...
+
+    @storage.setter
+    def storage(self, arg: StorageOptions, /) -> None: ...
+
+    @property
     def measure_stall(self) -> bool: ...
 
     @measure_stall.setter
@@ -371,9 +424,9 @@ class Options:
     def rules(self) -> int:
         """The number of [[units]] rules."""
 
-    def add_rule(self, match: str, residency: Residency | None = None, lookahead: int | None = None, optimizer: OptimizerPlacement | None = None, lr_scale: float | None = None, weight_decay: float | None = None, origin: str = 'python') -> None:
+    def add_rule(self, match: str, residency: Residency | None = None, lookahead: int | None = None, optimizer: OptimizerPlacement | None = None, lr_scale: float | None = None, weight_decay: float | None = None, origin: str = 'python', home: str | None = None) -> None:
         """
-        Appends a [[units]] rule (later rules win); `origin` names it in error messages.
+        Appends a [[units]] rule (later rules win); `origin` names it in error messages; `home`: the home tier ("host" or "disk", which needs `storage`).
         """
 
     @property

@@ -67,6 +67,27 @@ def test_disk_homes_train_bitwise_as_host_homes(tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+def test_disk_homes_from_options_built_in_code(tmp_path):
+    """No TOML: Options.storage and a rule's home put the heads in unit files, bitwise as above."""
+    model = Model(TASKS)
+    sched = schedule(STEPS, TASKS)
+    host = train_taskswap(fresh(model), sched, config("12 KiB"))
+    options = config("12 KiB")
+    options.storage.path = tmp_path
+    options.storage.host_cache = 40 << 10
+    options.storage.queue_depth = 4
+    options.add_rule("task/*", home="disk")
+    assert options.storage.path == tmp_path and options.storage.lookahead == 4
+    disk = train_taskswap(fresh(model), sched, options)
+    assert disk.stats().disk.misses > 0 and len(list(tmp_path.glob("task%2f*.unit"))) == TASKS
+    a, b = host.state_dict(), disk.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    bad = config("12 KiB")
+    bad.add_rule("task/*", home="disk")  # no storage.path
+    with pytest.raises(taskswap.ConfigError, match=r"\[storage\]"):
+        train_taskswap(fresh(model), sched, bad)
+
+
 def test_gradients_alias_the_slabs():
     model = Model(4)
     rt = tt.Runtime(options=config("64 KiB"))
