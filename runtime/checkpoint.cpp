@@ -645,25 +645,23 @@ std::string manifest_text(const checkpoint_manifest& m)
   return out.str();
 }
 
-namespace {
-
 // Copies the file `from` to the new file `to` and flushes it: a clone where the file system shares
 // extents (XFS, btrfs: no space until one of them changes), else a copy inside the kernel, else
-// through a buffer.
-void copy_unit_file(const std::filesystem::path& from, const std::filesystem::path& to)
+// through a buffer. `first` skips the earlier ways (tests).
+void copy_unit_file(const std::filesystem::path& from, const std::filesystem::path& to, file_copy first)
 {
   fd_file src(from, O_RDONLY);
   fd_file dst(to, O_WRONLY | O_CREAT | O_EXCL);
   const auto unsupported = [](int e) {  // the call does not apply to these files: the next way then
     return e == EXDEV || e == EINVAL || e == ENOSYS || e == EOPNOTSUPP || e == ENOTTY || e == EPERM;
   };
-  if (::ioctl(dst.fd(), FICLONE, src.fd()) != 0) {
-    if (!unsupported(errno)) {
+  if (first != file_copy::clone || ::ioctl(dst.fd(), FICLONE, src.fd()) != 0) {
+    if (first == file_copy::clone && !unsupported(errno)) {
       throw checkpoint_error(message("copying '", from.string(), "' to '", to.string(), "' failed: ", system_reason()));
     }
     const std::uint64_t size = src.size();
     std::uint64_t done = 0;
-    while (done < size) {
+    while (first != file_copy::buffered && done < size) {
       const ssize_t n = ::copy_file_range(src.fd(), nullptr, dst.fd(), nullptr, size - done, 0);
       if (n < 0 && errno == EINTR) { continue; }
       if (done == 0 && (n == 0 || (n < 0 && unsupported(errno)))) {
@@ -687,6 +685,8 @@ void copy_unit_file(const std::filesystem::path& from, const std::filesystem::pa
   src.forget();
   dst.forget();
 }
+
+namespace {
 
 // Checks the copied unit files against the manifest's checksums (taken from the run's files)
 // before the checkpoint is put in place.

@@ -55,6 +55,16 @@ struct checkpoint_source {
 void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
                       std::span<const checkpoint_source> units);
 
+/// How copy_unit_file tries first: a clone (FICLONE), a copy inside the kernel (copy_file_range),
+/// or through a buffer. Each falls back to the next where the call does not apply to the files.
+enum class file_copy { clone, in_kernel, buffered };
+
+/// Copies the unit file `from` to the new file `to` (which must not exist) and syncs it, trying
+/// the ways from `first` on (write_checkpoint starts with the clone; tests force the others).
+/// @throws checkpoint_error naming both paths and the system's reason
+void copy_unit_file(const std::filesystem::path& from, const std::filesystem::path& to,
+                    file_copy first = file_copy::clone);
+
 /// Checks data.bin and the units' files against `manifest` (their sizes and every slab's checksum).
 /// @throws checkpoint_error naming the first unit and slab that does not match
 void verify_data(const std::filesystem::path& dir, const checkpoint_manifest& manifest);

@@ -6,17 +6,21 @@
 // misconfigured says so.
 
 #include "expect_error.hpp"
+#include "runtime/checkpoint.hpp"
 #include "runtime/training_loop.hpp"
 
 #include <taskswap/taskswap.hpp>
 
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 
 namespace taskswap::test {
@@ -302,6 +306,68 @@ TEST_F(disk_home_test, a_damaged_checkpoint_is_refused_before_any_unit_file_is_w
   model resumed(dir_ / "c", 1 << 20);
   (void)resumed.rt.load_checkpoint(ck);
   EXPECT_EQ(resumed.state(), saved);
+}
+
+// Each way of copying a unit file into a checkpoint, forced, on a size that is not a multiple of
+// the buffer (8 MiB) or of a page: the bytes arrive whole, and the copy never overwrites a file.
+TEST_F(disk_home_test, each_way_of_copying_a_unit_file_copies_it_whole)
+{
+  fs::create_directories(dir_);
+  const fs::path from = dir_ / "from.unit";
+  std::string bytes((std::size_t{8} << 20U) * 2 + 3 * 4096 + 17, '\0');
+  std::mt19937_64 rng(5);
+  for (char& c : bytes) { c = static_cast<char>(rng()); }
+  std::ofstream(from, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+  for (const detail::file_copy way :
+       {detail::file_copy::clone, detail::file_copy::in_kernel, detail::file_copy::buffered}) {
+    const fs::path to = dir_ / ("to-" + std::to_string(static_cast<int>(way)) + ".unit");
+    detail::copy_unit_file(from, to, way);
+    EXPECT_TRUE(file_bytes(to) == bytes) << static_cast<int>(way);
+    expect_error_mentioning<checkpoint_error>([&] { detail::copy_unit_file(from, to, way); }, to.string());
+  }
+}
+
+// A save that fails while it copies the unit files (here: the file size limit, met by the copies
+// and not by data.bin, which holds the trunk alone) leaves the last checkpoint as it was and no
+// temporary directory; the run goes on and its next save works.
+TEST_F(disk_home_test, a_save_failing_while_it_copies_the_unit_files_keeps_the_last_checkpoint)
+{
+  const fs::path ck = dir_ / "ck";
+  fs::create_directories(dir_);
+  model disk(dir_ / "a", 1 << 20);
+  disk.train(10);
+  disk.rt.save_checkpoint(ck);
+  const std::string at_10 = disk.state();
+  disk.train(20, 10);
+  disk.rt.flush();  // nothing left for the save's own flush to write under the limit
+  rlimit old{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  rlimit small = old;
+  small.rlim_cur = 96 * 1024;  // the trunk's data.bin fits; a task's unit file does not
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  expect_error_mentioning<checkpoint_error>([&] { disk.rt.save_checkpoint(ck); }, "copying");
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_NO_THROW(verify_checkpoint(ck));
+  EXPECT_EQ(read_checkpoint_manifest(ck).steps_done, 10U);
+  std::size_t entries = 0;
+  for (const fs::directory_entry& e : fs::directory_iterator(dir_)) {
+    ++entries;
+    EXPECT_TRUE(e.path() == ck || e.path() == dir_ / "a") << "left behind: " << e.path();
+  }
+  EXPECT_EQ(entries, 2U);
+  {
+    model resumed(dir_ / "b", 1 << 20);
+    (void)resumed.rt.load_checkpoint(ck);
+    EXPECT_EQ(resumed.state(), at_10);
+  }
+  const std::string at_20 = disk.state();
+  disk.rt.save_checkpoint(ck);
+  EXPECT_EQ(read_checkpoint_manifest(ck).steps_done, 20U);
+  model resumed(dir_ / "c", 1 << 20);
+  (void)resumed.rt.load_checkpoint(ck);
+  EXPECT_EQ(resumed.state(), at_20);
 }
 
 TEST_F(disk_home_test, two_runs_cannot_share_a_storage_directory)
