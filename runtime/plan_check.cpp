@@ -42,19 +42,26 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
   const std::uint64_t first = ledger_.step() + plan_.planned_steps();
   std::vector<std::vector<std::uint32_t>> trained(steps.size());
   std::vector<std::vector<std::uint32_t>> frozen(steps.size());
+  std::vector<std::vector<std::uint32_t>> frozen_again(steps.size());  // acquired frozen more than once
   for (std::size_t k = 0; k < steps.size(); ++k) {
     for (const step_plan::entry& e : steps[k].entries()) {
       if (!e.acquire) { continue; }
       const auto seen = [&](const std::vector<std::uint32_t>& v) {
         return std::find(v.begin(), v.end(), e.unit.value) != v.end();
       };
-      if (seen(trained[k]) || seen(frozen[k])) {
+      // A streamed layer is acquired frozen for its forward and again for its backward (frozen,
+      // or trained); its trained use ends its gradients, which are reduced with the other ranks'.
+      if (seen(trained[k])) {
         throw config_error(message("plan step ", first + k, ": acquires '", units_[e.unit.value].name,
-                                   "' twice. With a communicator a unit is acquired once per step and held from "
-                                   "forward through backward (its release is the end of its gradients); release "
-                                   "and re-acquire within a step only without a communicator"));
+                                   "' after its trained use. With a communicator a unit's trained use is its last in "
+                                   "a step (its release ends its gradients, reduced with the other ranks'): acquire "
+                                   "it frozen before it (a forward), train it once, never use it after"));
       }
-      (e.use == unit_use::frozen ? frozen[k] : trained[k]).push_back(e.unit.value);
+      if (e.use == unit_use::frozen) {
+        (seen(frozen[k]) ? frozen_again[k] : frozen[k]).push_back(e.unit.value);
+      } else {
+        trained[k].push_back(e.unit.value);
+      }
     }
   }
   // Only what a rank trains is counted: a frozen use contributes nothing to the agreement.
@@ -66,9 +73,16 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
     detail::agreed_step a{std::move(agreed[k]), {}};
     for (const std::uint32_t u : a.agreement.order) {
       const auto in = [&](const std::vector<std::uint32_t>& v) { return std::find(v.begin(), v.end(), u) != v.end(); };
+      if (in(trained[k])) { continue; }
+      if (in(frozen_again[k])) {
+        throw config_error(message("plan step ", first + k, ": acquires '", units_[u].name,
+                                   "' frozen more than once while other ranks train it. This rank takes their update "
+                                   "at its frozen use's release, so it uses it frozen once in that step (or trains "
+                                   "it too)"));
+      }
       if (in(frozen[k])) {
         frozen_reduced[k].push_back(u);  // used frozen here, trained elsewhere: this replica takes the update
-      } else if (!in(trained[k])) {
+      } else {
         a.update_only.push_back(u);
       }
     }

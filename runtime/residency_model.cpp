@@ -58,13 +58,16 @@ std::size_t residency_model::check_step(const step_plan& step, std::uint64_t ste
     bool trained;
   };
   std::vector<held_unit> held;
+  std::vector<std::uint32_t> kept;  // released, still counted (their reduction or update is to come)
   std::vector<std::uint32_t> trained_released;  // guarded: their update waits for the step's end
   std::size_t held_bytes = 0;
   std::size_t most = 0;
   const auto held_names = [&] {
     std::string s;
     for (const held_unit& h : held) { s += (s.empty() ? "'" : ", '") + units_[h.unit].name + "'"; }
-    return s;
+    std::string released;
+    for (const std::uint32_t u : kept) { released += (released.empty() ? "'" : ", '") + units_[u].name + "'"; }
+    return released.empty() ? s : s + "; released, still counted: " + released;
   };
   for (const step_plan::entry& e : step.entries()) {
     if (e.unit.value >= units_.size()) {
@@ -78,10 +81,16 @@ std::size_t residency_model::check_step(const step_plan& step, std::uint64_t ste
         throw config_error(message("plan step ", step_number, ": releases '", u.name,
                                    "', which the step has not acquired; acquire it earlier in the step"));
       }
-      // With a communicator a released unit may keep its room until its bucket is reduced, which
-      // can wait for units acquired later in the step; in a guarded step a trained unit keeps it
-      // until the step's end updates it: count it to the end of the step.
-      if (!rules.released_count_to_end && !(rules.trained_count_to_end && it->trained)) { held_bytes -= it->bytes; }
+      // With a communicator a unit released whole (trained, or frozen while other ranks train it)
+      // may keep its room until its bucket is reduced, which can wait for units acquired later in
+      // the step; in a guarded step a trained unit keeps it until the step's end updates it: count
+      // such a unit to the end of the step. A frozen use of its parameters alone (a streamed
+      // layer's forward) is reduced by no rank and gives its room back at release.
+      if (!((rules.released_count_to_end || rules.trained_count_to_end) && it->trained)) {
+        held_bytes -= it->bytes;
+      } else if (it->bytes != 0) {
+        kept.push_back(it->unit);
+      }
       if (rules.trained_count_to_end && it->trained) { trained_released.push_back(it->unit); }
       held.erase(it);
       continue;
@@ -121,7 +130,8 @@ std::size_t residency_model::check_step(const step_plan& step, std::uint64_t ste
         bytes_text(pinned_ + held_bytes), " of a ", bytes_text(capacity_),
         " budget; release units earlier in the step, raise [device] budget or choose "
         "optimizer = \"host\"",
-        rules.released_count_to_end  ? " (with a communicator, units released within a step count until it ends)"
+        rules.released_count_to_end  ? " (with a communicator, units released whole within a step count until it "
+                                       "ends; a frozen use of a unit no rank trains gives its room back at release)"
         : rules.trained_count_to_end ? " (with loss scaling or clipping, trained units released within a step count "
                                        "until it ends)"
                                      : ""));

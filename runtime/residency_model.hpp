@@ -48,7 +48,7 @@ struct modelled_unit {
 
 /// How a step counts a unit released before the step's end.
 struct step_rules {
-  bool released_count_to_end = false;  // with a communicator: the room waits for the reduction
+  bool released_count_to_end = false;  // with a communicator: a whole use's room waits for the reduction
   bool trained_count_to_end = false;  // guarded (scaler, clip): a trained unit's update waits for end_step
 };
 

@@ -189,9 +189,9 @@ int plan_margin(const model_config& m, const taskswap::runtime_options& options)
   return std::min(m.plan_window, lookahead + 1);
 }
 
-bool trunk_streams(const model_config& m, const taskswap::runtime_options& options, bool communicator)
+bool trunk_streams(const model_config& m, const taskswap::runtime_options& options)
 {
-  return !communicator && m.trunk_layers > 0 &&
+  return m.trunk_layers > 0 &&
          taskswap::policy_for(model_units(m).front(), options).residency != taskswap::residency::pinned;
 }
 
@@ -301,7 +301,7 @@ struct trainer::impl {
     margin = plan_margin(model, options);
     if (options.scaler.enabled) { loss_scale = rt.loss_scale(); }
     for (int l = 0; l < model.trunk_layers; ++l) { trunk.push_back(rt.find("trunk/" + std::to_string(l))); }
-    streamed = trunk_streams(model, options, comm != nullptr);
+    streamed = trunk_streams(model, options);
     for (int t = 0; t < model.tasks; ++t) { tasks.push_back(rt.find("task/" + std::to_string(t))); }
     carve();
     initialise();

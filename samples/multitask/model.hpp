@@ -114,9 +114,10 @@ struct run_result {
 /// (at most the window), so that prefetching never stops at a window's end. Every rank computes the same.
 [[nodiscard]] int plan_margin(const model_config& m, const taskswap::runtime_options& options);
 
-/// Whether the trainer streams its trunk within each step: the trunk is not pinned, and there is no
-/// communicator (with one the ranks agree on one acquisition of a unit per step).
-[[nodiscard]] bool trunk_streams(const model_config& m, const taskswap::runtime_options& options, bool communicator);
+/// Whether the trainer streams its trunk within each step: the trunk is not pinned. With a
+/// communicator too: a layer's forward is a frozen use that gives its room back at release; its
+/// trained use (backward) keeps its room to the step's end, for its reduction.
+[[nodiscard]] bool trunk_streams(const model_config& m, const taskswap::runtime_options& options);
 
 /// Step `step`'s plan as the trainer makes its calls: the trunk (`trunk`, forward order) and the
 /// step's adapter. Held: the trunk, then the adapter, all to the step's end. Streamed: each layer

@@ -538,18 +538,23 @@ TEST(reducer_mpi, state_tensors_take_rank_0s_values_and_are_never_stepped)
   EXPECT_EQ(footprint(units[0], optimizer_placement::device).reduce_bytes, (64 + 4) * sizeof(float));  // w, its gap, b
 }
 
-TEST(reducer_mpi, a_unit_acquired_twice_in_a_step_is_refused_when_planned)
+// A streamed layer: acquired frozen for its forward (given back at release) and again, trained,
+// for its backward. Its trained use ends its gradients, so a use after it is refused.
+TEST(reducer_mpi, a_unit_is_used_frozen_then_trained_in_a_step_and_never_after_its_trained_use)
 {
   const std::vector<unit_spec> units = model();
   const runtime_options opt = options_for({}, budget_for(units));
   runtime rt(make_device(opt.device), opt, units);
+  step_plan streamed;
+  streamed.acquire(unit_id{0}, unit_use::frozen).release(unit_id{0}).acquire(unit_id{0}).release(unit_id{0});
+  EXPECT_NO_THROW(rt.plan(streamed));
   step_plan twice;
-  twice.acquire(unit_id{0}).release(unit_id{0}).acquire(unit_id{0}).release(unit_id{0});
+  twice.acquire(unit_id{0}).release(unit_id{0}).acquire(unit_id{0}, unit_use::frozen).release(unit_id{0});
   try {
     rt.plan(twice);
-    FAIL() << "a plan that acquires a unit twice in a step was accepted";
+    FAIL() << "a plan that uses a unit after its trained use was accepted";
   } catch (const config_error& e) {
-    EXPECT_NE(std::string(e.what()).find("acquired once per step"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("after its trained use"), std::string::npos) << e.what();
   }
 }
 

@@ -73,12 +73,28 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
     [&] {
       (void)m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 7, {.released_count_to_end = true});
     },
-    "plan step 7: after acquiring 'c' the units held at once ('b', 'c') take 3.0 KiB");
+    "plan step 7: after acquiring 'c' the units held at once ('b', 'c'; released, still counted: 'a') take 3.0 KiB");
   expect_error_mentioning<config_error>(
     [&] {
       (void)m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 7, {.trained_count_to_end = true});
     },
     "trained units released within a step count until it ends");
+  // With a communicator a frozen use of a unit no rank trains gives its room back at release (a
+  // streamed layer's forward): 4 granules at most here, where counting every use to the end takes
+  // 12; a frozen use of a unit other ranks train is whole and counts to the end.
+  const step_plan streamed = step_plan{}
+                               .acquire(a, unit_use::frozen)
+                               .release(a)
+                               .acquire(c, unit_use::frozen)
+                               .release(c)
+                               .acquire(base, unit_use::frozen)
+                               .release(base)
+                               .acquire(b);
+  EXPECT_EQ(m.check_step(streamed, 3, {.released_count_to_end = true}), 4 * g);
+  const std::vector<std::uint32_t> trained_elsewhere{0, 2};
+  expect_error_mentioning<config_error>(
+    [&] { (void)m.check_step(streamed, 3, {.released_count_to_end = true}, trained_elsewhere); },
+    "units released whole within a step count until it ends");
   // Frozen uses hold their parameters alone, unless told otherwise (others train the unit).
   EXPECT_EQ(m.check_step(step_plan{}.acquire(a, unit_use::frozen).acquire(b).acquire(c, unit_use::frozen), 0, {}),
             8 * g);

@@ -222,7 +222,7 @@ int run_headroom(const headroom_args& args)
     std::int64_t probes = 0;
   };
   std::optional<trunk_depths> depth;
-  if (multitask::trunk_streams(cfg.model, cfg.runtime, cfg.runtime.comm.backend != comm_backend::none)) {
+  if (multitask::trunk_streams(cfg.model, cfg.runtime)) {
     trunk_depths d;
     d.resident = search.deepest_trunk(true, d.probes);
     d.streamed = search.deepest_trunk(false, d.probes);

@@ -50,7 +50,7 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
     in.frozen.push_back(std::move(frozen));
   }
   // A trunk the trainer streams: its calls in order (the peak is then one layer or two, not the trunk).
-  if (multitask::trunk_streams(cfg.model, cfg.runtime, cfg.runtime.comm.backend != comm_backend::none)) {
+  if (multitask::trunk_streams(cfg.model, cfg.runtime)) {
     std::vector<unit_id> layers;
     for (std::size_t l = 0; l < trunk; ++l) { layers.push_back(unit_id{static_cast<std::uint32_t>(l)}); }
     for (int s = 0; s < steps; ++s) {

@@ -377,20 +377,24 @@ plan_report make_plan(const plan_input& in)
     throw config_error("the plan has " + std::to_string(in.steps.size()) + " steps but " +
                        std::to_string(in.ordered.size()) + " ordered ones; give one per step, or none");
   }
+  // With a communicator a unit released whole keeps its room to the step's end (its reduction).
+  const bool communicator = in.options.comm.backend != comm_backend::none;
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
     step_plan step;
     std::size_t raw = 0;
     if (!in.ordered.empty()) {  // the trainer's calls: the most held at once, before rounding
       step = in.ordered[s];
       std::map<std::size_t, std::size_t> held_raw;
+      std::set<std::size_t> trained;
       std::size_t now = 0;
       for (const step_plan::entry& e : step.entries()) {
         const planned_unit& p = units.at(e.unit.value);
         if (!e.acquire) {
-          now -= held_raw[e.unit.value];
+          if (!(communicator && trained.contains(e.unit.value))) { now -= held_raw[e.unit.value]; }
           held_raw.erase(e.unit.value);
           continue;
         }
+        if (e.use == unit_use::train) { trained.insert(e.unit.value); }
         const std::size_t b =
           p.pinned() ? 0 : (e.use == unit_use::train ? p.fp.device_bytes : p.fp.frozen_device_bytes);
         held_raw[e.unit.value] = b;
@@ -406,7 +410,7 @@ plan_report make_plan(const plan_input& in)
       step.acquire(unit_id{static_cast<std::uint32_t>(u)});
       raw += units[u].pinned() ? 0 : units[u].fp.device_bytes;
     }
-    const std::size_t held = model.check_step(step, s, {});
+    const std::size_t held = model.check_step(step, s, {.released_count_to_end = communicator});
     if (held > most_held || (held == most_held && raw > most_held_raw)) {
       most_held = held;
       most_held_raw = raw;

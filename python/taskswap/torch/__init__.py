@@ -410,12 +410,12 @@ class Runtime:
         completes its gradients (micro_batches 1; a second backward reaching it is refused), and
         not stepped in a step whose backward does not reach it.
 
-        Without a communicator only, so far; trained layers also need a step without loss scaling
-        or clipping (a guarded update waits for the step's end, so every trained layer would be held
-        to it); a layer of at most half a device granule is refused at start (such units share
-        granules and may move between forward and backward, where autograd's saved views of the
-        weights would not follow). The other arguments are register()'s, for every layer. Refused,
-        it registers nothing."""
+        Without a communicator only, so far (the C++ runtime streams with one); trained layers also
+        need a step without loss scaling or clipping (a guarded update waits for the step's end, so
+        every trained layer would be held to it); a layer of at most half a device granule is
+        refused at start (such units share granules and may move between forward and backward,
+        where autograd's saved views of the weights would not follow). The other arguments are
+        register()'s, for every layer. Refused, it registers nothing."""
         if self._core is not None:
             raise _core.InvalidArgument(f"taskswap: register_layers '{prefix}' before the runtime starts (the first "
                                         "plan or step)")
@@ -783,9 +783,9 @@ class Runtime:
         """The streamed layers' hooks (register_layers)."""
         if self._hooks:
             raise _core.InvalidArgument(
-                f"taskswap: the layers '{self._layers[0].name}'.. stream without a communicator only, so far (with "
-                "one, a unit is acquired once per step); register them with register() and plan them whole, or "
-                "train on one rank")
+                f"taskswap: the layers '{self._layers[0].name}'.. stream without a communicator only, so far in "
+                "PyTorch (the C++ runtime streams with one; here every use must be planned, which early exits and "
+                "recomputation break); register them with register() and plan them whole, or train on one rank")
         if (self.options.scaler.enabled or self.options.optimizer.clip > 0) and any(u.trainable for u in self._layers):
             raise _core.InvalidArgument(
                 f"taskswap: the trained layers '{self._layers[0].name}'.. cannot stream with loss scaling or "
