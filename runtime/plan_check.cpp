@@ -76,9 +76,9 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
       if (in(trained[k])) { continue; }
       if (in(frozen_again[k])) {
         throw config_error(message("plan step ", first + k, ": acquires '", units_[u].name,
-                                   "' frozen more than once while other ranks train it. This rank takes their update "
-                                   "at its frozen use's release, so it uses it frozen once in that step (or trains "
-                                   "it too)"));
+                                   "' frozen more than once while the step reduces it (other ranks train it, or [comm] "
+                                   "reduce = \"every_unit\"). This rank takes the update at its frozen use's release, "
+                                   "so it uses it frozen once in that step (or trains it too)"));
       }
       if (in(frozen[k])) {
         frozen_reduced[k].push_back(u);  // used frozen here, trained elsewhere: this replica takes the update

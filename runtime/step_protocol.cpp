@@ -26,8 +26,8 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
                              ? "updated earlier in this step"
                              : "trained and released earlier in this step and its update has not run yet (it waits "
                                "for its reduction, or with loss scaling or clipping for end_step)",
-                           "; acquire a unit once per step (accumulate a trained unit's micro-batches within one "
-                           "acquisition)"));
+                           "; a unit is trained once per step and not used after it (accumulate a trained unit's "
+                           "micro-batches within one acquisition)"));
   TASKSWAP_EXPECTS(!r.held(), message("acquire('", r.name, "'): the unit is already held; release it first"));
   TASKSWAP_EXPECTS(use == unit_use::frozen || !r.layout.frozen,
                    message("acquire('", r.name,
@@ -267,7 +267,8 @@ void runtime::impl::warn_unstepped(const unit_record& r)
 // ranks train) not stepped yet is stepped here.
 void runtime::impl::release_reduced(unit_record& r, stream_view s)
 {
-  if (r.phase() == step_phase::frozen) {  // a frozen use no rank trains: nothing to reduce
+  if (r.phase() ==
+      step_phase::frozen) {  // nothing to reduce: no rank trains it, or this is a forward before its trained use
     release(r, s, phase_move::release);
     return;
   }

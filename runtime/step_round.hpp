@@ -48,7 +48,7 @@ class step_round {
   }
   /// A unit acquired, or held for an update, in the begun step: idle again at its end.
   void touched(std::uint32_t unit) { touched_.push_back(unit); }
-  /// Ends the begun step: the units it touched (each once per step, as the plan check ensures).
+  /// Ends the begun step: the units it touched (a streamed one twice: frozen, then trained).
   [[nodiscard]] std::vector<std::uint32_t> end()
   {
     agreed_.pop_front();

@@ -243,9 +243,9 @@ struct host_cache::impl {
   // `overwrite` all of it, else its file's bytes (read started).
   void fill(cache_entry& c, std::size_t at, bool overwrite = false)
   {
+    live.push_back(static_cast<entry_id>(&c - entries.data()));  // first: it may throw
+    c.live_at = live.size() - 1;
     c.offset = at;
-    c.live_at = live.size();
-    live.push_back(static_cast<entry_id>(&c - entries.data()));
     stats.used_bytes += c.bytes;
     if (overwrite) {
       c.fresh = false;

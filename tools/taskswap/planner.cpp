@@ -377,8 +377,10 @@ plan_report make_plan(const plan_input& in)
     throw config_error("the plan has " + std::to_string(in.steps.size()) + " steps but " +
                        std::to_string(in.ordered.size()) + " ordered ones; give one per step, or none");
   }
-  // With a communicator a unit released whole keeps its room to the step's end (its reduction).
+  // With a communicator a unit released whole keeps its room to the step's end (its reduction),
+  // and in a guarded step a trained one does (its update waits for end_step).
   const bool communicator = in.options.comm.backend != comm_backend::none;
+  const detail::step_rules rules{.released_count_to_end = communicator, .trained_count_to_end = guarded};
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
     step_plan step;
     std::size_t raw = 0;
@@ -390,7 +392,7 @@ plan_report make_plan(const plan_input& in)
       for (const step_plan::entry& e : step.entries()) {
         const planned_unit& p = units.at(e.unit.value);
         if (!e.acquire) {
-          if (!(communicator && trained.contains(e.unit.value))) { now -= held_raw[e.unit.value]; }
+          if (!((communicator || guarded) && trained.contains(e.unit.value))) { now -= held_raw[e.unit.value]; }
           held_raw.erase(e.unit.value);
           continue;
         }
@@ -410,7 +412,7 @@ plan_report make_plan(const plan_input& in)
       step.acquire(unit_id{static_cast<std::uint32_t>(u)});
       raw += units[u].pinned() ? 0 : units[u].fp.device_bytes;
     }
-    const std::size_t held = model.check_step(step, s, {.released_count_to_end = communicator});
+    const std::size_t held = model.check_step(step, s, rules);
     if (held > most_held || (held == most_held && raw > most_held_raw)) {
       most_held = held;
       most_held_raw = raw;
