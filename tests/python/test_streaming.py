@@ -73,33 +73,41 @@ def layer_bytes(model: Deep, trained: bool) -> int:
 
 def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = torch.float32,
           checkpoint: str | None = None, steps: int = 12, depth=lambda step: LAYERS, evaluate: bool = False,
-          backend: str = "emulated", width: int = WIDTH, aux: bool = False, loss_of=None):
+          backend: str = "emulated", width: int = WIDTH, aux: bool = False, loss_of=None, comm="none",
+          budget: int | None = None):
     """Trains Deep; returns (its state, the runtime's totals, the budget, the layers' bytes).
-    `loss_of(model, x, y, task, step)` runs a step's forward and backward (default: one of each)."""
+    `loss_of(model, x, y, task, step)` runs a step's forward and backward (default: one of each).
+    With a communicator (`comm`) every step is planned, the evaluations too, each rank draws its
+    own batches, and `depth(step, rank)` gives the layers a step runs."""
     device = "cuda" if backend == "cuda" else "cpu"
     model = Deep(dtype=dtype, checkpoint=checkpoint, width=width, aux=aux).to(device)
     if not trained_layers:
         for p in model.layers.parameters():
             p.requires_grad_(False)
     per_layer = layer_bytes(model, trained_layers)
-    rt = tt.Runtime(options=config("1 MiB", backend=backend), comm="none")
+    rt = tt.Runtime(options=config("1 MiB", backend=backend), comm=comm)
     heads = [rt.register(h, f"task/{t}") for t, h in enumerate(model.heads)]
     layers = rt.register_layers(model.layers, "trunk", residency=None if streamed else "pinned")
     # Streamed: room for two layers beside the heads (the backward holds a layer and the one above
     # it), in whole granules of the device (256 bytes on the emulated one, 2 MiB on CUDA).
     granule = taskswap._core.make_device(rt.options.device).granularity
-    budget = rt.all_pinned_budget() - (0 if not streamed else (LAYERS - 2) * (-(-per_layer // granule) * granule))
+    if budget is None:
+        budget = rt.all_pinned_budget() - (0 if not streamed else (LAYERS - 2) * (-(-per_layer // granule) * granule))
     rt.options.device.budget = budget
     assert [u.name for u in layers][:2] == ["trunk/0", "trunk/1"]
     tasks = [s % TASKS for s in range(steps)]
-    rt.plan([[heads[t]] for t in tasks])
+    planned = comm != "none"  # with a communicator every step is planned
+    rt.plan([step for s, t in enumerate(tasks)
+             for step in ([[heads[t]], [heads[t].frozen()]] if planned and evaluate and s % 3 == 0 else [[heads[t]]])])
+    rank = rt.rank
     for step, t in enumerate(tasks):
-        x, y = (v.to(device) for v in batch(step, dtype, width))
+        x, y = (v.to(device) for v in batch(step + 100003 * rank, dtype, width))
         with rt.step(heads[t]):
             if loss_of is not None:
                 loss_of(model, x, y, t, step)
             else:
-                torch.nn.functional.mse_loss(model(x, t, depth(step)).float(), y.float()).backward()
+                d = depth(step, rank) if planned else depth(step)
+                torch.nn.functional.mse_loss(model(x, t, d).float(), y.float()).backward()
         if evaluate and step % 3 == 0:
             with torch.no_grad(), rt.step(heads[t].frozen()):
                 model(x, t)
@@ -135,11 +143,13 @@ def test_streamed_trunk_is_bitwise_all_resident_and_stays_in_budget(trained_laye
 @pytest.mark.parametrize("trained_layers", [True, False], ids=["trained", "frozen"])
 def test_activation_checkpointing_streams_bitwise(checkpoint, trained_layers):
     """The checkpointed forward re-runs inside backward: with the layer held for its backward
-    (non-reentrant), or acquired once more (reentrant: that forward runs under no_grad)."""
+    (non-reentrant), or acquired there for its backward, as planned (reentrant: the first forward
+    runs under no_grad, and the layer's backward follows the forward run inside backward)."""
     plain, _, _, _ = train(streamed=False, trained_layers=trained_layers, checkpoint=checkpoint)
     streamed, totals, budget, _ = train(streamed=True, trained_layers=trained_layers, checkpoint=checkpoint)
     assert_same(streamed, plain)
     assert totals.peak_device_bytes <= budget
+    assert totals.unplanned == 0 and totals.misses == 0, (totals.unplanned, totals.misses)
     if checkpoint == "non_reentrant":  # the same gradients as without checkpointing
         assert_same(streamed, train(streamed=False, trained_layers=trained_layers)[0])
 

@@ -274,6 +274,11 @@ def _tensors_in(value) -> list[torch.Tensor]:
     return []
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass on this thread (torch.utils.checkpoint asks the same)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 def _use_of(entry) -> _Use:
     if type(entry) is Unit:
         return entry._train_use if entry.trainable else entry._frozen_use
@@ -403,14 +408,17 @@ class Runtime:
         adapter inside the layer: register it first) stay that unit's.
 
         Correct whatever the step does: with ``torch.no_grad()`` a layer is released after its
-        forward, with activation checkpointing (``torch.utils.checkpoint``) the re-run forward uses
-        the layer held for its backward (or acquires it again), and a layer a step skips (early
-        exit), or one used off the plan, is fetched on demand and counted as unplanned. Each layer
-        runs once per forward pass; a trained layer is stepped when the step's backward pass
-        completes its gradients (micro_batches 1; a second backward reaching it is refused), and
-        not stepped in a step whose backward does not reach it.
+        forward, with activation checkpointing (``torch.utils.checkpoint``) the forward re-run
+        inside backward is the layer's backward use (held for it, or acquired for it), a layer a
+        step skips (early exit) is not acquired, and one used off the plan (a checkpoint over
+        several layers) is fetched on demand and counted as unplanned. Each layer runs once per
+        forward pass; a trained layer is stepped when the step's backward pass completes its
+        gradients (micro_batches 1; a second backward reaching it is refused), and not stepped in a
+        step whose backward does not reach it.
 
-        Without a communicator only, so far (the C++ runtime streams with one); trained layers also
+        With a communicator a use off the plan is refused (the ranks agree on each step's uses); a
+        trained layer's room counts to the step's end (its reduction), and one a step's backward did
+        not reach is updated with this rank's zeros, as every unit planned trained. Trained layers
         need a step without loss scaling or clipping (a guarded update waits for the step's end, so
         every trained layer would be held to it); a layer of at most half a device granule is
         refused at start (such units share granules and may move between forward and backward,
@@ -604,7 +612,7 @@ class Runtime:
                 for p in u._params:
                     if p.requires_grad != u.trainable:
                         p.requires_grad_(u.trainable)
-                if u.trainable and self._hooks:
+                if u.trainable and self._hooks and u._layer is None:  # a streamed layer's own hooks step it
                     for j, p in enumerate(u._params):
                         u._hook_handles.append(p.register_hook(self._make_pre_hook(u)))
                         u._hook_handles.append(p.register_post_accumulate_grad_hook(self._make_hook(u, j)))
@@ -781,11 +789,6 @@ class Runtime:
 
     def _hook_layers(self) -> None:
         """The streamed layers' hooks (register_layers)."""
-        if self._hooks:
-            raise _core.InvalidArgument(
-                f"taskswap: the layers '{self._layers[0].name}'.. stream without a communicator only, so far in "
-                "PyTorch (the C++ runtime streams with one; here every use must be planned, which early exits and "
-                "recomputation break); register them with register() and plan them whole, or train on one rank")
         if (self.options.scaler.enabled or self.options.optimizer.clip > 0) and any(u.trainable for u in self._layers):
             raise _core.InvalidArgument(
                 f"taskswap: the trained layers '{self._layers[0].name}'.. cannot stream with loss scaling or "
@@ -1049,7 +1052,7 @@ class _Starting:
 
 class _StepScope:
     __slots__ = ("rt", "uses", "micro_batches", "kinds", "stream", "acquired", "attached", "stats", "_starting",
-                 "layers", "stepped_layers")
+                 "layers", "stepped_layers", "recomputed")
 
     def __init__(self, rt: Runtime, uses: list[_Use], micro_batches: int):
         self.rt = rt
@@ -1064,6 +1067,7 @@ class _StepScope:
         # The streamed layers held now: unit id -> (unit, held for its forward, use kind).
         self.layers: dict[int, tuple[Unit, bool, int]] = {}
         self.stepped_layers: set[int] = set()  # trained layers updated in this step
+        self.recomputed: set[int] = set()  # layers acquired by a forward inside backward, not yet run
 
     def __enter__(self) -> _StepScope:
         rt = self.rt
@@ -1247,11 +1251,17 @@ class _StepScope:
 
     def _layer_forward(self, u: Unit) -> None:
         """Forward pre-hook: the layer's forward use, unless it is held (a forward re-run inside its
-        backward by activation checkpointing uses the backward's acquisition)."""
+        backward by non-reentrant activation checkpointing uses the backward's acquisition). A
+        forward inside backward (reentrant checkpointing re-runs it there, and its backward follows
+        at once) is the layer's backward use: acquired as its backward is planned, and kept."""
         if u.id in self.layers:
             return
         if u._holders:
             u._check_model()
+        if _in_backward():
+            self._layer_backward(u)
+            self.recomputed.add(u.id)
+            return
         if u._stat_modules:  # the forward use is a frozen one: running statistics would not be kept
             u._check_eval()
         self._layer_acquire(u, _FROZEN, forward=True)
@@ -1264,7 +1274,14 @@ class _StepScope:
         backward), and a frozen layer is released once its inputs' gradients are in, when its
         backward is over."""
         held = self.layers.get(u.id)
-        if held is None or not held[1]:
+        if held is None:
+            return
+        if u.id in self.recomputed:  # a forward run inside backward: held for the backward that follows
+            self.recomputed.discard(u.id)
+            if not u.trainable:
+                self._release_after_backward(u, inputs)
+            return
+        if not held[1]:
             return
         outputs = [t for t in _tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
         self._layer_release(u)
@@ -1276,18 +1293,26 @@ class _StepScope:
 
         for t in outputs:
             t.register_hook(before_backward)
+        if not u.trainable:
+            self._release_after_backward(u, inputs)
+
+    def _release_after_backward(self, u: Unit, inputs) -> None:
+        """A frozen layer's backward is over once its inputs' gradients are in: released then (a
+        layer held for its backward now, whose inputs need none, at once)."""
         sources = [t for t in _tensors_in(inputs) if t.requires_grad]
-        if not u.trainable and sources:
-            left = [len(sources)]
+        if not sources:
+            self._layer_backward_done(u)
+            return
+        left = [len(sources)]
 
-            def input_done(_grad):  # (each input's gradient is computed once per backward pass)
-                left[0] -= 1
-                if left[0] == 0:
-                    left[0] = len(sources)
-                    self._layer_backward_done(u)
+        def input_done(_grad):  # (each input's gradient is computed once per backward pass)
+            left[0] -= 1
+            if left[0] == 0:
+                left[0] = len(sources)
+                self._layer_backward_done(u)
 
-            for t in sources:
-                t.register_hook(input_done)
+        for t in sources:
+            t.register_hook(input_done)
 
     def _layer_backward(self, u: Unit) -> None:
         """The gradients of the layer's outputs are computed: acquires it for its backward."""
