@@ -11,7 +11,8 @@ pinned. test_streaming.py's trunk of 32 residual blocks and 4 task heads.
   reduction may wait for layers acquired after it), so the streamed budget is refused by the plan
   check with a message that says so; at a budget that holds the trained layers, the streamed loop
   (forward and backward uses acquired and released by the hooks, a rank that exits early
-  contributing zeros for the layers it skipped) is bitwise equal to the pinned one.
+  contributing zeros for the layers it skipped) is bitwise equal to the pinned one, and the
+  evaluations, planned forward_only, update no layer.
 
 usage: mpirun -np N python3 streaming_mpi.py PORT
 """
@@ -86,6 +87,9 @@ def main() -> int:
         check(f"{case}: replicas bitwise equal", replicas_equal(streamed, world))
         check(f"{case}: every use planned", totals.unplanned == 0)
         check(f"{case}: layers reduced", totals.reduced_bytes > 0)
+        if checkpoint is None:  # the evaluations (planned forward_only) update no layer
+            trained_only = train(streamed=True, trained_layers=True, budget=budget, comm=tt.mpi(), depth=depth)[0]
+            check(f"{case}: evaluations change nothing", same(streamed, trained_only))
         start = Deep().state_dict()["layers.3.1.weight"]
         check(f"{case}: the layers trained", not torch.equal(streamed["trunk/3.1.weight"], start))
         if rank == 0:

@@ -74,11 +74,13 @@ def layer_bytes(model: Deep, trained: bool) -> int:
 def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = torch.float32,
           checkpoint: str | None = None, steps: int = 12, depth=lambda step: LAYERS, evaluate: bool = False,
           backend: str = "emulated", width: int = WIDTH, aux: bool = False, loss_of=None, comm="none",
-          budget: int | None = None):
+          budget: int | None = None, plan_evaluations: str | None = None):
     """Trains Deep; returns (its state, the runtime's totals, the budget, the layers' bytes).
     `loss_of(model, x, y, task, step)` runs a step's forward and backward (default: one of each).
-    With a communicator (`comm`) every step is planned, the evaluations too, each rank draws its
-    own batches, and `depth(step, rank)` gives the layers a step runs."""
+    `plan_evaluations`: None (with a communicator "forward_only", else not planned),
+    "forward_only" or "training" (planned as a training step is). With a communicator every step
+    is planned, each rank draws its own batches, and `depth(step, rank)` gives the layers a step
+    runs."""
     device = "cuda" if backend == "cuda" else "cpu"
     model = Deep(dtype=dtype, checkpoint=checkpoint, width=width, aux=aux).to(device)
     if not trained_layers:
@@ -97,8 +99,12 @@ def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = t
     assert [u.name for u in layers][:2] == ["trunk/0", "trunk/1"]
     tasks = [s % TASKS for s in range(steps)]
     planned = comm != "none"  # with a communicator every step is planned
-    rt.plan([step for s, t in enumerate(tasks)
-             for step in ([[heads[t]], [heads[t].frozen()]] if planned and evaluate and s % 3 == 0 else [[heads[t]]])])
+    if plan_evaluations is None:
+        plan_evaluations = "forward_only" if planned else None
+    for s, t in enumerate(tasks):
+        rt.plan([[heads[t]]])
+        if evaluate and plan_evaluations is not None and s % 3 == 0:
+            rt.plan([[heads[t].frozen()]], forward_only=plan_evaluations == "forward_only")
     rank = rt.rank
     for step, t in enumerate(tasks):
         x, y = (v.to(device) for v in batch(step + 100003 * rank, dtype, width))
@@ -161,6 +167,22 @@ def test_early_exit_and_evaluation_are_fetched_on_demand_and_never_wrong():
     assert_same(streamed, resident)
     assert totals.peak_device_bytes <= budget
     assert totals.unplanned > 0  # the evaluations and the skipped layers' backward were not planned
+
+
+def test_an_evaluation_planned_forward_only_is_all_planned_and_changes_nothing():
+    """Evaluations planned with forward_only: every use planned and prefetched (not planned, each
+    layer is a miss), no layer fetched whole for a backward that does not come (planned as
+    training steps), and the state is the training alone's."""
+    evaluated, totals, budget, _ = train(streamed=True, evaluate=True, plan_evaluations="forward_only")
+    as_training, training_totals, _, _ = train(streamed=True, evaluate=True, plan_evaluations="training")
+    assert_same(evaluated, train(streamed=True)[0])
+    assert_same(evaluated, as_training)
+    assert totals.unplanned == 0 and totals.misses == 0, (totals.unplanned, totals.misses)
+    unplanned_totals = train(streamed=True, evaluate=True, plan_evaluations=None)[1]  # on demand, each a miss
+    assert unplanned_totals.unplanned > 0 and unplanned_totals.misses > 0
+    assert totals.peak_device_bytes <= budget
+    # Planned as training steps, the prefetch brings trained layers whole for their backward.
+    assert totals.h2d_bytes < training_totals.h2d_bytes, (totals.h2d_bytes, training_totals.h2d_bytes)
 
 
 def test_layers_are_refused_in_plans_and_steps_and_with_micro_batches():

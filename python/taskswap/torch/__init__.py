@@ -418,7 +418,8 @@ class Runtime:
 
         With a communicator a use off the plan is refused (the ranks agree on each step's uses); a
         trained layer's room counts to the step's end (its reduction), and one a step's backward did
-        not reach is updated with this rank's zeros, as every unit planned trained. Trained layers
+        not reach is updated with this rank's zeros, as every unit planned trained (plan
+        evaluations with ``forward_only``). Trained layers
         need a step without loss scaling or clipping (a guarded update waits for the step's end, so
         every trained layer would be held to it); a layer of at most half a device granule is
         refused at start (such units share granules and may move between forward and backward,
@@ -727,23 +728,29 @@ class Runtime:
         return self.core.world_size
 
     # --- plan and steps ---------------------------------------------------------------------
-    def plan(self, steps: Iterable[Sequence[Unit | _Use]]) -> None:
+    def plan(self, steps: Iterable[Sequence[Unit | _Use]], *, forward_only: bool = False) -> None:
         """Appends upcoming steps, each the units it acquires in order (``unit.frozen()`` for a
         forward-only use; a unit registered ``trainable=False`` is always used frozen). Checks
-        that each step fits the budget; a refused plan changes nothing."""
+        that each step fits the budget; a refused plan changes nothing.
+
+        ``forward_only``: these steps run forward passes alone (evaluation under ``no_grad``): the
+        streamed layers are planned for their forward uses only, so the prefetch brings no layer
+        whole for a backward that will not come, and with a communicator a trained layer is not
+        updated in them (planned for its backward, it would be, with zeros from this rank)."""
         plan = [[self._own(_use_of(e)) for e in step] for step in steps]
         with self._starting():
-            self._core.plan([self._planned(step) for step in plan])
+            self._core.plan([self._planned(step, forward_only) for step in plan])
             self._began = True
 
-    def _planned(self, uses: list[_Use]) -> list[tuple[int, int]]:
+    def _planned(self, uses: list[_Use], forward_only: bool = False) -> list[tuple[int, int]]:
         """A step's plan: its units, then the streamed layers forward (each released before the next)
-        and backward (each released once the layer below is acquired, as the hooks do)."""
+        and, unless ``forward_only``, backward (each released once the layer below is acquired, as
+        the hooks do)."""
         entries = [(e.unit.id, e.kind) for e in uses]
         above = None
         for u in self._layers:
             entries += [(u.id, _FROZEN), (u.id, _RELEASE)]
-        for u in reversed(self._layers):
+        for u in [] if forward_only else reversed(self._layers):
             entries.append((u.id, _TRAIN if u.trainable else _FROZEN))
             if above is not None:
                 entries.append((above.id, _RELEASE))
