@@ -7,7 +7,7 @@ forward runs again inside its backward, as that backward's planned use of the la
 
 Checks: per-step losses and adapters bitwise equal to the all-resident run's on every rank, the
 replicas bitwise equal across ranks, the streamed run's peak within its budget (8x smaller than
-the base) and every layer use planned and in time (no unplanned acquisition, no miss).
+the base) and, without checkpointing, every layer in time (no miss).
 
 usage: mpirun -np N python3 peft_stream_mpi.py PORT
 """
@@ -60,7 +60,8 @@ def main() -> int:
             "8x the budget": ratio >= 8,
             "peak within the budget": s.peak_device_bytes <= streamed["budget"],
             "streamed": s.evictions > 0,
-            "planned and in time": s.unplanned == 0 and (checkpointing is not None or s.misses == 0),
+            # (a use off the plan would have raised: with a communicator every use is planned)
+            "in time": checkpointing is not None or s.misses == 0,
             "losses bitwise": streamed["losses"] == resident["losses"],
             "adapters bitwise": not differ,
             "replicas bitwise": equal,

@@ -160,6 +160,36 @@ def test_activation_checkpointing_streams_bitwise(checkpoint, trained_layers):
         assert_same(streamed, train(streamed=False, trained_layers=trained_layers)[0])
 
 
+def checkpointed_pairs(reentrant: bool):
+    """A step's loss_of: the trunk checkpointed two layers at a time (checkpoint_sequential's way)."""
+    def loss_of(model, x, y, task, step):
+        if reentrant:
+            x = x.detach().requires_grad_()
+        for i in range(0, LAYERS, 2):
+            def pair(h, a=model.layers[i], b=model.layers[i + 1]):
+                h = h + a(h)
+                return h + b(h)
+            x = torch.utils.checkpoint.checkpoint(pair, x, use_reentrant=reentrant)
+        torch.nn.functional.mse_loss(model.heads[task](x).float(), y.float()).backward()
+    return loss_of
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+@pytest.mark.parametrize("trained_layers", [True, False], ids=["trained", "frozen"])
+def test_a_checkpoint_over_two_layers_streams_bitwise_in_two_layers_of_room(reentrant, trained_layers):
+    """Non-reentrant, a pair's backward begins at its second layer (held) and re-runs the first
+    inside it, as its planned backward use. Reentrant, the pair's forward re-runs whole before
+    either backward: the first layer is kept for its backward, the second fetched for its forward
+    and again for its backward, off the plan, as before. Either way two layers of room hold, and
+    the result is the resident run's."""
+    loss_of = checkpointed_pairs(reentrant)
+    plain, _, _, _ = train(streamed=False, trained_layers=trained_layers, loss_of=loss_of)
+    streamed, totals, budget, _ = train(streamed=True, trained_layers=trained_layers, loss_of=loss_of)
+    assert_same(streamed, plain)
+    assert totals.peak_device_bytes <= budget
+    assert (totals.unplanned > 0) == reentrant, totals.unplanned  # reentrant: each pair's second layer
+
+
 def test_early_exit_and_evaluation_are_fetched_on_demand_and_never_wrong():
     depth = lambda step: LAYERS if step % 2 == 0 else LAYERS // 2  # noqa: E731  odd steps skip the top half
     streamed, totals, budget, _ = train(streamed=True, depth=depth, evaluate=True)

@@ -275,7 +275,8 @@ def _tensors_in(value) -> list[torch.Tensor]:
 
 
 def _in_backward() -> bool:
-    """Whether autograd is running a backward pass on this thread (torch.utils.checkpoint asks the same)."""
+    """Whether autograd is running a backward pass on this thread (torch.utils.checkpoint asks the
+    same, on autograd's device threads too)."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -410,13 +411,14 @@ class Runtime:
         Correct whatever the step does: with ``torch.no_grad()`` a layer is released after its
         forward, with activation checkpointing (``torch.utils.checkpoint``) the forward re-run
         inside backward is the layer's backward use (held for it, or acquired for it), a layer a
-        step skips (early exit) is not acquired, and one used off the plan (a checkpoint over
-        several layers) is fetched on demand and counted as unplanned. Each layer runs once per
+        step skips (early exit) is not acquired, and one used off the plan (a reentrant checkpoint
+        over several layers) is fetched on demand and counted as unplanned. Each layer runs once per
         forward pass; a trained layer is stepped when the step's backward pass completes its
         gradients (micro_batches 1; a second backward reaching it is refused), and not stepped in a
         step whose backward does not reach it.
 
-        With a communicator a use off the plan is refused (the ranks agree on each step's uses); a
+        With a communicator a use off the plan is refused (the ranks agree on each step's uses),
+        and so is micro_batches > 1; a
         trained layer's room counts to the step's end (its reduction), and one a step's backward did
         not reach is updated with this rank's zeros, as every unit planned trained (plan
         evaluations with ``forward_only``). Trained layers
@@ -1059,7 +1061,7 @@ class _Starting:
 
 class _StepScope:
     __slots__ = ("rt", "uses", "micro_batches", "kinds", "stream", "acquired", "attached", "stats", "_starting",
-                 "layers", "stepped_layers", "recomputed")
+                 "layers", "stepped_layers", "rerunning", "awaiting")
 
     def __init__(self, rt: Runtime, uses: list[_Use], micro_batches: int):
         self.rt = rt
@@ -1074,7 +1076,10 @@ class _StepScope:
         # The streamed layers held now: unit id -> (unit, held for its forward, use kind).
         self.layers: dict[int, tuple[Unit, bool, int]] = {}
         self.stepped_layers: set[int] = set()  # trained layers updated in this step
-        self.recomputed: set[int] = set()  # layers acquired by a forward inside backward, not yet run
+        # Layers acquired by a forward inside backward (reentrant checkpointing): running it now, or
+        # run and held for their backward, which has not begun.
+        self.rerunning: set[int] = set()
+        self.awaiting: set[int] = set()
 
     def __enter__(self) -> _StepScope:
         rt = self.rt
@@ -1100,6 +1105,12 @@ class _StepScope:
             self._starting = rt._starting()
             self._starting.__enter__()
             core = rt._core
+        if rt._hooks and rt._layers and self.micro_batches > 1:
+            self._started(_core.InvalidArgument)
+            raise _core.InvalidArgument(
+                f"taskswap: micro_batches={self.micro_batches} with streamed layers and a communicator: a step's plan "
+                "has one forward and one backward use of each layer, and with a communicator every use is planned; "
+                "sum the micro-batches' losses and call backward once")
         if rt._hooks:  # what the gradient hooks look up
             self.kinds = {use.unit.id: use.kind for use in uses}
         stream = self.stream = rt._stream or rt._current_stream()
@@ -1251,6 +1262,8 @@ class _StepScope:
 
     def _layer_release(self, u: Unit) -> None:
         _, _, kind = self.layers.pop(u.id)
+        self.rerunning.discard(u.id)
+        self.awaiting.discard(u.id)
         try:
             self.rt._core.release(u.id, self._layer_stream())
         finally:
@@ -1260,15 +1273,26 @@ class _StepScope:
         """Forward pre-hook: the layer's forward use, unless it is held (a forward re-run inside its
         backward by non-reentrant activation checkpointing uses the backward's acquisition). A
         forward inside backward (reentrant checkpointing re-runs it there, and its backward follows
-        at once) is the layer's backward use: acquired as its backward is planned, and kept."""
+        at once) is the layer's backward use: acquired as its backward is planned, and kept. In a
+        checkpoint over several layers the second re-run comes before the first one's backward:
+        from there on, the old way (fetched for the forward, again for the backward; off the plan,
+        which a communicator refuses)."""
         if u.id in self.layers:
             return
         if u._holders:
             u._check_model()
         if _in_backward():
-            self._layer_backward(u)
-            self.recomputed.add(u.id)
-            return
+            if not self.awaiting:
+                self._layer_backward(u)
+                self.rerunning.add(u.id)
+                return
+            if self.rt._hooks:
+                raise _core.InvalidArgument(
+                    f"taskswap: the streamed layer '{u.name}' runs its forward again inside backward before the "
+                    f"backward of '{self.layers[next(iter(self.awaiting))][0].name}': a checkpoint over several "
+                    "streamed layers, whose uses the plan does not foresee, and with a communicator every use is "
+                    "planned; checkpoint each streamed layer on its own (as transformers' "
+                    "gradient_checkpointing_enable does), or use non-reentrant checkpointing")
         if u._stat_modules:  # the forward use is a frozen one: running statistics would not be kept
             u._check_eval()
         self._layer_acquire(u, _FROZEN, forward=True)
@@ -1279,19 +1303,20 @@ class _StepScope:
         the parameters: an auxiliary output's, a router loss, may come before the hidden state's;
         autograd runs nodes in reverse creation order, so it comes just before the layer's own
         backward), and a frozen layer is released once its inputs' gradients are in, when its
-        backward is over."""
+        backward is over. A forward re-run inside backward keeps the layer for that backward."""
         held = self.layers.get(u.id)
         if held is None:
             return
-        if u.id in self.recomputed:  # a forward run inside backward: held for the backward that follows
-            self.recomputed.discard(u.id)
-            if not u.trainable:
-                self._release_after_backward(u, inputs)
+        rerun = u.id in self.rerunning
+        if not rerun and not held[1]:
             return
-        if not held[1]:
-            return
+        self.rerunning.discard(u.id)
         outputs = [t for t in _tensors_in(output) if t.requires_grad] if torch.is_grad_enabled() else []
-        self._layer_release(u)
+        if rerun:
+            if outputs:
+                self.awaiting.add(u.id)
+        else:
+            self._layer_release(u)
         if not outputs:
             return
 
@@ -1304,11 +1329,10 @@ class _StepScope:
             self._release_after_backward(u, inputs)
 
     def _release_after_backward(self, u: Unit, inputs) -> None:
-        """A frozen layer's backward is over once its inputs' gradients are in: released then (a
-        layer held for its backward now, whose inputs need none, at once)."""
+        """A frozen layer's backward is over once its inputs' gradients are in: released then (one
+        whose inputs need none is held to the scope's end: nothing says when its backward ends)."""
         sources = [t for t in _tensors_in(inputs) if t.requires_grad]
         if not sources:
-            self._layer_backward_done(u)
             return
         left = [len(sources)]
 
@@ -1331,6 +1355,7 @@ class _StepScope:
                 f"taskswap: a second backward pass reached the streamed layer '{u.name}' after its update (a trained "
                 "streamed layer is stepped as soon as one backward pass completes its gradients); sum the losses and "
                 "call backward once per step")
+        self.awaiting.discard(u.id)
         if u.id not in self.layers:
             self._layer_acquire(u, _TRAIN if u.trainable else _FROZEN, forward=False)
 
