@@ -14,6 +14,7 @@ void runtime::impl::plan(std::span<const step_plan> steps)
   check_comm();
   for (std::size_t k = 0; k < steps.size(); ++k) { check_step(steps[k], ledger_.step() + plan_.planned_steps() + k); }
   if (reducer_) {
+    derive_params();
     sync_replicas();
     plan_together(steps);
   } else {

@@ -170,7 +170,10 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
   agree(failure, "reads");
   failed_ = nullptr;
   load_failed_ = false;
-  for (std::size_t i = 0; i < units_.size(); ++i) { units_[i].step = manifest.units[where[i]].step; }
+  for (std::size_t i = 0; i < units_.size(); ++i) {
+    units_[i].step = manifest.units[where[i]].step;
+    units_[i].home_written = false;  // a checkpoint's params are derived from its master already
+  }
   planned_steps_ = manifest.steps_done;
   ledger_.restart_at(manifest.steps_done);
   const double configured_clip = options_.optimizer.clip;

@@ -95,6 +95,7 @@ struct runtime::impl {
   void place_homes();
   [[nodiscard]] static std::uint64_t identity_of(const unit_record& r);
   void start();
+  void derive_params();
 
   // The residency model's arithmetic (runtime/residency_model.hpp).
   [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return model_->taken(bytes); }
@@ -278,6 +279,7 @@ struct runtime::impl {
   std::uint64_t tick_ = 0;
   std::uint64_t planned_steps_ = 0;  // steps appended to the plan, over all time
   bool started_ = false;
+  bool derived_ = false;  // derive_params() ran
   bool replicas_synced_ = false;  // with a communicator: at the first plan()
 
   detail::step_ledger ledger_;  // every counter stats() reports, and the stall timers

@@ -268,6 +268,32 @@ TEST_F(disk_home_test, a_checkpoint_copies_the_unit_files_and_resumes_bitwise_in
   }
 }
 
+// A resumed run's homes are the checkpoint's, whose bf16 params are derived from the master
+// already: its start reads and writes no unit file (it used to read every bf16 home to derive
+// them again, which for thousands of disk homes is a pass over the drive).
+TEST_F(disk_home_test, a_resumed_run_starts_without_reading_its_unit_files)
+{
+  const fs::path ck = dir_ / "ck";
+  fs::create_directories(dir_);
+  std::string expected;
+  {
+    model disk(dir_ / "a", 1 << 20);
+    disk.train(6);
+    disk.rt.save_checkpoint(ck);
+    disk.train(12, 6);
+    expected = disk.state();
+  }
+  model resumed(dir_ / "b", 1 << 20, false);
+  EXPECT_EQ(resumed.rt.load_checkpoint(ck).steps_done, 6U);
+  resumed.rt.plan(std::vector<step_plan>{});  // starts the runtime; nothing planned to read ahead
+  const disk_stats d = resumed.rt.stats().disk;
+  EXPECT_EQ(d.read_bytes, 0U);
+  EXPECT_EQ(d.misses, 0U);
+  EXPECT_EQ(d.cached_bytes, 0U);
+  resumed.train(12, 6);
+  EXPECT_EQ(resumed.state(), expected);
+}
+
 TEST_F(disk_home_test, a_damaged_checkpoint_is_refused_before_any_unit_file_is_written)
 {
   const fs::path ck = dir_ / "ck";
