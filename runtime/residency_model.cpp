@@ -49,19 +49,21 @@ std::string residency_model::granule_note() const
   return granule_ > slab_alignment ? message(" (in whole granules of ", bytes_text(granule_), ")") : std::string();
 }
 
-std::size_t residency_model::check_step(const step_plan& step, std::uint64_t step_number, const step_rules& rules,
-                                        std::span<const std::uint32_t> whole_frozen) const
+step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_number, const step_rules& rules,
+                                      std::span<const std::uint32_t> whole_frozen) const
 {
   struct held_unit {
     std::uint32_t unit;
     std::size_t bytes;  // what its acquisition takes of the budget
+    std::size_t raw;  // its slab before rounding
     bool trained;
   };
   std::vector<held_unit> held;
   std::vector<std::uint32_t> kept;  // released, still counted (their reduction or update is to come)
   std::vector<std::uint32_t> trained_released;  // guarded: their update waits for the step's end
   std::size_t held_bytes = 0;
-  std::size_t most = 0;
+  std::size_t raw_bytes = 0;
+  step_peak most;
   const auto held_names = [&] {
     std::string s;
     for (const held_unit& h : held) { s += (s.empty() ? "'" : ", '") + units_[h.unit].name + "'"; }
@@ -88,6 +90,7 @@ std::size_t residency_model::check_step(const step_plan& step, std::uint64_t ste
       // layer's forward) is reduced by no rank and gives its room back at release.
       if (!((rules.released_count_to_end || rules.trained_count_to_end) && it->trained)) {
         held_bytes -= it->bytes;
+        raw_bytes -= it->raw;
       } else if (it->bytes != 0) {
         kept.push_back(it->unit);
       }
@@ -111,7 +114,7 @@ std::size_t residency_model::check_step(const step_plan& step, std::uint64_t ste
                                  "acquires it once (accumulate its micro-batches within one acquisition)"));
     }
     if (u.pinned) {
-      held.push_back({e.unit.value, 0, false});
+      held.push_back({e.unit.value, 0, 0, false});
       continue;
     }
     // A frozen use takes the parameters alone, unless other ranks train the unit in the step.
@@ -120,9 +123,11 @@ std::size_t residency_model::check_step(const step_plan& step, std::uint64_t ste
     // The pool maps whole granules (a packed unit: a place, charged a granule) and never splits
     // free room, so the sum is the whole rule.
     const std::size_t need = use_charge(e.unit.value, whole);
-    held.push_back({e.unit.value, need, whole});
+    const std::size_t raw = whole ? u.device_bytes : u.params_bytes;
+    held.push_back({e.unit.value, need, raw, whole});
     held_bytes += need;
-    most = std::max(most, held_bytes);
+    raw_bytes += raw;
+    most = {std::max(most.held, held_bytes), std::max(most.raw, raw_bytes)};
     if (pinned_ + held_bytes > capacity_) {
       throw config_error(message(
         "plan step ", step_number, ": after acquiring '", u.name, "' the units held at once (", held_names(), ") take ",

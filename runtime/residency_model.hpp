@@ -46,6 +46,13 @@ struct modelled_unit {
   bool never_trained = false;  // unit_spec::trainable false: every use frozen
 };
 
+/// The most a step holds at once: as charged (whole granules, pinned units excluded), and its
+/// units' slabs before rounding (the planner's rounding figure).
+struct step_peak {
+  std::size_t held = 0;
+  std::size_t raw = 0;
+};
+
 /// How a step counts a unit released before the step's end.
 struct step_rules {
   bool released_count_to_end = false;  // with a communicator: a whole use's room waits for the reduction
@@ -103,8 +110,8 @@ class residency_model {
   /// @throws config_error naming the step, the units held and the bytes, or a release of a unit
   /// not held, an acquire of a unit held, a trained use of a unit never trained, a re-acquire of a
   /// trained unit in a guarded step
-  std::size_t check_step(const step_plan& step, std::uint64_t step_number, const step_rules& rules,
-                         std::span<const std::uint32_t> whole_frozen = {}) const;
+  step_peak check_step(const step_plan& step, std::uint64_t step_number, const step_rules& rules,
+                       std::span<const std::uint32_t> whole_frozen = {}) const;
 
   /// Belady's rule: the candidate used furthest in the future, least recently released among
   /// equals; an idle one before one that is not. Returns the chosen candidate's index, or

@@ -267,8 +267,8 @@ void runtime::impl::warn_unstepped(const unit_record& r)
 // ranks train) not stepped yet is stepped here.
 void runtime::impl::release_reduced(unit_record& r, stream_view s)
 {
-  if (r.phase() ==
-      step_phase::frozen) {  // nothing to reduce: no rank trains it, or this is a forward before its trained use
+  // Nothing to reduce: no rank trains it, or this is a forward before its trained use.
+  if (r.phase() == step_phase::frozen) {
     release(r, s, phase_move::release);
     return;
   }

@@ -3,6 +3,7 @@
 // other units) refused before anything changes; a failed save leaves the old checkpoint.
 
 #include "expect_error.hpp"
+#include "file_size_limit.hpp"
 #include "runtime/training_loop.hpp"
 #include "runtime/crc32c.hpp"
 
@@ -10,9 +11,6 @@
 
 #include <gtest/gtest.h>
 
-#include <sys/resource.h>
-
-#include <csignal>
 #include <cstring>
 #include <fstream>
 #include <random>
@@ -160,15 +158,10 @@ TEST(checkpoint, saving_again_replaces_the_checkpoint_only_when_complete_and_a_f
 
   // A write that fails (the file size limit) leaves the old checkpoint as it was.
   a.train(9, 12);
-  rlimit old{};
-  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
-  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
-  rlimit small = old;
-  small.rlim_cur = 64 * 1024;
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
-  expect_error_mentioning<checkpoint_error>([&] { a.rt.save_checkpoint(dir); }, "failed");
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
-  std::signal(SIGXFSZ, old_handler);
+  {
+    const file_size_limit limit(64 * 1024);
+    expect_error_mentioning<checkpoint_error>([&] { a.rt.save_checkpoint(dir); }, "failed");
+  }
   verify_checkpoint(dir);
   EXPECT_EQ(read_checkpoint_manifest(dir).steps_done, 9U);
   EXPECT_EQ(std::distance(fs::directory_iterator(dir.parent_path()), fs::directory_iterator{}), 1);

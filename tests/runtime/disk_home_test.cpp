@@ -6,6 +6,7 @@
 // misconfigured says so.
 
 #include "expect_error.hpp"
+#include "file_size_limit.hpp"
 #include "runtime/checkpoint.hpp"
 #include "runtime/training_loop.hpp"
 
@@ -13,10 +14,8 @@
 
 #include <gtest/gtest.h>
 
-#include <sys/resource.h>
 #include <unistd.h>
 
-#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -366,15 +365,10 @@ TEST_F(disk_home_test, a_save_failing_while_it_copies_the_unit_files_keeps_the_l
   const std::string at_10 = disk.state();
   disk.train(20, 10);
   disk.rt.flush();  // nothing left for the save's own flush to write under the limit
-  rlimit old{};
-  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &old), 0);
-  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
-  rlimit small = old;
-  small.rlim_cur = 96 * 1024;  // the trunk's data.bin fits; a task's unit file does not
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
-  expect_error_mentioning<checkpoint_error>([&] { disk.rt.save_checkpoint(ck); }, "copying");
-  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &old), 0);
-  std::signal(SIGXFSZ, old_handler);
+  {
+    const file_size_limit limit(96 * 1024);  // the trunk's data.bin fits; a task's unit file does not
+    expect_error_mentioning<checkpoint_error>([&] { disk.rt.save_checkpoint(ck); }, "copying");
+  }
   EXPECT_NO_THROW(verify_checkpoint(ck));
   EXPECT_EQ(read_checkpoint_manifest(ck).steps_done, 10U);
   std::size_t entries = 0;

@@ -14,6 +14,7 @@ namespace {
 
 using detail::modelled_unit;
 using detail::residency_model;
+using detail::step_peak;
 using detail::victim_candidate;
 
 constexpr std::size_t KiB = 1024;
@@ -68,7 +69,7 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
                     {unit("a", 4 * g, 2 * g), unit("b", 4 * g, 2 * g), unit("c", 4 * g, 2 * g), frozen_base});
   const unit_id a{0}, b{1}, c{2}, base{3};
   // a and b held at once take 8 granules; after a's release c fits without a communicator.
-  EXPECT_EQ(m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 0, {}), 8 * g);
+  EXPECT_EQ(m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 0, {}).held, 8 * g);
   expect_error_mentioning<config_error>(
     [&] {
       (void)m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 7, {.released_count_to_end = true});
@@ -90,13 +91,13 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
                                .acquire(base, unit_use::frozen)
                                .release(base)
                                .acquire(b);
-  EXPECT_EQ(m.check_step(streamed, 3, {.released_count_to_end = true}), 4 * g);
+  EXPECT_EQ(m.check_step(streamed, 3, {.released_count_to_end = true}).held, 4 * g);
   const std::vector<std::uint32_t> trained_elsewhere{0, 2};
   expect_error_mentioning<config_error>(
     [&] { (void)m.check_step(streamed, 3, {.released_count_to_end = true}, trained_elsewhere); },
     "units released whole within a step count until it ends");
   // Frozen uses hold their parameters alone, unless told otherwise (others train the unit).
-  EXPECT_EQ(m.check_step(step_plan{}.acquire(a, unit_use::frozen).acquire(b).acquire(c, unit_use::frozen), 0, {}),
+  EXPECT_EQ(m.check_step(step_plan{}.acquire(a, unit_use::frozen).acquire(b).acquire(c, unit_use::frozen), 0, {}).held,
             8 * g);
   const std::vector<std::uint32_t> whole{0, 2};
   expect_error_mentioning<config_error>(
@@ -111,7 +112,17 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
                                         "while it is still held");
   expect_error_mentioning<config_error>([&] { (void)m.check_step(step_plan{}.acquire(base), 2, {}); },
                                         "registered never trained");
-  EXPECT_EQ(m.check_step(step_plan{}.acquire(base, unit_use::frozen), 2, {}), 4 * g);
+  EXPECT_EQ(m.check_step(step_plan{}.acquire(base, unit_use::frozen), 2, {}).held, 4 * g);
+  // The slabs before rounding: a unit of 2.5 and one of 1.25 granules take 4 whole granules held
+  // at once, 3.75 granules of slabs; with a communicator the first, released whole, still counts.
+  residency_model r(10 * g, g, 0, {unit("d", 5 * g / 2, g), unit("e", 5 * g / 4, g)});
+  const step_plan de = step_plan{}.acquire(unit_id{0}).release(unit_id{0}).acquire(unit_id{1});
+  const step_peak alone = r.check_step(de, 0, {});
+  EXPECT_EQ(alone.held, 3 * g);
+  EXPECT_EQ(alone.raw, 5 * g / 2);
+  const step_peak counted = r.check_step(de, 0, {.released_count_to_end = true});
+  EXPECT_EQ(counted.held, 5 * g);
+  EXPECT_EQ(counted.raw, 15 * g / 4);
   expect_error_mentioning<config_error>(
     [&] { (void)m.check_step(step_plan{}.acquire(a).release(a).acquire(a), 3, {.trained_count_to_end = true}); },
     "again after training it");

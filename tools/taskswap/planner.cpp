@@ -382,40 +382,18 @@ plan_report make_plan(const plan_input& in)
   const bool communicator = in.options.comm.backend != comm_backend::none;
   const detail::step_rules rules{.released_count_to_end = communicator, .trained_count_to_end = guarded};
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
-    step_plan step;
-    std::size_t raw = 0;
-    if (!in.ordered.empty()) {  // the trainer's calls: the most held at once, before rounding
-      step = in.ordered[s];
-      std::map<std::size_t, std::size_t> held_raw;
-      std::set<std::size_t> trained;
-      std::size_t now = 0;
-      for (const step_plan::entry& e : step.entries()) {
-        const planned_unit& p = units.at(e.unit.value);
-        if (!e.acquire) {
-          if (!((communicator || guarded) && trained.contains(e.unit.value))) { now -= held_raw[e.unit.value]; }
-          held_raw.erase(e.unit.value);
-          continue;
-        }
-        if (e.use == unit_use::train) { trained.insert(e.unit.value); }
-        const std::size_t b =
-          p.pinned() ? 0 : (e.use == unit_use::train ? p.fp.device_bytes : p.fp.frozen_device_bytes);
-        held_raw[e.unit.value] = b;
-        now += b;
-        raw = std::max(raw, now);
-      }
-    }
+    // The trainer's calls where given; else the step's frozen uses, then its trained ones.
+    step_plan step = in.ordered.empty() ? step_plan{} : in.ordered[s];
     for (std::size_t u : in.ordered.empty() ? frozen_of(s) : none) {
       step.acquire(unit_id{static_cast<std::uint32_t>(u)}, unit_use::frozen);
-      raw += units[u].pinned() ? 0 : units[u].fp.frozen_device_bytes;
     }
     for (std::size_t u : in.ordered.empty() ? in.steps[s] : none) {
       step.acquire(unit_id{static_cast<std::uint32_t>(u)});
-      raw += units[u].pinned() ? 0 : units[u].fp.device_bytes;
     }
-    const std::size_t held = model.check_step(step, s, rules);
-    if (held > most_held || (held == most_held && raw > most_held_raw)) {
-      most_held = held;
-      most_held_raw = raw;
+    const detail::step_peak peak = model.check_step(step, s, rules);
+    if (peak.held > most_held || (peak.held == most_held && peak.raw > most_held_raw)) {
+      most_held = peak.held;
+      most_held_raw = peak.raw;
     }
   }
   r.peak_device_bytes = r.pinned_device_bytes + most_held + guard;
