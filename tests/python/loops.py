@@ -171,5 +171,26 @@ def gloo_under_mpirun(port: str) -> tuple[int, int]:
     return rank, world
 
 
+def replicas_bitwise_equal(state: dict[str, torch.Tensor], world: int) -> bool:
+    """Whether every rank holds the same tensors, bit for bit (a collective over gloo)."""
+    import torch.distributed as dist
+    flat = torch.cat([v.flatten().float() for _, v in sorted(state.items())])
+    gathered = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(gathered, flat)
+    return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def end_under_mpirun(rank: int, failures: list[str]) -> int:
+    """Ends the gloo group gloo_under_mpirun made; the exit code (each rank says what failed)."""
+    import sys
+
+    import torch.distributed as dist
+    dist.barrier()
+    dist.destroy_process_group()
+    if failures:
+        print(f"rank {rank}: FAILED: {failures}", file=sys.stderr)
+    return 1 if failures else 0
+
+
 def fresh(model: Model) -> Model:
     return copy.deepcopy(model)

@@ -19,10 +19,9 @@ from pathlib import Path
 
 import tomllib
 import torch
-import torch.distributed as dist
 
 import taskswap.torch as tt
-from loops import gloo_under_mpirun
+from loops import end_under_mpirun, gloo_under_mpirun, replicas_bitwise_equal
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "samples/python"))
@@ -30,13 +29,6 @@ import peft_multitask as sample  # noqa: E402
 
 CONFIG = ROOT / "samples/configs/peft-stream.toml"
 STEPS = 12
-
-
-def replicas_equal(state: dict[str, torch.Tensor], world: int) -> bool:
-    flat = torch.cat([v.flatten() for _, v in sorted(state.items())])
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(gathered, flat)
-    return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
 def main() -> int:
@@ -53,7 +45,7 @@ def main() -> int:
         s = streamed["stats"].total
         ratio = streamed["streamed_bytes"] / streamed["budget"]
         differ = [k for k in streamed["state"] if not torch.equal(streamed["state"][k], resident["state"][k])]
-        equal = replicas_equal(streamed["state"], world)
+        equal = replicas_bitwise_equal(streamed["state"], world)
         trained = {t for g in range(world) for t in sample.schedule(m, STEPS, g)}
         checks = {
             "world": streamed["world"] == world,
@@ -73,11 +65,7 @@ def main() -> int:
                   f"bytes, unplanned {s.unplanned}, misses {s.misses}, reduced {s.reduced_bytes} bytes; "
                   f"streamed = all-resident bitwise: {not differ}; replicas bitwise equal: {equal}", flush=True)
         failures += [f"{name} (checkpointing {checkpointing})" for name, ok in checks.items() if not ok]
-    dist.barrier()
-    dist.destroy_process_group()
-    if failures:
-        print(f"rank {rank}: FAILED: {failures}", file=sys.stderr)
-    return 0 if not failures else 1
+    return end_under_mpirun(rank, failures)
 
 
 if __name__ == "__main__":

@@ -24,24 +24,16 @@ from __future__ import annotations
 import sys
 
 import torch
-import torch.distributed as dist
 from test_streaming import LAYERS, Deep, checkpointed_pairs, train
 
 import taskswap
 import taskswap.torch as tt
-from loops import config, gloo_under_mpirun
+from loops import config, end_under_mpirun, gloo_under_mpirun, replicas_bitwise_equal
 
 
 def depth(step: int, rank: int) -> int:
     """The ranks exit the trunk at different depths in alternate steps."""
     return LAYERS if (step + rank) % 2 == 0 else LAYERS // 2 + rank
-
-
-def replicas_equal(state: dict[str, torch.Tensor], world: int) -> bool:
-    flat = torch.cat([v.flatten().float() for _, v in sorted(state.items())])
-    gathered = [torch.empty_like(flat) for _ in range(world)]
-    dist.all_gather(gathered, flat)
-    return all(torch.equal(g, gathered[0]) for g in gathered)
 
 
 def same(a: dict, b: dict) -> bool:
@@ -63,7 +55,7 @@ def main() -> int:
         streamed, totals, budget, trunk = train(streamed=True, trained_layers=False, checkpoint=checkpoint, **common)
         pinned, _, _, _ = train(streamed=False, trained_layers=False, checkpoint=checkpoint, **common)
         check(f"{case}: bitwise equal to pinned", same(streamed, pinned))
-        check(f"{case}: replicas bitwise equal", replicas_equal(streamed, world))
+        check(f"{case}: replicas bitwise equal", replicas_bitwise_equal(streamed, world))
         check(f"{case}: trunk 8x the budget", trunk >= 8 * budget)
         check(f"{case}: peak within the budget", totals.peak_device_bytes <= budget)
         check(f"{case}: streamed", totals.evictions > 0)
@@ -114,7 +106,7 @@ def main() -> int:
         streamed, totals, _, _ = train(streamed=True, trained_layers=True, checkpoint=checkpoint, budget=budget,
                                        **common)
         check(f"{case}: bitwise equal to pinned", same(streamed, pinned))
-        check(f"{case}: replicas bitwise equal", replicas_equal(streamed, world))
+        check(f"{case}: replicas bitwise equal", replicas_bitwise_equal(streamed, world))
         check(f"{case}: peak within the budget", trunk <= totals.peak_device_bytes <= budget)
         check(f"{case}: swapped", totals.evictions > 0)
         check(f"{case}: layers reduced", totals.reduced_bytes > 0)
@@ -127,11 +119,7 @@ def main() -> int:
             print(f"{case}: peak {totals.peak_device_bytes} of {budget} (the trained trunk {trunk}), evictions "
                   f"{totals.evictions}, reduced {totals.reduced_bytes} bytes", flush=True)
 
-    dist.barrier()
-    dist.destroy_process_group()
-    if failures:
-        print(f"rank {rank}: FAILED: {failures}", file=sys.stderr)
-    return 0 if not failures else 1
+    return end_under_mpirun(rank, failures)
 
 
 if __name__ == "__main__":
