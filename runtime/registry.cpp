@@ -184,22 +184,25 @@ void runtime::impl::start()
   if (guard_) { upload_guard(); }
 }
 
-// The master is a bf16/f16 unit's source of truth: its params are derived from it once, before
-// the first plan's replica sync (so that rank 0 sends derived ones) or the first acquire. A disk
-// home is derived only where the trainer took home() before (a zero home, or a checkpoint's,
-// is derived already), so that a run of many disk homes does not read and write every unit file
-// at its start; a host home is always derived (a pass over memory).
+// The master is a bf16/f16 unit's source of truth: its params are derived from it before the
+// first plan's replica sync (so that rank 0 sends derived ones) and at start. A host home is
+// derived at the first call (a pass over memory); after that, and for a disk home always, only a
+// home the trainer took home() for since (a zero home, or a checkpoint's, is derived already), so
+// that a run of many disk homes does not read and write every unit file at its start, and a plan
+// refused after the derivation (replicas that differ) lets the trainer write the masters again.
 void runtime::impl::derive_params()
 {
-  if (derived_) { return; }
-  derived_ = true;
   for (unit_record& r : units_) {
     const detail::unit_layout& l = r.layout;
-    if (l.compute == dtype::f32 || l.frozen || (r.home.cache != nullptr && !r.home_written)) { continue; }
+    if (l.compute == dtype::f32 || l.frozen || !(r.home_written || (r.home.cache == nullptr && !derived_))) {
+      continue;
+    }
     std::byte* home = r.home_block();
     detail::host_cast(home + l.params, l.compute, home + l.master, dtype::f32, l.trainable);  // not the state
     r.home_used(nullptr, true);
+    r.home_written = false;
   }
+  derived_ = true;
 }
 
 }  // namespace taskswap

@@ -129,7 +129,7 @@ home_view runtime::home(unit_id u)
   v.tensors = l.tensors;
   std::byte* home = r.home_block();
   r.home_used(nullptr, true);  // the trainer may write it (a disk home's cache block is then dirty)
-  r.home_written = r.home_written || !impl_->derived_;
+  r.home_written = r.home_written || !impl_->started_;
   v.params = {home + l.params, l.compute, l.count};
   const std::size_t state = l.frozen ? 0 : l.count;  // a unit never trained has no optimizer state
   v.master = {home + l.master, dtype::f32, state};

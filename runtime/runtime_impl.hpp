@@ -279,7 +279,7 @@ struct runtime::impl {
   std::uint64_t tick_ = 0;
   std::uint64_t planned_steps_ = 0;  // steps appended to the plan, over all time
   bool started_ = false;
-  bool derived_ = false;  // derive_params() ran
+  bool derived_ = false;  // derive_params() ran (the host homes are derived)
   bool replicas_synced_ = false;  // with a communicator: at the first plan()
 
   detail::step_ledger ledger_;  // every counter stats() reports, and the stall timers

@@ -304,7 +304,6 @@ struct trainer::impl {
     streamed = trunk_streams(model, options);
     for (int t = 0; t < model.tasks; ++t) { tasks.push_back(rt.find("task/" + std::to_string(t))); }
     carve();
-    initialise();
   }
 
   [[nodiscard]] std::size_t workspace_bytes() const
@@ -350,6 +349,15 @@ struct trainer::impl {
   }
 
   // He-uniform weights from the seed, zero biases and output layers, written to every unit's master before the first plan.
+  // The initial values, before the first run() or save (a resumed run takes the checkpoint's
+  // instead, and writes no home: with disk homes that would be a pass over every unit file).
+  void initialise_once()
+  {
+    if (initialised) { return; }
+    initialise();
+    initialised = true;
+  }
+
   void initialise()
   {
     // Units on all the host's threads (a GPU configuration holds hundreds of millions of weights).
@@ -567,6 +575,7 @@ struct trainer::impl {
   taskswap::step_stats last_stats{};
   int margin = 1;
   std::int64_t first_step = 0;  // where run() starts (a resumed checkpoint's position)
+  bool initialised = false;  // the homes hold the initial values or a checkpoint's
   std::int64_t planned_until = 0;  // steps planned so far
 };
 
@@ -606,12 +615,14 @@ std::int64_t trainer::resume(const std::filesystem::path& checkpoint)
                                      " steps; raise --steps");
   }
   m.first_step = static_cast<std::int64_t>(m.rt.load_checkpoint(checkpoint).steps_done);
+  m.initialised = true;
   return m.first_step;
 }
 
 run_result trainer::run(const run_options& options)
 {
   impl& m = *impl_;
+  m.initialise_once();
   const auto& on_log = options.on_log;
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): f32 array
   auto* host_losses = reinterpret_cast<float*>(m.losses_home.data());
@@ -773,6 +784,7 @@ run_result trainer::run(const run_options& options)
 void trainer::save_parameters(const std::filesystem::path& file)
 {
   impl& m = *impl_;
+  m.initialise_once();
   m.rt.flush();
   const std::filesystem::path tmp = file.string() + ".tmp";
   {

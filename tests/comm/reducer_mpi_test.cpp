@@ -639,7 +639,14 @@ TEST(reducer_mpi, initial_verify_names_the_units_and_ranks_that_differ_and_accep
   init_home(rt);  // the same on every rank now: the next plan goes through
   const home_view h = rt.home(unit_id{3});
   std::memset(h.m.data, 0, h.m.count * 4);
+  // A master written after the refused plan is the one the bf16 parameters are derived from.
+  const home_view t1 = rt.home(unit_id{1});
+  std::fill_n(static_cast<float*>(t1.master.data), t1.master.count, 0.25F);
   rt.plan(step_plan{unit_id{0}, unit_id{1}});
+  const home_view derived = rt.home(unit_id{1});
+  const auto* bf16 = static_cast<const std::uint16_t*>(derived.params.data);
+  EXPECT_TRUE(std::all_of(bf16, bf16 + derived.params.count, [](std::uint16_t b) { return b == 0x3E80; }))
+    << "rank " << world_rank() << ": bf16 params not derived from the master written after the refusal";
   stream compute(rt.get_device());
   for (const std::uint32_t u : {0U, 1U}) { (void)rt.acquire(unit_id{u}, compute); }
   for (const std::uint32_t u : {1U, 0U}) { rt.release(unit_id{u}, compute); }
