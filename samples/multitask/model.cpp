@@ -348,7 +348,6 @@ struct trainer::impl {
     }
   }
 
-  // He-uniform weights from the seed, zero biases and output layers, written to every unit's master before the first plan.
   // The initial values, before the first run() or save (a resumed run takes the checkpoint's
   // instead, and writes no home: with disk homes that would be a pass over every unit file).
   void initialise_once()
@@ -358,6 +357,7 @@ struct trainer::impl {
     initialised = true;
   }
 
+  // He-uniform weights from the seed, zero biases and output layers, written to every unit's master before the first plan.
   void initialise()
   {
     // Units on all the host's threads (a GPU configuration holds hundreds of millions of weights).

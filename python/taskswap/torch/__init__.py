@@ -418,10 +418,9 @@ class Runtime:
         step whose backward does not reach it.
 
         With a communicator a use off the plan is refused (the ranks agree on each step's uses),
-        and so is micro_batches > 1; a
-        trained layer's room counts to the step's end (its reduction), and one a step's backward did
-        not reach is updated with this rank's zeros, as every unit planned trained (plan
-        evaluations with ``forward_only``). Trained layers
+        and so is micro_batches > 1; a trained layer's room counts to the step's end (its
+        reduction), and one a step's backward did not reach is updated with this rank's zeros, as
+        every unit planned trained is (plan evaluations with ``forward_only``). Trained layers
         need a step without loss scaling or clipping (a guarded update waits for the step's end, so
         every trained layer would be held to it); a layer of at most half a device granule is
         refused at start (such units share granules and may move between forward and backward,
