@@ -2,6 +2,7 @@
 #include "runtime/plan_queue.hpp"
 
 #include <algorithm>
+#include <cstddef>
 
 namespace taskswap::detail {
 
@@ -51,6 +52,30 @@ std::optional<planned_acquisition> plan_queue::match(unit_id u)
   uses_[u.value].pop_front();
   while (cursor_ < entries.size() && entries[cursor_].consumed) { ++cursor_; }
   return planned_acquisition{e.position, e.use};
+}
+
+std::size_t plan_queue::drop(unit_id u, bool keep_first)
+{
+  if (steps_.empty()) { return 0; }
+  auto& entries = steps_.front().entries;
+  std::size_t dropped = 0;
+  bool kept = !keep_first;
+  for (std::size_t i = cursor_; i < entries.size(); ++i) {
+    if (entries[i].consumed || entries[i].unit != u) { continue; }
+    if (!kept) {
+      kept = true;
+      continue;
+    }
+    entries[i].consumed = true;
+    ++dropped;
+  }
+  // The current step's unconsumed uses of u are the front of its queue (the earlier ones were
+  // popped), the kept one first.
+  auto& q = uses_[u.value];
+  const auto first = q.begin() + (keep_first && !q.empty() ? 1 : 0);
+  q.erase(first, first + static_cast<std::ptrdiff_t>(dropped));
+  while (cursor_ < entries.size() && entries[cursor_].consumed) { ++cursor_; }
+  return dropped;
 }
 
 void plan_queue::end_step()

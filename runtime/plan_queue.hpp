@@ -48,6 +48,9 @@ class plan_queue {
   [[nodiscard]] std::optional<planned_acquisition> peek(unit_id u) const;
   /// As peek(), and consumes it.
   std::optional<planned_acquisition> match(unit_id u);
+  /// Drops the unconsumed planned acquisitions of `u` in the current step (the trainer will not
+  /// make them), but for the first if `keep_first`; returns how many.
+  std::size_t drop(unit_id u, bool keep_first = false);
   /// Leaves the current step: its unconsumed acquisitions are dropped.
   void end_step();
 

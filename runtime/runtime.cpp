@@ -184,6 +184,21 @@ void runtime::release(unit_id u, stream_view s)
   });
 }
 
+void runtime::skip(std::span<const unit_id> units)
+{
+  impl_->guarded([&] {
+    std::vector<detail::step_phase> before;
+    before.reserve(units.size());
+    for (const unit_id u : units) { before.push_back(impl_->phase_before(u)); }
+    const std::vector<bool> reduced = impl_->trainer_skip(units);
+    const std::uint32_t moves = detail::skip_moves(impl_->path());
+    for (std::size_t i = 0; i < units.size(); ++i) {
+      // A unit with nothing to reduce stays as it was; one to reduce has left idle.
+      impl_->check_unit(units[i], before[i], reduced[i] ? moves : 0, "skip");
+    }
+  });
+}
+
 step_stats runtime::end_step()
 {
   return impl_->guarded([&] {

@@ -8,7 +8,7 @@
 //   swap_engine.cpp         residency (detail::swap_engine): fill, write-back, evict, make room, prefetch
 //   step_ledger.cpp         the counters stats() reports, stall timers (detail::step_ledger)
 //   plan_check.cpp          the plan: per-step budget check, agreement with the other ranks
-//   step_protocol.cpp       acquire, grads_ready, step, release, end_step
+//   step_protocol.cpp       acquire, grads_ready, step, release, skip, end_step
 //   step_reduction.cpp      the step with a communicator: updates the runtime owns, deferrals
 //   step_round.hpp          the current step's deferred updates' bookkeeping (detail::step_round)
 //   host_optimizer.cpp      host placement: gradients home, the CPU AdamW, parameters back up
@@ -81,6 +81,8 @@ struct runtime::impl {
   void trainer_grads_ready(unit_id u, stream_view s);
   void trainer_step(unit_id u, stream_view s);
   void trainer_release(unit_id u, stream_view s);
+  /// Returns, for each unit, whether a use of it to reduce was completed (it left idle).
+  std::vector<bool> trainer_skip(std::span<const unit_id> units);
   step_stats end_step();
   void flush();
   /// The plan's next homes into the host cache (disk homes), then the next units onto the device.

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The step protocol: acquire, grads_ready, step, release, end_step, flush.
+// The step protocol: acquire, grads_ready, step, release, skip, end_step, flush.
 
 #include "runtime/runtime_impl.hpp"
 
@@ -324,6 +324,34 @@ void runtime::impl::release(unit_record& r, stream_view s, phase_move m)
     }
   }
   prefetch();
+}
+
+// An early exit: the trainer will not make these units' planned acquisitions still ahead in this
+// step. Without a communicator they are dropped. With one the ranks agreed on them: a use to
+// reduce (the unit trained in the step, here or on another rank) is completed now, as
+// complete_step() would at end_step (zero gradients from this rank, the update), and the rest are
+// dropped, before the hold, so that its release sees the unit's next use where it really is.
+std::vector<bool> runtime::impl::trainer_skip(std::span<const unit_id> units)
+{
+  check_comm();
+  std::vector<bool> reduced(units.size(), false);
+  for (std::size_t k = 0; k < units.size(); ++k) {
+    const unit_id u = units[k];
+    unit_record& r = record(u);
+    if (!plan_.peek(u)) { continue; }
+    TASKSWAP_EXPECTS(!r.held(), message("skip('", r.name,
+                                        "'): the unit is held; release it first (skip drops the acquisitions of "
+                                        "it still ahead in the step)"));
+    if (reducer_) {
+      start();
+      begin_step();  // the step's reduction begins at its first acquire, or here
+      reduced[k] = reducer_->active(r.index) && !reducer_->is_ready(r.index);
+    }
+    plan_.drop(u, reduced[k]);  // a use to reduce keeps its first entry, for the hold to take
+    if (reduced[k]) { hold_for_update(r); }
+  }
+  prefetch();
+  return reduced;
 }
 
 std::size_t runtime::impl::held_bytes() const noexcept

@@ -22,7 +22,7 @@
 // for the tests) each public step call (acquire, grads_ready, step, release, end_step, flush,
 // plan) also checks that every unit's states are consistent across the three machines
 // (inconsistency()), and that the unit it names reached its phase by the moves that call may make
-// (acquire_moves, step_moves, release_moves(path); none for grads_ready).
+// (acquire_moves, step_moves, release_moves(path), skip_moves(path); none for grads_ready).
 
 #include <array>
 #include <cstddef>
@@ -259,6 +259,19 @@ inline constexpr std::uint32_t acquire_moves =
   bits(phase_move::acquire_train, phase_move::acquire_frozen, phase_move::acquire_frozen_reduced);
 inline constexpr std::uint32_t step_moves =
   bits(phase_move::step_local, phase_move::step_now, phase_move::defer_to_reduction, phase_move::defer_to_end_step);
+/// A skip: none without a communicator (it only drops planned uses); with one, a use to reduce is
+/// completed as end_step would (held for the update, then, unguarded, updated and released once
+/// its bucket is launched; guarded, the update waits for end_step).
+[[nodiscard]] constexpr std::uint32_t skip_moves(step_path p) noexcept
+{
+  switch (p) {
+    case step_path::local:
+    case step_path::local_guarded: return 0;
+    case step_path::reduced: return bits(phase_move::hold_for_update, phase_move::update_and_release);
+    case step_path::reduced_guarded: return bits(phase_move::hold_for_update);
+  }
+  return 0;
+}
 /// A release: with a communicator an unstepped trained (or frozen_reduced) unit is stepped first.
 [[nodiscard]] constexpr std::uint32_t release_moves(step_path p) noexcept
 {

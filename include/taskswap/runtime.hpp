@@ -440,6 +440,19 @@ class runtime {
   /// @brief Ends the use of `u` on `s`; its device memory may be reused after the work on `s`.
   /// Does not synchronise.
   void release(unit_id u, stream_view s);
+  /// @brief The current step will not acquire these units again (an early exit skips the layers
+  /// above it): their planned acquisitions still ahead in the step are dropped now, not at
+  /// end_step(), so the prefetch stops keeping room for them and brings the uses after them
+  /// instead. Skip them in one call: the prefetch runs once, after all are dropped. A unit with
+  /// nothing planned ahead is left as it is. With a communicator a use the ranks agreed to reduce
+  /// (the unit trained in the step, here or on another rank) is completed as end_step() would
+  /// complete it: this rank contributes zero gradients and takes the update, now (give the units
+  /// in the order their gradients would have been ready, the last layer first). Does not
+  /// synchronise.
+  /// @throws invalid_argument if a unit with uses ahead is held by the trainer (release it first)
+  /// @throws out_of_memory with a communicator, if a unit's update does not fit beside the units held
+  void skip(std::span<const unit_id> units);
+  void skip(unit_id u) { skip(std::span<const unit_id>(&u, 1)); }
   /// @brief Ends the step: moves to the next planned one and returns this step's figures (the
   /// stall time of swap-ins not yet finished on the device is added when they finish).
   /// @throws invalid_argument if a unit is still held

@@ -194,6 +194,30 @@ TEST(plan_queue, next_use_follows_consumption_and_skipped_acquisitions_are_dropp
   EXPECT_TRUE(q.peek(a)->whole());
 }
 
+TEST(plan_queue, dropping_a_units_uses_leaves_the_rest_of_the_step_and_the_next_steps)
+{
+  detail::plan_queue q(3);
+  const unit_id a{0}, b{1}, c{2};
+  q.append(step_plan{}.acquire(a, unit_use::frozen).release(a).acquire(b).acquire(a).acquire(c));
+  q.append(step_plan{a});
+  EXPECT_EQ(q.match(a)->position, 0U);
+  EXPECT_EQ(q.drop(c), 1U);
+  EXPECT_EQ(q.drop(c), 0U);  // nothing left of c in this step
+  EXPECT_EQ(q.next_use(c), detail::never);
+  EXPECT_EQ(q.drop(a), 1U);  // its second use in this step; the next step's stays
+  EXPECT_EQ(q.next_use(a), 4U);
+  EXPECT_EQ(q.peek(a), std::nullopt);
+  std::vector<std::uint64_t> seen;
+  q.for_each_upcoming(1, [&](unit_id, detail::planned_acquisition p, std::size_t) {
+    seen.push_back(p.position);
+    return true;
+  });
+  EXPECT_EQ(seen, (std::vector<std::uint64_t>{1, 4}));
+  EXPECT_EQ(q.match(b)->position, 1U);
+  q.end_step();
+  EXPECT_EQ(q.match(a)->position, 4U);
+}
+
 // The fewest fetches any eviction choice achieves, by dynamic programming over cache contents.
 std::size_t optimal_fetches(const std::vector<std::uint32_t>& requests, std::size_t units, std::size_t capacity)
 {
@@ -379,6 +403,58 @@ TEST(runtime_protocol, stream_prefetches_the_next_layer_past_a_unit_held_to_the_
   }
 }
 
+// An early exit: the second step runs 3 of 8 layers. Their forward and backward uses of the layers
+// it skips stay in the plan ahead of the backward ones until the step ends, and the prefetch keeps
+// room for them: each backward acquisition misses. skip() drops them as the forward leaves.
+TEST(runtime_protocol, skip_gives_a_skipped_layers_room_to_the_backward_of_an_early_exit)
+{
+  constexpr std::uint32_t layers = 8;
+  constexpr std::uint32_t depth = 3;
+  const auto run = [&](bool skip) {
+    device dev = emulated(64 * MiB);
+    std::vector<unit_spec> specs{make_unit("task/0", 1024)};
+    for (std::uint32_t l = 0; l < layers; ++l) { specs.push_back(make_unit("layer/" + std::to_string(l), 1024)); }
+    const std::size_t slot = footprint(specs[0], optimizer_placement::device).device_bytes;
+    runtime rt(dev, options_with_budget(3 * slot), specs);  // the task unit and two layers
+    const auto layer = [](std::uint32_t l) { return unit_id{1 + l}; };
+    step_plan p;
+    p.acquire(unit_id{0});
+    for (std::uint32_t l = 0; l < layers; ++l) { p.acquire(layer(l), unit_use::frozen).release(layer(l)); }
+    for (std::uint32_t l = layers; l-- > 0;) { p.acquire(layer(l)).release(layer(l)); }
+    rt.plan(std::vector<step_plan>{p, p, p});
+    stream s(dev);
+    std::vector<step_stats> steps;
+    for (int step = 0; step < 3; ++step) {
+      const std::uint32_t run_layers = step == 1 ? depth : layers;
+      (void)rt.acquire(unit_id{0}, s);
+      for (std::uint32_t l = 0; l < run_layers; ++l) {
+        (void)rt.acquire(layer(l), s, unit_use::frozen);
+        rt.release(layer(l), s);
+      }
+      if (skip) {
+        std::vector<unit_id> skipped;
+        for (std::uint32_t l = layers; l-- > run_layers;) { skipped.push_back(layer(l)); }
+        rt.skip(skipped);
+      }
+      for (std::uint32_t l = run_layers; l-- > 0;) {
+        (void)rt.acquire(layer(l), s);
+        rt.step(layer(l), s);
+        rt.release(layer(l), s);
+      }
+      rt.release(unit_id{0}, s);
+      steps.push_back(rt.end_step());
+      EXPECT_LE(steps.back().peak_device_bytes, 3 * slot);
+    }
+    EXPECT_EQ(rt.stats().total.unplanned, 0U);
+    return steps;
+  };
+  const std::vector<step_stats> planned_only = run(false);
+  EXPECT_EQ(planned_only[1].misses, depth);  // every backward acquisition of the early exit
+  const std::vector<step_stats> skipped = run(true);
+  EXPECT_EQ(skipped[1].misses, 0U);
+  EXPECT_EQ(skipped[2].misses, 0U);  // and the next step's prefetch is where it was
+}
+
 TEST(runtime_protocol, protocol_errors_say_what_to_do)
 {
   device dev = emulated(1 * MiB);
@@ -391,8 +467,15 @@ TEST(runtime_protocol, protocol_errors_say_what_to_do)
   expect_error_mentioning<invalid_argument>([&] { (void)rt.acquire(a, s); }, "already held");
   expect_error_mentioning<invalid_argument>([&] { (void)rt.end_step(); }, "'a' is still held");
   expect_error_mentioning<invalid_argument>([&] { rt.flush(); }, "is held; release it first");
+  rt.skip(a);  // held, but nothing planned ahead: nothing to drop
   rt.release(a, s);
   (void)rt.end_step();
+  rt.plan(step_plan{}.acquire(a).release(a).acquire(a));
+  (void)rt.acquire(a, s);
+  expect_error_mentioning<invalid_argument>([&] { rt.skip(a); }, "is held; release it first");
+  rt.release(a, s);
+  rt.skip(a);  // its second use
+  EXPECT_EQ(rt.end_step().unplanned, 0U);
   expect_error_mentioning<invalid_argument>([&] { (void)rt.find("c"); }, "no unit is named 'c'");
   expect_error_mentioning<invalid_argument>([&] { rt.write_trace("/tmp/x.json"); }, "trace = true");
 }

@@ -161,6 +161,16 @@ TEST(unit_state, each_call_makes_only_its_own_moves)
   EXPECT_EQ(from(sp::stepped_local, step_path::local, release_moves(step_path::local)), (std::set<sp>{sp::idle}));
   EXPECT_EQ(from(sp::frozen_reduced, step_path::reduced, release_moves(step_path::reduced)),
             (std::set<sp>{sp::stepped_reduced, sp::step_deferred, sp::release_deferred, sp::updated}));
+  // A skip only drops planned uses without a communicator; with one it completes a use to reduce:
+  // held for the update, then updated once its bucket is launched, or (guarded) at end_step.
+  EXPECT_EQ(skip_moves(step_path::local), 0U);
+  EXPECT_EQ(skip_moves(step_path::local_guarded), 0U);
+  EXPECT_EQ(from(sp::idle, step_path::reduced, skip_moves(step_path::reduced)),
+            (std::set<sp>{sp::update_only, sp::updated}));
+  EXPECT_EQ(from(sp::idle, step_path::reduced_guarded, skip_moves(step_path::reduced_guarded)),
+            (std::set<sp>{sp::update_only}));
+  EXPECT_TRUE(from(sp::updated, step_path::reduced, skip_moves(step_path::reduced)).empty())
+    << "a unit updated in this step is not held for an update again";
 }
 
 TEST(unit_state, slot_and_coherence_moves)
