@@ -275,6 +275,19 @@ void bind_runtime(nb::module_& m)
       },
       "unit"_a, "stream"_a)
     .def(
+      "skip",
+      [](py_runtime& self, const std::vector<std::uint32_t>& units) {
+        std::vector<unit_id> ids;
+        ids.reserve(units.size());
+        for (const std::uint32_t u : units) { ids.push_back(self.id(u)); }
+        nb::gil_scoped_release release;
+        self.rt.skip(ids);
+      },
+      "units"_a,
+      "The current step will not acquire these units again: their planned acquisitions still ahead in the "
+      "step are dropped (with a communicator, a use to reduce is completed with zero gradients, in the order "
+      "given).")
+    .def(
       "end_step", [](py_runtime& self) { return self.rt.end_step(); }, nb::call_guard<nb::gil_scoped_release>())
     .def(
       "agree_stop", [](py_runtime& self, int local) { return self.rt.agree_stop(local); }, "local"_a,

@@ -871,6 +871,11 @@ class Runtime:
 
     def release(self, unit: int, stream: Stream) -> None: ...
 
+    def skip(self, units: Sequence[int]) -> None:
+        """
+        The current step will not acquire these units again: their planned acquisitions still ahead in the step are dropped (with a communicator, a use to reduce is completed with zero gradients, in the order given).
+        """
+
     def end_step(self) -> StepStats: ...
 
     def agree_stop(self, local: int) -> int: ...

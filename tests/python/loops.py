@@ -171,6 +171,11 @@ def gloo_under_mpirun(port: str) -> tuple[int, int]:
     return rank, world
 
 
+def bitwise_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Whether two state dicts hold the same keys and bitwise equal tensors."""
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def replicas_bitwise_equal(state: dict[str, torch.Tensor], world: int) -> bool:
     """Whether every rank holds the same tensors, bit for bit (a collective over gloo)."""
     import torch.distributed as dist

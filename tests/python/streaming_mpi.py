@@ -28,16 +28,13 @@ from test_streaming import LAYERS, Deep, checkpointed_pairs, train
 
 import taskswap
 import taskswap.torch as tt
+from loops import bitwise_equal as same
 from loops import config, end_under_mpirun, gloo_under_mpirun, replicas_bitwise_equal
 
 
 def depth(step: int, rank: int) -> int:
     """The ranks exit the trunk at different depths in alternate steps."""
     return LAYERS if (step + rank) % 2 == 0 else LAYERS // 2 + rank
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def main() -> int:
@@ -63,6 +60,14 @@ def main() -> int:
         if rank == 0:
             print(f"{case}: trunk {trunk / budget:.1f}x the budget, peak {totals.peak_device_bytes} of {budget}, "
                   f"unplanned {totals.unplanned}, misses {totals.misses}, evictions {totals.evictions}", flush=True)
+        if checkpoint == "reentrant":  # the early exits say so: the skipped layers' room goes to the backward
+            exited, exited_totals, _, _ = train(streamed=True, trained_layers=False, checkpoint=checkpoint,
+                                                exit_early=True, **common)
+            check(f"{case}, exit_early: bitwise equal to pinned", same(exited, pinned))
+            check(f"{case}, exit_early: fewer misses ({exited_totals.misses} < {totals.misses})",
+                  exited_totals.misses < totals.misses)
+            if rank == 0:
+                print(f"{case}, exit_early: misses {exited_totals.misses}", flush=True)
 
     # A checkpoint over two layers: non-reentrant, each use is planned; reentrant, the second
     # layer's forward re-runs before the first one's backward, off the plan: refused, saying why.
@@ -113,6 +118,10 @@ def main() -> int:
         if checkpoint is None:  # the evaluations (planned forward_only) update no layer
             trained_only = train(streamed=True, trained_layers=True, budget=budget, comm=tt.mpi(), depth=depth)[0]
             check(f"{case}: evaluations change nothing", same(streamed, trained_only))
+            # A skipped layer another rank trains takes its update at exit_early, with this rank's zeros.
+            exited = train(streamed=True, trained_layers=True, budget=budget, exit_early=True, **common)[0]
+            check(f"{case}, exit_early: bitwise equal to pinned", same(exited, pinned))
+            check(f"{case}, exit_early: replicas bitwise equal", replicas_bitwise_equal(exited, world))
         start = Deep().state_dict()["layers.3.1.weight"]
         check(f"{case}: the layers trained", not torch.equal(streamed["trunk/3.1.weight"], start))
         if rank == 0:

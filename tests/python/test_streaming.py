@@ -74,13 +74,13 @@ def layer_bytes(model: Deep, trained: bool) -> int:
 def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = torch.float32,
           checkpoint: str | None = None, steps: int = 12, depth=lambda step: LAYERS, evaluate: bool = False,
           backend: str = "emulated", width: int = WIDTH, aux: bool = False, loss_of=None, comm="none",
-          budget: int | None = None, plan_evaluations: str | None = None):
+          budget: int | None = None, plan_evaluations: str | None = None, exit_early: bool = False):
     """Trains Deep; returns (its state, the runtime's totals, the budget, the layers' bytes).
     `loss_of(model, x, y, task, step)` runs a step's forward and backward (default: one of each).
     `plan_evaluations`: None (with a communicator "forward_only", else not planned),
     "forward_only" or "training" (planned as a training step is). With a communicator every step
     is planned, each rank draws its own batches, and `depth(step, rank)` gives the layers a step
-    runs."""
+    runs. `exit_early`: a step that runs fewer than all layers says so as its forward leaves them."""
     device = "cuda" if backend == "cuda" else "cpu"
     model = Deep(dtype=dtype, checkpoint=checkpoint, width=width, aux=aux).to(device)
     if not trained_layers:
@@ -108,12 +108,15 @@ def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = t
     rank = rt.rank
     for step, t in enumerate(tasks):
         x, y = (v.to(device) for v in batch(step + 100003 * rank, dtype, width))
-        with rt.step(heads[t]):
+        with rt.step(heads[t]) as scope:
             if loss_of is not None:
                 loss_of(model, x, y, t, step)
             else:
                 d = depth(step, rank) if planned else depth(step)
-                torch.nn.functional.mse_loss(model(x, t, d).float(), y.float()).backward()
+                out = model(x, t, d)
+                if exit_early and d < LAYERS:
+                    scope.exit_early()
+                torch.nn.functional.mse_loss(out.float(), y.float()).backward()
         if evaluate and step % 3 == 0:
             with torch.no_grad(), rt.step(heads[t].frozen()):
                 model(x, t)
@@ -197,6 +200,23 @@ def test_early_exit_and_evaluation_are_fetched_on_demand_and_never_wrong():
     assert_same(streamed, resident)
     assert totals.peak_device_bytes <= budget
     assert totals.unplanned > 0  # the evaluations and the skipped layers' backward were not planned
+
+
+@pytest.mark.parametrize("trained_layers", [True, False], ids=["trained", "frozen"])
+def test_an_early_exit_gives_the_skipped_layers_room_to_the_backward(trained_layers):
+    """Odd steps run half the trunk. The skipped layers' planned uses come before the backward's in
+    the plan; they are dropped as the backward begins (runtime::skip), or where the forward says
+    exit_early() as it leaves the layers, so the prefetch brings the backward's layers: no miss
+    (16 per such step before; the first layer's swap-in starts just before its acquisition)."""
+    depth = lambda step: LAYERS if step % 2 == 0 else LAYERS // 2  # noqa: E731
+    resident, _, _, _ = train(streamed=False, trained_layers=trained_layers, depth=depth)
+    for exit_early in (False, True):
+        streamed, totals, budget, _ = train(streamed=True, trained_layers=trained_layers, depth=depth,
+                                            exit_early=exit_early)
+        assert_same(streamed, resident)
+        assert totals.peak_device_bytes <= budget
+        assert totals.unplanned == 0
+        assert totals.misses == 0, (exit_early, totals.misses)
 
 
 def test_an_evaluation_planned_forward_only_is_all_planned_and_changes_nothing():

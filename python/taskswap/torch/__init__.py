@@ -411,7 +411,8 @@ class Runtime:
         Correct whatever the step does: with ``torch.no_grad()`` a layer is released after its
         forward, with activation checkpointing (``torch.utils.checkpoint``) the forward re-run
         inside backward is the layer's backward use (held for it, or acquired for it), a layer a
-        step skips (early exit) is not acquired, and one used off the plan (a reentrant checkpoint
+        step skips (early exit) is not acquired and its planned uses are dropped when the backward
+        begins (or at the scope's ``exit_early()``), and one used off the plan (a reentrant checkpoint
         over several layers) is fetched on demand and counted as unplanned. Each layer runs once per
         forward pass; a trained layer is stepped when the step's backward pass completes its
         gradients (micro_batches 1; a second backward reaching it is refused), and not stepped in a
@@ -1060,7 +1061,7 @@ class _Starting:
 
 class _StepScope:
     __slots__ = ("rt", "uses", "micro_batches", "kinds", "stream", "acquired", "attached", "stats", "_starting",
-                 "layers", "stepped_layers", "rerunning", "awaiting")
+                 "layers", "stepped_layers", "rerunning", "awaiting", "ran", "exited")
 
     def __init__(self, rt: Runtime, uses: list[_Use], micro_batches: int):
         self.rt = rt
@@ -1079,6 +1080,27 @@ class _StepScope:
         # run and held for their backward, which has not begun.
         self.rerunning: set[int] = set()
         self.awaiting: set[int] = set()
+        self.ran: set[int] = set()  # layers whose forward ran in this step
+        self.exited = False  # the layers not run were skipped (exit_early, or the backward began)
+
+    def exit_early(self) -> None:
+        """The forward pass left the streamed layers early (an early exit): the layers it has not
+        run will not run in this step. Their planned uses are dropped now (``runtime::skip`` in
+        C++), so the prefetch brings the layers the backward needs instead of keeping room for the
+        skipped ones. Without a communicator the backward's first layer does this anyway (a layer
+        that still runs after it is fetched on demand, never wrong); called as the forward leaves
+        the layers, it also lets that first layer be prefetched. With a communicator only this
+        call does it (a layer skipped and then run would be off the plan, which is refused), and a
+        skipped trained layer takes its update now, with zero gradients from this rank, as it
+        would at the step's end."""
+        if self.rt._scope is not self:
+            raise _core.InvalidArgument("taskswap: call exit_early() inside its step scope")
+        if self.exited:
+            return
+        self.exited = True
+        skipped = [u.id for u in reversed(self.rt._layers) if u.id not in self.ran and u.id not in self.layers]
+        if skipped:  # the last layer first: the order their gradients would have been ready in
+            self.rt._core.skip(skipped)
 
     def __enter__(self) -> _StepScope:
         rt = self.rt
@@ -1295,6 +1317,7 @@ class _StepScope:
         if u._stat_modules:  # the forward use is a frozen one: running statistics would not be kept
             u._check_eval()
         self._layer_acquire(u, _FROZEN, forward=True)
+        self.ran.add(u.id)
 
     def _layer_forward_done(self, u: Unit, inputs, output) -> None:
         """Forward hook: releases the layer. If backward will pass through it, the first of its
@@ -1355,6 +1378,8 @@ class _StepScope:
                 "streamed layer is stepped as soon as one backward pass completes its gradients); sum the losses and "
                 "call backward once per step")
         self.awaiting.discard(u.id)
+        if not self.exited and not self.rt._hooks:  # the layers not run will not come: give their room
+            self.exit_early()
         if u.id not in self.layers:
             self._layer_acquire(u, _TRAIN if u.trainable else _FROZEN, forward=False)
 
