@@ -142,9 +142,11 @@ int train(int argc, char** argv)
   }
   if (!save.empty()) { t.save_parameters(t.world() > 1 ? save + ".rank" + std::to_string(t.rank()) : save); }
   if (lead) {
-    std::printf("summary: %.2f ms/step; swap-ins %zu, write-backs %zu, h2d %s, d2h %s, stall %.1f ms; reduced %s\n",
+    std::printf("summary: %.2f ms/step; swap-ins %zu, write-backs %zu, h2d %s, d2h %s, stall %.1f ms; reduced %s; "
+                "device peak %zu bytes of a %zu-byte budget\n",
                 r.step_ms(), r.total.swap_ins, r.total.write_backs, mib(r.total.h2d_bytes).c_str(),
-                mib(r.total.d2h_bytes).c_str(), r.total.stall_ms, mib(r.total.reduced_bytes).c_str());
+                mib(r.total.d2h_bytes).c_str(), r.total.stall_ms, mib(r.total.reduced_bytes).c_str(),
+                r.total.peak_device_bytes, options.device.budget);
     if (r.disk.host_cache_bytes != 0) {
       std::printf("  disk homes: %s read (%llu reads started ahead), %llu writes (%s) through a %s host cache (%llu "
                   "hits, %llu misses); waited for the drive %.1f ms\n",
