@@ -8,6 +8,8 @@
 #include <cpuid.h>
 
 #include <algorithm>
+#include <array>
+#include <cstdint>
 #include <cmath>
 
 namespace taskswap::detail {
@@ -79,9 +81,25 @@ cpu_isa best_cpu_isa() noexcept
   return best;
 }
 
+bool staggered(const adamw_slabs& slabs) noexcept
+{
+  const std::array<const void*, 5> starts{slabs.master, slabs.m, slabs.v, slabs.grad, slabs.params};
+  for (std::size_t a = 0; a < starts.size(); ++a) {
+    for (std::size_t b = a + 1; b < starts.size(); ++b) {
+      if (starts[a] == nullptr || starts[b] == nullptr) { continue; }
+      const auto x =
+        reinterpret_cast<std::uintptr_t>(starts[a]);  // NOLINT(cppcoreguidelines-pro-type-reinterpret-cast)
+      const auto y =
+        reinterpret_cast<std::uintptr_t>(starts[b]);  // NOLINT(cppcoreguidelines-pro-type-reinterpret-cast)
+      if (stagger_score(x > y ? x - y : y - x) < 1.0) { return false; }
+    }
+  }
+  return true;
+}
+
 bool grouped_stores(const adamw_slabs& slabs) noexcept
 {
-  return slabs.count * sizeof(float) >= stagger_min_array_bytes;
+  return slabs.count * sizeof(float) >= stagger_min_array_bytes && !staggered(slabs);
 }
 
 void cpu_adamw_range(const adamw_slabs& slabs, const adamw_scalars& scalars, std::size_t begin, std::size_t end,

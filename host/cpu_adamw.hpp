@@ -31,9 +31,15 @@ enum class cpu_isa { portable, avx2, avx512 };
 /// The widest instruction set this CPU supports among those compiled in.
 [[nodiscard]] cpu_isa best_cpu_isa() noexcept;
 
+/// Whether the streams of a pass over these slabs start staggered (host/stream_stagger.hpp): every
+/// pairwise distance between the starts of master, m, v, the gradients and the parameter copy
+/// scores at least 1 (stagger_score), as unit_layout places a unit's large slabs.
+[[nodiscard]] bool staggered(const adamw_slabs& slabs) noexcept;
+
 /// Whether a pass over these slabs writes its results through a tile buffer, each array's part
 /// in one run (Note [Grouped stores] in cpu_adamw_kernel.hpp): for slabs of
-/// stagger_min_array_bytes and more, whatever their layout.
+/// stagger_min_array_bytes and more whose streams are not staggered (a caller's layout, which may
+/// alias); staggered ones (the runtime's own units) run the plain loop, which is faster there.
 [[nodiscard]] bool grouped_stores(const adamw_slabs& slabs) noexcept;
 
 /// Updates elements [begin, end) on the calling thread with the given instruction set, its

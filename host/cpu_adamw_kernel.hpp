@@ -13,9 +13,11 @@
 // at 0.27 of its speed on separate arrays on the development VM (AMD EPYC, AVX2, 2026-11-26), and
 // grouping the reads did not help; writing each tile's results to a small buffer first and then
 // each array's part of the tile in one run (tiles of 64 elements: 256 B per array) ran at 0.93
-// and did not slow separate arrays (docs/host.md#array-layout). The grouped loop is taken for
-// arrays of stagger_min_array_bytes or more; smaller passes run from the caches, where the extra
-// copy cost 10-15 %.
+// and did not slow separate arrays (docs/host.md#array-layout). On an Intel Xeon VM, where packed
+// arrays do not collapse, the grouped loop ran at 0.90-0.96 of the plain one's speed, so it is
+// taken only for arrays of stagger_min_array_bytes or more whose starts are not staggered
+// (grouped_stores): a caller's layout, which may alias. A unit's staggered slabs run the plain
+// loop, and smaller passes run from the caches, where the extra copy cost 10-15 %.
 
 #include "host/adamw_formula.hpp"
 #include "host/adamw_slabs.hpp"

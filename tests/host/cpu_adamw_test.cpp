@@ -4,6 +4,7 @@
 // scalars, so each step's float result must lie within a few ulps of it.
 
 #include "host/cpu_adamw.hpp"
+#include "host/stream_stagger.hpp"
 #include "test_scale.hpp"
 #include "test_seed.hpp"
 
@@ -11,8 +12,10 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <bit>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -295,6 +298,38 @@ TEST(cpu_adamw_scalars, ComputedOnceInDoubleAndRounded)
   EXPECT_EQ(k.neg_step_size, static_cast<float>(-3e-4 / (1.0 - std::pow(0.8, 5))));
   EXPECT_EQ(k.inv_sqrt_bias2, static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(0.99, 5))));
   EXPECT_EQ(k.one_minus_beta2, static_cast<float>(1.0 - 0.99));
+}
+
+// The grouped stores are for a caller's layout: large arrays whose starts lie a round distance
+// apart (packed back to back, or separately mapped, page-aligned). The runtime's own units start
+// their large slabs staggered, where the plain loop is faster (docs/host.md#array-layout).
+TEST(cpu_adamw_layout, StoresAreGroupedForLargeArraysThatAreNotStaggered)
+{
+  constexpr std::size_t n = (std::size_t{16} << 20) / sizeof(float);  // 16 MiB arrays
+  constexpr std::size_t bytes = n * sizeof(float);
+  const std::uintptr_t base = std::uintptr_t{1} << 40;  // addresses only: nothing is read or written
+  const auto slabs = [&](std::array<std::uintptr_t, 4> at) {
+    adamw_slabs s;
+    // NOLINTBEGIN(cppcoreguidelines-pro-type-reinterpret-cast,performance-no-int-to-ptr)
+    s.master = reinterpret_cast<float*>(at[0]);
+    s.m = reinterpret_cast<float*>(at[1]);
+    s.v = reinterpret_cast<float*>(at[2]);
+    s.grad = reinterpret_cast<const void*>(at[3]);
+    // NOLINTEND(cppcoreguidelines-pro-type-reinterpret-cast,performance-no-int-to-ptr)
+    s.count = n;
+    return s;
+  };
+  const adamw_slabs packed = slabs({base, base + bytes, base + 2 * bytes, base + 3 * bytes});
+  EXPECT_FALSE(detail::staggered(packed));
+  EXPECT_TRUE(detail::grouped_stores(packed));
+  std::array<std::uintptr_t, 4> at{base, 0, 0, 0};
+  for (std::size_t k = 1; k < at.size(); ++k) { at[k] = detail::stagger_offset(base, at[k - 1] + bytes, k); }
+  const adamw_slabs staggered = slabs(at);
+  EXPECT_TRUE(detail::staggered(staggered));
+  EXPECT_FALSE(detail::grouped_stores(staggered));
+  adamw_slabs small = packed;
+  small.count = n / 4;  // 4 MiB: from the caches
+  EXPECT_FALSE(detail::grouped_stores(small));
 }
 
 TEST(cpu_adamw_errors, RefusesMissingSlabsAndAnF32Copy)
