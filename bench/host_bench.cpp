@@ -10,14 +10,14 @@
 //             and what a trainer gets cutting them from one block, e.g. 256 MiB apart at 64 Mi
 //             params): a caller's layout, which the kernel must not collapse on (layout_ratio,
 //             Note [Grouped stores] in host/cpu_adamw_kernel.hpp);
-//     packed-lockstep  the same with the stores of the streams interleaved (the kernel before
-//             grouped stores): shown, not a target.
+//     packed-lockstep  the same with the stores of the streams interleaved (the plain loop, which
+//             staggered slabs run): shown, not a target.
 //   Measured in the same run, on separately mapped arrays, each shifted by a different odd number
 //   of 1088-byte steps (a layout that cannot share an aliasing pathology with the one judged):
 //     anchor_GBps    a STREAM-like kernel with the same 28 B/param of traffic (master, m and v read
 //                    and written, the gradients read, the copy written), 256-bit vectors, the same
 //                    threads and chunks; it keeps the state finite (v += g * g);
-//     AdamW itself on those arrays.
+//     AdamW itself on those arrays, with the judged layout's store order (grouped or plain).
 //   roofline_ratio = AdamW's bytes/s on the layout over the anchor's (both 28 B/param);
 //   layout_ratio   = AdamW on the layout over AdamW on the separate arrays (≥ 0.9 wanted at every
 //                    size: a layout that costs more is a collapse). Both are medians of the
@@ -290,8 +290,14 @@ void host_adamw(benchmark::State& state, layout_kind kind, std::size_t n, int th
       detail::cpu_adamw_step(judged.slabs, scalars, threads);
     }
   };
+  // The separate arrays run the same loop as the judged layout (grouped or plain stores, which
+  // their own addresses would choose by where mmap put them): layout_ratio compares layouts.
+  const bool grouped = kind == layout_kind::packed_lockstep ? false : detail::grouped_stores(judged.slabs);
+  const auto separate_step = [&] {
+    detail::cpu_adamw_step(separate.slabs, scalars, threads, detail::best_cpu_isa(), grouped);
+  };
   judged_step();  // warm-up of each
-  detail::cpu_adamw_step(separate.slabs, scalars, threads);
+  separate_step();
   stream_like(separate.slabs, threads);
   // Each iteration times the three in turn, each from cold caches, starting with a different one
   // each time (an order effect then averages out). The figures
@@ -303,9 +309,8 @@ void host_adamw(benchmark::State& state, layout_kind kind, std::size_t n, int th
   std::size_t turn = 0;
   cache_evictor evict;
   for (auto _ : state) {
-    const std::array<double, 3> t = three_cold(
-      turn, evict, threads, judged_step, [&] { detail::cpu_adamw_step(separate.slabs, scalars, threads); },
-      [&] { stream_like(separate.slabs, threads); });
+    const std::array<double, 3> t =
+      three_cold(turn, evict, threads, judged_step, separate_step, [&] { stream_like(separate.slabs, threads); });
     ++turn;
     state.SetIterationTime(t[0]);
     own.push_back(t[0]);

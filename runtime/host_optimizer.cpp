@@ -57,10 +57,13 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   std::vector<std::pair<detail::adamw_slabs, bool>> runs;  // the slabs, and whether they decay
   const detail::adamw_slabs whole = l.slabs_at(r.home_block(), l.home_grads);
   for (const detail::adamw_run& run : l.runs) { runs.emplace_back(l.run_slabs(whole, run), run.decay); }
+  // The store order is the whole unit's (Note [Grouped stores]): a run past a 16-bit slab's start
+  // is no longer staggered against the f32 ones, though the unit's slabs are.
+  const bool grouped = detail::grouped_stores(whole);
   detail::host_task_arena* cpu = &*cpu_;
   detail::trace_recorder* trace = trace_ ? &*trace_ : nullptr;
   launch_host_func(host_opt_, [runs = std::move(runs), scalars, guarded, factors, step, cpu, trace, track = host_track_,
-                               name = r.name] {
+                               name = r.name, grouped] {
     update_scalars k = scalars;
     if (guarded) {
       detail::adamw_scalars both[2];
@@ -69,7 +72,9 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
       k = {both[0], both[1]};
     }
     const auto begin = detail::trace_recorder::clock::now();
-    for (const auto& [slabs, decay] : runs) { detail::cpu_adamw_step(slabs, decay ? k.decay : k.no_decay, *cpu); }
+    for (const auto& [slabs, decay] : runs) {
+      detail::cpu_adamw_step(slabs, decay ? k.decay : k.no_decay, *cpu, detail::best_cpu_isa(), grouped);
+    }
     if (trace != nullptr) { trace->host_span(track, "adamw " + name, begin, detail::trace_recorder::clock::now()); }
   });
   const stream_view opt = host_opt_;

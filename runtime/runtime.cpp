@@ -6,6 +6,9 @@
 
 #include <taskswap/cpu_adamw.hpp>
 
+#include <algorithm>
+#include <cstddef>
+
 namespace taskswap {
 
 using detail::message;
@@ -191,8 +194,11 @@ void runtime::skip(std::span<const unit_id> units)
     before.reserve(units.size());
     for (const unit_id u : units) { before.push_back(impl_->phase_before(u)); }
     const std::vector<bool> reduced = impl_->trainer_skip(units);
+    if (!impl_->check_states_) { return; }
     const std::uint32_t moves = detail::skip_moves(impl_->path());
     for (std::size_t i = 0; i < units.size(); ++i) {
+      const auto earlier = units.begin() + static_cast<std::ptrdiff_t>(i);
+      if (std::find(units.begin(), earlier, units[i]) != earlier) { continue; }  // named twice: checked once
       // A unit with nothing to reduce stays as it was; one to reduce has left idle.
       impl_->check_unit(units[i], before[i], reduced[i] ? moves : 0, "skip");
     }

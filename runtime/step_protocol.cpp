@@ -334,14 +334,18 @@ void runtime::impl::release(unit_record& r, stream_view s, phase_move m)
 std::vector<bool> runtime::impl::trainer_skip(std::span<const unit_id> units)
 {
   check_comm();
+  for (const unit_id u : units) {  // all checked before any is changed
+    const unit_record& r = record(u);
+    TASKSWAP_EXPECTS(!r.held() || !plan_.peek(u),
+                     message("skip('", r.name,
+                             "'): the unit is held; release it first (skip drops the acquisitions of it still ahead "
+                             "in the step)"));
+  }
   std::vector<bool> reduced(units.size(), false);
   for (std::size_t k = 0; k < units.size(); ++k) {
     const unit_id u = units[k];
     unit_record& r = record(u);
-    if (!plan_.peek(u)) { continue; }
-    TASKSWAP_EXPECTS(!r.held(), message("skip('", r.name,
-                                        "'): the unit is held; release it first (skip drops the acquisitions of "
-                                        "it still ahead in the step)"));
+    if (!plan_.peek(u)) { continue; }  // nothing ahead (or named twice)
     if (reducer_) {
       start();
       begin_step();  // the step's reduction begins at its first acquire, or here

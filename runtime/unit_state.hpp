@@ -19,8 +19,8 @@
 // them: the runtime changes them only by named moves (unit_record::go), and a move the tables do
 // not have from the unit's state on the runtime's path throws an internal error, in every build
 // (the tables are compiled into lookups: a move costs one load). With TASKSWAP_CHECK_STATES=1 (set
-// for the tests) each public step call (acquire, grads_ready, step, release, end_step, flush,
-// plan) also checks that every unit's states are consistent across the three machines
+// for the tests) each public step call (acquire, grads_ready, step, release, skip, end_step,
+// flush, plan) also checks that every unit's states are consistent across the three machines
 // (inconsistency()), and that the unit it names reached its phase by the moves that call may make
 // (acquire_moves, step_moves, release_moves(path), skip_moves(path); none for grads_ready).
 

@@ -3,6 +3,7 @@
 
 #include "expect_error.hpp"
 #include "runtime/plan_queue.hpp"
+#include "host/cpu_adamw.hpp"
 #include "host/stream_stagger.hpp"
 #include "numeric/dtype_conversion.hpp"
 #include "runtime/unit_layout.hpp"
@@ -13,6 +14,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -136,6 +138,26 @@ TEST(unit_layout, adamw_runs_split_where_the_weight_decay_flag_changes_and_cover
   EXPECT_TRUE(l.tensors[3].no_weight_decay);
   u.tensors = {{"w", {10}}};
   EXPECT_EQ(detail::make_unit_layout(u, optimizer_placement::host).runs.size(), 1U);
+}
+
+// A bf16 unit with a no-decay norm first: its home's slabs start staggered, so the CPU AdamW runs
+// the plain loop (Note [Grouped stores]). The big run after the norm, alone, would not look
+// staggered (the bf16 slabs move half as far as the f32 ones), which is why host placement judges
+// the store order once for the whole unit.
+TEST(unit_layout, a_homes_store_order_is_judged_on_the_whole_unit)
+{
+  const unit_spec u{.name = "layer",
+                    .tensors = {{"ln", {4096}, true}, {"w", {std::size_t{8} << 20}}},
+                    .compute = dtype::bf16,
+                    .grad = dtype::bf16};
+  const detail::unit_layout h = detail::make_unit_layout(u, optimizer_placement::host);
+  ASSERT_EQ(h.runs.size(), 2U);
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast,performance-no-int-to-ptr): addresses only
+  auto* const base = reinterpret_cast<std::byte*>(std::uintptr_t{1} << 40);
+  const detail::adamw_slabs whole = h.slabs_at(base, h.home_grads);
+  EXPECT_TRUE(detail::staggered(whole));
+  EXPECT_FALSE(detail::grouped_stores(whole));
+  EXPECT_FALSE(detail::staggered(h.run_slabs(whole, h.runs[1])));
 }
 
 TEST(runtime_registration, a_policy_with_a_bad_lr_scale_or_weight_decay_is_refused)
@@ -475,6 +497,18 @@ TEST(runtime_protocol, protocol_errors_say_what_to_do)
   expect_error_mentioning<invalid_argument>([&] { rt.skip(a); }, "is held; release it first");
   rt.release(a, s);
   rt.skip(a);  // its second use
+  EXPECT_EQ(rt.end_step().unplanned, 0U);
+  // A held unit among those skipped: refused before any is changed; a unit named twice is fine.
+  const unit_id b = rt.find("b");
+  rt.plan(step_plan{}.acquire(b).release(b).acquire(a).acquire(b));
+  (void)rt.acquire(b, s);
+  const std::array<unit_id, 2> both{a, b};
+  expect_error_mentioning<invalid_argument>([&] { rt.skip(both); }, "'b'): the unit is held");
+  rt.release(b, s);
+  (void)rt.acquire(a, s);  // still planned: the refused skip dropped nothing
+  const std::array<unit_id, 2> twice{b, b};
+  rt.skip(twice);
+  rt.release(a, s);
   EXPECT_EQ(rt.end_step().unplanned, 0U);
   expect_error_mentioning<invalid_argument>([&] { (void)rt.find("c"); }, "no unit is named 'c'");
   expect_error_mentioning<invalid_argument>([&] { rt.write_trace("/tmp/x.json"); }, "trace = true");
