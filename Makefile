@@ -33,9 +33,11 @@ demo: build
 	$(BUILD)/samples/multitask/multitask_train $(DEMO_CONFIG)
 	$(BUILD)/tools/taskswap headroom
 
-# A smoke run of a build without its tests (CI runs it on the release preset): the sample trains a
-# few steps on the emulated device and the planner plans the demo configuration.
-smoke: build
+# A smoke run of a build without its tests (CI runs it on the release preset): the target
+# `programs` (all but the tests), then the sample trains a few steps on the emulated device and the
+# planner plans the demo configuration.
+smoke: configure
+	cmake --build --preset $(PRESET) -j $(JOBS) --target programs
 	$(BUILD)/samples/multitask/multitask_train samples/configs/emulated.toml --steps 100
 	$(BUILD)/tools/taskswap plan samples/configs/emulated.toml
 
