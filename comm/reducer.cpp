@@ -190,17 +190,11 @@ std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint
   }
   for (std::size_t k = 0; k < local.size(); ++k) {
     step_agreement& a = out[k];
-    std::size_t bucket_bytes = 0;
-    std::size_t cap = std::min(first_bucket_cap, options_.bucket_cap);
+    std::vector<std::size_t> bytes;
     for (std::size_t i = n; i-- > 0;) {
       const std::int64_t c = counts[k * n + i];
       if (c <= 0) { continue; }
-      const std::size_t bytes = units_[i].grad_bytes;
-      if (!a.order.empty() && bucket_bytes + bytes > cap) {
-        a.bucket_end.push_back(a.order.size());
-        bucket_bytes = 0;
-        cap = options_.bucket_cap;
-      }
+      bytes.push_back(units_[i].grad_bytes);
       a.order.push_back(static_cast<std::uint32_t>(i));
       a.counts.push_back(c);
       int root = 0;
@@ -216,11 +210,44 @@ std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint
         }
       }
       a.state_root.push_back(root);
-      bucket_bytes += bytes;
     }
-    if (!a.order.empty()) { a.bucket_end.push_back(a.order.size()); }
+    a.bucket_end = pack_buckets(bytes, options_.bucket_cap);
   }
   return out;
+}
+
+std::vector<std::size_t> pack_buckets(std::span<const std::size_t> grad_bytes, std::size_t cap)
+{
+  std::vector<std::size_t> ends;
+  std::size_t bucket_bytes = 0;
+  std::size_t bucket_cap = std::min(first_bucket_cap, cap);
+  for (std::size_t i = 0; i < grad_bytes.size(); ++i) {
+    if (i != 0 && bucket_bytes + grad_bytes[i] > bucket_cap) {
+      ends.push_back(i);
+      bucket_bytes = 0;
+      bucket_cap = cap;
+    }
+    bucket_bytes += grad_bytes[i];
+  }
+  if (!grad_bytes.empty()) { ends.push_back(grad_bytes.size()); }
+  return ends;
+}
+
+std::vector<std::size_t> bucket_reach(std::span<const std::size_t> grad_bytes, std::size_t cap)
+{
+  std::vector<std::size_t> reach(grad_bytes.size());
+  std::size_t end = 0;
+  std::size_t bytes = 0;  // grad_bytes[i .. end)
+  for (std::size_t i = 0; i < grad_bytes.size(); ++i) {
+    if (end == i) {
+      bytes = grad_bytes[i];
+      end = i + 1;
+    }
+    while (end < grad_bytes.size() && bytes + grad_bytes[end] <= cap) { bytes += grad_bytes[end++]; }
+    reach[i] = end;
+    bytes -= grad_bytes[i];
+  }
+  return reach;
 }
 
 void reducer::begin(const step_agreement& step, std::uint64_t step_number)

@@ -147,6 +147,19 @@ class reducer {
   std::size_t step_bytes_ = 0;
 };
 
+/// The buckets of a step's reduced units, in reduction order, of `grad_bytes` each: the first at
+/// most 1 MiB (or `cap` where smaller), then up to `cap`; a unit larger than its bucket's cap goes
+/// alone. Returns each bucket's end in `grad_bytes` (step_agreement::bucket_end). Every rank packs
+/// the agreed units with it; the plan check uses it, and bucket_reach where only this rank's units
+/// are known.
+[[nodiscard]] std::vector<std::size_t> pack_buckets(std::span<const std::size_t> grad_bytes, std::size_t cap);
+
+/// Before the ranks agree, where each of this rank's reduced units' bucket ends at the latest
+/// (an index into `grad_bytes`, this rank's units in reduction order): other ranks' units, which
+/// may join the order anywhere, only move bucket boundaries earlier. A unit's bucket holds what
+/// follows it within `cap` bytes, itself included (or itself alone).
+[[nodiscard]] std::vector<std::size_t> bucket_reach(std::span<const std::size_t> grad_bytes, std::size_t cap);
+
 /// FNV-1a over the bytes of `text` (folded into `h`).
 [[nodiscard]] std::uint64_t fnv1a(std::uint64_t h, std::string_view text) noexcept;
 

@@ -25,12 +25,32 @@ void runtime::impl::plan(std::span<const step_plan> steps)
   prefetch();
 }
 
-void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number,
-                               std::span<const std::uint32_t> frozen_reduced) const
+void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number) const
 {
+  const std::vector<std::size_t> points =
+    reducer_ ? model_->local_reduction_points(step, options_.comm.bucket_cap) : std::vector<std::size_t>{};
   (void)model_->check_step(step, step_number,
-                           {.released_count_to_end = reducer_.has_value(), .trained_count_to_end = guard_.has_value()},
-                           frozen_reduced);
+                           {.released_count_to_end = reducer_.has_value(),
+                            .trained_count_to_end = guard_.has_value(),
+                            .reduction_points = points});
+}
+
+void runtime::impl::check_agreed_step(const step_plan& step, std::uint64_t step_number,
+                                      const detail::step_agreement& reduced,
+                                      std::span<const std::uint32_t> frozen_reduced,
+                                      std::span<const std::uint32_t> update_only) const
+{
+  std::vector<std::size_t> reach(reduced.order.size());
+  std::size_t from = 0;
+  for (const std::size_t end : reduced.bucket_end) {
+    std::fill(reach.begin() + static_cast<std::ptrdiff_t>(from), reach.begin() + static_cast<std::ptrdiff_t>(end), end);
+    from = end;
+  }
+  const std::vector<std::size_t> points = detail::reduction_points(step, reduced.order, reach, update_only);
+  (void)model_->check_step(
+    step, step_number,
+    {.released_count_to_end = true, .trained_count_to_end = guard_.has_value(), .reduction_points = points},
+    frozen_reduced);
 }
 
 // ---- with a communicator ----------------------------------------------------------------------
@@ -99,9 +119,7 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
     }
     for (const std::uint32_t u : a.update_only) { full.release(unit_id{u}); }
     try {
-      if (!a.update_only.empty() || !frozen_reduced[k].empty()) {  // else plan() checked it as given
-        check_step(full, first + k, frozen_reduced[k]);
-      }
+      check_agreed_step(full, first + k, a.agreement, frozen_reduced[k], a.update_only);
     } catch (const config_error& e) {
       std::string others;
       for (const std::uint32_t u : a.update_only) { others += (others.empty() ? "'" : ", '") + units_[u].name + "'"; }

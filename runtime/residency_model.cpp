@@ -3,10 +3,12 @@
 
 #include "runtime/residency_model.hpp"
 
+#include "comm/reducer.hpp"
 #include "device/message.hpp"
 #include "runtime/unit_layout.hpp"
 
 #include <algorithm>
+#include <utility>
 
 namespace taskswap::detail {
 
@@ -59,7 +61,13 @@ step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_
     bool trained;
   };
   std::vector<held_unit> held;
-  std::vector<std::uint32_t> kept;  // released, still counted (their reduction or update is to come)
+  struct kept_unit {
+    std::uint32_t unit;
+    std::size_t bytes;
+    std::size_t raw;
+    std::size_t until;  // the entry that gives its room back (no_point: the step's end)
+  };
+  std::vector<kept_unit> kept;  // released, still counted (their reduction or update is to come)
   std::vector<std::uint32_t> trained_released;  // guarded: their update waits for the step's end
   std::size_t held_bytes = 0;
   std::size_t raw_bytes = 0;
@@ -68,10 +76,12 @@ step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_
     std::string s;
     for (const held_unit& h : held) { s += (s.empty() ? "'" : ", '") + units_[h.unit].name + "'"; }
     std::string released;
-    for (const std::uint32_t u : kept) { released += (released.empty() ? "'" : ", '") + units_[u].name + "'"; }
+    for (const kept_unit& k : kept) { released += (released.empty() ? "'" : ", '") + units_[k.unit].name + "'"; }
     return released.empty() ? s : s + "; released, still counted: " + released;
   };
-  for (const step_plan::entry& e : step.entries()) {
+  const std::span<const step_plan::entry> entries = step.entries();
+  for (std::size_t at = 0; at < entries.size(); ++at) {
+    const step_plan::entry& e = entries[at];
     if (e.unit.value >= units_.size()) {
       throw config_error(message("plan step ", step_number, ": unit id ", e.unit.value, " is not registered (",
                                  units_.size(), " units)"));
@@ -84,18 +94,31 @@ step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_
                                    "', which the step has not acquired; acquire it earlier in the step"));
       }
       // With a communicator a unit released whole (trained, or frozen while other ranks train it)
-      // may keep its room until its bucket is reduced, which can wait for units acquired later in
-      // the step; in a guarded step a trained unit keeps it until the step's end updates it: count
-      // such a unit to the end of the step. A frozen use of its parameters alone (a streamed
-      // layer's forward) is reduced by no rank and gives its room back at release.
-      if (!((rules.released_count_to_end || rules.trained_count_to_end) && it->trained)) {
+      // keeps its room until its bucket's reduction is launched, which can wait for units released
+      // later in the step; in a guarded step a trained unit keeps it until the step's end updates
+      // it. A frozen use of its parameters alone (a streamed layer's forward) is reduced by no rank
+      // and gives its room back at release.
+      std::size_t until = at;
+      if (it->trained && rules.trained_count_to_end) {
+        until = no_point;
+        trained_released.push_back(it->unit);
+      } else if (it->trained && rules.released_count_to_end) {
+        until = rules.reduction_points.empty() ? no_point : std::max(at, rules.reduction_points[at]);
+      }
+      if (until == at) {
         held_bytes -= it->bytes;
         raw_bytes -= it->raw;
       } else if (it->bytes != 0) {
-        kept.push_back(it->unit);
+        kept.push_back({it->unit, it->bytes, it->raw, until});
       }
-      if (rules.trained_count_to_end && it->trained) { trained_released.push_back(it->unit); }
       held.erase(it);
+      // The units whose bucket this release launches give their room back.
+      std::erase_if(kept, [&](const kept_unit& k) {
+        if (k.until != at) { return false; }
+        held_bytes -= k.bytes;
+        raw_bytes -= k.raw;
+        return true;
+      });
       continue;
     }
     if (it != held.end()) {
@@ -135,14 +158,68 @@ step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_
         bytes_text(pinned_ + held_bytes), " of a ", bytes_text(capacity_),
         " budget; release units earlier in the step, raise [device] budget or choose "
         "optimizer = \"host\"",
-        rules.released_count_to_end  ? " (with a communicator, units released whole within a step count until it "
-                                       "ends; a frozen use of a unit no rank trains gives its room back at release)"
+        rules.released_count_to_end  ? " (with a communicator, a unit released whole within a step counts until "
+                                       "its gradient bucket is reduced, which waits for the release of every unit "
+                                       "reduced before it; a frozen use of a unit no rank trains gives its room "
+                                       "back at release)"
         : rules.trained_count_to_end ? " (with loss scaling or clipping, trained units released within a step count "
                                        "until it ends)"
                                      : ""));
     }
   }
   return most;
+}
+
+std::vector<std::size_t> reduction_points(const step_plan& step, std::span<const std::uint32_t> order,
+                                          std::span<const std::size_t> reach,
+                                          std::span<const std::uint32_t> ready_at_start)
+{
+  const std::span<const step_plan::entry> entries = step.entries();
+  // Each unit's place in `order`, sorted by unit: a plan's steps may hold thousands of units.
+  std::vector<std::pair<std::uint32_t, std::size_t>> place;
+  place.reserve(order.size());
+  for (std::size_t i = 0; i < order.size(); ++i) { place.emplace_back(order[i], i); }
+  std::sort(place.begin(), place.end());
+  const auto index_of = [&](std::uint32_t u) {
+    const auto it = std::lower_bound(place.begin(), place.end(), std::pair{u, std::size_t{0}});
+    return it != place.end() && it->first == u ? it->second : no_point;
+  };
+  // When each unit of `order` is ready: the release of its last use (none: the step's end).
+  std::vector<std::size_t> ready(order.size(), no_point);
+  std::vector<bool> seen(order.size(), false);
+  for (std::size_t at = entries.size(); at-- > 0;) {
+    const std::size_t i = index_of(entries[at].unit.value);
+    if (i == no_point || seen[i]) { continue; }
+    seen[i] = true;
+    ready[i] = entries[at].acquire ? no_point : at;
+  }
+  for (const std::uint32_t u : ready_at_start) {
+    if (const std::size_t i = index_of(u); i != no_point) { ready[i] = 0; }
+  }
+  // The launch of the buckets up to order[i]'s: the latest readiness of order[0 .. reach[i]).
+  std::vector<std::size_t> latest(order.size() + 1, 0);  // latest[j]: of order[0 .. j)
+  for (std::size_t j = 0; j < order.size(); ++j) { latest[j + 1] = std::max(latest[j], ready[j]); }
+  std::vector<std::size_t> points(entries.size(), no_point);
+  for (std::size_t at = 0; at < entries.size(); ++at) {
+    if (entries[at].acquire) { continue; }
+    const std::size_t i = index_of(entries[at].unit.value);
+    points[at] = i == no_point ? at : std::max(at, latest[reach[i]]);
+  }
+  return points;
+}
+
+std::vector<std::size_t> residency_model::local_reduction_points(const step_plan& step, std::size_t bucket_cap) const
+{
+  std::vector<std::uint32_t> order;  // the trained units, highest id first (the reduction order)
+  for (const step_plan::entry& e : step.entries()) {
+    if (e.acquire && e.use == unit_use::train && e.unit.value < units_.size()) { order.push_back(e.unit.value); }
+  }
+  std::sort(order.begin(), order.end(), std::greater<>());
+  order.erase(std::unique(order.begin(), order.end()), order.end());
+  std::vector<std::size_t> bytes;
+  bytes.reserve(order.size());
+  for (const std::uint32_t u : order) { bytes.push_back(units_[u].grad_bytes); }
+  return reduction_points(step, order, bucket_reach(bytes, bucket_cap));
 }
 
 std::size_t residency_model::choose_victim(std::span<const victim_candidate> candidates) noexcept

@@ -41,6 +41,7 @@ struct modelled_unit {
   std::string name;
   std::size_t device_bytes = 0;  // its whole slot
   std::size_t params_bytes = 0;  // its parameter slab: what a frozen use holds
+  std::size_t grad_bytes = 0;  // its gradient slab: what the reducer packs into buckets
   bool pinned = false;
   bool host_placement = false;  // for the hint of a message
   bool never_trained = false;  // unit_spec::trainable false: every use frozen
@@ -55,9 +56,25 @@ struct step_peak {
 
 /// How a step counts a unit released before the step's end.
 struct step_rules {
-  bool released_count_to_end = false;  // with a communicator: a whole use's room waits for the reduction
+  /// With a communicator: a whole use's room waits for its bucket's reduction to be launched,
+  /// at the entry `reduction_points` gives for its release (to the step's end without them).
+  bool released_count_to_end = false;
   bool trained_count_to_end = false;  // guarded (scaler, clip): a trained unit's update waits for end_step
+  std::span<const std::size_t> reduction_points = {};
 };
+
+/// With a communicator: the entry of `step` at which each release's room comes back, by entry
+/// index (no_point: the step's end; other entries: unused). A unit reduced in the step keeps its
+/// room until its bucket's reduction is launched, which the runtime does at the release that
+/// makes that bucket and every bucket before it ready: the reduced units in reduction order are
+/// `order`, unit order[i]'s bucket ending before order[reach[i]] at the latest (pack_buckets,
+/// or bucket_reach before the ranks agree). A unit is ready at its last release in `step`, at
+/// the step's start when it is in `ready_at_start` (units only other ranks train), or at the
+/// step's end when `step` never releases it.
+inline constexpr std::size_t no_point = static_cast<std::size_t>(-1);
+[[nodiscard]] std::vector<std::size_t> reduction_points(const step_plan& step, std::span<const std::uint32_t> order,
+                                                        std::span<const std::size_t> reach,
+                                                        std::span<const std::uint32_t> ready_at_start = {});
 
 /// A resident unit that an eviction could take, as choose_victim sees it.
 struct victim_candidate {
@@ -112,6 +129,10 @@ class residency_model {
   /// trained unit in a guarded step
   step_peak check_step(const step_plan& step, std::uint64_t step_number, const step_rules& rules,
                        std::span<const std::uint32_t> whole_frozen = {}) const;
+
+  /// With a communicator, before the ranks agree (and in the planner): reduction_points from the
+  /// units `step` trains, the others unknown, each unit's bucket ending where bucket_reach says.
+  [[nodiscard]] std::vector<std::size_t> local_reduction_points(const step_plan& step, std::size_t bucket_cap) const;
 
   /// Belady's rule: the candidate used furthest in the future, least recently released among
   /// equals; an idle one before one that is not. Returns the chosen candidate's index, or

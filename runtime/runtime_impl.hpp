@@ -110,9 +110,15 @@ struct runtime::impl {
   [[nodiscard]] std::size_t held_bytes() const noexcept;
 
   // Plan checks (plan_check.cpp)
-  // `frozen_reduced`: units the step uses frozen here that other ranks train (they take their whole slot).
-  void check_step(const step_plan& step, std::uint64_t step_number,
-                  std::span<const std::uint32_t> frozen_reduced = {}) const;
+  // With a communicator, before the ranks agree: the room of a unit this rank trains comes back
+  // when its bucket's reduction is launched, at the latest where bucket_reach says.
+  void check_step(const step_plan& step, std::uint64_t step_number) const;
+  // With a communicator, as agreed: `reduced` the step's agreement, `frozen_reduced` units the
+  // step uses frozen here that other ranks train (they take their whole slot), `update_only`
+  // units only other ranks train (ready at the step's start).
+  void check_agreed_step(const step_plan& step, std::uint64_t step_number, const detail::step_agreement& reduced,
+                         std::span<const std::uint32_t> frozen_reduced,
+                         std::span<const std::uint32_t> update_only) const;
 
   // The step protocol's bodies, shared by the trainer's calls and the reducer's updates
   // (step_protocol.cpp)

@@ -74,13 +74,15 @@ def layer_bytes(model: Deep, trained: bool) -> int:
 def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = torch.float32,
           checkpoint: str | None = None, steps: int = 12, depth=lambda step: LAYERS, evaluate: bool = False,
           backend: str = "emulated", width: int = WIDTH, aux: bool = False, loss_of=None, comm="none",
-          budget: int | None = None, plan_evaluations: str | None = None, exit_early: bool = False):
+          budget: int | None = None, plan_evaluations: str | None = None, exit_early: bool = False,
+          bucket_cap: int | None = None):
     """Trains Deep; returns (its state, the runtime's totals, the budget, the layers' bytes).
     `loss_of(model, x, y, task, step)` runs a step's forward and backward (default: one of each).
     `plan_evaluations`: None (with a communicator "forward_only", else not planned),
     "forward_only" or "training" (planned as a training step is). With a communicator every step
     is planned, each rank draws its own batches, and `depth(step, rank)` gives the layers a step
-    runs. `exit_early`: a step that runs fewer than all layers says so as its forward leaves them."""
+    runs. `exit_early`: a step that runs fewer than all layers says so as its forward leaves them.
+    `bucket_cap`: the communicator's [comm] bucket_cap (None: the default)."""
     device = "cuda" if backend == "cuda" else "cpu"
     model = Deep(dtype=dtype, checkpoint=checkpoint, width=width, aux=aux).to(device)
     if not trained_layers:
@@ -96,6 +98,8 @@ def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = t
     if budget is None:
         budget = rt.all_pinned_budget() - (0 if not streamed else (LAYERS - 2) * (-(-per_layer // granule) * granule))
     rt.options.device.budget = budget
+    if bucket_cap is not None:
+        rt.options.comm.bucket_cap = bucket_cap
     assert [u.name for u in layers][:2] == ["trunk/0", "trunk/1"]
     tasks = [s % TASKS for s in range(steps)]
     planned = comm != "none"  # with a communicator every step is planned

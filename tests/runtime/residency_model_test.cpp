@@ -2,11 +2,13 @@
 // The residency model alone (no device): the budget's arithmetic, the registration checks, the
 // plan check and Belady's rule, which the runtime and the planner both call.
 
+#include "comm/reducer.hpp"
 #include "expect_error.hpp"
 #include "runtime/residency_model.hpp"
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 namespace taskswap::test {
@@ -21,7 +23,11 @@ constexpr std::size_t KiB = 1024;
 
 modelled_unit unit(std::string name, std::size_t device, std::size_t params, bool pinned = false)
 {
-  return {.name = std::move(name), .device_bytes = device, .params_bytes = params, .pinned = pinned};
+  return {.name = std::move(name),
+          .device_bytes = device,
+          .params_bytes = params,
+          .grad_bytes = device - params,
+          .pinned = pinned};
 }
 
 TEST(residency_model, charges_whole_granules_and_a_granule_per_packed_unit)
@@ -95,7 +101,7 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
   const std::vector<std::uint32_t> trained_elsewhere{0, 2};
   expect_error_mentioning<config_error>(
     [&] { (void)m.check_step(streamed, 3, {.released_count_to_end = true}, trained_elsewhere); },
-    "units released whole within a step count until it ends");
+    "a unit released whole within a step counts until its gradient bucket is reduced");
   // Frozen uses hold their parameters alone, unless told otherwise (others train the unit).
   EXPECT_EQ(m.check_step(step_plan{}.acquire(a, unit_use::frozen).acquire(b).acquire(c, unit_use::frozen), 0, {}).held,
             8 * g);
@@ -126,6 +132,105 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
   expect_error_mentioning<config_error>(
     [&] { (void)m.check_step(step_plan{}.acquire(a).release(a).acquire(a), 3, {.trained_count_to_end = true}); },
     "again after training it");
+}
+
+// The reducer's buckets: the first at most 1 MiB, then up to the cap, a unit too large alone; and,
+// before the ranks agree, where a unit's bucket ends at the latest whatever units others add.
+TEST(residency_model, buckets_as_the_reducer_packs_them_and_their_latest_end_before_the_agreement)
+{
+  using detail::bucket_reach;
+  using detail::pack_buckets;
+  constexpr std::size_t MiB = 1024 * KiB;
+  EXPECT_EQ(pack_buckets({}, 4 * MiB), std::vector<std::size_t>{});
+  const std::vector<std::size_t> bytes{MiB / 2, MiB / 2, MiB, 3 * MiB, 5 * MiB, MiB};
+  EXPECT_EQ(pack_buckets(bytes, 4 * MiB), (std::vector<std::size_t>{2, 4, 5, 6}));
+  EXPECT_EQ(pack_buckets(bytes, MiB / 4), (std::vector<std::size_t>{1, 2, 3, 4, 5, 6}));
+  EXPECT_EQ(bucket_reach(bytes, 4 * MiB), (std::vector<std::size_t>{3, 3, 4, 4, 5, 6}));
+  EXPECT_EQ(bucket_reach(bytes, MiB / 4), (std::vector<std::size_t>{1, 2, 3, 4, 5, 6}));
+  // The latest end holds for every packing of the units with others among them: drawn orders.
+  std::uint64_t x = 88172645463325252ULL;
+  const auto draw = [&](std::uint64_t n) {
+    x ^= x << 13U;
+    x ^= x >> 7U;
+    x ^= x << 17U;
+    return x % n;
+  };
+  for (int trial = 0; trial < 2000; ++trial) {
+    const std::size_t cap = (1 + draw(8)) * MiB / 2;
+    std::vector<std::size_t> all;  // every rank's units, in order
+    std::vector<std::size_t> mine;  // the positions in `all` of this rank's
+    for (std::size_t i = 0, n = 1 + draw(12); i < n; ++i) {
+      all.push_back((1 + draw(12)) * MiB / 4);
+      if (draw(2) == 0) { mine.push_back(i); }
+    }
+    std::vector<std::size_t> mine_bytes;
+    for (const std::size_t i : mine) { mine_bytes.push_back(all[i]); }
+    const std::vector<std::size_t> ends = pack_buckets(all, cap);
+    const std::vector<std::size_t> reach = bucket_reach(mine_bytes, cap);
+    for (std::size_t k = 0; k < mine.size(); ++k) {
+      const std::size_t end = *std::upper_bound(ends.begin(), ends.end(), mine[k]);  // mine[k]'s bucket's end
+      const auto within = static_cast<std::size_t>(std::lower_bound(mine.begin(), mine.end(), end) - mine.begin());
+      ASSERT_LE(within, reach[k]) << "trial " << trial << ": unit " << k << " of this rank";
+    }
+  }
+}
+
+// With a communicator a whole release gives its room back when its bucket's reduction is launched:
+// at the release that makes it and every bucket before it ready.
+TEST(residency_model, a_released_unit_reduced_with_the_ranks_counts_until_its_bucket_is_launched)
+{
+  using detail::no_point;
+  using detail::reduction_points;
+  const std::size_t g = 256;
+  // Four layers of 2 granules (1 of parameters, 1 of gradients); backward from the last.
+  residency_model m(6 * g, g, 0,
+                    {unit("l0", 2 * g, g), unit("l1", 2 * g, g), unit("l2", 2 * g, g), unit("l3", 2 * g, g)});
+  step_plan backward;
+  for (std::uint32_t i = 4; i-- > 0;) {
+    backward.acquire(unit_id{i});
+    if (i < 3) { backward.release(unit_id{i + 1}); }
+  }
+  backward.release(unit_id{0});
+  // entries: +3 +2 -3 +1 -2 +0 -1 -0
+  const std::vector<std::uint32_t> order{3, 2, 1, 0};
+  // A bucket a layer: each room comes back at its own release; two layers at most.
+  const std::vector<std::size_t> alone{1, 2, 3, 4};
+  const std::vector<std::size_t> own = reduction_points(backward, order, alone);
+  EXPECT_EQ(own, (std::vector<std::size_t>{no_point, no_point, 2, no_point, 4, no_point, 6, 7}));
+  EXPECT_EQ(m.check_step(backward, 0, {.released_count_to_end = true, .reduction_points = own}).held, 4 * g);
+  // Two layers a bucket: l3 waits for l2's release, l1 for l0's; three layers at most.
+  const std::vector<std::size_t> pairs{2, 2, 4, 4};
+  const std::vector<std::size_t> paired = reduction_points(backward, order, pairs);
+  EXPECT_EQ(paired, (std::vector<std::size_t>{no_point, no_point, 4, no_point, 4, no_point, 7, 7}));
+  EXPECT_EQ(m.check_step(backward, 0, {.released_count_to_end = true, .reduction_points = paired}).held, 6 * g);
+  // One bucket: every room to the step's end, which the budget refuses.
+  const std::vector<std::size_t> one{4, 4, 4, 4};
+  expect_error_mentioning<config_error>(
+    [&] {
+      (void)m.check_step(backward, 5,
+                         {.released_count_to_end = true, .reduction_points = reduction_points(backward, order, one)});
+    },
+    "after acquiring 'l0' the units held at once ('l1', 'l0'; released, still counted: 'l3', 'l2')");
+  // A unit only other ranks train is ready at the step's start; one never released, at its end.
+  EXPECT_EQ(reduction_points(backward, std::vector<std::uint32_t>{3, 9}, std::vector<std::size_t>{2, 2},
+                             std::vector<std::uint32_t>{9})[2],
+            2U);
+  EXPECT_EQ(reduction_points(step_plan{}.acquire(unit_id{3}).release(unit_id{3}).acquire(unit_id{2}), order,
+                             std::vector<std::size_t>{2, 2, 4, 4})[1],
+            no_point);
+  // Before the agreement: this rank's trained units alone, within bucket_cap of each other.
+  EXPECT_EQ(m.local_reduction_points(backward, g), own);
+  // Within two layers' bytes l2's bucket may reach l1 (other ranks' units might start a bucket
+  // at l3), so l2 counts until l1's release: later than the agreed pairs say.
+  EXPECT_EQ(m.local_reduction_points(backward, 2 * g),
+            (std::vector<std::size_t>{no_point, no_point, 4, no_point, 6, no_point, 7, 7}));
+  // A guarded step keeps a trained unit to the step's end whatever its bucket.
+  expect_error_mentioning<config_error>(
+    [&] {
+      (void)m.check_step(backward, 5,
+                         {.released_count_to_end = true, .trained_count_to_end = true, .reduction_points = own});
+    },
+    "after acquiring 'l0' the units held at once ('l1', 'l0'; released, still counted: 'l3', 'l2')");
 }
 
 TEST(residency_model, belady_takes_the_furthest_use_then_the_least_recently_released)

@@ -340,6 +340,7 @@ plan_report make_plan(const plan_input& in)
     modelled.push_back({.name = spec.name,
                         .device_bytes = p.fp.device_bytes,
                         .params_bytes = p.fp.frozen_device_bytes,
+                        .grad_bytes = p.fp.grad_bytes,
                         .pinned = p.pinned(),
                         .host_placement = p.host(),
                         .never_trained = !spec.trainable});
@@ -377,10 +378,10 @@ plan_report make_plan(const plan_input& in)
     throw config_error("the plan has " + std::to_string(in.steps.size()) + " steps but " +
                        std::to_string(in.ordered.size()) + " ordered ones; give one per step, or none");
   }
-  // With a communicator a unit released whole keeps its room to the step's end (its reduction),
-  // and in a guarded step a trained one does (its update waits for end_step).
+  // With a communicator a unit released whole keeps its room until its bucket's reduction is
+  // launched (this rank's units alone known: the runtime's check before the ranks agree), and in
+  // a guarded step a trained one keeps it to the step's end (its update waits for end_step).
   const bool communicator = in.options.comm.backend != comm_backend::none;
-  const detail::step_rules rules{.released_count_to_end = communicator, .trained_count_to_end = guarded};
   for (std::size_t s = 0; s < in.steps.size(); ++s) {
     // The trainer's calls where given; else the step's frozen uses, then its trained ones.
     step_plan step = in.ordered.empty() ? step_plan{} : in.ordered[s];
@@ -390,7 +391,10 @@ plan_report make_plan(const plan_input& in)
     for (std::size_t u : in.ordered.empty() ? in.steps[s] : none) {
       step.acquire(unit_id{static_cast<std::uint32_t>(u)});
     }
-    const detail::step_peak peak = model.check_step(step, s, rules);
+    const std::vector<std::size_t> points =
+      communicator ? model.local_reduction_points(step, in.options.comm.bucket_cap) : std::vector<std::size_t>{};
+    const detail::step_peak peak = model.check_step(
+      step, s, {.released_count_to_end = communicator, .trained_count_to_end = guarded, .reduction_points = points});
     if (peak.held > most_held || (peak.held == most_held && peak.raw > most_held_raw)) {
       most_held = peak.held;
       most_held_raw = peak.raw;
