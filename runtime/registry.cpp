@@ -91,7 +91,7 @@ void runtime::impl::register_units(const runtime_options& options, const std::ve
     modelled.push_back({.name = r.name,
                         .device_bytes = r.layout.device_bytes,
                         .params_bytes = r.layout.params_bytes,
-                        .grad_bytes = r.layout.device_grad_bytes(),
+                        .reduce_bytes = r.layout.reduce_bytes(),  // as the reducer is given them
                         .pinned = r.pinned(),
                         .host_placement = policy.optimizer == optimizer_placement::host,
                         .never_trained = r.layout.frozen});

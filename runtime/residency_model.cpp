@@ -4,6 +4,7 @@
 #include "runtime/residency_model.hpp"
 
 #include "comm/reducer.hpp"
+#include "device/expects.hpp"
 #include "device/message.hpp"
 #include "runtime/unit_layout.hpp"
 
@@ -80,6 +81,8 @@ step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_
     return released.empty() ? s : s + "; released, still counted: " + released;
   };
   const std::span<const step_plan::entry> entries = step.entries();
+  TASKSWAP_EXPECTS(rules.reduction_points.empty() || rules.reduction_points.size() == entries.size(),
+                   "reduction_points: one per entry of the step");
   for (std::size_t at = 0; at < entries.size(); ++at) {
     const step_plan::entry& e = entries[at];
     if (e.unit.value >= units_.size()) {
@@ -158,13 +161,13 @@ step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_
         bytes_text(pinned_ + held_bytes), " of a ", bytes_text(capacity_),
         " budget; release units earlier in the step, raise [device] budget or choose "
         "optimizer = \"host\"",
-        rules.released_count_to_end  ? " (with a communicator, a unit released whole within a step counts until "
-                                       "its gradient bucket is reduced, which waits for the release of every unit "
-                                       "reduced before it; a frozen use of a unit no rank trains gives its room "
-                                       "back at release)"
-        : rules.trained_count_to_end ? " (with loss scaling or clipping, trained units released within a step count "
-                                       "until it ends)"
-                                     : ""));
+        rules.trained_count_to_end    ? " (with loss scaling or clipping, trained units released within a step count "
+                                        "until it ends)"
+        : rules.released_count_to_end ? " (with a communicator, a unit released whole within a step counts until its "
+                                        "gradient bucket's reduction is launched, at the release of the last unit of "
+                                        "its bucket and the buckets before it: [comm] bucket_cap sets their size; a "
+                                        "frozen use of a unit no rank trains gives its room back at release)"
+                                      : ""));
     }
   }
   return most;
@@ -218,7 +221,7 @@ std::vector<std::size_t> residency_model::local_reduction_points(const step_plan
   order.erase(std::unique(order.begin(), order.end()), order.end());
   std::vector<std::size_t> bytes;
   bytes.reserve(order.size());
-  for (const std::uint32_t u : order) { bytes.push_back(units_[u].grad_bytes); }
+  for (const std::uint32_t u : order) { bytes.push_back(units_[u].reduce_bytes); }
   return reduction_points(step, order, bucket_reach(bytes, bucket_cap));
 }
 

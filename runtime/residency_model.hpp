@@ -41,7 +41,7 @@ struct modelled_unit {
   std::string name;
   std::size_t device_bytes = 0;  // its whole slot
   std::size_t params_bytes = 0;  // its parameter slab: what a frozen use holds
-  std::size_t grad_bytes = 0;  // its gradient slab: what the reducer packs into buckets
+  std::size_t reduce_bytes = 0;  // what its reduction moves: the bytes the reducer packs into buckets
   bool pinned = false;
   bool host_placement = false;  // for the hint of a message
   bool never_trained = false;  // unit_spec::trainable false: every use frozen

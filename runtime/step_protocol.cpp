@@ -7,6 +7,7 @@
 #include "kernels/kernels.hpp"
 
 #include <algorithm>
+#include <numeric>
 
 namespace taskswap {
 
@@ -341,8 +342,14 @@ std::vector<bool> runtime::impl::trainer_skip(std::span<const unit_id> units)
                              "'): the unit is held; release it first (skip drops the acquisitions of it still ahead "
                              "in the step)"));
   }
+  // Held for their update in reduction order (highest id first): each bucket launches as soon as
+  // it can, so a held unit gives its room back before the next is held where the buckets allow.
+  std::vector<std::size_t> by_order(units.size());
+  std::iota(by_order.begin(), by_order.end(), std::size_t{0});
+  std::stable_sort(by_order.begin(), by_order.end(),
+                   [&](std::size_t a, std::size_t b) { return units[a].value > units[b].value; });
   std::vector<bool> reduced(units.size(), false);
-  for (std::size_t k = 0; k < units.size(); ++k) {
+  for (const std::size_t k : by_order) {
     const unit_id u = units[k];
     unit_record& r = record(u);
     if (!plan_.peek(u)) { continue; }  // nothing ahead (or named twice)

@@ -9,9 +9,11 @@ pinned. test_streaming.py's trunk of 32 residual blocks and 4 task heads.
   bitwise equal to the pinned run, the peak within the budget, the replicas bitwise equal (a use
   off the plan would have been refused). Non-reentrant checkpoints over two layers too; reentrant
   ones, and micro_batches > 1, are refused with what to change.
-- Trained layers: with a communicator a trained layer's room counts to the step's end (its
-  reduction may wait for layers acquired after it), so the streamed budget is refused by the plan
-  check with a message that says so; at a budget that holds the trained layers, the streamed loop
+- Trained layers: with a communicator a trained layer's room comes back once its gradient
+  bucket's reduction is launched. With the default bucket_cap the trunk is one bucket, so the
+  streamed budget is refused by the plan check with a message that says so; with a bucket a
+  layer, trained layers stream at that budget (with exit_early), bitwise equal to pinned. At a
+  budget that holds the trained layers, the streamed loop
   (forward and backward uses acquired and released by the hooks, a rank that exits early
   contributing zeros for the layers it skipped) is bitwise equal to the pinned one, and the
   evaluations, planned forward_only, update no layer.
@@ -97,15 +99,16 @@ def main() -> int:
     rt.close()
 
     # Trained layers at the streamed budget (two layers beside the heads): a layer's room comes back
-    # once its gradient bucket is reduced. With the default bucket_cap the whole trunk is one bucket,
-    # reduced after the last layer's backward: refused, saying why. With a bucket a layer's gradients
+    # once its gradient bucket's reduction is launched. With the default bucket_cap the whole trunk
+    # (537 KiB of gradients) is one bucket, launched after the last layer's backward: refused,
+    # saying why. With a bucket a layer's gradients
     # each, a layer's room comes back at its backward's release, as without a communicator.
     try:
         train(streamed=True, trained_layers=True, **common)
         check("trained layers at the streamed budget, one bucket: refused", False)
     except taskswap.ConfigError as e:
         check(f"trained layers at the streamed budget, one bucket: the message names the rule ({e})",
-              "counts until its gradient bucket is reduced" in str(e))
+              "counts until its gradient bucket's reduction is launched" in str(e))
     layer_grads = sum(p.numel() * p.element_size() for p in Deep().layers[0].parameters())
     for checkpoint in (None, "non_reentrant"):
         case = f"trained layers at the streamed budget, a bucket a layer, checkpointing {checkpoint}"

@@ -26,7 +26,7 @@ modelled_unit unit(std::string name, std::size_t device, std::size_t params, boo
   return {.name = std::move(name),
           .device_bytes = device,
           .params_bytes = params,
-          .grad_bytes = device - params,
+          .reduce_bytes = device - params,
           .pinned = pinned};
 }
 
@@ -101,7 +101,7 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
   const std::vector<std::uint32_t> trained_elsewhere{0, 2};
   expect_error_mentioning<config_error>(
     [&] { (void)m.check_step(streamed, 3, {.released_count_to_end = true}, trained_elsewhere); },
-    "a unit released whole within a step counts until its gradient bucket is reduced");
+    "a unit released whole within a step counts until its gradient bucket's reduction is launched");
   // Frozen uses hold their parameters alone, unless told otherwise (others train the unit).
   EXPECT_EQ(m.check_step(step_plan{}.acquire(a, unit_use::frozen).acquire(b).acquire(c, unit_use::frozen), 0, {}).held,
             8 * g);

@@ -340,7 +340,7 @@ plan_report make_plan(const plan_input& in)
     modelled.push_back({.name = spec.name,
                         .device_bytes = p.fp.device_bytes,
                         .params_bytes = p.fp.frozen_device_bytes,
-                        .grad_bytes = p.fp.grad_bytes,
+                        .reduce_bytes = p.fp.reduce_bytes,
                         .pinned = p.pinned(),
                         .host_placement = p.host(),
                         .never_trained = !spec.trainable});
