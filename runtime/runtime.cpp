@@ -191,8 +191,9 @@ void runtime::skip(std::span<const unit_id> units)
 {
   impl_->guarded([&] {
     std::vector<detail::step_phase> before;
-    before.reserve(units.size());
-    for (const unit_id u : units) { before.push_back(impl_->phase_before(u)); }
+    if (impl_->check_states_) {
+      for (const unit_id u : units) { before.push_back(impl_->phase_before(u)); }
+    }
     const std::vector<bool> reduced = impl_->trainer_skip(units);
     if (!impl_->check_states_) { return; }
     const std::uint32_t moves = detail::skip_moves(impl_->path());

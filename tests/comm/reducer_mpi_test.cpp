@@ -558,6 +558,67 @@ TEST(reducer_mpi, a_unit_is_used_frozen_then_trained_in_a_step_and_never_after_i
   }
 }
 
+// Streamed layers trained on every rank, backward from the last: a layer's room comes back when
+// its gradient bucket's reduction is launched. With a bucket a layer a budget of two layers holds
+// the backward (a layer and the one below it, acquired before the first is released), skips
+// given in any order included; with the layers in one bucket the plan check refuses that budget
+// before the agreement, saying why.
+TEST(reducer_mpi, a_released_layers_room_comes_back_when_its_bucket_is_launched)
+{
+  constexpr std::uint32_t layers = 6;
+  std::vector<unit_spec> units;
+  for (std::uint32_t i = 0; i < layers; ++i) {
+    unit_spec u;
+    u.name = "layer" + std::to_string(i);
+    u.tensors = {{"w", {64, 64}}};
+    u.compute = dtype::f32;
+    u.policy = unit_policy{.residency = residency::prefetch, .lookahead = 1, .optimizer = optimizer_placement::device};
+    units.push_back(std::move(u));
+  }
+  const unit_footprint fp = footprint(units[0], optimizer_placement::device);
+  const auto backward = [&](std::uint32_t from) {  // layers from-1 .. 0
+    step_plan p;
+    for (std::uint32_t i = from; i-- > 0;) {
+      p.acquire(unit_id{i});
+      if (i + 1 < from) { p.release(unit_id{i + 1}); }
+    }
+    return p.release(unit_id{0});
+  };
+  run_options one_each;
+  one_each.bucket_cap = fp.reduce_bytes;
+  const runtime_options opt = options_for(one_each, 2 * fp.device_bytes);
+  const device dev = make_device(opt.device);
+  {
+    runtime rt(dev, opt, units);
+    stream compute(dev);
+    for (std::uint64_t k = 0; k < 4; ++k) {
+      // Rank 1 leaves the layers early in odd steps and skips the rest, lowest first: each is
+      // held for the update rank 0 trains, and given back at its bucket's launch.
+      const bool exits = world_rank() == 1 && k % 2 == 1;
+      rt.plan(backward(layers));
+      const std::uint32_t from = exits ? 3 : layers;
+      if (exits) { rt.skip(std::vector<unit_id>{unit_id{3}, unit_id{4}, unit_id{5}}); }
+      for (std::uint32_t i = from; i-- > 0;) {
+        const unit_view v = rt.acquire(unit_id{i}, compute);
+        write_gradients(v, world_rank(), k, compute);
+        rt.step(unit_id{i}, compute);
+        if (i + 1 < from) { rt.release(unit_id{i + 1}, compute); }
+      }
+      rt.release(unit_id{0}, compute);
+      (void)rt.end_step();
+    }
+    rt.flush();
+    EXPECT_LE(rt.stats().total.peak_device_bytes, 2 * fp.device_bytes);
+    for (std::uint32_t i = 0; i < layers; ++i) { EXPECT_EQ(rt.stats().units[i].step, 4) << "layer " << i; }
+  }
+  run_options one_bucket;
+  one_bucket.bucket_cap = layers * fp.reduce_bytes;
+  const runtime_options together = options_for(one_bucket, 2 * fp.device_bytes);
+  runtime rt(dev, together, units);
+  expect_error_mentioning<config_error>([&] { rt.plan(backward(layers)); },
+                                        "counts until its gradient bucket's reduction is launched");
+}
+
 TEST(reducer_mpi, mismatched_registrations_are_refused_on_every_rank)
 {
   std::vector<unit_spec> units = model(world_rank() == 1 ? 24 : 16);  // rank 1's heads are larger
