@@ -116,7 +116,8 @@ struct run_result {
 
 /// Whether the trainer streams its trunk within each step: the trunk is not pinned. With a
 /// communicator too: a layer's forward is a frozen use that gives its room back at release; its
-/// trained use (backward) keeps its room to the step's end, for its reduction.
+/// trained use (backward) keeps its room until its gradient bucket's reduction is launched
+/// ([comm] bucket_cap near a layer's gradients: at its release).
 [[nodiscard]] bool trunk_streams(const model_config& m, const taskswap::runtime_options& options);
 
 /// Step `step`'s plan as the trainer makes its calls: the trunk (`trunk`, forward order) and the

@@ -419,16 +419,17 @@ class Runtime:
         step whose backward does not reach it.
 
         With a communicator a use off the plan is refused (the ranks agree on each step's uses),
-        and so is micro_batches > 1; a trained layer's room comes back once its
-        gradient bucket is reduced (with [comm] bucket_cap near a layer's gradients, at its
+        and so is micro_batches > 1; a trained layer's room comes back once its gradient
+        bucket's reduction is launched (with [comm] bucket_cap near a layer's gradients, at its
         backward's release; call exit_early() on an early exit, or the skipped layers keep the
-        bucket waiting to the step's end), and one a step's backward did not reach is updated with this rank's zeros, as
-        every unit planned trained is (plan evaluations with ``forward_only``). Trained layers
-        need a step without loss scaling or clipping (a guarded update waits for the step's end, so
-        every trained layer would be held to it); a layer of at most half a device granule is
-        refused at start (such units share granules and may move between forward and backward,
-        where autograd's saved views of the weights would not follow). The other arguments are
-        register()'s, for every layer. Refused, it registers nothing."""
+        bucket waiting to the step's end), and one a step's backward did not reach is updated
+        with this rank's zeros, as every unit planned trained is (plan evaluations with
+        ``forward_only``). Trained layers need a step without loss scaling or clipping (a guarded
+        update waits for the step's end, so every trained layer would be held to it); a layer of
+        at most half a device granule is refused at start (such units share granules and may move
+        between forward and backward, where autograd's saved views of the weights would not
+        follow). The other arguments are register()'s, for every layer. Refused, it registers
+        nothing."""
         if self._core is not None:
             raise _core.InvalidArgument(f"taskswap: register_layers '{prefix}' before the runtime starts (the first "
                                         "plan or step)")
