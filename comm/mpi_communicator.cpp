@@ -35,6 +35,16 @@ namespace detail {
 namespace {
 
 std::atomic<bool> any_failed{false};  // finalising MPI after a failed collective could hang
+
+// Open MPI progresses every pending non-blocking request of the process from whichever thread
+// calls into it: one stream's MPI_Testall can complete another stream's collective, writing its
+// result (or running the f16/bf16 sum on it) on the wrong thread. The owner then learns of the
+// completion through Open MPI's own state, which ThreadSanitizer cannot see, so that write and the
+// reads behind the owner's event look unordered. Every call that can progress requests holds this
+// lock, which makes the hand-off an ordinary one: the thread that sees a request done took the lock
+// after the thread that completed it let it go. The calls are short (start, test), so the lock is
+// never held while a collective waits for the other ranks.
+std::mutex progress_mutex;
 bool initialised_here = false;
 int thread_level = MPI_THREAD_SINGLE;
 
@@ -269,7 +279,10 @@ class mpi_communicator final : public communicator {
     failure_.rethrow();
     std::vector<MPI_Request> requests(n, MPI_REQUEST_NULL);
     for (std::size_t k = 0; k < n; ++k) {
-      const int rc = start(k, &requests[k]);
+      const int rc = [&] {
+        const std::lock_guard lock(progress_mutex);
+        return start(k, &requests[k]);
+      }();
       if (rc != MPI_SUCCESS) {
         fail(comm_error(message("taskswap: MPI ", what, " failed to start: ", mpi_error_text(rc))));
       }
@@ -279,6 +292,7 @@ class mpi_communicator final : public communicator {
       int done = 0;
       int rc = MPI_SUCCESS;
       {
+        const std::lock_guard lock(progress_mutex);
         rc = MPI_Testall(static_cast<int>(n), requests.data(), &done, MPI_STATUSES_IGNORE);
       }
       if (rc != MPI_SUCCESS) {
