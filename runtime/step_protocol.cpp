@@ -168,22 +168,23 @@ void runtime::impl::step_guarded(unit_record& r, stream_view s)
   defer_update(r, s);
 }
 
-// With a communicator, unguarded: the update after the work on `s` and the unit's reduction; on
-// `s` when the reduction was launched, else on aux once it is (on_launched).
+// With a communicator, unguarded: the update after the work on `s` and the unit's reduction. On
+// `s` when the reduction has ended; else on aux, so that the trainer's stream goes on (the next
+// layer's backward) while the reduction runs: now when it is launched, or once it is (on_launched).
 void runtime::impl::step_reduced(unit_record& r, stream_view s)
 {
   TASKSWAP_EXPECTS(r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced,
                    message("step('", r.name, "'): the unit was stepped already in this step"));
   mark_ready(r, s);  // a step implies the gradients are complete
-  if (const event* reduced = reducer_->reduced(r.index)) {
-    if (!reduced->query()) { reduced->wait(s); }
+  const event* reduced = reducer_->reduced(r.index);
+  if (reduced != nullptr && reduced->query()) {
     go(r, phase_move::step_now);
     apply_step(r, s);
     return;
   }
-  // Its bucket waits for units not ready yet: the update runs on aux once it is launched.
   ensure(r.step_point, device_).record(s);
   go(r, phase_move::defer_to_reduction);
+  if (reduced != nullptr) { update_on_aux(r); }
 }
 
 // The unit's group: the optimizer's settings with its learning-rate scale and weight decay, and

@@ -258,7 +258,8 @@ inline constexpr std::uint32_t all_phase_moves = (std::uint32_t{1} << phase_move
 inline constexpr std::uint32_t acquire_moves =
   bits(phase_move::acquire_train, phase_move::acquire_frozen, phase_move::acquire_frozen_reduced);
 inline constexpr std::uint32_t step_moves =
-  bits(phase_move::step_local, phase_move::step_now, phase_move::defer_to_reduction, phase_move::defer_to_end_step);
+  bits(phase_move::step_local, phase_move::step_now, phase_move::defer_to_reduction, phase_move::update_on_aux,
+       phase_move::defer_to_end_step);
 /// A skip: none without a communicator (it only drops planned uses); with one, a use to reduce is
 /// completed as end_step would (held for the update, then, unguarded, updated and released once
 /// its bucket is launched; guarded, the update waits for end_step).
@@ -279,8 +280,8 @@ inline constexpr std::uint32_t step_moves =
     case step_path::local: return bits(phase_move::release);
     case step_path::local_guarded: return bits(phase_move::release, phase_move::defer_release);
     case step_path::reduced:
-      return bits(phase_move::step_now, phase_move::defer_to_reduction, phase_move::defer_release, phase_move::release,
-                  phase_move::release_after_update);
+      return bits(phase_move::step_now, phase_move::defer_to_reduction, phase_move::update_on_aux,
+                  phase_move::defer_release, phase_move::release, phase_move::release_after_update);
     case step_path::reduced_guarded:
       return bits(phase_move::defer_to_end_step, phase_move::defer_release, phase_move::release);
   }

@@ -434,7 +434,9 @@ class runtime {
   void grads_ready(unit_id u, stream_view s);
   /// @brief One AdamW step of `u` after the work on `s`: on `s` (device placement), or on the
   /// CPU after its gradients came home (host placement). Gradients are zero afterwards.
-  /// Does not synchronise.
+  /// With a communicator the update follows u's reduction, on the runtime's own stream unless the
+  /// reduction has ended, so that `s` goes on meanwhile: the update is there for u's next
+  /// acquisition, not for work on `s` before u's release. Does not synchronise.
   /// @throws invalid_argument if `u` is not held, or is used frozen
   void step(unit_id u, stream_view s);
   /// @brief Ends the use of `u` on `s`; its device memory may be reused after the work on `s`.

@@ -147,20 +147,24 @@ TEST(unit_state, each_call_makes_only_its_own_moves)
     << "a unit updated in this step is not acquired again";
   EXPECT_EQ(from(sp::train, step_path::local, step_moves), (std::set<sp>{sp::stepped_local}));
   EXPECT_EQ(from(sp::train, step_path::local_guarded, step_moves), (std::set<sp>{sp::step_deferred}));
-  EXPECT_EQ(from(sp::train, step_path::reduced, step_moves), (std::set<sp>{sp::stepped_reduced, sp::step_deferred}));
+  // With a communicator: on the trainer's stream once reduced, else on aux (now, or once launched).
+  EXPECT_EQ(from(sp::train, step_path::reduced, step_moves),
+            (std::set<sp>{sp::stepped_reduced, sp::step_deferred, sp::updated_on_aux}));
   EXPECT_TRUE(from(sp::frozen, step_path::reduced, step_moves).empty()) << "a frozen use is not stepped";
   EXPECT_EQ(from(sp::train, step_path::local, release_moves(step_path::local)), (std::set<sp>{sp::idle}));
   EXPECT_EQ(from(sp::step_deferred, step_path::local_guarded, release_moves(step_path::local_guarded)),
             (std::set<sp>{sp::release_deferred}));
   // With a communicator a trained unit is never released without its update: released after it,
   // or with its release deferred until it runs.
-  EXPECT_EQ(from(sp::train, step_path::reduced, release_moves(step_path::reduced)),
-            (std::set<sp>{sp::stepped_reduced, sp::step_deferred, sp::release_deferred, sp::updated}));
+  EXPECT_EQ(
+    from(sp::train, step_path::reduced, release_moves(step_path::reduced)),
+    (std::set<sp>{sp::stepped_reduced, sp::step_deferred, sp::updated_on_aux, sp::release_deferred, sp::updated}));
   EXPECT_EQ(from(sp::train, step_path::reduced_guarded, release_moves(step_path::reduced_guarded)),
             (std::set<sp>{sp::step_deferred, sp::release_deferred}));
   EXPECT_EQ(from(sp::stepped_local, step_path::local, release_moves(step_path::local)), (std::set<sp>{sp::idle}));
-  EXPECT_EQ(from(sp::frozen_reduced, step_path::reduced, release_moves(step_path::reduced)),
-            (std::set<sp>{sp::stepped_reduced, sp::step_deferred, sp::release_deferred, sp::updated}));
+  EXPECT_EQ(
+    from(sp::frozen_reduced, step_path::reduced, release_moves(step_path::reduced)),
+    (std::set<sp>{sp::stepped_reduced, sp::step_deferred, sp::updated_on_aux, sp::release_deferred, sp::updated}));
   // A skip only drops planned uses without a communicator; with one it completes a use to reduce:
   // held for the update, then updated once its bucket is launched, or (guarded) at end_step.
   EXPECT_EQ(skip_moves(step_path::local), 0U);
