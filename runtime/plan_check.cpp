@@ -30,7 +30,7 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number)
   const std::vector<std::size_t> points =
     reducer_ ? model_->local_reduction_points(step, options_.comm.bucket_cap) : std::vector<std::size_t>{};
   (void)model_->check_step(step, step_number,
-                           {.released_count_to_end = reducer_.has_value(),
+                           {.wait_for_reduction = reducer_.has_value(),
                             .trained_count_to_end = guard_.has_value(),
                             .reduction_points = points});
 }
@@ -49,7 +49,7 @@ void runtime::impl::check_agreed_step(const step_plan& step, std::uint64_t step_
   const std::vector<std::size_t> points = detail::reduction_points(step, reduced.order, reach, update_only);
   (void)model_->check_step(
     step, step_number,
-    {.released_count_to_end = true, .trained_count_to_end = guard_.has_value(), .reduction_points = points},
+    {.wait_for_reduction = true, .trained_count_to_end = guard_.has_value(), .reduction_points = points},
     frozen_reduced);
 }
 

@@ -105,7 +105,7 @@ step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_
       if (it->trained && rules.trained_count_to_end) {
         until = no_point;
         trained_released.push_back(it->unit);
-      } else if (it->trained && rules.released_count_to_end) {
+      } else if (it->trained && rules.wait_for_reduction) {
         until = rules.reduction_points.empty() ? no_point : std::max(at, rules.reduction_points[at]);
       }
       if (until == at) {
@@ -163,7 +163,7 @@ step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_
         "optimizer = \"host\"",
         rules.trained_count_to_end    ? " (with loss scaling or clipping, trained units released within a step count "
                                         "until it ends)"
-        : rules.released_count_to_end ? " (with a communicator, a unit released whole within a step counts until its "
+        : rules.wait_for_reduction ? " (with a communicator, a unit released whole within a step counts until its "
                                         "gradient bucket's reduction is launched, at the release of the last unit of "
                                         "its bucket and the buckets before it: [comm] bucket_cap sets their size; a "
                                         "frozen use of a unit no rank trains gives its room back at release)"

@@ -58,7 +58,7 @@ struct step_peak {
 struct step_rules {
   /// With a communicator: a whole use's room waits for its bucket's reduction to be launched,
   /// at the entry `reduction_points` gives for its release (to the step's end without them).
-  bool released_count_to_end = false;
+  bool wait_for_reduction = false;
   bool trained_count_to_end = false;  // guarded (scaler, clip): a trained unit's update waits for end_step
   std::span<const std::size_t> reduction_points = {};
 };

@@ -78,7 +78,7 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
   EXPECT_EQ(m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 0, {}).held, 8 * g);
   expect_error_mentioning<config_error>(
     [&] {
-      (void)m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 7, {.released_count_to_end = true});
+      (void)m.check_step(step_plan{}.acquire(a).acquire(b).release(a).acquire(c), 7, {.wait_for_reduction = true});
     },
     "plan step 7: after acquiring 'c' the units held at once ('b', 'c'; released, still counted: 'a') take 3.0 KiB");
   expect_error_mentioning<config_error>(
@@ -97,10 +97,10 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
                                .acquire(base, unit_use::frozen)
                                .release(base)
                                .acquire(b);
-  EXPECT_EQ(m.check_step(streamed, 3, {.released_count_to_end = true}).held, 4 * g);
+  EXPECT_EQ(m.check_step(streamed, 3, {.wait_for_reduction = true}).held, 4 * g);
   const std::vector<std::uint32_t> trained_elsewhere{0, 2};
   expect_error_mentioning<config_error>(
-    [&] { (void)m.check_step(streamed, 3, {.released_count_to_end = true}, trained_elsewhere); },
+    [&] { (void)m.check_step(streamed, 3, {.wait_for_reduction = true}, trained_elsewhere); },
     "a unit released whole within a step counts until its gradient bucket's reduction is launched");
   // Frozen uses hold their parameters alone, unless told otherwise (others train the unit).
   EXPECT_EQ(m.check_step(step_plan{}.acquire(a, unit_use::frozen).acquire(b).acquire(c, unit_use::frozen), 0, {}).held,
@@ -126,7 +126,7 @@ TEST(residency_model, checks_every_point_of_a_step_under_each_rule)
   const step_peak alone = r.check_step(de, 0, {});
   EXPECT_EQ(alone.held, 3 * g);
   EXPECT_EQ(alone.raw, 5 * g / 2);
-  const step_peak counted = r.check_step(de, 0, {.released_count_to_end = true});
+  const step_peak counted = r.check_step(de, 0, {.wait_for_reduction = true});
   EXPECT_EQ(counted.held, 5 * g);
   EXPECT_EQ(counted.raw, 15 * g / 4);
   expect_error_mentioning<config_error>(
@@ -197,18 +197,18 @@ TEST(residency_model, a_released_unit_reduced_with_the_ranks_counts_until_its_bu
   const std::vector<std::size_t> alone{1, 2, 3, 4};
   const std::vector<std::size_t> own = reduction_points(backward, order, alone);
   EXPECT_EQ(own, (std::vector<std::size_t>{no_point, no_point, 2, no_point, 4, no_point, 6, 7}));
-  EXPECT_EQ(m.check_step(backward, 0, {.released_count_to_end = true, .reduction_points = own}).held, 4 * g);
+  EXPECT_EQ(m.check_step(backward, 0, {.wait_for_reduction = true, .reduction_points = own}).held, 4 * g);
   // Two layers a bucket: l3 waits for l2's release, l1 for l0's; three layers at most.
   const std::vector<std::size_t> pairs{2, 2, 4, 4};
   const std::vector<std::size_t> paired = reduction_points(backward, order, pairs);
   EXPECT_EQ(paired, (std::vector<std::size_t>{no_point, no_point, 4, no_point, 4, no_point, 7, 7}));
-  EXPECT_EQ(m.check_step(backward, 0, {.released_count_to_end = true, .reduction_points = paired}).held, 6 * g);
+  EXPECT_EQ(m.check_step(backward, 0, {.wait_for_reduction = true, .reduction_points = paired}).held, 6 * g);
   // One bucket: every room to the step's end, which the budget refuses.
   const std::vector<std::size_t> one{4, 4, 4, 4};
   expect_error_mentioning<config_error>(
     [&] {
       (void)m.check_step(backward, 5,
-                         {.released_count_to_end = true, .reduction_points = reduction_points(backward, order, one)});
+                         {.wait_for_reduction = true, .reduction_points = reduction_points(backward, order, one)});
     },
     "after acquiring 'l0' the units held at once ('l1', 'l0'; released, still counted: 'l3', 'l2')");
   // A unit only other ranks train is ready at the step's start; one never released, at its end.
@@ -228,7 +228,7 @@ TEST(residency_model, a_released_unit_reduced_with_the_ranks_counts_until_its_bu
   expect_error_mentioning<config_error>(
     [&] {
       (void)m.check_step(backward, 5,
-                         {.released_count_to_end = true, .trained_count_to_end = true, .reduction_points = own});
+                         {.wait_for_reduction = true, .trained_count_to_end = true, .reduction_points = own});
     },
     "after acquiring 'l0' the units held at once ('l1', 'l0'; released, still counted: 'l3', 'l2')");
 }

@@ -394,7 +394,7 @@ plan_report make_plan(const plan_input& in)
     const std::vector<std::size_t> points =
       communicator ? model.local_reduction_points(step, in.options.comm.bucket_cap) : std::vector<std::size_t>{};
     const detail::step_peak peak = model.check_step(
-      step, s, {.released_count_to_end = communicator, .trained_count_to_end = guarded, .reduction_points = points});
+      step, s, {.wait_for_reduction = communicator, .trained_count_to_end = guarded, .reduction_points = points});
     if (peak.held > most_held || (peak.held == most_held && peak.raw > most_held_raw)) {
       most_held = peak.held;
       most_held_raw = peak.raw;
