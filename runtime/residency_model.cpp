@@ -161,13 +161,13 @@ step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_
         bytes_text(pinned_ + held_bytes), " of a ", bytes_text(capacity_),
         " budget; release units earlier in the step, raise [device] budget or choose "
         "optimizer = \"host\"",
-        rules.trained_count_to_end    ? " (with loss scaling or clipping, trained units released within a step count "
-                                        "until it ends)"
+        rules.trained_count_to_end ? " (with loss scaling or clipping, trained units released within a step count "
+                                     "until it ends)"
         : rules.wait_for_reduction ? " (with a communicator, a unit released whole within a step counts until its "
-                                        "gradient bucket's reduction is launched, at the release of the last unit of "
-                                        "its bucket and the buckets before it: [comm] bucket_cap sets their size; a "
-                                        "frozen use of a unit no rank trains gives its room back at release)"
-                                      : ""));
+                                     "gradient bucket's reduction is launched, at the release of the last unit of "
+                                     "its bucket and the buckets before it: [comm] bucket_cap sets their size; a "
+                                     "frozen use of a unit no rank trains gives its room back at release)"
+                                   : ""));
     }
   }
   return most;
