@@ -122,11 +122,17 @@ void swap_engine::evict(unit_record& r)
 // in the step in progress (the next layer of a streamed trunk), the units held now (the step's
 // task units) stay held past that use, as its acquire would find them: they are not candidates,
 // or a unit held to the step's end, never used again, would stop every prefetch within the step.
-unit_record* swap_engine::pick_victim(std::uint64_t use, room_for why)
+// The unit coming in is never a candidate: make_room counts its own slot as freed, and the
+// swap-in gives it up. Where its parameters alone are here for a use before the one prefetched
+// (the last layer of a trunk, whose backward follows its forward), Belady would rank it the best
+// victim, needed first, and the prefetch would wait for the forward's release: the backward at
+// the trunk's turn would then wait for its whole slot's copy.
+unit_record* swap_engine::pick_victim(const unit_record& coming, std::uint64_t use, room_for why)
 {
   const bool for_acquire = why == room_for::acquire;
   victim_candidates_.clear();
   for (const std::uint32_t i : resident_) {
+    if (i == coming.index) { continue; }  // its own slot is counted as freed (make_room), and goes at the swap-in
     const unit_record& r = p_.units[i];
     if (why != room_for::prefetch_later && r.held()) { continue; }
     const std::uint64_t next = for_acquire ? p_.plan.next_use(unit_id{i}) : p_.plan.next_use_after(unit_id{i}, use);
@@ -196,7 +202,7 @@ bool swap_engine::make_room(const unit_record& r, std::size_t bytes, std::uint64
   };
   while (true) {
     if (fits()) { return true; }
-    if (unit_record* victim = pick_victim(use, why)) {
+    if (unit_record* victim = pick_victim(r, use, why)) {
       evict(*victim);
       continue;
     }

@@ -77,7 +77,7 @@ class swap_engine {
  private:
   bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, room_for why);
   device_span map_slot(unit_record& r, std::size_t bytes);
-  unit_record* pick_victim(std::uint64_t use, room_for why);
+  unit_record* pick_victim(const unit_record& coming, std::uint64_t use, room_for why);
   void narrow_to_params(unit_record& r);
   void add_resident(unit_record& r);
   void remove_resident(unit_record& r);

@@ -425,6 +425,51 @@ TEST(runtime_protocol, stream_prefetches_the_next_layer_past_a_unit_held_to_the_
   }
 }
 
+// The turn of a streamed trunk: the last layer's backward follows its forward at once. Its whole
+// slot (parameters, gradients, optimizer state) must be on its way before the forward: the unit
+// coming in is not a candidate to make its own room (its slot is counted as freed), or Belady
+// would pick it, needed for the forward first, and the prefetch would wait for its release.
+TEST(runtime_protocol, the_last_layer_comes_in_whole_before_its_forward_when_its_backward_follows)
+{
+  device dev = emulated(64 * MiB);
+  constexpr std::uint32_t layers = 6;
+  std::vector<unit_spec> specs{make_unit("task/0", 1024)};
+  for (std::uint32_t l = 0; l < layers; ++l) { specs.push_back(make_unit("layer/" + std::to_string(l), 1024)); }
+  const std::size_t slot = footprint(specs[0], optimizer_placement::device).device_bytes;
+  runtime rt(dev, options_with_budget(4 * slot), specs);  // the task unit and three whole layers
+  const auto layer = [](std::uint32_t l) { return unit_id{1 + l}; };
+  const auto plan_step = [&] {
+    step_plan p;
+    p.acquire(unit_id{0});
+    for (std::uint32_t l = 0; l < layers; ++l) { p.acquire(layer(l), unit_use::frozen).release(layer(l)); }
+    for (std::uint32_t l = layers; l-- > 0;) { p.acquire(layer(l)).release(layer(l)); }
+    return p;
+  };
+  rt.plan(std::vector<step_plan>{plan_step(), plan_step(), plan_step()});
+  stream s(dev);
+  const auto swap_ins = [&](unit_id u) { return rt.stats().units[u.value].swap_ins; };
+  for (int step = 0; step < 3; ++step) {
+    (void)rt.acquire(unit_id{0}, s);
+    std::size_t before_forward = 0;
+    for (std::uint32_t l = 0; l < layers; ++l) {
+      if (l + 1 == layers) { before_forward = swap_ins(layer(l)); }
+      (void)rt.acquire(layer(l), s, unit_use::frozen);
+      rt.release(layer(l), s);
+    }
+    const std::size_t at_backward = swap_ins(layer(layers - 1));
+    for (std::uint32_t l = layers; l-- > 0;) {
+      (void)rt.acquire(layer(l), s);
+      rt.step(layer(l), s);
+      rt.release(layer(l), s);
+    }
+    rt.release(unit_id{0}, s);
+    const step_stats st = rt.end_step();
+    EXPECT_EQ(at_backward, before_forward)
+      << "step " << step << ": the last layer's whole slot was fetched only after its forward";
+    EXPECT_LE(st.peak_device_bytes, 4 * slot);
+  }
+}
+
 // An early exit: the second step runs 3 of 8 layers. Their forward and backward uses of the layers
 // it skips stay in the plan ahead of the backward ones until the step ends, and the prefetch keeps
 // room for them: each backward acquisition misses. skip() drops them as the forward leaves.
