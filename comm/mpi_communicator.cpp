@@ -40,10 +40,12 @@ std::atomic<bool> any_failed{false};  // finalising MPI after a failed collectiv
 // calls into it: one stream's MPI_Testall can complete another stream's collective, writing its
 // result (or running the f16/bf16 sum on it) on the wrong thread. The owner then learns of the
 // completion through Open MPI's own state, which ThreadSanitizer cannot see, so that write and the
-// reads behind the owner's event look unordered. Every call that can progress requests holds this
-// lock, which makes the hand-off an ordinary one: the thread that sees a request done took the lock
-// after the thread that completed it let it go. The calls are short (start, test), so the lock is
-// never held while a collective waits for the other ranks.
+// reads behind the owner's event look unordered. Each start and each MPI_Testall of a collective
+// holds this lock, which makes the hand-off an ordinary one: the thread that sees a request done
+// took the lock after the thread that completed it let it go. None of them waits for the other
+// ranks (a test may run the f16/bf16 sum of a bucket). The blocking calls of set-up and teardown
+// (MPI_Comm_dup in split(), MPI_Comm_free, the set-up broadcast) do not take it: holding it while
+// the other ranks are awaited would stop this rank's streams from starting their parts.
 std::mutex progress_mutex;
 bool initialised_here = false;
 int thread_level = MPI_THREAD_SINGLE;

@@ -435,8 +435,9 @@ class runtime {
   /// @brief One AdamW step of `u` after the work on `s`: on `s` (device placement), or on the
   /// CPU after its gradients came home (host placement). Gradients are zero afterwards.
   /// With a communicator the update follows u's reduction, on the runtime's own stream unless the
-  /// reduction has ended, so that `s` goes on meanwhile: the update is there for u's next
-  /// acquisition, not for work on `s` before u's release. Does not synchronise.
+  /// reduction has ended, so that `s` goes on meanwhile. It may then run before u's release: work
+  /// queued between step() and release() must not touch u's parameters, gradients or state. The
+  /// next acquisition of u sees the update. Does not synchronise.
   /// @throws invalid_argument if `u` is not held, or is used frozen
   void step(unit_id u, stream_view s);
   /// @brief Ends the use of `u` on `s`; its device memory may be reused after the work on `s`.
