@@ -49,6 +49,27 @@ device emulated(std::size_t memory, double link_bytes_per_second = 0)
   return emulated_device({.memory_bytes = memory, .link = {.bytes_per_second = link_bytes_per_second}});
 }
 
+// A streamed trunk: a task unit (id 0) and `layers` layer units after it, 1024 parameters each.
+std::vector<unit_spec> task_and_layers(std::uint32_t layers)
+{
+  std::vector<unit_spec> specs{make_unit("task/0", 1024)};
+  for (std::uint32_t l = 0; l < layers; ++l) { specs.push_back(make_unit("layer/" + std::to_string(l), 1024)); }
+  return specs;
+}
+
+constexpr unit_id trunk_layer(std::uint32_t l) { return unit_id{1 + l}; }
+
+// One step of it: the task unit held throughout, the layers' forwards (frozen) in order, then
+// their backwards (trained) in reverse.
+step_plan streamed_trunk_step(std::uint32_t layers)
+{
+  step_plan p;
+  p.acquire(unit_id{0});
+  for (std::uint32_t l = 0; l < layers; ++l) { p.acquire(trunk_layer(l), unit_use::frozen).release(trunk_layer(l)); }
+  for (std::uint32_t l = layers; l-- > 0;) { p.acquire(trunk_layer(l)).release(trunk_layer(l)); }
+  return p;
+}
+
 TEST(unit_layout, slabs_are_aligned_and_the_travelling_prefix_is_shared)
 {
   unit_spec u;
@@ -389,19 +410,12 @@ TEST(runtime_protocol, stream_prefetches_the_next_layer_past_a_unit_held_to_the_
 {
   device dev = emulated(64 * MiB);
   constexpr std::uint32_t layers = 8;
-  std::vector<unit_spec> specs{make_unit("task/0", 1024)};
-  for (std::uint32_t l = 0; l < layers; ++l) { specs.push_back(make_unit("layer/" + std::to_string(l), 1024)); }
+  const std::vector<unit_spec> specs = task_and_layers(layers);
   const std::size_t slot = footprint(specs[0], optimizer_placement::device).device_bytes;
   runtime rt(dev, options_with_budget(3 * slot), specs);  // the task unit and two layers
-  const auto layer = [](std::uint32_t l) { return unit_id{1 + l}; };
-  const auto plan_step = [&] {
-    step_plan p;
-    p.acquire(unit_id{0});
-    for (std::uint32_t l = 0; l < layers; ++l) { p.acquire(layer(l), unit_use::frozen).release(layer(l)); }
-    for (std::uint32_t l = layers; l-- > 0;) { p.acquire(layer(l)).release(layer(l)); }
-    return p;
-  };
-  rt.plan(std::vector<step_plan>{plan_step(), plan_step()});
+  const auto layer = trunk_layer;
+  const step_plan plan_step = streamed_trunk_step(layers);
+  rt.plan(std::vector<step_plan>{plan_step, plan_step});
   stream s(dev);
   for (int step = 0; step < 2; ++step) {
     (void)rt.acquire(unit_id{0}, s);
@@ -433,19 +447,12 @@ TEST(runtime_protocol, the_last_layer_comes_in_whole_before_its_forward_when_its
 {
   device dev = emulated(64 * MiB);
   constexpr std::uint32_t layers = 6;
-  std::vector<unit_spec> specs{make_unit("task/0", 1024)};
-  for (std::uint32_t l = 0; l < layers; ++l) { specs.push_back(make_unit("layer/" + std::to_string(l), 1024)); }
+  const std::vector<unit_spec> specs = task_and_layers(layers);
   const std::size_t slot = footprint(specs[0], optimizer_placement::device).device_bytes;
   runtime rt(dev, options_with_budget(4 * slot), specs);  // the task unit and three whole layers
-  const auto layer = [](std::uint32_t l) { return unit_id{1 + l}; };
-  const auto plan_step = [&] {
-    step_plan p;
-    p.acquire(unit_id{0});
-    for (std::uint32_t l = 0; l < layers; ++l) { p.acquire(layer(l), unit_use::frozen).release(layer(l)); }
-    for (std::uint32_t l = layers; l-- > 0;) { p.acquire(layer(l)).release(layer(l)); }
-    return p;
-  };
-  rt.plan(std::vector<step_plan>{plan_step(), plan_step(), plan_step()});
+  const auto layer = trunk_layer;
+  const step_plan plan_step = streamed_trunk_step(layers);
+  rt.plan(std::vector<step_plan>{plan_step, plan_step, plan_step});
   stream s(dev);
   const auto swap_ins = [&](unit_id u) { return rt.stats().units[u.value].swap_ins; };
   for (int step = 0; step < 3; ++step) {
@@ -479,15 +486,11 @@ TEST(runtime_protocol, skip_gives_a_skipped_layers_room_to_the_backward_of_an_ea
   constexpr std::uint32_t depth = 3;
   const auto run = [&](bool skip) {
     device dev = emulated(64 * MiB);
-    std::vector<unit_spec> specs{make_unit("task/0", 1024)};
-    for (std::uint32_t l = 0; l < layers; ++l) { specs.push_back(make_unit("layer/" + std::to_string(l), 1024)); }
+    const std::vector<unit_spec> specs = task_and_layers(layers);
     const std::size_t slot = footprint(specs[0], optimizer_placement::device).device_bytes;
     runtime rt(dev, options_with_budget(3 * slot), specs);  // the task unit and two layers
-    const auto layer = [](std::uint32_t l) { return unit_id{1 + l}; };
-    step_plan p;
-    p.acquire(unit_id{0});
-    for (std::uint32_t l = 0; l < layers; ++l) { p.acquire(layer(l), unit_use::frozen).release(layer(l)); }
-    for (std::uint32_t l = layers; l-- > 0;) { p.acquire(layer(l)).release(layer(l)); }
+    const auto layer = trunk_layer;
+    const step_plan p = streamed_trunk_step(layers);
     rt.plan(std::vector<step_plan>{p, p, p});
     stream s(dev);
     std::vector<step_stats> steps;
