@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // The NCCL communicator at world size 1 on a CUDA device (label gpu): the ops, the split channel,
-// and the runtime reducing through it. Multi-GPU runs are not possible on the machines lent here.
+// the runtime reducing through it, and a streamed trunk's trained layers reduced through it. Multi-GPU runs are not possible on the machines lent here.
 
 #include "cuda_skip.hpp"
 #include "numeric/dtype_conversion.hpp"
@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <deque>
 #include <vector>
 
 namespace taskswap::test {
@@ -87,6 +89,112 @@ TEST(nccl, runtime_reduces_only_active_units)
   rt.flush();
   EXPECT_EQ(rt.home(unit_id{3}).step, 0);
   EXPECT_EQ(rt.home(unit_id{0}).step, 2);
+}
+
+// A trunk streamed through a budget of the task unit and two layers, its layers trained with a
+// bucket a layer: each layer's reduction is launched at its grads_ready, so its step() finds it in
+// flight and runs the update on the runtime's aux stream after it, while the trainer's stream goes
+// on with the next layer's backward, and its room comes back at that launch. At world size 1 the
+// sum is the identity, so the run must equal one without a communicator bit for bit.
+TEST(nccl, streamed_trained_layers_reduced_as_they_complete_equal_a_run_without_communicator)
+{
+  if (const std::string r = nccl_skip_reason(); !r.empty()) { GTEST_SKIP() << r; }
+  const device dev = cuda_device(0);
+  constexpr std::uint32_t layers = 8;
+  constexpr int steps = 4;
+  std::vector<unit_spec> units;
+  for (std::uint32_t i = 0; i <= layers; ++i) {
+    units.push_back(unit_spec{.name = i == 0 ? std::string("task") : "layer/" + std::to_string(i - 1),
+                              .tensors = {{"w", {512, 512}}},
+                              .compute = dtype::f32,
+                              .grad = {},
+                              .policy = unit_policy{.residency = residency::prefetch,
+                                                    .lookahead = 1,
+                                                    .optimizer = optimizer_placement::device}});
+  }
+  const auto layer = [](std::uint32_t l) { return unit_id{1 + l}; };
+  step_plan plan_step;
+  plan_step.acquire(unit_id{0});
+  for (std::uint32_t l = 0; l < layers; ++l) { plan_step.acquire(layer(l), unit_use::frozen).release(layer(l)); }
+  for (std::uint32_t l = layers; l-- > 0;) { plan_step.acquire(layer(l)).release(layer(l)); }
+  plan_step.release(unit_id{0});
+  const std::size_t slot = footprint(units[1], optimizer_placement::device).device_bytes;
+  const std::size_t granule = dev.granularity();
+  const std::size_t room = (slot + granule - 1) / granule * granule;
+
+  struct outcome {
+    std::vector<std::vector<float>> params, m, v;
+    std::size_t peak = 0;
+    std::size_t reduced = 0;
+  };
+  const auto train = [&](bool with_nccl) {
+    runtime_options o;
+    o.device.budget = 3 * room;
+    o.comm.bucket_cap = footprint(units[1], optimizer_placement::device).reduce_bytes;
+    o.optimizer.lr = 1e-2F;
+    o.optimizer.weight_decay = 0.1F;
+    runtime rt = with_nccl ? runtime(dev, o, units, make_nccl_communicator(dev, make_nccl_unique_id(), 0, 1, timeout))
+                           : runtime(dev, o, units);
+    for (std::uint32_t u = 0; u <= layers; ++u) {
+      const home_view h = rt.home(unit_id{u});
+      auto* w = static_cast<float*>(h.master.data);
+      for (std::size_t i = 0; i < h.master.count; ++i) { w[i] = 0.01F * static_cast<float>((i + u) % 17) - 0.05F; }
+    }
+    rt.plan(std::vector<step_plan>(steps, plan_step));
+    stream compute(dev);
+    std::deque<pinned_buffer> staging;  // a gradient's source lives until the copy has run
+    outcome out;
+    // Writes u's gradients for step k, then grads_ready, step and release.
+    const auto backward = [&](unit_id u, const unit_view& view, int k) {
+      const slab_view g = view.grads;
+      pinned_buffer& src = staging.emplace_back(dev, g.bytes());
+      auto* x = reinterpret_cast<float*>(src.data());
+      for (std::size_t i = 0; i < g.count; ++i) {
+        x[i] = 0.001F * static_cast<float>((i * 7 + u.value * 13 + static_cast<std::size_t>(k) * 5) % 23) - 0.011F;
+      }
+      copy_async(device_span(&dev.backend(), static_cast<std::byte*>(g.data), g.bytes()),
+                 std::span<const std::byte>(src.data(), g.bytes()), compute);
+      rt.grads_ready(u, compute);
+      rt.step(u, compute);
+      rt.release(u, compute);
+    };
+    for (int k = 0; k < steps; ++k) {
+      const unit_view task = rt.acquire(unit_id{0}, compute);
+      for (std::uint32_t l = 0; l < layers; ++l) {
+        (void)rt.acquire(layer(l), compute, unit_use::frozen);
+        rt.release(layer(l), compute);
+      }
+      for (std::uint32_t l = layers; l-- > 0;) { backward(layer(l), rt.acquire(layer(l), compute), k); }
+      backward(unit_id{0}, task, k);
+      const step_stats st = rt.end_step();
+      out.peak = std::max(out.peak, st.peak_device_bytes);
+      out.reduced += st.reduced_bytes;
+    }
+    rt.flush();
+    compute.synchronize();
+    for (std::uint32_t u = 0; u <= layers; ++u) {
+      const home_view h = rt.home(unit_id{u});
+      EXPECT_EQ(h.step, steps) << "unit " << u;
+      const auto copy = [](const slab_view& s) {
+        std::vector<float> c(s.count);
+        std::memcpy(c.data(), s.data, s.bytes());
+        return c;
+      };
+      out.params.push_back(copy(h.master));
+      out.m.push_back(copy(h.m));
+      out.v.push_back(copy(h.v));
+    }
+    return out;
+  };
+  const outcome alone = train(false);
+  const outcome reduced = train(true);
+  EXPECT_EQ(alone.reduced, 0U);
+  EXPECT_EQ(reduced.reduced, std::size_t{steps} * (layers + 1) * 512 * 512 * sizeof(float));
+  EXPECT_LE(reduced.peak, 3 * room);
+  for (std::uint32_t u = 0; u <= layers; ++u) {
+    EXPECT_TRUE(alone.params[u] == reduced.params[u]) << "unit " << u << ": parameters differ";
+    EXPECT_TRUE(alone.m[u] == reduced.m[u] && alone.v[u] == reduced.v[u]) << "unit " << u << ": AdamW state differs";
+  }
 }
 
 }  // namespace

@@ -129,3 +129,25 @@ def test_disk_homes_on_cuda_equal_host_homes_and_resume_bitwise(tmp_path):
             torch.nn.functional.mse_loss(m2(x, t), y).backward()
     c = second.state_dict()
     assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_streamed_trained_layers_through_nccl_equal_all_resident_bitwise_on_cuda(tmp_path):
+    """Streamed trained layers with taskswap's NCCL communicator (world size 1, bootstrapped over
+    torch.distributed) and a bucket a layer: each layer's reduction is launched as its backward
+    completes, its update runs on the runtime's aux stream after it while autograd goes on with
+    the layer below, and its room comes back at that launch, so the trunk streams through a budget
+    of the heads and two layers. At world size 1 the reduction is the identity: bitwise the
+    all-resident run without a communicator."""
+    import torch.distributed as dist
+    from test_streaming import LAYERS, Deep, train
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        layer_grads = sum(p.numel() * p.element_size() for p in Deep(width=512).layers[0].parameters())
+        streamed, totals, budget, _ = train(streamed=True, trained_layers=True, backend="cuda", width=512,
+                                            comm=tt.nccl_group(), bucket_cap=layer_grads,
+                                            depth=lambda step, rank: LAYERS)
+        resident, _, _, _ = train(streamed=False, trained_layers=True, backend="cuda", width=512)
+        assert totals.evictions > 0 and totals.peak_device_bytes <= budget and totals.reduced_bytes > 0
+        assert all(torch.equal(streamed[k], resident[k]) for k in streamed)
+    finally:
+        dist.destroy_process_group()
