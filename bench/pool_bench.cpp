@@ -12,7 +12,17 @@
 //   ratio = new / old. Target for the runtime's swapping rows: ≤ 1.10 (issue 19); this isolates the
 //   pool's part of them. At a 4 KiB granule the emulated device maps a memory file (a system call
 //   when a slot moves); at 256 bytes it only counts, as the emulated default does.
+//
+// cuda_vmm_move/{MiB}/{busy}: what a slot that moves to other granules costs the trainer's thread
+// on a CUDA device: the backend's vm_map (cuMemMap per granule, cuMemSetAccess) and vm_unmap of
+// MiB at one address, then at another, timed on the host; with busy = 1 while a 1 GiB host-to-
+// device copy (about 20 ms) runs on another stream. still_copying = the share of turns after which
+// that copy had not finished: near 1 where the calls leave the device's work alone, near 0 where
+// they wait for it (then us_per_move is the copy's remaining time). The question behind it: the
+// step of cuda_runtime_overlap at compute 1.25x the transfer has a gap of about 1.1 ms per swap-in
+// of 64 MiB in which neither copy engine has work (docs/gpu-results.md, 2026-11-27).
 
+#include "device/backend.hpp"
 #include "device/best_fit_ranges.hpp"
 #include "runtime/device_pool.hpp"
 
@@ -133,6 +143,49 @@ void device_pool_swap(benchmark::State& state)
     (static_cast<double>(old_evictions) - static_cast<double>(new_evictions)) / static_cast<double>(state.iterations());
 }
 
+void cuda_vmm_move(benchmark::State& state)
+{
+  if (cuda_device_count() == 0) {
+    state.SkipWithError("no CUDA device: this benchmark needs a GPU (tools/gpu-check)");
+    return;
+  }
+  const device dev = cuda_device(0);
+  detail::backend& b = dev.backend();
+  const std::size_t g = b.vm_granularity();
+  const std::size_t granules = (static_cast<std::size_t>(state.range(0)) << 20) / g;
+  const bool busy = state.range(1) != 0;
+  void* physical = b.vm_create(granules);
+  std::byte* first = b.vm_reserve(granules * g);
+  std::byte* second = b.vm_reserve(granules * g);
+  constexpr std::size_t copy_bytes = std::size_t{1} << 30;
+  pinned_buffer source(dev, copy_bytes);
+  device_buffer target(dev, copy_bytes);
+  stream copies(dev);
+  double seconds = 0;
+  std::size_t turns = 0;
+  std::size_t still_copying = 0;
+  for (auto _ : state) {
+    if (busy) { copy_async(target.span(), source.span(), copies); }
+    const auto start = clock_type::now();
+    for (std::byte* va : {first, second}) {
+      b.vm_map(va, physical, 0, granules);
+      b.vm_unmap(va, granules);
+    }
+    const double t = std::chrono::duration<double>(clock_type::now() - start).count();
+    if (busy && !copies.query()) { ++still_copying; }
+    copies.synchronize();
+    state.SetIterationTime(t);
+    seconds += t;
+    turns += 2;
+  }
+  b.vm_free(first, granules * g);
+  b.vm_free(second, granules * g);
+  b.vm_release(physical, granules);
+  state.counters["us_per_move"] = seconds / static_cast<double>(turns) * 1e6;
+  state.counters["still_copying"] =
+    busy ? static_cast<double>(still_copying) / static_cast<double>(state.iterations()) : 0.0;
+}
+
 }  // namespace
 
 // Emulated at 256 B, 4 KiB and 64 KiB granules; 0: the CUDA device at its own granule (skipped without one).
@@ -144,3 +197,9 @@ BENCHMARK(device_pool_swap)
   ->UseManualTime()
   ->Unit(benchmark::kMicrosecond)
   ->MinTime(0.5);
+// 2, 64 and 192 MiB (1, 32 and 96 granules of 2 MiB), the device idle and busy copying.
+BENCHMARK(cuda_vmm_move)
+  ->ArgsProduct({{2, 64, 192}, {0, 1}})
+  ->UseManualTime()
+  ->Unit(benchmark::kMicrosecond)
+  ->Iterations(20);

@@ -14,12 +14,15 @@
 // cuda_runtime_overlap: the same loop on a CUDA device, the step's transfer time measured as a
 //   plain duplex cudaMemcpyAsync between pinned_buffers and device buffers; at compute 0,
 //   link_ratio = the runtime's swap rate / that copy's rate.
+// TASKSWAP_BENCH_TRACE=<file>: runtime_overlap and cuda_runtime_overlap write the swapping
+//   runtime's trace there (Chrome JSON; the last row run), for looking at where a step's time goes.
 
 #include <taskswap/taskswap.hpp>
 
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <deque>
 #include <thread>
 #include <vector>
@@ -175,6 +178,7 @@ void overlap(benchmark::State& state, const device& swapped_dev, const device& r
   const std::size_t unit_bytes = 4 * elements * sizeof(float);  // params, m, v, grads (f32)
   runtime_options swapped_options;
   swapped_options.device.budget = 3 * unit_bytes;
+  swapped_options.trace = std::getenv("TASKSWAP_BENCH_TRACE") != nullptr;
   runtime_options resident_options;
   resident_options.device.budget = tasks * unit_bytes;
   runtime swapped(swapped_dev, swapped_options, swapped_specs);
@@ -200,6 +204,7 @@ void overlap(benchmark::State& state, const device& swapped_dev, const device& r
     misses += b.totals.misses;
     state.SetIterationTime(b.seconds);
   }
+  if (std::getenv("TASKSWAP_BENCH_TRACE") != nullptr) { swapped.write_trace(std::getenv("TASKSWAP_BENCH_TRACE")); }
   const double n = static_cast<double>(state.iterations()) * static_cast<double>(steps);
   state.counters["step_time_ratio"] = swapped_seconds / resident_seconds;
   state.counters["step_ms_swapped"] = swapped_seconds / n * 1e3;

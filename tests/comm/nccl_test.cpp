@@ -104,13 +104,13 @@ TEST(nccl, streamed_trained_layers_reduced_as_they_complete_equal_a_run_without_
   constexpr int steps = 4;
   std::vector<unit_spec> units;
   for (std::uint32_t i = 0; i <= layers; ++i) {
-    units.push_back(unit_spec{.name = i == 0 ? std::string("task") : "layer/" + std::to_string(i - 1),
-                              .tensors = {{"w", {512, 512}}},
-                              .compute = dtype::f32,
-                              .grad = {},
-                              .policy = unit_policy{.residency = residency::prefetch,
-                                                    .lookahead = 1,
-                                                    .optimizer = optimizer_placement::device}});
+    units.push_back(unit_spec{
+      .name = i == 0 ? std::string("task") : "layer/" + std::to_string(i - 1),
+      .tensors = {{"w", {512, 512}}},
+      .compute = dtype::f32,
+      .grad = {},
+      .policy =
+        unit_policy{.residency = residency::prefetch, .lookahead = 1, .optimizer = optimizer_placement::device}});
   }
   const auto layer = [](std::uint32_t l) { return unit_id{1 + l}; };
   step_plan plan_step;
@@ -148,10 +148,11 @@ TEST(nccl, streamed_trained_layers_reduced_as_they_complete_equal_a_run_without_
     const auto backward = [&](unit_id u, const unit_view& view, int k) {
       const slab_view g = view.grads;
       pinned_buffer& src = staging.emplace_back(dev, g.bytes());
-      auto* x = reinterpret_cast<float*>(src.data());
+      std::vector<float> x(g.count);
       for (std::size_t i = 0; i < g.count; ++i) {
         x[i] = 0.001F * static_cast<float>((i * 7 + u.value * 13 + static_cast<std::size_t>(k) * 5) % 23) - 0.011F;
       }
+      std::memcpy(src.data(), x.data(), g.bytes());
       copy_async(device_span(&dev.backend(), static_cast<std::byte*>(g.data), g.bytes()),
                  std::span<const std::byte>(src.data(), g.bytes()), compute);
       rt.grads_ready(u, compute);
