@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "runtime/device_pool.hpp"
 #include "expect_error.hpp"
+#include "test_scale.hpp"
 #include "test_seed.hpp"
 
 #include <taskswap/taskswap.hpp>
@@ -79,7 +80,8 @@ TEST_P(device_pool_at, AnyRequestWithinTheFreeGranulesIsMetAndHeldBytesStay)
   }
   std::size_t peak_seen = 0;
   std::size_t met = 0;
-  for (int op = 0; op < 3000; ++op) {
+  const std::size_t ops = large_case(3000, 1000);  // under a sanitizer each read-back is slow
+  for (std::size_t op = 0; op < ops; ++op) {
     if (!live.empty() && gen() % 2 == 0) {
       const std::size_t i = gen() % live.size();
       std::vector<std::byte> back(live[i].range.size());
@@ -117,7 +119,7 @@ TEST_P(device_pool_at, AnyRequestWithinTheFreeGranulesIsMetAndHeldBytesStay)
     ASSERT_EQ(st.peak, peak_seen);
   }
   s.synchronize();
-  EXPECT_GT(met, 300U);
+  EXPECT_GT(met, ops / 10);
   for (const live_slot& l : live) { pool.unmap(l.id); }
   EXPECT_EQ(pool.stats().used, 0U);
   EXPECT_EQ(pool.free(), budget);
