@@ -7,7 +7,7 @@
 // places it. Timed: the host time per placement, evictions included.
 //   - new: the granule pool (runtime/device_pool): a unit fits when the free granules hold it.
 //   - old: best-fit ranges over one allocation (device/best_fit_ranges, the pool before DESIGN
-//     invariant 9): a unit fits when one free block holds it, so split room costs evictions the
+//     invariant 8): a unit fits when one free block holds it, so split room costs evictions the
 //     sum would not need (counted: extra_evictions_old).
 //   ratio = new / old. Target for the runtime's swapping rows: ≤ 1.10 (issue 19); this isolates the
 //   pool's part of them. At a 4 KiB granule the emulated device maps a memory file (a system call
@@ -15,12 +15,13 @@
 //
 // cuda_vmm_move/{MiB}/{busy}: what a slot that moves to other granules costs the trainer's thread
 // on a CUDA device: the backend's vm_map (cuMemMap per granule, cuMemSetAccess) and vm_unmap of
-// MiB at one address, then at another, timed on the host; with busy = 1 while a 1 GiB host-to-
-// device copy (about 20 ms) runs on another stream. still_copying = the share of turns after which
-// that copy had not finished: near 1 where the calls leave the device's work alone, near 0 where
-// they wait for it (then us_per_move is the copy's remaining time). The question behind it: the
-// step of cuda_runtime_overlap at compute 1.25x the transfer has a gap of about 1.1 ms per swap-in
-// of 64 MiB in which neither copy engine has work (docs/gpu-results.md, 2026-11-27).
+// MiB at one address, then at another, timed on the host (us_per_move: the mean of the two); with
+// busy = 1 while a 1 GiB host-to-device copy (copy_ms, about 20 ms) runs on another stream into
+// VMM-mapped memory, as the runtime's swap-ins do. copying_after_map = the share of turns in which
+// that copy was still running right after the first vm_map: near 1 where the calls leave the
+// device's work alone; near 0 where a call waits for it (then the turn's time holds the copy's
+// remainder). The question behind it: cuda_runtime_overlap's device sits idle about 1.1 ms per
+// 64 MiB unit's swap-in between its copies (a trace at compute 0, docs/gpu-results.md, 2026-11-27).
 
 #include "device/backend.hpp"
 #include "device/best_fit_ranges.hpp"
@@ -34,6 +35,7 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -153,37 +155,86 @@ void cuda_vmm_move(benchmark::State& state)
   detail::backend& b = dev.backend();
   const std::size_t g = b.vm_granularity();
   const std::size_t granules = (static_cast<std::size_t>(state.range(0)) << 20) / g;
+  if (granules == 0) {
+    state.SkipWithError("the row is smaller than one granule of this device");
+    return;
+  }
   const bool busy = state.range(1) != 0;
-  void* physical = b.vm_create(granules);
-  std::byte* first = b.vm_reserve(granules * g);
-  std::byte* second = b.vm_reserve(granules * g);
   constexpr std::size_t copy_bytes = std::size_t{1} << 30;
-  pinned_buffer source(dev, copy_bytes);
-  device_buffer target(dev, copy_bytes);
+  const std::size_t copy_granules = (copy_bytes + g - 1) / g;
+  // Every resource the benchmark takes, given back however it ends.
+  struct vm_area {
+    detail::backend& b;
+    std::size_t granules;
+    std::size_t g;
+    void* physical = nullptr;
+    std::byte* va = nullptr;
+    std::byte* second = nullptr;
+    bool mapped = false;
+    vm_area(detail::backend& backend, std::size_t n, std::size_t granule) : b(backend), granules(n), g(granule)
+    {
+      physical = b.vm_create(granules);
+      va = b.vm_reserve(granules * g);
+      second = b.vm_reserve(granules * g);
+    }
+    vm_area(const vm_area&) = delete;
+    vm_area& operator=(const vm_area&) = delete;
+    ~vm_area()
+    {
+      if (mapped) { b.vm_unmap(va, granules); }
+      b.vm_free(va, granules * g);
+      b.vm_free(second, granules * g);
+      b.vm_release(physical, granules);
+    }
+  };
+  vm_area moved(b, granules, g);
+  std::optional<vm_area> target;  // the copy's destination, mapped as the pool maps a slot
+  std::optional<pinned_buffer> source;
+  if (busy) {
+    target.emplace(b, copy_granules, g);
+    b.vm_map(target->va, target->physical, 0, copy_granules);
+    target->mapped = true;
+    source.emplace(dev, copy_bytes);
+  }
   stream copies(dev);
   double seconds = 0;
+  double copy_seconds = 0;
   std::size_t turns = 0;
-  std::size_t still_copying = 0;
+  std::size_t copying = 0;
   for (auto _ : state) {
-    if (busy) { copy_async(target.span(), source.span(), copies); }
-    const auto start = clock_type::now();
-    for (std::byte* va : {first, second}) {
-      b.vm_map(va, physical, 0, granules);
-      b.vm_unmap(va, granules);
+    if (busy) {
+      event start(dev, {.timing = true});
+      event end(dev, {.timing = true});
+      start.record(copies);
+      copy_async(device_span(&b, target->va, copy_bytes), source->span(), copies);
+      end.record(copies);
+      const auto t0 = clock_type::now();
+      b.vm_map(moved.va, moved.physical, 0, granules);
+      if (!copies.query()) { ++copying; }
+      b.vm_unmap(moved.va, granules);
+      b.vm_map(moved.second, moved.physical, 0, granules);
+      b.vm_unmap(moved.second, granules);
+      const double t = std::chrono::duration<double>(clock_type::now() - t0).count();
+      end.synchronize();
+      copy_seconds += elapsed_ms(start, end) / 1e3;
+      state.SetIterationTime(t);
+      seconds += t;
+    } else {
+      const auto t0 = clock_type::now();
+      for (std::byte* va : {moved.va, moved.second}) {
+        b.vm_map(va, moved.physical, 0, granules);
+        b.vm_unmap(va, granules);
+      }
+      const double t = std::chrono::duration<double>(clock_type::now() - t0).count();
+      state.SetIterationTime(t);
+      seconds += t;
     }
-    const double t = std::chrono::duration<double>(clock_type::now() - start).count();
-    if (busy && !copies.query()) { ++still_copying; }
-    copies.synchronize();
-    state.SetIterationTime(t);
-    seconds += t;
     turns += 2;
   }
-  b.vm_free(first, granules * g);
-  b.vm_free(second, granules * g);
-  b.vm_release(physical, granules);
+  const auto iterations = static_cast<double>(state.iterations());
   state.counters["us_per_move"] = seconds / static_cast<double>(turns) * 1e6;
-  state.counters["still_copying"] =
-    busy ? static_cast<double>(still_copying) / static_cast<double>(state.iterations()) : 0.0;
+  state.counters["copy_ms"] = busy ? copy_seconds / iterations * 1e3 : 0.0;
+  state.counters["copying_after_map"] = busy ? static_cast<double>(copying) / iterations : 0.0;
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 //   link_ratio = the runtime's swap rate / that copy's rate.
 // TASKSWAP_BENCH_TRACE=<file>: runtime_overlap and cuda_runtime_overlap write the swapping
 //   runtime's trace there (Chrome JSON; the last row run), for looking at where a step's time goes.
+//   Only the swapping runtime records spans, so a traced run's step_time_ratio is not comparable.
 
 #include <taskswap/taskswap.hpp>
 

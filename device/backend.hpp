@@ -63,7 +63,7 @@ class backend {
   // Device memory: 256-byte aligned. deallocate waits for the device's queued work.
   [[nodiscard]] virtual std::byte* allocate(std::size_t bytes) = 0;
   virtual void deallocate(std::byte* p, std::size_t bytes) noexcept = 0;
-  // Virtual memory, for the device pool (DESIGN invariant 9): physical memory in granules of
+  // Virtual memory, for the device pool (DESIGN invariant 8): physical memory in granules of
   // vm_granularity() bytes, mapped into reserved address ranges, so that a range's bytes need not
   // be contiguous in physical memory. `first`/`count` are granule indices of one physical object;
   // a range is mapped and unmapped in whole granules. Mapping touches no data and orders nothing:

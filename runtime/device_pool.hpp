@@ -5,7 +5,7 @@
 // construction as physical memory in granules (whole granules of the budget; the rest is never
 // taken) and maps granules into address ranges with the backend's virtual memory calls, so a
 // range's bytes need not be contiguous in physical memory and free room never splits: any request
-// of at most the free granules is met (DESIGN invariant 9). Every resident slab and staging buffer
+// of at most the free granules is met (DESIGN invariant 8). Every resident slab and staging buffer
 // comes out of it, so device bytes held never exceed the budget (invariant 1). Thread-safe.
 //
 // - Pinned ranges are packed one after another (256-byte aligned) into one region whose granules

@@ -258,7 +258,7 @@ class cuda_backend final : public backend {
       if (supported == 0) {
         throw cuda_error(message("cuda:", index_,
                                  " does not support virtual memory management, which the device pool "
-                                 "maps units with (DESIGN invariant 9); use a GPU and driver that do"));
+                                 "maps units with (DESIGN invariant 8); use a GPU and driver that do"));
       }
       const CUmemAllocationProp prop = device_memory_on(index_);
       std::size_t g = 0;

@@ -69,6 +69,10 @@ def test_views_are_cuda_tensors_on_torch_current_stream():
     assert taskswap.external_stream(rt.device, 0).external
 
 
+needs_nccl = pytest.mark.skipif(not taskswap.with_nccl, reason="taskswap was built without NCCL")
+
+
+@needs_nccl
 def test_nccl_communicator_over_torch_distributed(tmp_path):
     import torch.distributed as dist
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
@@ -131,12 +135,13 @@ def test_disk_homes_on_cuda_equal_host_homes_and_resume_bitwise(tmp_path):
     assert all(torch.equal(a[k], c[k]) for k in a)
 
 
+@needs_nccl
 def test_streamed_trained_layers_through_nccl_equal_all_resident_bitwise_on_cuda(tmp_path):
     """Streamed trained layers with taskswap's NCCL communicator (world size 1, bootstrapped over
     torch.distributed) and a bucket a layer: each layer's reduction is launched as its backward
-    completes, its update runs on the runtime's aux stream after it while autograd goes on with
-    the layer below, and its room comes back at that launch, so the trunk streams through a budget
-    of the heads and two layers. At world size 1 the reduction is the identity: bitwise the
+    completes (its update then runs after it, on the runtime's aux stream where the reduction has
+    not finished at step()), and its room comes back at that launch, so the trunk streams through a
+    budget of the heads and two layers. At world size 1 the reduction is the identity: bitwise the
     all-resident run without a communicator."""
     import torch.distributed as dist
     from test_streaming import LAYERS, Deep, train

@@ -94,7 +94,7 @@ inline std::size_t pinned_taken(const std::vector<unit_spec>& units, std::size_t
 
 // The least budget the plan check accepts for a script: the most its units hold at once, each in
 // whole granules, beside the pinned units. Nothing is added for placement: the pool never splits
-// its free room (DESIGN invariant 9).
+// its free room (DESIGN invariant 8).
 inline std::size_t exact_budget(const scenario& s, std::size_t granule)
 {
   const std::size_t pinned = pinned_taken(s.units, granule);
@@ -464,12 +464,12 @@ TYPED_TEST_P(runtime_properties, any_policy_gives_the_all_resident_parameters)
   this->expect_every_path_was_taken();
 }
 
-// DESIGN invariant 9: units over four orders of magnitude, held together in budgets the check
+// DESIGN invariant 8: units over four orders of magnitude, held together in budgets the check
 // accepts with nothing to spare. No acquire may fail (an out_of_memory fails the test), the budget
 // is never exceeded (run() checks it after every call), and the result is the all-resident one.
 TYPED_TEST_P(runtime_properties, units_of_any_size_never_fail_for_placement_in_a_budget_the_check_accepts)
 {
-  const std::size_t cases = large_case(1000, 60);
+  const std::size_t cases = large_case(2000, 60);
   for (std::uint64_t seed = 20'001; seed < 20'001 + cases; ++seed) {
     expect_swapped_equals_resident(*this, seed, unit_sizes::heterogeneous);
     if (this->HasFatalFailure()) { return; }
