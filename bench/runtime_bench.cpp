@@ -179,7 +179,8 @@ void overlap(benchmark::State& state, const device& swapped_dev, const device& r
   const std::size_t unit_bytes = 4 * elements * sizeof(float);  // params, m, v, grads (f32)
   runtime_options swapped_options;
   swapped_options.device.budget = 3 * unit_bytes;
-  swapped_options.trace = std::getenv("TASKSWAP_BENCH_TRACE") != nullptr;
+  const char* const trace = std::getenv("TASKSWAP_BENCH_TRACE");
+  swapped_options.trace = trace != nullptr;
   runtime_options resident_options;
   resident_options.device.budget = tasks * unit_bytes;
   runtime swapped(swapped_dev, swapped_options, swapped_specs);
@@ -205,7 +206,7 @@ void overlap(benchmark::State& state, const device& swapped_dev, const device& r
     misses += b.totals.misses;
     state.SetIterationTime(b.seconds);
   }
-  if (std::getenv("TASKSWAP_BENCH_TRACE") != nullptr) { swapped.write_trace(std::getenv("TASKSWAP_BENCH_TRACE")); }
+  if (trace != nullptr) { swapped.write_trace(trace); }
   const double n = static_cast<double>(state.iterations()) * static_cast<double>(steps);
   state.counters["step_time_ratio"] = swapped_seconds / resident_seconds;
   state.counters["step_ms_swapped"] = swapped_seconds / n * 1e3;

@@ -1,6 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The NCCL communicator at world size 1 on a CUDA device (label gpu): the ops, the split channel,
-// the runtime reducing through it, and a streamed trunk's trained layers reduced through it. Multi-GPU runs are not possible on the machines lent here.
+// the runtime reducing through it, and a streamed trunk's trained layers reduced through it.
+// Multi-GPU runs are not possible on the machines lent here.
 
 #include "cuda_skip.hpp"
 #include "numeric/dtype_conversion.hpp"
@@ -120,9 +121,9 @@ TEST(nccl, streamed_trained_layers_reduced_as_they_complete_equal_a_run_without_
   for (std::uint32_t l = 0; l < layers; ++l) { plan_step.acquire(layer(l), unit_use::frozen).release(layer(l)); }
   for (std::uint32_t l = layers; l-- > 0;) { plan_step.acquire(layer(l)).release(layer(l)); }
   plan_step.release(unit_id{0});
-  const std::size_t slot = footprint(units[1], optimizer_placement::device).device_bytes;
+  const unit_footprint fp = footprint(units[1], optimizer_placement::device);  // every unit's
   const std::size_t granule = dev.granularity();
-  const std::size_t room = (slot + granule - 1) / granule * granule;
+  const std::size_t room = (fp.device_bytes + granule - 1) / granule * granule;
 
   // Every gradient of both runs, made once: unit u's at step k is slice k * (layers + 1) + u.
   const std::size_t count = std::size_t{512} * 512;
@@ -144,7 +145,7 @@ TEST(nccl, streamed_trained_layers_reduced_as_they_complete_equal_a_run_without_
   const auto train = [&](bool with_nccl) {
     runtime_options o;
     o.device.budget = 3 * room;
-    o.comm.bucket_cap = footprint(units[1], optimizer_placement::device).reduce_bytes;
+    o.comm.bucket_cap = fp.reduce_bytes;
     o.optimizer.lr = 1e-2F;
     o.optimizer.weight_decay = 0.1F;
     runtime rt = with_nccl ? runtime(dev, o, units, make_nccl_communicator(dev, make_nccl_unique_id(), 0, 1, timeout))
@@ -180,14 +181,14 @@ TEST(nccl, streamed_trained_layers_reduced_as_they_complete_equal_a_run_without_
     }
     rt.flush();
     compute.synchronize();
+    const auto copy = [](const slab_view& s) {
+      std::vector<float> c(s.count);
+      std::memcpy(c.data(), s.data, s.bytes());
+      return c;
+    };
     for (std::uint32_t u = 0; u <= layers; ++u) {
       const home_view h = rt.home(unit_id{u});
       EXPECT_EQ(h.step, steps) << "unit " << u;
-      const auto copy = [](const slab_view& s) {
-        std::vector<float> c(s.count);
-        std::memcpy(c.data(), s.data, s.bytes());
-        return c;
-      };
       out.params.push_back(copy(h.master));
       out.m.push_back(copy(h.m));
       out.v.push_back(copy(h.v));
@@ -197,8 +198,7 @@ TEST(nccl, streamed_trained_layers_reduced_as_they_complete_equal_a_run_without_
   const outcome alone = train(false);
   const outcome reduced = train(true);
   EXPECT_EQ(alone.reduced, 0U);
-  EXPECT_EQ(reduced.reduced,
-            std::size_t{steps} * (layers + 1) * footprint(units[1], optimizer_placement::device).reduce_bytes);
+  EXPECT_EQ(reduced.reduced, std::size_t{steps} * (layers + 1) * fp.reduce_bytes);
   for (std::uint32_t u = 0; u <= layers; ++u) {
     EXPECT_TRUE(alone.params[u] == reduced.params[u]) << "unit " << u << ": parameters differ";
     EXPECT_TRUE(alone.m[u] == reduced.m[u] && alone.v[u] == reduced.v[u]) << "unit " << u << ": AdamW state differs";
