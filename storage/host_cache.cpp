@@ -150,7 +150,9 @@ struct host_cache::impl {
       const entry_id i = live[k];
       cache_entry& c = entries[i];
       if (i == keep || (c.io && !finish_io(c, false)) || !c.offset) { continue; }
-      const std::uint64_t next = next_use(i);
+      // A superseded block is worth nothing (its unit's write-back replaces it whole, unread): it
+      // goes first, whenever its unit is used next.
+      const std::uint64_t next = superseded(i) ? never : next_use(i);
       if (before && (next <= *before || c.evicting)) { continue; }
       if (best == nullptr || next > best_next ||
           (next == best_next && (c.last_used < best->last_used || (c.last_used == best->last_used && &c < best)))) {

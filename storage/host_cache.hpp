@@ -22,7 +22,9 @@
 //   ready() says when the read is done (the device prefetch waits for it: a unit is in host
 //   memory before its device copy starts).
 // - Eviction takes the cached entry whose next use (the runtime's plan, next_use()) is furthest,
-//   the least recently used among equals: Belady's rule, as the device's. A dirty victim is
+//   the least recently used among equals: Belady's rule, as the device's. A superseded block
+//   counts as never used again, whatever its unit's next use: that use finds the device copy, and
+//   the write-back that brings it home overwrites the block unread. A dirty victim is
 //   written to its file before its memory is reused, so nothing is lost between the tiers
 //   (DESIGN.md invariant 9). For a prefetch the rule is conservative, as the device's: only
 //   entries used after the one fetched, whose blocks no stream uses, and a dirty victim's write

@@ -59,7 +59,8 @@ struct planned_unit {
 // replayed at the runtime's touches of a disk home: a swap-in reads its block, a device
 // placement's write-back overwrites it whole, a host placement's update (gradients home, the CPU
 // AdamW) reads and changes it. Eviction is Belady's rule over the planned uses (a use of this step
-// not yet made is next), the least recently used among equals. Every home starts in its file (the
+// not yet made is next; a superseded block is never used again), the least recently used among
+// equals. Every home starts in its file (the
 // trainer wrote its initial values through home(), which the replay does not count): a miss
 // reads the unit file, but for a whole overwrite, and a dirty block evicted is written to it
 // unless it is superseded (its unit's device copy has an update its write-back brings home whole). Blocks are the files' sizes (4 KiB multiples); the cache's fragmentation and its
@@ -87,7 +88,7 @@ class cache_replay {
         std::size_t victim_next = 0;
         for (std::size_t v = 0; v < entries_.size(); ++v) {
           if (v == u || !entries_[v].cached) { continue; }
-          const std::size_t next = next_use(v);
+          const std::size_t next = superseded_(v) ? never : next_use(v);
           if (victim == never || next > victim_next ||
               (next == victim_next && entries_[v].last < entries_[victim].last)) {
             victim = v;
