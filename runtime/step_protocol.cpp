@@ -404,9 +404,9 @@ step_stats runtime::impl::end_step()
 // the order of their use, as far as the cache's conservative Belady rule allows (Note [Host
 // cache]); the device prefetch then takes a unit only once its home is there (unit_record::
 // home_ready), so neither hop makes the trainer thread wait for the drive. A unit whose device
-// copy serves the use is not read: its home is not needed for it (and with an update on the
-// device the home is older than that copy). Reading such homes ahead cost the sample 7-14 % more
-// reads where the device keeps up with the trainer (storage.md, "Planned").
+// copy serves the whole use is not read: a frozen use, or one whose update runs on the device,
+// does not need the home (and after such an update the home is older than the copy). A host
+// placement's update does: its gradients come home and the CPU AdamW steps the home there.
 void runtime::impl::prefetch()
 {
   if (homes_.cache) {
@@ -415,8 +415,10 @@ void runtime::impl::prefetch()
     plan_.for_each_upcoming(static_cast<std::size_t>(std::max(options_.storage.lookahead, 0)),
                             [&](unit_id u, detail::planned_acquisition a, std::size_t) {
                               const unit_record& r = units_[u.value];
-                              return r.home.cache == nullptr || r.resident_for(a.whole()) ||
-                                     cache.prefetch(r.home.entry);
+                              const bool served =
+                                r.resident_for(a.whole()) && (a.use == detail::planned_use::frozen ||
+                                                              r.policy.optimizer != optimizer_placement::host);
+                              return r.home.cache == nullptr || served || cache.prefetch(r.home.entry);
                             });
   }
   swap_->prefetch();

@@ -41,7 +41,7 @@ TEST_F(host_cache_test, a_superseded_block_goes_first_and_unwritten_whatever_its
 {
   device dev = emulated_device({.memory_bytes = std::size_t{1} << 20U, .link = {}});
   std::unique_ptr<std::byte, decltype(&std::free)> memory(static_cast<std::byte*>(std::aligned_alloc(4096, 2 * block)),
-                                                         &std::free);
+                                                          &std::free);
   unit_files files({.directory = dir_, .queue_depth = 2, .block_bytes = block});
   host_cache cache(dev, {memory.get(), 2 * block}, files);
   const host_cache::entry_id a = cache.add("a", 1, block);
