@@ -416,29 +416,31 @@ TEST_F(disk_home_test, a_run_that_never_uses_a_unit_flushes_its_file_as_zeros)
 }
 
 // Two task units take turns, both resident on the device from their first use (the budget holds
-// two), behind a cache that holds one home, with the device keeping up with the trainer. Once both
-// are resident nothing more is read: the reads ahead skip a unit whose device copy serves its next
-// use (that home is older than the copy; before, 4 of the 18 later steps read the other unit's
-// home), and the results are those of host homes.
+// two), behind a cache that holds one home, with the device keeping up with the trainer.
+void take_turns(model& m, const char* a, const char* b, std::uint64_t from, std::uint64_t to)
+{
+  const unit_id trunk = m.rt.find("trunk");
+  const auto task_of = [&](std::uint64_t step) { return m.rt.find(step % 2 == 0 ? a : b); };
+  if (from == 0) { m.rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(0)}, step_plan{trunk, task_of(1)}}); }
+  for (std::uint64_t step = from; step < to; ++step) {
+    m.rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(step + 2)}});
+    train_step(m.rt, m.s, {trunk, task_of(step)}, step);
+    m.s.synchronize();  // the device keeps up: the swap-ins' cache blocks are idle at the reads ahead
+  }
+}
+
+// With device AdamW, once both are resident nothing more is read: the reads ahead skip a unit
+// whose device copy serves its next use (that home is older than the copy; before, 4 of the 18
+// later steps read the other unit's home), and the results are those of host homes.
 TEST_F(disk_home_test, a_home_whose_device_copy_serves_its_next_use_is_not_read_ahead)
 {
-  const auto run = [](model& m, std::uint64_t from, std::uint64_t to) {
-    const unit_id trunk = m.rt.find("trunk");
-    const auto task_of = [&](std::uint64_t step) { return m.rt.find(step % 2 == 0 ? "task/0" : "task/2"); };
-    if (from == 0) { m.rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(0)}, step_plan{trunk, task_of(1)}}); }
-    for (std::uint64_t step = from; step < to; ++step) {
-      m.rt.plan(std::vector<step_plan>{step_plan{trunk, task_of(step + 2)}});
-      train_step(m.rt, m.s, {trunk, task_of(step)}, step);
-      m.s.synchronize();  // the device keeps up: the swap-ins' cache blocks are idle at the reads ahead
-    }
-  };
   model host({}, 0);
-  run(host, 0, 20);
-  model disk(dir_, 450 * 1024);  // a host-AdamW task's home (about 400 KiB) fits; two homes do not
-  run(disk, 0, 2);
+  take_turns(host, "task/0", "task/2", 0, 20);
+  model disk(dir_, 450 * 1024);  // one home: the largest (a host-AdamW task's, about 400 KiB) must fit
+  take_turns(disk, "task/0", "task/2", 0, 2);
   const disk_stats both_resident = disk.rt.stats().disk;
   EXPECT_GT(both_resident.read_bytes, 0U);  // the first swap-ins read the initial values
-  run(disk, 2, 20);
+  take_turns(disk, "task/0", "task/2", 2, 20);
   EXPECT_EQ(disk.rt.stats().disk.read_bytes, both_resident.read_bytes);
   EXPECT_EQ(host.state(), disk.state());
 }
