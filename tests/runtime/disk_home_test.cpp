@@ -9,6 +9,7 @@
 #include "file_size_limit.hpp"
 #include "runtime/checkpoint.hpp"
 #include "runtime/training_loop.hpp"
+#include "scratch_dir.hpp"
 
 #include <taskswap/taskswap.hpp>
 
@@ -105,17 +106,7 @@ struct model {
   std::string state() { return home_state(rt); }
 };
 
-class disk_home_test : public ::testing::Test {
- protected:
-  void SetUp() override
-  {
-    dir_ = fs::temp_directory_path() / ("taskswap-disk-home-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
-};
+using disk_home_test = scratch_dir_test;
 
 TEST_F(disk_home_test, disk_homes_through_a_small_host_cache_train_bitwise_as_host_homes)
 {

@@ -2,37 +2,22 @@
 // The host cache's choice of a victim (Note [Host cache]): Belady's rule over the plan's next
 // uses, where a superseded block counts as never used again.
 
+#include "scratch_dir.hpp"
 #include "storage/host_cache.hpp"
 
 #include <taskswap/device.hpp>
 
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <cstdlib>
-#include <filesystem>
 #include <memory>
-#include <string>
 
 namespace taskswap::detail {
 namespace {
 
-namespace fs = std::filesystem;
-
 constexpr std::size_t block = 16 * 1024;
 
-class host_cache_test : public ::testing::Test {
- protected:
-  void SetUp() override
-  {
-    dir_ = fs::temp_directory_path() / ("taskswap-host-cache-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  fs::path dir_;
-};
+using host_cache_test = test::scratch_dir_test;
 
 // Two blocks of room, three homes. `a` is used next (1), then `c` (2), then `b` (5); `a`'s block
 // is superseded (its device copy is newer). Making room for `c` lets `a` go, unwritten, and keeps

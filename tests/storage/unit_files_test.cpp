@@ -7,6 +7,7 @@
 #include "device/message.hpp"
 
 #include "expect_error.hpp"
+#include "scratch_dir.hpp"
 #include "test_seed.hpp"
 
 #include <taskswap/error.hpp>
@@ -58,16 +59,8 @@ bool same(std::span<const std::byte> a, std::span<const std::byte> b)
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size()) == 0;
 }
 
-class unit_files_test : public ::testing::Test {
+class unit_files_test : public test::scratch_dir_test {
  protected:
-  void SetUp() override
-  {
-    dir_ = fs::temp_directory_path() / ("taskswap-unit-files-" + std::to_string(::getpid()) + "-" +
-                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
   unit_file_options options(unsigned depth = 4, std::size_t block = 64 * kib) const
   {
     return {.directory = dir_, .queue_depth = depth, .block_bytes = block};
@@ -91,7 +84,6 @@ class unit_files_test : public ::testing::Test {
     return same(back.span(), expected.span());
   }
 
-  fs::path dir_;
   std::uint64_t seed_ = test::test_seed();
   ::testing::ScopedTrace trace_{__FILE__, __LINE__, "TASKSWAP_TEST_SEED=" + std::to_string(seed_)};
 };
