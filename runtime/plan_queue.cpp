@@ -95,4 +95,10 @@ std::size_t plan_queue::step_distance(std::uint64_t position) const
   return static_cast<std::size_t>(it - steps_.begin()) - 1;
 }
 
+planned_use plan_queue::use_at(std::uint64_t position) const
+{
+  const planned_step& s = steps_.at(step_distance(position));
+  return s.entries.at(static_cast<std::size_t>(position - s.first_position)).use;
+}
+
 }  // namespace taskswap::detail

@@ -69,6 +69,8 @@ class plan_queue {
   }
   /// Steps from the current one (0) to the step holding `position`.
   [[nodiscard]] std::size_t step_distance(std::uint64_t position) const;
+  /// How the planned acquisition at `position` (of the current or a later step) uses its unit.
+  [[nodiscard]] planned_use use_at(std::uint64_t position) const;
   /// Calls `visit(unit, acquisition, distance)` for the unconsumed acquisitions of the current
   /// and the next `max_distance` steps, in order, until it returns false.
   template <typename Visit>

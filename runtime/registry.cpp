@@ -130,13 +130,22 @@ void runtime::impl::place_homes()
     for (const unit_record& r : units_) {
       if (r.home.cache != nullptr) { unit_of.at(r.home.entry) = r.index; }
     }
-    // A unit held for training with host placement writes its gradients home at release, and
-    // the CPU AdamW then steps the home: its block is in use now, not at its next acquisition.
+    // The next use that reads the block. A unit held for training with host placement writes its
+    // gradients home at release, and the CPU AdamW then steps the home: its block is in use now,
+    // not at its next acquisition. A unit not held whose device copy serves its next use, an
+    // update on the device that its write-back brings home whole, does not read the block again
+    // while that copy stays (the device evicts by the same plan): never.
     homes_.cache->next_use([this, unit_of](detail::host_cache::entry_id e) -> std::uint64_t {
       const unit_record& r = units_[unit_of[e]];
+      const bool device_update =
+        r.policy.optimizer != optimizer_placement::host && r.layout.writeback_bytes >= r.layout.home_bytes;
       if (r.held() && !r.st.frozen_use() && r.policy.optimizer == optimizer_placement::host) { return 0; }
       const std::uint64_t next = plan_.next_use(unit_id{r.index});
-      return next == detail::never ? detail::host_cache::never : next;
+      if (next == detail::never ||
+          (!r.held() && device_update && r.resident_for(true) && plan_.use_at(next) != detail::planned_use::frozen)) {
+        return detail::host_cache::never;
+      }
+      return next;
     });
     // A device copy with an update not written home replaces the whole home when it is written
     // back: the block's older bytes need not reach the file first.

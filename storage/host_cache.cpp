@@ -138,12 +138,13 @@ struct host_cache::impl {
   }
 
   // The cached entry without a transfer in flight, other than `keep`, whose next use is furthest
-  // (then the least recently used, then the lowest id); for a prefetch (`before` set) only one
-  // used after `before` and not let go already.
-  cache_entry* victim(entry_id keep, std::optional<std::uint64_t> before)
+  // (then one that needs no write, then the least recently used, then the lowest id); for a
+  // prefetch (`ahead`) only one never used again that needs no write and is not let go already.
+  cache_entry* victim(entry_id keep, bool ahead)
   {
     cache_entry* best = nullptr;
     std::uint64_t best_next = 0;
+    bool best_writes = false;
     // Backwards: finish_io() may free the block of the entry at k, which moves the last one (seen
     // already) to k.
     for (std::size_t k = live.size(); k-- > 0;) {
@@ -153,11 +154,15 @@ struct host_cache::impl {
       // A superseded block is worth nothing (its unit's write-back replaces it whole, unread): it
       // goes first, whenever its unit is used next.
       const std::uint64_t next = superseded(i) ? never : next_use(i);
-      if (before && (next <= *before || c.evicting)) { continue; }
+      const bool writes = needs_write(c);
+      if (ahead && (next != never || writes || c.evicting)) { continue; }
+      const bool older =
+        best != nullptr && (c.last_used < best->last_used || (c.last_used == best->last_used && &c < best));
       if (best == nullptr || next > best_next ||
-          (next == best_next && (c.last_used < best->last_used || (c.last_used == best->last_used && &c < best)))) {
+          (next == best_next && ((best_writes && !writes) || (best_writes == writes && older)))) {
         best = &c;
         best_next = next;
+        best_writes = writes;
       }
     }
     return best;
@@ -191,25 +196,25 @@ struct host_cache::impl {
     return bytes;
   }
 
-  // A block for `e`. On demand (`before` empty) it waits for what it evicts. For a prefetch of a
-  // use at `before` it lets go of entries used later, one at a time and only while those let go
-  // already would not make the room, and waits for nothing: their blocks come free as the
-  // streams' work on them and their writes end (pump()); until then, nothing (empty).
-  std::optional<std::size_t> room(entry_id e, std::optional<std::uint64_t> before)
+  // A block for `e`. On demand it waits for what it evicts. For a prefetch (`ahead`) it lets go of
+  // blocks that cost nothing (victim()), one at a time and only while those let go already would
+  // not make the room, and waits for nothing: their blocks come free as the streams' work on them
+  // ends (pump()); until then, nothing (empty).
+  std::optional<std::size_t> room(entry_id e, bool ahead)
   {
     const cache_entry& c = entries[e];
     for (;;) {
       if (std::optional<std::size_t> at = ranges.allocate(c.bytes, alignment())) { return at; }
-      if (before) {
+      if (ahead) {
         if (evicting_bytes() >= c.bytes) { return std::nullopt; }
-        cache_entry* v = victim(e, before);
+        cache_entry* v = victim(e, true);
         if (v == nullptr) { return ranges.allocate(c.bytes, alignment()); }  // victim() may have freed blocks
         v->evicting = true;
         advance(*v);
         if (v->offset) { return std::nullopt; }
         continue;
       }
-      cache_entry* v = victim(e, before);
+      cache_entry* v = victim(e, false);
       if (v == nullptr) {
         // victim() may have freed blocks whose eviction writes were done.
         if (std::optional<std::size_t> at = ranges.allocate(c.bytes, alignment())) { return at; }
@@ -314,7 +319,7 @@ std::span<std::byte> host_cache::block(entry_id e, bool overwrite)
     }
     return m.span_of(c);
   }
-  const std::size_t at = *m.room(e, std::nullopt);
+  const std::size_t at = *m.room(e, false);
   ++m.stats.misses;
   m.fill(c, at, overwrite);
   (void)m.finish_io(c, true);
@@ -329,7 +334,7 @@ bool host_cache::prefetch(entry_id e)
     c.evicting = false;  // wanted again: an eviction's write in flight keeps the block
     return true;
   }
-  const std::optional<std::size_t> at = m.room(e, m.next_use(e));
+  const std::optional<std::size_t> at = m.room(e, true);
   if (!at) { return false; }
   m.fill(c, *at);
   ++m.stats.prefetches;

@@ -216,6 +216,9 @@ TEST(plan_queue, next_use_follows_consumption_and_skipped_acquisitions_are_dropp
   EXPECT_EQ(q.next_use(b), 1U);
   EXPECT_EQ(q.next_use(c), 2U);
   EXPECT_EQ(q.step_distance(3), 1U);
+  EXPECT_EQ(q.use_at(1), detail::planned_use::train);
+  EXPECT_EQ(q.use_at(2), detail::planned_use::frozen);
+  EXPECT_EQ(q.use_at(3), detail::planned_use::frozen_reduced);
   EXPECT_EQ(q.peek(b)->position, 1U);
   EXPECT_EQ(q.match(b)->position, 1U);  // out of order within the step is still planned
   EXPECT_EQ(q.peek(b), std::nullopt);  // consumed

@@ -59,12 +59,12 @@ struct planned_unit {
 // replayed at the runtime's touches of a disk home: a swap-in reads its block, a device
 // placement's write-back overwrites it whole, a host placement's update (gradients home, the CPU
 // AdamW) reads and changes it. Eviction is Belady's rule over the planned uses (a use of this step
-// not yet made is next; a superseded block is never used again), the least recently used among
-// equals. Every home starts in its file (the
-// trainer wrote its initial values through home(), which the replay does not count): a miss
-// reads the unit file, but for a whole overwrite, and a dirty block evicted is written to it
-// unless it is superseded (its unit's device copy has an update its write-back brings home whole). Blocks are the files' sizes (4 KiB multiples); the cache's fragmentation and its
-// reads ahead of use are not modelled (the same bytes, earlier).
+// not yet made is next; a superseded block is never used again), among equals one that needs no
+// write, then the least recently used. A miss reads the unit file, but for a whole overwrite, and
+// a dirty block evicted is written to it unless it is superseded (its unit's device copy has an
+// update its write-back brings home whole). Blocks are the files' sizes (4 KiB multiples); the
+// cache's fragmentation and its reads ahead of use are not modelled: a read ahead takes only room
+// that costs nothing (the same bytes, earlier).
 class cache_replay {
  public:
   enum class access { read, overwrite, update };
@@ -86,13 +86,17 @@ class cache_replay {
       while (used_ + file_bytes_[u] > capacity_) {
         std::size_t victim = never;
         std::size_t victim_next = 0;
+        bool victim_writes = false;
         for (std::size_t v = 0; v < entries_.size(); ++v) {
           if (v == u || !entries_[v].cached) { continue; }
+          const bool writes = entries_[v].dirty && !superseded_(v);
           const std::size_t next = superseded_(v) ? never : next_use(v);
           if (victim == never || next > victim_next ||
-              (next == victim_next && entries_[v].last < entries_[victim].last)) {
+              (next == victim_next &&
+               ((victim_writes && !writes) || (victim_writes == writes && entries_[v].last < entries_[victim].last)))) {
             victim = v;
             victim_next = next;
+            victim_writes = writes;
           }
         }
         if (victim == never) { break; }  // one home larger than the cache: the runtime refuses it
@@ -432,6 +436,12 @@ plan_report make_plan(const plan_input& in)
     if (units[i].disk()) { file_bytes[i] = (units[i].fp.home_bytes + page - 1) / page * page; }
   }
   cache_replay cache(in.options.storage.host_cache, file_bytes);
+  // The trainer writes the homes' initial values through home() in the units' order before the
+  // first step, with nothing planned yet: the cache keeps the last ones, dirty, and their writes
+  // come in the steps (the others' are the set-up's, not counted).
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    cache.touch(i, cache_replay::access::overwrite, 0.0, [](std::size_t) { return never; });
+  }
   std::vector<std::pair<std::size_t, double>> written_home;  // a swap-in's victims written back, counted
   if (!in.ordered.empty()) { t = replay_ordered(in, units, room, cache); }
   cache.superseded_when([&](std::size_t v) {
