@@ -401,9 +401,9 @@ step_stats runtime::impl::end_step()
 }
 
 // Note [Two hops]: disk homes come into the host cache up to [storage] lookahead steps ahead, in
-// the order of their use, as far as the cache's conservative Belady rule allows (Note [Host
-// cache]); the device prefetch then takes a unit only once its home is there (unit_record::
-// home_ready), so neither hop makes the trainer thread wait for the drive. A unit whose device
+// the order of their use, as far as there is room that costs nothing (Note [Host cache]); the
+// device prefetch then takes a unit only once its home is there (unit_record::home_ready), so
+// neither hop makes the trainer thread wait for the drive where the cache has the room. A unit whose device
 // copy serves the whole use is not read: a frozen use, or one whose update runs on the device,
 // does not need the home (and after such an update the home is older than the copy). A host
 // placement's update does: its gradients come home and the CPU AdamW steps the home there.
