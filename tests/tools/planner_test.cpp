@@ -252,7 +252,11 @@ TEST(planner, counts_the_writes_of_the_initial_values_the_host_cache_keeps)
     std::filesystem::temp_directory_path() / ("taskswap-planner-initial-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
   std::vector<unit_spec> units;
-  for (unsigned i = 0; i < units_count; ++i) { units.push_back(unit("u" + std::to_string(i), 8192)); }
+  for (unsigned i = 0; i < units_count; ++i) {
+    std::string name = "u";  // not "u" + std::to_string(i): a false -Wrestrict at -O3 (GCC bug 105651)
+    name += std::to_string(i);
+    units.push_back(unit(name, 8192));
+  }
   const unit_footprint fp = footprint(units[0], optimizer_placement::device);
   auto in = input(units, 2 * fp.device_bytes, residency::on_demand, optimizer_placement::device, 1);
   in.options.defaults.home = "disk";
