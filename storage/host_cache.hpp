@@ -28,12 +28,14 @@
 //   overwrites the block unread. A dirty victim is written to its file before its memory is
 //   reused, so nothing is lost between the tiers (DESIGN.md invariant 9); block() waits for that
 //   write and for the work on the victim's block.
-// - A prefetch takes free room, or the room of blocks that cost nothing to let go: never used
-//   again in the plan, and clean or superseded. It moves reads earlier but adds no read and no
-//   write: letting a block go that a later use reads (even one Belady's rule would let go at the
-//   fetched entry's use) turned, on the sample, into 5-17 % more bytes than on demand, because
-//   the write-backs that arrive before that use are not in the plan. It waits for nothing: a
-//   victim's block comes free once no stream uses it (pump()).
+// - A prefetch takes free room, or the room of blocks that cost nothing to let go: next_use()
+//   never (no use in the plan reads them), and clean or superseded. So it moves reads earlier and
+//   adds no write, and no read but where next_use() was wrong (the runtime's never for a block
+//   whose device copy serves its next use holds while that copy stays). Letting a block go that
+//   a later use reads (even one Belady's rule would let go at the fetched entry's use) turned, on
+//   the sample, into 5-17 % more bytes than on demand, because the write-backs that arrive before
+//   that use are not in the plan. It waits for nothing: a victim's block comes free once no
+//   stream uses it (pump()).
 // - flush() writes every dirty block, zeroes the files of entries never used in this run, and
 //   syncs the files it wrote: the files are then the homes (a checkpoint copies them).
 // - discard() forgets an entry's block before the caller replaces its file (a checkpoint's load);
@@ -97,8 +99,8 @@ class host_cache {
   /// @throws out_of_memory when the entry does not fit beside the blocks that are in use
   [[nodiscard]] std::span<std::byte> block(entry_id e, bool overwrite = false);
   /// Starts bringing the entry into the cache ahead of its use, into free room or the room of
-  /// blocks never used again and clean or superseded (Note [Host cache]), which comes once no
-  /// stream uses them. Returns false where there is no such room now (a prefetch in order stops).
+  /// blocks next_use() says nothing reads and that are clean or superseded (Note [Host cache]),
+  /// which comes once no stream uses them. Returns false where there is no such room now (a prefetch in order stops).
   /// @throws storage_error when a read or write cannot be started
   bool prefetch(entry_id e);
   /// Whether the entry's block is cached and its read done (reaps completions, never waits).

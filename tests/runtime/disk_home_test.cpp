@@ -437,7 +437,7 @@ TEST_F(disk_home_test, a_home_whose_device_copy_serves_its_next_use_is_not_read_
 }
 
 // A pinned trunk and eight f32 tasks with device AdamW, prefetched a step ahead in a budget of
-// about three tasks, trained in `schedule`'s order three times over, the device kept up with
+// two tasks, trained in `schedule`'s order three times over, the device kept up with
 // (synchronised each step); with a `storage` directory, the tasks' homes are unit files behind a
 // host cache of `host_cache` bytes. The disk bytes read in the steps, and every home's state.
 std::pair<std::uint64_t, std::string> train_schedule(const fs::path& storage, std::size_t host_cache,

@@ -225,6 +225,7 @@ TEST(plan_queue, next_use_follows_consumption_and_skipped_acquisitions_are_dropp
   EXPECT_EQ(q.match(c), std::nullopt);  // c belongs to the next step
   q.end_step();  // a's acquisition in step 0 was skipped
   EXPECT_EQ(q.next_use(a), 3U);
+  EXPECT_EQ(q.use_at(q.next_use(a)), detail::planned_use::frozen_reduced);
   EXPECT_EQ(q.next_use(b), detail::never);
   std::vector<std::uint64_t> seen;
   std::vector<detail::planned_use> uses;

@@ -437,8 +437,10 @@ plan_report make_plan(const plan_input& in)
   }
   cache_replay cache(in.options.storage.host_cache, file_bytes);
   // The trainer writes the homes' initial values through home() in the units' order before the
-  // first step, with nothing planned yet: the cache keeps the last ones, dirty, and their writes
-  // come in the steps (the others' are the set-up's, not counted).
+  // first step, with nothing planned yet (as the sample does): the cache keeps the last ones,
+  // dirty, and their writes come in the steps (the others' are the set-up's, not counted). A
+  // resumed run, or a trainer that writes none, starts otherwise: its first steps differ by up
+  // to the cache's blocks.
   for (std::size_t i = 0; i < units.size(); ++i) {
     cache.touch(i, cache_replay::access::overwrite, 0.0, [](std::size_t) { return never; });
   }
