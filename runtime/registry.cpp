@@ -136,14 +136,15 @@ void runtime::impl::place_homes()
     // update on the device that its write-back brings home whole, reads the block again only if
     // the device lets that copy go, clean, before that use (a prefetch of a unit used sooner may):
     // never. Where the device does, that use reads the home again; on the shapes of
-    // docs/storage.md the rule still saves 3-4 % of the bytes against ranking such a block just
+    // docs/storage.md the rule still reads 1.8-3.5 % fewer bytes than ranking such a block just
     // before never, out of a read ahead's reach.
-    homes_.cache->next_use([this, unit_of](detail::host_cache::entry_id e) -> std::uint64_t {
+    // A write-back of the unit's device copy replaces its home whole.
+    const auto writes_home_whole = [](const unit_record& r) { return r.layout.writeback_bytes >= r.layout.home_bytes; };
+    homes_.cache->next_use([this, unit_of, writes_home_whole](detail::host_cache::entry_id e) -> std::uint64_t {
       const unit_record& r = units_[unit_of[e]];
       if (r.held() && !r.st.frozen_use() && r.policy.optimizer == optimizer_placement::host) { return 0; }
       const std::uint64_t next = plan_.next_use(unit_id{r.index});
-      const bool device_update =
-        r.policy.optimizer != optimizer_placement::host && r.layout.writeback_bytes >= r.layout.home_bytes;
+      const bool device_update = r.policy.optimizer != optimizer_placement::host && writes_home_whole(r);
       if (next == detail::never ||
           (!r.held() && device_update && r.resident_for(true) && plan_.use_at(next) != detail::planned_use::frozen)) {
         return detail::host_cache::never;
@@ -152,9 +153,9 @@ void runtime::impl::place_homes()
     });
     // A device copy with an update not written home replaces the whole home when it is written
     // back: the block's older bytes need not reach the file first.
-    homes_.cache->superseded([this, unit_of](detail::host_cache::entry_id e) {
+    homes_.cache->superseded([this, unit_of, writes_home_whole](detail::host_cache::entry_id e) {
       const unit_record& r = units_[unit_of[e]];
-      return r.dirty() && r.layout.writeback_bytes >= r.layout.home_bytes;
+      return r.dirty() && writes_home_whole(r);
     });
   }
   if (any_host) { cpu_.emplace(static_cast<int>(homes_.arena->numa_node()), options_.host.optimizer_threads); }
