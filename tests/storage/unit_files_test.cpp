@@ -330,6 +330,12 @@ TEST_F(unit_files_test, more_files_than_the_soft_open_file_limit_raise_it_to_the
 TEST_F(unit_files_test, more_files_than_the_hard_open_file_limit_is_an_error_saying_what_to_raise)
 {
   // In a child process: a hard limit lowered cannot be raised again without privileges.
+  // The child's own scratch directory (named by its process) goes with it: it never reaches TearDown.
+  const auto leave = [&](int code) {
+    std::error_code ignored;
+    fs::remove_all(dir_, ignored);
+    std::_Exit(code);
+  };
   const auto child = [&] {
     // Under UBSan the first dynamic type check of a stream opens /proc files; with every
     // descriptor taken that check fails, so the error's message is made once before the limit.
@@ -337,19 +343,19 @@ TEST_F(unit_files_test, more_files_than_the_hard_open_file_limit_is_an_error_say
                   ". Each (", std::size_t{1}, ") may open ", rlim_t{2});
     const rlim_t low = open_descriptors() + 16;
     const rlimit lowered{.rlim_cur = low, .rlim_max = low};
-    if (::setrlimit(RLIMIT_NOFILE, &lowered) != 0) { std::_Exit(2); }
+    if (::setrlimit(RLIMIT_NOFILE, &lowered) != 0) { leave(2); }
     try {
       unit_files files(options());
       for (int u = 0; u < 64; ++u) { (void)files.open("task/" + std::to_string(u), 1, 4 * kib); }
     } catch (const storage_error& e) {
       const std::string what = e.what();
       std::fprintf(stderr, "%s\n", what.c_str());
-      std::_Exit(what.find("ulimit -n") != std::string::npos && what.find("task/") != std::string::npos &&
-                     what.find("may open " + std::to_string(low)) != std::string::npos
-                   ? 0
-                   : 3);
+      leave(what.find("ulimit -n") != std::string::npos && what.find("task/") != std::string::npos &&
+                what.find("may open " + std::to_string(low)) != std::string::npos
+              ? 0
+              : 3);
     }
-    std::_Exit(4);
+    leave(4);
   };
   GTEST_FLAG_SET(death_test_style, "threadsafe");  // the child runs anew: no threads forked (TSan's)
   EXPECT_EXIT(child(), ::testing::ExitedWithCode(0), "keeps its file open");
