@@ -54,7 +54,8 @@ void setup_homes(home_store& store, const device& dev, std::size_t bytes, const 
   if (!disk) { return; }
   store.files.emplace(
     unit_file_options{.directory = storage.path, .queue_depth = storage.queue_depth, .block_bytes = storage.block},
-    io_faults{.fail_request = storage.fail_request, .fail_errno = storage.fail_errno});
+    io_faults{
+      .fail_request = storage.fail_request, .fail_errno = storage.fail_errno, .short_request = storage.short_request});
   const std::span<std::byte> cache = store.arena->allocate(cache_bytes, page);
   store.files->register_buffers(cache);
   store.cache.emplace(dev, cache, *store.files);

@@ -40,7 +40,8 @@ runtime_stats runtime::impl::stats()
               .prefetches = c.prefetches,
               .wait_ms = c.wait_seconds * 1e3,
               .read_bytes = c.bytes_read,
-              .written_bytes = c.bytes_written};
+              .written_bytes = c.bytes_written,
+              .requests = homes_.files->stats().requests};
   }
   s.units.reserve(units_.size());
   for (const unit_record& r : units_) {

@@ -404,6 +404,8 @@ void host_cache::flush()
     if (!c.synced) {
       m.files.sync(c.file);
       c.synced = true;
+    } else {
+      m.files.check_present(c.file);  // a file deleted under the run is found here, not at the next run
     }
   }
 }

@@ -513,10 +513,9 @@ void unit_files::zero(file_index f)
   if (e != 0) { throw storage_error(no_space_text(file, e)); }
 }
 
-void unit_files::sync(file_index f)
+void unit_files::check_present(file_index f) const
 {
-  impl& m = *impl_;
-  const unit_file& file = m.files.at(f);
+  const unit_file& file = impl_->files.at(f);
   struct stat st {};
   if (::fstat(file.fd, &st) != 0) {
     throw storage_error(message("checking '", file.path.string(), "' (unit '", file.unit, "'): ", errno_text(errno)));
@@ -526,6 +525,12 @@ void unit_files::sync(file_index f)
                                 "', was deleted while the run used it: its bytes are lost when the run ends; "
                                 "resume from the last checkpoint"));
   }
+}
+
+void unit_files::sync(file_index f)
+{
+  check_present(f);
+  const unit_file& file = impl_->files.at(f);
   int r = 0;
   do {
     r = ::fsync(file.fd);

@@ -112,6 +112,9 @@ class unit_files {
   /// Makes the file's written bytes durable (fsync).
   /// @throws storage_error when the sync fails or the file was deleted under the run
   void sync(file_index f);
+  /// @throws storage_error naming the file and its unit when the file was deleted under the run
+  /// (its open descriptor still reads and writes a file no path reaches)
+  void check_present(file_index f) const;
 
   /// Whether the directory takes O_DIRECT (false: buffered I/O, e.g. on tmpfs).
   [[nodiscard]] bool direct() const noexcept;

@@ -102,9 +102,11 @@ struct storage_options {
   std::size_t block = std::size_t{1} << 20;  ///< bytes per request, a multiple of 4 KiB
   int lookahead = 4;  ///< steps ahead the plan's disk homes are read into the host cache
   /// Fault injection, for tests (as emulated_faults): the unit files' `fail_request`-th block
-  /// request (counted from 1; 0: none) fails with errno `fail_errno` (5: EIO; 28: ENOSPC).
+  /// request (counted from 1; 0: none) fails with errno `fail_errno` (5: EIO; 28: ENOSPC), and the
+  /// `short_request`-th reports none of its bytes done, as at a file's end (a short read).
   std::uint64_t fail_request = 0;
   int fail_errno = 5;
+  std::uint64_t short_request = 0;
 };
 
 /// @brief Everything the TOML configuration holds (see load_config in config.hpp).
@@ -341,6 +343,7 @@ struct disk_stats {
   double wait_ms = 0;  ///< the trainer thread's waits for the drive (a read not done at use, a victim's write)
   std::uint64_t read_bytes = 0;
   std::uint64_t written_bytes = 0;
+  std::uint64_t requests = 0;  ///< block requests sent to the drive, reads and writes, resends included
 };
 
 struct runtime_stats {

@@ -132,7 +132,8 @@ void bind_stats(nb::module_& m)
     .def_ro("prefetches", &disk_stats::prefetches)
     .def_ro("wait_ms", &disk_stats::wait_ms)
     .def_ro("read_bytes", &disk_stats::read_bytes)
-    .def_ro("written_bytes", &disk_stats::written_bytes);
+    .def_ro("written_bytes", &disk_stats::written_bytes)
+    .def_ro("requests", &disk_stats::requests);
   nb::class_<runtime_stats>(m, "RuntimeStats", "Cumulative figures, the recent steps, and each unit.")
     .def_ro("total", &runtime_stats::total)
     .def_ro("steps", &runtime_stats::steps)

@@ -772,6 +772,9 @@ class DiskStats:
     @property
     def written_bytes(self) -> int: ...
 
+    @property
+    def requests(self) -> int: ...
+
 class RuntimeStats:
     """Cumulative figures, the recent steps, and each unit."""
 

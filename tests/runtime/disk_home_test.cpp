@@ -17,6 +17,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -78,7 +79,12 @@ struct model {
   model(const fs::path& storage, std::size_t host_cache, bool initialise = true)
       : rt(dev, options(storage, host_cache), units())
   {
-    if (!initialise) { return; }
+    if (initialise) { initialise_masters(); }
+  }
+  explicit model(const runtime_options& o) : rt(dev, o, units()) { initialise_masters(); }
+
+  void initialise_masters()
+  {
     for (std::size_t i = 0; i < rt.unit_count(); ++i) {
       const home_view h = rt.home({static_cast<std::uint32_t>(i)});
       auto* m = static_cast<float*>(h.master.data);
@@ -188,6 +194,80 @@ TEST_F(disk_home_test, a_failed_read_or_write_is_one_storage_error_naming_the_fi
     EXPECT_NE(first.find(error == 5 ? "Input/output error" : "No space left on device"), std::string::npos) << first;
     // The runtime is failed: every later call says the same, and nothing more is written home.
     expect_error_mentioning<storage_error>([&] { rt.flush(); }, first);
+  }
+}
+
+// Whatever ends a run with disk homes (a request failing with EIO or ENOSPC, a short read, a unit
+// file deleted under the run), the error is one storage_error naming the file and the unit, the
+// failed runtime writes nothing over the checkpoint saved before, and that checkpoint resumes
+// bitwise, in a new directory and in the failed run's own.
+TEST_F(disk_home_test, after_a_fault_the_checkpoint_saved_before_it_resumes_bitwise)
+{
+  fs::create_directories(dir_);
+  std::string expected;
+  std::uint64_t at_checkpoint = 0;  // block requests sent by the checkpoint at step 20
+  {
+    model reference(dir_ / "reference", 1 << 20);
+    reference.train(20);
+    reference.rt.save_checkpoint(dir_ / "ck-reference");
+    at_checkpoint = reference.rt.stats().disk.requests;
+    reference.train(40, 20);
+    expected = reference.state();
+  }
+  ASSERT_GT(at_checkpoint, 0U);
+  for (const std::string fault : {"EIO", "ENOSPC", "short read", "deleted"}) {
+    SCOPED_TRACE(fault);
+    const fs::path run = dir_ / ("run-" + fault);
+    const fs::path ck = dir_ / ("ck-" + fault);
+    runtime_options o = options(run, 1 << 20);
+    const std::uint64_t after = at_checkpoint + 20;  // a few steps past the checkpoint
+    if (fault == "EIO" || fault == "ENOSPC") {
+      o.storage.fail_request = after;
+      o.storage.fail_errno = fault == "EIO" ? 5 : 28;
+    } else if (fault == "short read") {
+      o.storage.short_request = after;
+    }
+    std::string what;
+    {
+      model failing(o);
+      failing.train(20);
+      failing.rt.save_checkpoint(ck);
+      ASSERT_LT(failing.rt.stats().disk.requests, after) << "the fault is meant to come after the checkpoint";
+      try {
+        if (fault == "deleted") {
+          // Right after the checkpoint: a file not written since, which only a check of the
+          // files the cache did not write can find.
+          const auto victim =
+            std::find_if(fs::directory_iterator(run), fs::directory_iterator(),
+                         [](const fs::directory_entry& e) { return e.path().extension() == ".unit"; });
+          ASSERT_NE(victim, fs::directory_iterator());
+          fs::remove(victim->path());
+        } else {
+          failing.train(40, 20);
+        }
+        failing.rt.save_checkpoint(dir_ / ("ck-later-" + fault));
+        ADD_FAILURE() << "no storage error";
+      } catch (const storage_error& e) {
+        what = e.what();
+      }
+      EXPECT_NE(what.find(run.string()), std::string::npos) << what;
+      EXPECT_NE(what.find("unit 'task/"), std::string::npos) << what;
+      const std::string says = fault == "EIO"                                 ? "Input/output error"
+                               : fault == "ENOSPC"                            ? "No space left on device"
+                               : fault == "deleted"                           ? "was deleted while the run used it"
+                               : what.find("short read") != std::string::npos ? "short read"
+                                                                              : "the drive took none of the bytes";
+      EXPECT_NE(what.find(says), std::string::npos) << what;
+      // The failed runtime refuses to save again, and the checkpoint before the fault is whole.
+      expect_error_mentioning<storage_error>([&] { failing.rt.save_checkpoint(ck); }, what);
+    }
+    EXPECT_NO_THROW(verify_checkpoint(ck));
+    for (const fs::path& where : {dir_ / ("resumed-" + fault), run}) {
+      model resumed(where, 1 << 20);
+      EXPECT_EQ(resumed.rt.load_checkpoint(ck).steps_done, 20U) << where;
+      resumed.train(40, 20);
+      EXPECT_EQ(resumed.state(), expected) << where;
+    }
   }
 }
 
