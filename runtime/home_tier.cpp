@@ -53,7 +53,10 @@ void setup_homes(home_store& store, const device& dev, std::size_t bytes, const 
   store.arena.emplace(dev, o);
   if (!disk) { return; }
   store.files.emplace(
-    unit_file_options{.directory = storage.path, .queue_depth = storage.queue_depth, .block_bytes = storage.block},
+    unit_file_options{.directory = storage.path,
+                      .queue_depth = storage.queue_depth,
+                      .block_bytes = storage.block,
+                      .timeout = storage.timeout},
     io_faults{
       .fail_request = storage.fail_request, .fail_errno = storage.fail_errno, .short_request = storage.short_request});
   const std::span<std::byte> cache = store.arena->allocate(cache_bytes, page);

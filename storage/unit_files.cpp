@@ -19,6 +19,7 @@
 
 #include <bit>
 #include <cerrno>
+#include <chrono>
 #include <deque>
 #include <system_error>
 #include <unordered_map>
@@ -108,6 +109,7 @@ struct unit_files::impl {
   bool tried_registering = false;
   unit_file_stats stats;
   std::string ring_failure;  // set once the ring itself failed: every later call throws it
+  int stall_pipe[2] = {-1, -1};  // io_faults::stall_request's empty pipe
 
   impl(unit_file_options o, io_faults f) : options(std::move(o)), faults(f) {}
 
@@ -186,7 +188,9 @@ struct unit_files::impl {
       const auto n = static_cast<unsigned>(b.bytes);
       const auto off = static_cast<__u64>(b.offset);
       const int fixed = fixed_index(b.buffer, b.bytes);
-      if (fixed >= 0) {
+      if (b.request == faults.stall_request && (stall_pipe[0] >= 0 || ::pipe2(stall_pipe, O_CLOEXEC) == 0)) {
+        io_uring_prep_read(sqe, stall_pipe[0], b.buffer, n, ~__u64{0});  // nothing is ever written to it
+      } else if (fixed >= 0) {
         ++stats.fixed;
         if (b.write) {
           io_uring_prep_write_fixed(sqe, fd, b.buffer, n, off, fixed);
@@ -260,15 +264,49 @@ struct unit_files::impl {
     waiting.push_front(b);
   }
 
+  // Waits for a completion for at most the timeout: 0, -ETIME when none came, or another error.
+  int wait_one(io_uring_cqe** cqe)
+  {
+    using clock = std::chrono::steady_clock;
+    const clock::time_point deadline = clock::now() + options.timeout;
+    for (;;) {
+      const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - clock::now());
+      if (left.count() <= 0) { return -ETIME; }
+      __kernel_timespec ts{.tv_sec = left.count() / 1'000'000'000, .tv_nsec = left.count() % 1'000'000'000};
+      const int r = io_uring_wait_cqe_timeout(&ring, cqe, &ts);
+      if (r != -EINTR && r != -ETIME) { return r; }
+    }
+  }
+
+  // What a drive that stopped answering leaves: the oldest request in flight, by file and unit.
+  std::string stalled_text() const
+  {
+    std::vector<bool> is_free(flight.size());
+    for (const std::uint32_t s : free_slots) { is_free[s] = true; }
+    const block* oldest = nullptr;
+    for (std::size_t s = 0; s < flight.size(); ++s) {
+      if (!is_free[s] && (oldest == nullptr || flight[s].request < oldest->request)) { oldest = &flight[s]; }
+    }
+    const std::string waited =
+      message(std::chrono::duration<double>(options.timeout).count(), " s ([storage] timeout)");
+    if (oldest == nullptr) { return message("storage: the drive answered nothing for ", waited); }
+    const unit_file& file = files.at(oldest->file);
+    return message("storage: the drive answered none of ", in_flight(), " requests for ", waited, "; the oldest is ",
+                   oldest->write ? "writing '" : "reading '", file.path.string(), "' (unit '", file.unit,
+                   "') at offset ", oldest->offset,
+                   ". The unit files keep what was written before; the last checkpoint still resumes");
+  }
+
   // Takes the completions there are; with `block_for_one`, waits for one first if none is there.
   void reap(bool block_for_one)
   {
     io_uring_cqe* cqe = nullptr;
     if (block_for_one && in_flight() != 0) {
-      int r = 0;
-      do {
-        r = io_uring_wait_cqe(&ring, &cqe);
-      } while (r == -EINTR);
+      const int r = wait_one(&cqe);
+      if (r == -ETIME) {
+        ring_failure = stalled_text();
+        check_ring();
+      }
       if (r < 0) {
         ring_failure = message("storage: io_uring_wait_cqe failed: ", errno_text(-r));
         check_ring();
@@ -362,16 +400,21 @@ unit_files::~unit_files()
 {
   impl& m = *impl_;
   m.waiting.clear();
-  // After a ring failure requests the kernel never took would be waited for in vain.
+  // After a ring failure requests the kernel never took would be waited for in vain, and a drive
+  // that answers none within the timeout is not waited for again.
   while (m.ring_failure.empty() && m.in_flight() != 0) {
     io_uring_cqe* cqe = nullptr;
-    if (io_uring_wait_cqe(&m.ring, &cqe) == -EINTR) { continue; }
-    if (cqe == nullptr) { break; }  // the ring failed: nothing more will complete
+    const int r = m.wait_one(&cqe);
+    if (r == -ETIME) { log(log_level::warning, m.stalled_text() + "; the unit files are closed anyway"); }
+    if (r < 0 || cqe == nullptr) { break; }  // the ring failed: nothing more will complete
     m.free_slots.push_back(static_cast<std::uint32_t>(io_uring_cqe_get_data64(cqe)));
     io_uring_cqe_seen(&m.ring, cqe);
   }
-  io_uring_queue_exit(&m.ring);
+  io_uring_queue_exit(&m.ring);  // the kernel cancels what is still in flight
   for (const unit_file& f : m.files) { ::close(f.fd); }
+  for (const int fd : m.stall_pipe) {
+    if (fd >= 0) { ::close(fd); }
+  }
 }
 
 std::string unit_files::file_name(std::string_view unit, std::uint64_t identity)

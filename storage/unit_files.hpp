@@ -27,6 +27,7 @@
 //   refuses) fails every transfer in flight.
 // - One thread owns a unit_files: its calls are not synchronised with each other.
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
@@ -41,6 +42,7 @@ struct unit_file_options {
   std::filesystem::path directory;  // created if missing
   unsigned queue_depth = 8;  // blocks in flight at once
   std::size_t block_bytes = std::size_t{1} << 20;  // a multiple of the direct-I/O alignment
+  std::chrono::milliseconds timeout{300'000};  // a wait with no request answered this long fails the files
 };
 
 /// Faults injected into block requests, counted from 1 in the order they are sent (resends count).
@@ -49,6 +51,7 @@ struct io_faults {
   int fail_errno = 5;  // EIO
   std::uint64_t short_request = 0;  // this block reports short_bytes done
   std::size_t short_bytes = 0;  // 0: as at the end of the file (a short read)
+  std::uint64_t stall_request = 0;  // this block is sent to an empty pipe instead: it never completes
   bool refuse_direct = false;  // the directory refuses O_DIRECT, as tmpfs did before Linux 6.6
 };
 

@@ -101,6 +101,9 @@ struct storage_options {
   unsigned queue_depth = 8;  ///< reads and writes in flight at once
   std::size_t block = std::size_t{1} << 20;  ///< bytes per request, a multiple of 4 KiB
   int lookahead = 4;  ///< steps ahead the plan's disk homes are read into the host cache
+  /// A wait for the drive with no request answered this long fails the run with a storage_error
+  /// naming the oldest request's file and unit (a drive that stopped answering), not a hang.
+  std::chrono::milliseconds timeout{300'000};
   /// Fault injection, for tests (as emulated_faults): the unit files' `fail_request`-th block
   /// request (counted from 1; 0: none) fails with errno `fail_errno` (5: EIO; 28: ENOSPC), and the
   /// `short_request`-th reports none of its bytes done, as at a file's end (a short read).

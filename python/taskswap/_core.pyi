@@ -357,6 +357,15 @@ class StorageOptions:
     @lookahead.setter
     def lookahead(self, arg: int, /) -> None: ...
 
+    @property
+    def timeout_s(self) -> float:
+        """
+        Seconds a wait for the drive may go with no request answered before a StorageError.
+        """
+
+    @timeout_s.setter
+    def timeout_s(self, arg: float, /) -> None: ...
+
 class Options:
     """Everything a taskswap TOML configuration holds."""
 

@@ -173,16 +173,19 @@ TEST(config, storage_names_the_disk_tiers_directory_cache_and_requests)
 {
   const runtime_options o =
     parse_config("[device]\nbudget = \"1 GiB\"\n[storage]\npath = \"/nvme/ts\"\nhost_cache = \"3 GiB\"\n"
-                 "queue_depth = 16\nblock = \"256 KiB\"\n[[units]]\nmatch = \"task/*\"\nhome = \"disk\"\n",
+                 "queue_depth = 16\nblock = \"256 KiB\"\ntimeout = \"90 s\"\n[[units]]\nmatch = \"task/*\"\nhome = "
+                 "\"disk\"\n",
                  "my.toml");
   EXPECT_EQ(o.storage.path, std::filesystem::path("/nvme/ts"));
   EXPECT_EQ(o.storage.host_cache, std::size_t{3} << 30U);
   EXPECT_EQ(o.storage.queue_depth, 16U);
   EXPECT_EQ(o.storage.block, std::size_t{256} << 10U);
+  EXPECT_EQ(o.storage.timeout, std::chrono::seconds(90));
   EXPECT_EQ(o.units[0].home, std::optional<std::string>("disk"));
   const runtime_options defaults = parse_config("[device]\nbudget = \"1 GiB\"\n", "my.toml");
   EXPECT_EQ(defaults.storage.queue_depth, 8U);
   EXPECT_EQ(defaults.storage.block, std::size_t{1} << 20U);
+  EXPECT_EQ(defaults.storage.timeout, std::chrono::seconds(300));
   const auto fails = [](const std::string& text, const std::string& needle) {
     expect_error_mentioning<config_error>([&] { (void)parse_config(text, "my.toml"); }, needle);
   };
@@ -191,6 +194,7 @@ TEST(config, storage_names_the_disk_tiers_directory_cache_and_requests)
   fails("[device]\nbudget = \"1 GiB\"\n[storage]\nqueue_depth = 0\n", "[storage] queue_depth");
   fails("[device]\nbudget = \"1 GiB\"\n[storage]\npath = \"\"\n", "[storage] path: must name a directory");
   fails("[device]\nbudget = \"1 GiB\"\n[storage]\ncache = \"1 GiB\"\n", "cache");
+  fails("[device]\nbudget = \"1 GiB\"\n[storage]\ntimeout = \"0 s\"\n", "[storage] timeout");
 }
 
 TEST(config, errors_name_the_file_the_line_and_the_key)

@@ -21,6 +21,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -224,6 +225,43 @@ TEST_F(unit_files_test, an_injected_full_drive_is_one_error)
   fill_random(data.span(), seed_);
   expect_error_mentioning<storage_error>([&] { files.wait(files.write(f, 0, data.span())); },
                                          "No space left on device");
+}
+
+// A drive that stops answering (request 6 goes to an empty pipe and never completes): the wait
+// ends after [storage] timeout with one error naming the oldest request's file and unit, every
+// later call says the same, and closing the files does not hang on the request.
+TEST_F(unit_files_test, a_drive_that_stops_answering_is_an_error_after_the_timeout_not_a_hang)
+{
+  unit_file_options o = options(2);
+  o.timeout = std::chrono::milliseconds(300);
+  std::string first;
+  {
+    unit_files files(o, io_faults{.stall_request = 6});
+    const unit_files::file_index a = files.open("task/a", 1, 256 * kib);
+    const unit_files::file_index b = files.open("task/b", 1, 256 * kib);
+    (void)write_random(files, a, 256 * kib);  // requests 1-4
+    aligned_bytes db(256 * kib);
+    fill_random(db.span(), seed_ + 1);
+    const unit_files::transfer tb = files.write(b, 0, db.span());
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      files.wait(tb);
+      ADD_FAILURE() << "no error";
+    } catch (const storage_error& e) {
+      first = e.what();
+    }
+    EXPECT_GE(std::chrono::steady_clock::now() - t0, o.timeout);
+    EXPECT_NE(first.find("answered none of"), std::string::npos) << first;
+    EXPECT_NE(first.find("writing '" + files.path(b).string() + "' (unit 'task/b') at offset 65536"), std::string::npos)
+      << first;
+    EXPECT_NE(first.find("[storage] timeout"), std::string::npos) << first;
+    expect_error_mentioning<storage_error>([&] { (void)files.read(a, 0, db.span()); }, first);
+  }
+  // The drive answering again, a new ring serves the files.
+  unit_files again(options(2));
+  const unit_files::file_index a = again.open("task/a", 1, 256 * kib);
+  const aligned_bytes data = write_random(again, a, 256 * kib);
+  EXPECT_TRUE(reads_back(again, a, data));
 }
 
 TEST_F(unit_files_test, a_short_transfer_is_sent_again_for_the_rest)
