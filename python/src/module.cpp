@@ -257,8 +257,7 @@ void bind_options(nb::module_& m)
             "Pinned host bytes caching disk homes; at least the largest disk-homed unit.")
     .def_rw("queue_depth", &storage_options::queue_depth, "Reads and writes in flight at once.")
     .def_rw("block", &storage_options::block, "Bytes per request, a multiple of 4 KiB.")
-    .def_rw("lookahead", &storage_options::lookahead,
-            "Steps ahead the plan's disk homes are read into the host cache.")
+    .def_rw("lookahead", &storage_options::lookahead, "Steps ahead the plan's disk homes are read into the host cache.")
     .def_prop_rw(
       "timeout_s", [](const storage_options& o) { return to_seconds(o.timeout); },
       [](storage_options& o, double s) { o.timeout = to_ms(s); },

@@ -29,6 +29,14 @@ plan)
   "$taskswap" plan "$work/granule.toml" --json "$work/granule.json" > "$work/granule.txt" || fail "plan at 64 KiB granules"
   grep -q "granule rounding .* in whole granules of 64.0 KiB" "$work/granule.txt" || fail "no rounding line"
   [ "$(json "$work/granule.json" "d['granule'] == 65536 and d['rounding_bytes'] > 0 and d['peak_device_bytes'] % 65536 == 0")" = True ] || fail "granule json"
+  # The disk time at the [storage] drive's rates, measured there, and whether the drive keeps up.
+  sed "s#^path = .*#path = \"$work/drive\"#" "$configs/emulated-disk.toml" > "$work/disk.toml"
+  "$taskswap" plan "$work/disk.toml" --measure-disk --json "$work/disk.json" > "$work/disk.txt" || fail "plan --measure-disk"
+  grep -q "the drive keeps up  *with steps of" "$work/disk.txt" || fail "no line saying whether the drive keeps up"
+  [ "$(json "$work/disk.json" "d['disk_read_bytes_per_second'] > 0 and d['disk_ms_per_step'] > 0 and d['disk_source'].startswith('measured in $work/drive')")" = True ] || fail "measured disk json"
+  [ -z "$(ls -A "$work/drive")" ] || fail "plan --measure-disk left its unit file"
+  expect_error "has none; add [storage] path" "$taskswap" plan "$configs/emulated.toml" --measure-disk
+  expect_error "not both" "$taskswap" plan "$work/disk.toml" --measure-disk --disk-read-rate "1 GB/s" --disk-write-rate "1 GB/s"
   ;;
 probe)
   "$taskswap" probe --emulated --size "8 MiB" --repeats 2 --json "$work/probe.json" || fail "probe failed"

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstddef>
+#include <filesystem>
 #include <optional>
 #include <string>
 
@@ -25,6 +26,7 @@ struct plan_args {
   std::optional<std::size_t> bytes_per_sample;  ///< default: the sample model's
   int steps = 0;  ///< steps of the schedule replayed (0: [model] steps)
   bool measure_link = false;
+  bool measure_disk = false;  ///< measure the [storage] drive's rates (64 MiB unit file)
 };
 
 struct probe_args {
@@ -69,6 +71,17 @@ struct copy_rates {
   double d2h = 0;
 };
 [[nodiscard]] copy_rates measure_copies(const device& dev, int numa_node, std::size_t bytes, int repeats);
+
+/// The disk tier's unit-file rates on a directory's drive, as `taskswap probe --storage` measures them.
+struct storage_rates {
+  double read = 0;  ///< bytes per second
+  double write = 0;
+  bool direct = false;  ///< O_DIRECT there (false: buffered)
+  std::size_t bytes = 0;  ///< the unit file's size
+};
+/// One unit file of `bytes` written (and synced), then read, whole, `repeats` times each, the best
+/// pass, with the tier's default queue depth and block size; the file is removed afterwards.
+[[nodiscard]] storage_rates measure_storage_rates(const std::filesystem::path& dir, std::size_t bytes, int repeats);
 
 /// Writes `j` to `file` ("-": standard output).
 void write_json(const nlohmann::json& j, const std::string& file);

@@ -29,6 +29,8 @@ int main(int argc, char** argv)
                 "the [storage] drive's read rate for the disk time (taskswap probe --storage), e.g. \"3 GB/s\"");
   p->add_option("--disk-write-rate", plan.disk_write_rate, "… and its write rate, e.g. \"2 GB/s\"");
   p->add_flag("--measure-link", plan.measure_link, "measure the rate on the configured device");
+  p->add_flag("--measure-disk", plan.measure_disk,
+              "measure the [storage] path's drive for the disk time (a 64 MiB unit file, as probe --storage)");
   p->add_option("--device-memory", plan.device_memory,
                 "device bytes the budget and activations share, e.g. \"80 GiB\"");
   p->add_option("--bytes-per-sample", bytes_per_sample, "activation bytes per sample (default: the sample model's)");

@@ -67,11 +67,29 @@ int copy_engines(const device& dev)
   return dev.kind() == backend_kind::emulated ? 2 : -1;  // emulated: one link per direction
 }
 
-// The disk tier's read and write rates in `dir`: one unit file of `bytes` written, then read, whole,
-// `repeats` times each (the best pass), with the tier's default queue depth and block size.
 nlohmann::json measure_storage(const std::string& dir, std::size_t bytes, int repeats)
 {
-  const std::filesystem::path where = std::filesystem::path(dir) / ("taskswap-probe-" + std::to_string(::getpid()));
+  const storage_rates r = measure_storage_rates(dir, bytes, repeats);
+  const detail::unit_file_options options{.directory = dir};
+  std::printf("\nstorage %s (%s): read %.2f GB/s, write %.2f GB/s (a %s unit file, queue depth %u, %s blocks)\n",
+              dir.c_str(), r.direct ? "O_DIRECT" : "buffered: no O_DIRECT there", r.read / 1e9, r.write / 1e9,
+              bytes_text(static_cast<double>(r.bytes)).c_str(), options.queue_depth,
+              bytes_text(static_cast<double>(options.block_bytes)).c_str());
+  return {{"path", dir},
+          {"direct", r.direct},
+          {"read_bytes_per_second", r.read},
+          {"write_bytes_per_second", r.write},
+          {"bytes", r.bytes},
+          {"queue_depth", options.queue_depth},
+          {"block_bytes", options.block_bytes},
+          {"repeats", repeats}};
+}
+
+}  // namespace
+
+storage_rates measure_storage_rates(const std::filesystem::path& dir, std::size_t bytes, int repeats)
+{
+  const std::filesystem::path where = dir / ("taskswap-probe-" + std::to_string(::getpid()));
   const detail::unit_file_options options{.directory = where};
   const std::size_t rounded = (bytes + 4095) / 4096 * 4096;
   const std::unique_ptr<std::byte, decltype(&std::free)> memory(
@@ -103,21 +121,8 @@ nlohmann::json measure_storage(const std::string& dir, std::size_t bytes, int re
     throw;
   }
   std::filesystem::remove_all(where);
-  std::printf("\nstorage %s (%s): read %.2f GB/s, write %.2f GB/s (a %s unit file, queue depth %u, %s blocks)\n",
-              dir.c_str(), direct ? "O_DIRECT" : "buffered: no O_DIRECT there", read / 1e9, write / 1e9,
-              bytes_text(static_cast<double>(rounded)).c_str(), options.queue_depth,
-              bytes_text(static_cast<double>(options.block_bytes)).c_str());
-  return {{"path", dir},
-          {"direct", direct},
-          {"read_bytes_per_second", read},
-          {"write_bytes_per_second", write},
-          {"bytes", rounded},
-          {"queue_depth", options.queue_depth},
-          {"block_bytes", options.block_bytes},
-          {"repeats", repeats}};
+  return {.read = read, .write = write, .direct = direct, .bytes = rounded};
 }
-
-}  // namespace
 
 int run_probe(const probe_args& args)
 {
