@@ -278,8 +278,10 @@ void read_storage(const toml::table& t, std::string_view source, storage_options
     st.block = bytes;
   }
   if (auto s = r.quantity("timeout", time_units, "300 s", table_reader::positive::yes)) {
-    st.timeout =
-      std::chrono::milliseconds(std::max<std::int64_t>(1, static_cast<std::int64_t>(std::llround(*s * 1000.0))));
+    if (*s < 0.001 || *s > 365.0 * 86400) {
+      r.fail(*r.get("timeout"), "timeout", "must be 1 ms to a year, e.g. timeout = \"300 s\"");
+    }
+    st.timeout = std::chrono::milliseconds(static_cast<std::int64_t>(std::llround(*s * 1000.0)));
   }
   r.reject_unknown();
 }

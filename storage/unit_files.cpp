@@ -188,7 +188,7 @@ struct unit_files::impl {
       const auto n = static_cast<unsigned>(b.bytes);
       const auto off = static_cast<__u64>(b.offset);
       const int fixed = fixed_index(b.buffer, b.bytes);
-      if (b.request == faults.stall_request && (stall_pipe[0] >= 0 || ::pipe2(stall_pipe, O_CLOEXEC) == 0)) {
+      if (b.request == faults.stall_request) {
         io_uring_prep_read(sqe, stall_pipe[0], b.buffer, n, ~__u64{0});  // nothing is ever written to it
       } else if (fixed >= 0) {
         ++stats.fixed;
@@ -271,11 +271,26 @@ struct unit_files::impl {
     const clock::time_point deadline = clock::now() + options.timeout;
     for (;;) {
       const auto left = std::chrono::duration_cast<std::chrono::nanoseconds>(deadline - clock::now());
-      if (left.count() <= 0) { return -ETIME; }
+      if (left.count() <= 0) { return io_uring_peek_cqe(&ring, cqe) == 0 ? 0 : -ETIME; }  // one that came at the end
       __kernel_timespec ts{.tv_sec = left.count() / 1'000'000'000, .tv_nsec = left.count() % 1'000'000'000};
       const int r = io_uring_wait_cqe_timeout(&ring, cqe, &ts);
       if (r != -EINTR && r != -ETIME) { return r; }
     }
+  }
+
+  // Asks the kernel to cancel every request in flight (a drive that stopped answering), without
+  // waiting: a request the kernel can cancel ends; block I/O stuck in a drive may not.
+  void cancel_in_flight()
+  {
+    std::vector<bool> is_free(flight.size());
+    for (const std::uint32_t s : free_slots) { is_free[s] = true; }
+    for (std::size_t s = 0; s < flight.size(); ++s) {
+      io_uring_sqe* sqe = is_free[s] ? nullptr : io_uring_get_sqe(&ring);
+      if (sqe == nullptr) { continue; }
+      io_uring_prep_cancel64(sqe, s, 0);
+      io_uring_sqe_set_data64(sqe, LIBURING_UDATA_TIMEOUT);  // its completion is skipped as liburing's are
+    }
+    (void)io_uring_submit(&ring);
   }
 
   // What a drive that stopped answering leaves: the oldest request in flight, by file and unit.
@@ -305,6 +320,7 @@ struct unit_files::impl {
       const int r = wait_one(&cqe);
       if (r == -ETIME) {
         ring_failure = stalled_text();
+        cancel_in_flight();
         check_ring();
       }
       if (r < 0) {
@@ -316,7 +332,10 @@ struct unit_files::impl {
     unsigned seen = 0;
     io_uring_for_each_cqe(&ring, head, cqe)
     {
-      complete(static_cast<std::uint32_t>(io_uring_cqe_get_data64(cqe)), cqe->res);
+      // Before Linux 5.11 a wait with a timeout queues liburing's own timeout request.
+      if (cqe->user_data != LIBURING_UDATA_TIMEOUT) {
+        complete(static_cast<std::uint32_t>(io_uring_cqe_get_data64(cqe)), cqe->res);
+      }
       ++seen;
     }
     io_uring_cq_advance(&ring, seen);
@@ -385,6 +404,11 @@ unit_files::unit_files(unit_file_options options, io_faults faults)
       e == EWOULDBLOCK ? std::string("another run (or rank) uses this directory") : "cannot lock it: " + errno_text(e),
       "; give each run and each rank its own directory"));
   }
+  TASKSWAP_EXPECTS(o.timeout.count() > 0 && o.timeout <= std::chrono::hours(24 * 365),
+                   message("[storage] timeout = ", o.timeout.count(), " ms: give more than 0 and at most a year"));
+  if (faults.stall_request != 0 && ::pipe2(impl_->stall_pipe, O_CLOEXEC) != 0) {
+    throw storage_error(message("io_faults::stall_request: pipe2 failed: ", errno_text(errno)));
+  }
   impl_->probe_direct();
   const int r = io_uring_queue_init(o.queue_depth, &impl_->ring, 0);
   if (r < 0) {
@@ -410,7 +434,10 @@ unit_files::~unit_files()
     m.free_slots.push_back(static_cast<std::uint32_t>(io_uring_cqe_get_data64(cqe)));
     io_uring_cqe_seen(&m.ring, cqe);
   }
-  io_uring_queue_exit(&m.ring);  // the kernel cancels what is still in flight
+  // A request still in flight after a timeout was asked to cancel. O_DIRECT and registered buffers
+  // stay pinned by the kernel until it ends; with buffered I/O a request the drive never ends
+  // could still copy into its buffer after the memory is freed (docs/storage.md, Faults).
+  io_uring_queue_exit(&m.ring);
   for (const unit_file& f : m.files) { ::close(f.fd); }
   for (const int fd : m.stall_pipe) {
     if (fd >= 0) { ::close(fd); }

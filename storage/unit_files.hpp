@@ -24,7 +24,9 @@
 // - Errors. The first failed block of a transfer fails the transfer; wait() throws storage_error
 //   naming the file, the unit, the offset, the bytes and the errno text. Other transfers, and the
 //   bytes already in other files, are not touched. The ring itself failing (a submit the kernel
-//   refuses) fails every transfer in flight.
+//   refuses), or a wait in which the drive answers no request for `timeout`, fails every transfer
+//   in flight and every later transfer and wait, with an error naming the oldest request's file
+//   and unit; the requests in flight are asked to cancel, and the destructor does not wait again.
 // - One thread owns a unit_files: its calls are not synchronised with each other.
 
 #include <chrono>

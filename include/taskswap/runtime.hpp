@@ -106,7 +106,8 @@ struct storage_options {
   std::chrono::milliseconds timeout{300'000};
   /// Fault injection, for tests (as emulated_faults): the unit files' `fail_request`-th block
   /// request (counted from 1; 0: none) fails with errno `fail_errno` (5: EIO; 28: ENOSPC), and the
-  /// `short_request`-th reports none of its bytes done, as at a file's end (a short read).
+  /// `short_request`-th reports none of its bytes done, as at a file's end (a short read, or a
+  /// write the drive took none of).
   std::uint64_t fail_request = 0;
   int fail_errno = 5;
   std::uint64_t short_request = 0;

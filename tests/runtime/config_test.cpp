@@ -195,6 +195,7 @@ TEST(config, storage_names_the_disk_tiers_directory_cache_and_requests)
   fails("[device]\nbudget = \"1 GiB\"\n[storage]\npath = \"\"\n", "[storage] path: must name a directory");
   fails("[device]\nbudget = \"1 GiB\"\n[storage]\ncache = \"1 GiB\"\n", "cache");
   fails("[device]\nbudget = \"1 GiB\"\n[storage]\ntimeout = \"0 s\"\n", "[storage] timeout");
+  fails("[device]\nbudget = \"1 GiB\"\n[storage]\ntimeout = \"1e17 s\"\n", "[storage] timeout: must be 1 ms to a year");
 }
 
 TEST(config, errors_name_the_file_the_line_and_the_key)

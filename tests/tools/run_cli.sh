@@ -34,7 +34,9 @@ plan)
   "$taskswap" plan "$work/disk.toml" --measure-disk --json "$work/disk.json" > "$work/disk.txt" || fail "plan --measure-disk"
   grep -q "the drive keeps up  *with steps of" "$work/disk.txt" || fail "no line saying whether the drive keeps up"
   [ "$(json "$work/disk.json" "d['disk_read_bytes_per_second'] > 0 and d['disk_ms_per_step'] > 0 and d['disk_source'].startswith('measured in $work/drive')")" = True ] || fail "measured disk json"
-  [ -z "$(ls -A "$work/drive")" ] || fail "plan --measure-disk left its unit file"
+  [ ! -e "$work/drive" ] || fail "plan --measure-disk left the directory it made"
+  sed 's/^home = "disk"/home = "host"/' "$work/disk.toml" > "$work/no-disk.toml"
+  expect_error "homes no unit on disk" "$taskswap" plan "$work/no-disk.toml" --measure-disk
   expect_error "has none; add [storage] path" "$taskswap" plan "$configs/emulated.toml" --measure-disk
   expect_error "not both" "$taskswap" plan "$work/disk.toml" --measure-disk --disk-read-rate "1 GB/s" --disk-write-rate "1 GB/s"
   ;;

@@ -137,7 +137,16 @@ int run_plan(const plan_args& args)
       throw config_error("--measure-disk measures the drive of [storage] path, and " + name +
                          " has none; add [storage] path or give --disk-read-rate and --disk-write-rate");
     }
+    if (make_plan(in).disk_units == 0) {
+      throw config_error(name + " homes no unit on disk (no [[units]] rule with home = \"disk\" matches): "
+                                "--measure-disk has no disk traffic to judge");
+    }
+    const bool made = !std::filesystem::exists(dir);
     const storage_rates d = measure_storage_rates(dir, std::size_t{64} << 20U, 3);
+    if (made) {
+      std::error_code ignored;
+      std::filesystem::remove(dir, ignored);  // the directory it made for the measurement, empty again
+    }
     in.disk_read_bytes_per_second = d.read;
     in.disk_write_bytes_per_second = d.write;
     in.disk_source = "measured in " + dir.string() + (d.direct ? "" : ", buffered: no O_DIRECT there");
