@@ -282,25 +282,33 @@ struct unit_files::impl {
   // waiting: a request the kernel can cancel ends; block I/O stuck in a drive may not.
   void cancel_in_flight()
   {
-    std::vector<bool> is_free(flight.size());
-    for (const std::uint32_t s : free_slots) { is_free[s] = true; }
-    for (std::size_t s = 0; s < flight.size(); ++s) {
-      io_uring_sqe* sqe = is_free[s] ? nullptr : io_uring_get_sqe(&ring);
-      if (sqe == nullptr) { continue; }
+    for (const std::uint32_t s : busy_slots()) {
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring);
+      if (sqe == nullptr) { break; }
       io_uring_prep_cancel64(sqe, s, 0);
       io_uring_sqe_set_data64(sqe, LIBURING_UDATA_TIMEOUT);  // its completion is skipped as liburing's are
     }
     (void)io_uring_submit(&ring);
   }
 
-  // What a drive that stopped answering leaves: the oldest request in flight, by file and unit.
-  std::string stalled_text() const
+  // The places with a request in flight.
+  [[nodiscard]] std::vector<std::uint32_t> busy_slots() const
   {
     std::vector<bool> is_free(flight.size());
     for (const std::uint32_t s : free_slots) { is_free[s] = true; }
+    std::vector<std::uint32_t> busy;
+    for (std::uint32_t s = 0; s < flight.size(); ++s) {
+      if (!is_free[s]) { busy.push_back(s); }
+    }
+    return busy;
+  }
+
+  // What a drive that stopped answering leaves: the oldest request in flight, by file and unit.
+  std::string stalled_text() const
+  {
     const block* oldest = nullptr;
-    for (std::size_t s = 0; s < flight.size(); ++s) {
-      if (!is_free[s] && (oldest == nullptr || flight[s].request < oldest->request)) { oldest = &flight[s]; }
+    for (const std::uint32_t s : busy_slots()) {
+      if (oldest == nullptr || flight[s].request < oldest->request) { oldest = &flight[s]; }
     }
     const std::string waited =
       message(std::chrono::duration<double>(options.timeout).count(), " s ([storage] timeout)");

@@ -137,7 +137,7 @@ int run_plan(const plan_args& args)
       throw config_error("--measure-disk measures the drive of [storage] path, and " + name +
                          " has none; add [storage] path or give --disk-read-rate and --disk-write-rate");
     }
-    if (make_plan(in).disk_units == 0) {
+    if (disk_homed_units(in) == 0) {
       throw config_error(name + " homes no unit on disk (no [[units]] rule with home = \"disk\" matches): "
                                 "--measure-disk has no disk traffic to judge");
     }

@@ -599,4 +599,11 @@ plan_report make_plan(const plan_input& in)
   return r;
 }
 
+std::size_t disk_homed_units(const plan_input& in)
+{
+  return static_cast<std::size_t>(std::count_if(in.units.begin(), in.units.end(), [&](const unit_spec& spec) {
+    return policy_for(spec, in.options).home == "disk";
+  }));
+}
+
 }  // namespace taskswap::tools

@@ -81,6 +81,9 @@ struct plan_report {
 /// @throws config_error for a rule that matches no unit, a unit or step that cannot fit the budget
 [[nodiscard]] plan_report make_plan(const plan_input& in);
 
+/// How many of the input's units have their homes on disk (by the configuration's rules).
+[[nodiscard]] std::size_t disk_homed_units(const plan_input& in);
+
 /// The largest batch beside `reserved` device bytes, or 0 when none fits.
 [[nodiscard]] std::int64_t largest_batch(std::size_t device_memory, std::size_t reserved, std::size_t fixed,
                                          std::size_t per_sample);
