@@ -130,7 +130,9 @@ void runtime::impl::place_homes()
     for (const unit_record& r : units_) {
       if (r.home.cache != nullptr) { unit_of.at(r.home.entry) = r.index; }
     }
-    // The next use that reads the block. A unit held for training with host placement writes its
+    // The next use that reads the block. A unit being swapped in reads it now: the device's room
+    // for it may write other units home first, and their blocks must not take its place (an
+    // acquire has consumed its use in the plan, which would call its block never used again). A unit held for training with host placement writes its
     // gradients home at release, and the CPU AdamW then steps the home: its block is in use now,
     // not at its next acquisition. A unit not held whose device copy serves its next use, an
     // update on the device that its write-back brings home whole, reads the block again only if
@@ -142,7 +144,9 @@ void runtime::impl::place_homes()
     const auto writes_home_whole = [](const unit_record& r) { return r.layout.writeback_bytes >= r.layout.home_bytes; };
     homes_.cache->next_use([this, unit_of, writes_home_whole](detail::host_cache::entry_id e) -> std::uint64_t {
       const unit_record& r = units_[unit_of[e]];
-      if (r.held() && !r.st.frozen_use() && r.policy.optimizer == optimizer_placement::host) { return 0; }
+      if (r.incoming || (r.held() && !r.st.frozen_use() && r.policy.optimizer == optimizer_placement::host)) {
+        return 0;
+      }
       const std::uint64_t next = plan_.next_use(unit_id{r.index});
       const bool device_update = r.policy.optimizer != optimizer_placement::host && writes_home_whole(r);
       if (next == detail::never ||

@@ -12,6 +12,21 @@
 #include <utility>
 
 namespace taskswap::detail {
+namespace {
+
+// Marks a unit as being swapped in for as long as the scope lasts (unit_record::incoming).
+class incoming_scope {
+ public:
+  explicit incoming_scope(unit_record& r) : r_(r) { r_.incoming = true; }
+  ~incoming_scope() { r_.incoming = false; }
+  incoming_scope(const incoming_scope&) = delete;
+  incoming_scope& operator=(const incoming_scope&) = delete;
+
+ private:
+  unit_record& r_;
+};
+
+}  // namespace
 
 swap_engine::swap_engine(parts p) : p_(std::move(p))
 {
@@ -228,6 +243,8 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool 
   // (its room may be what the whole unit needs); a prefetch keeps it until the room is found.
   if (why == room_for::acquire && r.resident()) { evict(r); }
   const std::size_t bytes = whole ? r.layout.device_bytes : r.layout.params_bytes;
+  // Its home is read below: the victims' write-backs that make its room keep its block cached.
+  const incoming_scope reading(r);
   if (!make_room(r, bytes, use, why)) { return false; }  // counting what r gives up below
   if (r.resident()) { evict(r); }
   r.slot = map_slot(r, bytes);

@@ -206,21 +206,27 @@ TEST_F(disk_home_test, after_a_fault_the_checkpoint_saved_before_it_resumes_bitw
   fs::create_directories(dir_);
   std::string expected;
   std::uint64_t at_checkpoint = 0;  // block requests sent by the checkpoint at step 20
+  std::uint64_t at_end = 0;  // and by step 40
   {
     model reference(dir_ / "reference", 1 << 20);
     reference.train(20);
     reference.rt.save_checkpoint(dir_ / "ck-reference");
     at_checkpoint = reference.rt.stats().disk.requests;
     reference.train(40, 20);
+    at_end = reference.rt.stats().disk.requests;
     expected = reference.state();
   }
   ASSERT_GT(at_checkpoint, 0U);
+  ASSERT_GT(at_end, at_checkpoint + 40) << "the steps after the checkpoint are meant to read and write the drive";
   for (const std::string fault : {"EIO", "ENOSPC", "short read", "deleted"}) {
     SCOPED_TRACE(fault);
     const fs::path run = dir_ / ("run-" + fault);
     const fs::path ck = dir_ / ("ck-" + fault);
     runtime_options o = options(run, 1 << 20);
-    const std::uint64_t after = at_checkpoint + 20;  // a few steps past the checkpoint
+    // Halfway through the steps after the checkpoint: how many requests a run sends depends on
+    // when its copies end (a read ahead takes room only once the copies on it are done), so the
+    // fault keeps a wide margin on both sides.
+    const std::uint64_t after = at_checkpoint + (at_end - at_checkpoint) / 2;
     if (fault == "EIO" || fault == "ENOSPC") {
       o.storage.fail_request = after;
       o.storage.fail_errno = fault == "EIO" ? 5 : 28;
@@ -569,6 +575,54 @@ TEST_F(disk_home_test, a_home_whose_device_copy_serves_its_next_use_is_let_go_fi
   const auto [disk_read, disk_state] = train_schedule(dir_, 1000 * 1024, schedule);  // about four homes
   EXPECT_EQ(disk_read, 0U);
   EXPECT_EQ(host_state, disk_state);
+}
+
+// A home read for a swap-in stays in the cache while the device makes the unit's room: the
+// write-backs of the device's victims take the blocks of other homes, not its own (before, the
+// acquire had taken the unit's use from the plan, its block looked never used again, and a
+// victim's write-back let it go, to be read back at once while the trainer waited). Three blocks
+// of cache: a unit read ahead beside two homes no step uses, and the device full of two updated
+// units, one of which must go home to make the unit's room.
+TEST_F(disk_home_test, a_home_read_for_a_swap_in_stays_while_the_device_makes_its_room)
+{
+  std::vector<unit_spec> u;
+  for (int t = 0; t < 5; ++t) {
+    u.push_back({.name = "task/" + std::to_string(t), .tensors = {{"w", {task_elements}}}, .compute = dtype::f32});
+  }
+  runtime_options o;
+  o.device = {.backend = backend_kind::emulated, .budget = 800 * 1024};  // two units, not three
+  unit_rule tasks;
+  tasks.match = "task/*";
+  tasks.residency = residency::on_demand;
+  tasks.home = "disk";
+  o.units.push_back(tasks);
+  o.storage = {.path = dir_, .host_cache = std::size_t{1} << 20U, .queue_depth = 4, .block = 64 * 1024, .lookahead = 0};
+  const device dev = emulated_device({.memory_bytes = std::size_t{4} << 20U, .link = {}});
+  const stream s(dev);
+  std::size_t block = 0;  // one home's block in the cache
+  {
+    runtime probe(dev, o, u);
+    (void)probe.home(unit_id{0});
+    block = probe.stats().disk.cached_bytes;
+  }
+  fs::remove_all(dir_);
+  ASSERT_GT(block, 0U);
+  o.storage.host_cache = 3 * block + block / 2;  // three homes
+  runtime rt(dev, o, u);
+  const unit_id v = rt.find("task/0");
+  const unit_id w = rt.find("task/1");
+  const unit_id c = rt.find("task/2");
+  const std::vector<step_plan> plans{step_plan{v}, step_plan{w}, step_plan{c}};
+  rt.plan(plans);
+  for (const unit_id t : {v, w}) {  // the device holds both, updated; the end of w's step reads c ahead
+    train_step(rt, s, {t}, 0);
+    s.synchronize();
+  }
+  (void)rt.home(rt.find("task/3"));  // two homes no step uses take the blocks of v and w
+  (void)rt.home(rt.find("task/4"));
+  train_step(rt, s, {c}, 2);
+  s.synchronize();
+  EXPECT_EQ(rt.stats().disk.read_bytes, 0U) << "the home of task/2 was let go and read again";
 }
 
 }  // namespace

@@ -241,9 +241,13 @@ TEST(planner, predicts_the_disk_traffic_of_the_host_cache)
 
 // The trainer writes every home's initial values before the first step: the cache keeps the
 // last ones, dirty, and their writes come in the steps. Sixteen homes behind a cache of four,
-// each trained once in the units' order: the replay is within one block of the runtime both ways
-// (13 reads and 12 writes); one that started with every home clean in its file would count 16
-// reads and 11 writes.
+// each trained once in the units' order: the replay counts 14 reads and 13 writes; one that
+// started with every home clean in its file would count 16 reads and 11 writes. The runtime
+// counts the same where each step's copies end before the next step's read ahead, as they do
+// behind a step's compute: that read takes the room of the block just trained, and the write-back
+// of the unit before it then takes the room of a home used later. Where the copies end later, the
+// emulated device's with no compute, the read ahead finds no room, and the runtime reads and
+// writes one block fewer.
 TEST(planner, counts_the_writes_of_the_initial_values_the_host_cache_keeps)
 {
   constexpr unsigned units_count = 16;
@@ -267,10 +271,10 @@ TEST(planner, counts_the_writes_of_the_initial_values_the_host_cache_keeps)
   const auto [read, written] = disk_traffic_on_the_runtime(in);
   const auto n = static_cast<double>(in.steps.size());
   const auto one = static_cast<double>(file);
-  EXPECT_DOUBLE_EQ(read, 13 * one);
-  EXPECT_DOUBLE_EQ(written, 12 * one);
-  EXPECT_NEAR(r.disk_read_bytes_per_step * n, read, one);
-  EXPECT_NEAR(r.disk_write_bytes_per_step * n, written, one);
+  EXPECT_DOUBLE_EQ(r.disk_read_bytes_per_step * n, 14 * one);
+  EXPECT_DOUBLE_EQ(r.disk_write_bytes_per_step * n, 13 * one);
+  EXPECT_TRUE(read == 14 * one || read == 13 * one) << read / one << " blocks read";
+  EXPECT_EQ(written - read, -one) << written / one << " blocks written, " << read / one << " read";
   std::filesystem::remove_all(dir);
 }
 
