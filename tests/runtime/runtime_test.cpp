@@ -334,7 +334,7 @@ TEST(runtime_eviction, belady_fetches_as_few_units_as_a_brute_force_optimum)
 
 TEST(runtime_protocol, acquire_does_not_wait_for_the_swap_in_and_the_stall_is_measured)
 {
-  // 10 MB/s: the 1 MiB swap-in takes about 100 ms on the h2d stream.
+  // 10 MB/s: the 512 KiB swap-in takes about 52 ms on the h2d stream.
   device dev = emulated(8 * MiB, 10e6);
   runtime rt(dev, options_with_budget(8 * MiB),
              {make_unit("task/0", 128 * KiB, residency::on_demand, optimizer_placement::host)});
