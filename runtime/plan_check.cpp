@@ -3,16 +3,21 @@
 
 #include "runtime/runtime_impl.hpp"
 
+#include "device/log.hpp"
+
 #include <algorithm>
 
 namespace taskswap {
 
+using detail::bytes_text;
 using detail::message;
 
 void runtime::impl::plan(std::span<const step_plan> steps)
 {
   check_comm();
-  for (std::size_t k = 0; k < steps.size(); ++k) { check_step(steps[k], ledger_.step() + plan_.planned_steps() + k); }
+  const std::uint64_t first = ledger_.step() + plan_.planned_steps();
+  for (std::size_t k = 0; k < steps.size(); ++k) { check_step(steps[k], first + k); }
+  check_host_cache(steps, first);
   if (reducer_) {
     derive_params();
     sync_replicas();
@@ -33,6 +38,50 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number)
                            {.wait_for_reduction = reducer_.has_value(),
                             .trained_count_to_end = guard_.has_value(),
                             .reduction_points = points});
+}
+
+// A unit trained with its AdamW on the host keeps its home block in use from its acquire (the
+// swap-in reads it) to its update (its gradients come home, the CPU steps the block): the cache
+// keeps those blocks, and the one being read for any other use, together. Where they do not fit,
+// the step still runs, bitwise the same, but reads those homes again within it.
+void runtime::impl::check_host_cache(std::span<const step_plan> steps, std::uint64_t first)
+{
+  if (!homes_.cache || warned_host_cache_) { return; }
+  const detail::host_cache& cache = *homes_.cache;
+  std::vector<std::uint32_t> seen;
+  for (std::size_t k = 0; k < steps.size(); ++k) {
+    seen.clear();
+    std::size_t held = 0;  // the blocks of the units updated on the host
+    std::size_t other = 0;  // the largest block of another use
+    std::size_t host_updated = 0;
+    for (const step_plan::entry& e : steps[k].entries()) {
+      const detail::unit_record& r = units_.at(e.unit.value);
+      if (!e.acquire || r.home.cache == nullptr || std::find(seen.begin(), seen.end(), r.index) != seen.end()) {
+        continue;
+      }
+      seen.push_back(r.index);
+      const std::size_t bytes = cache.block_bytes(r.home.entry);
+      if (e.use == unit_use::train && r.policy.optimizer == optimizer_placement::host) {
+        held += bytes;
+        ++host_updated;
+      } else {
+        other = std::max(other, bytes);
+      }
+    }
+    if (held + other > cache.capacity()) {
+      warned_host_cache_ = true;
+      detail::log(log_level::warning,
+                  message("plan step ", first + k, " keeps ", bytes_text(held + other),
+                          " of disk homes in use at once (", host_updated,
+                          " units whose AdamW runs on the host, from their acquire to their update), "
+                          "more than the ",
+                          bytes_text(cache.capacity()),
+                          " host cache: the step runs, bitwise the same, but reads those homes again within it. "
+                          "Raise [storage] host_cache to at least ",
+                          bytes_text(held + other)));
+      return;
+    }
+  }
 }
 
 void runtime::impl::check_agreed_step(const step_plan& step, std::uint64_t step_number,

@@ -113,6 +113,9 @@ struct runtime::impl {
   // With a communicator, before the ranks agree: the room of a unit this rank trains comes back
   // when its bucket's reduction is launched, at the latest where bucket_reach says.
   void check_step(const step_plan& step, std::uint64_t step_number) const;
+  // Disk homes: a warning (once per runtime) for the first step whose homes in use at once do
+  // not fit the host cache. The step still runs, bitwise the same: it reads them again.
+  void check_host_cache(std::span<const step_plan> steps, std::uint64_t first);
   // With a communicator, as agreed: `reduced` the step's agreement, `frozen_reduced` units the
   // step uses frozen here that other ranks train (they take their whole slot), `update_only`
   // units only other ranks train (ready at the step's start).
@@ -287,6 +290,7 @@ struct runtime::impl {
   std::uint64_t tick_ = 0;
   std::uint64_t planned_steps_ = 0;  // steps appended to the plan, over all time
   bool started_ = false;
+  bool warned_host_cache_ = false;  // check_host_cache() has warned
   bool derived_ = false;  // derive_params() ran (the host homes are derived)
   bool replicas_synced_ = false;  // with a communicator: at the first plan()
 
