@@ -278,6 +278,34 @@ TEST(planner, counts_the_writes_of_the_initial_values_the_host_cache_keeps)
   std::filesystem::remove_all(dir);
 }
 
+// The disk-home bytes a step keeps in use at once, as the runtime's plan check counts them: with
+// AdamW on the host every trained unit's home, from its acquire to its update; on the device
+// only the home being read (the largest of the step's).
+TEST(planner, counts_the_disk_homes_a_step_keeps_in_use_at_once)
+{
+  const std::filesystem::path dir =
+    std::filesystem::temp_directory_path() / ("taskswap-planner-held-" + std::to_string(::getpid()));
+  for (const optimizer_placement placement : {optimizer_placement::device, optimizer_placement::host}) {
+    std::filesystem::remove_all(dir);
+    std::vector<unit_spec> units;
+    for (unsigned i = 0; i < 4; ++i) {
+      std::string name = "u";
+      name += std::to_string(i);
+      units.push_back(unit(name, 8192));
+    }
+    const unit_footprint fp = footprint(units[0], placement);
+    auto in = input(units, 8 * fp.device_bytes, residency::on_demand, placement, 1);
+    in.options.defaults.home = "disk";
+    const std::size_t file = (fp.home_bytes + 4095) / 4096 * 4096;
+    in.options.storage = {.path = dir, .host_cache = file};
+    in.steps = {{0}, {1, 2, 3}, {0, 1}};
+    in.frozen.assign(in.steps.size(), {});
+    const tools::plan_report r = tools::make_plan(in);
+    EXPECT_EQ(r.host_cache_step_bytes, placement == optimizer_placement::host ? 3 * file : file);
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // Runs the schedule of `in` (frozen uses first in each step) on the runtime; its totals.
 step_stats run_on_the_runtime(const tools::plan_input& in)
 {

@@ -167,7 +167,7 @@ int run_plan(const plan_args& args)
   if (r.disk_units > 0) {
     std::printf("  %-34s %zu units, %s in unit files\n", "disk homes", r.disk_units,
                 b(static_cast<double>(r.disk_bytes)).c_str());
-    std::printf("  %-34s %s (one step uses at most %s of disk homes)\n", "host cache",
+    std::printf("  %-34s %s (one step keeps at most %s of disk homes in use at once)\n", "host cache",
                 b(static_cast<double>(r.host_cache_bytes)).c_str(),
                 b(static_cast<double>(r.host_cache_step_bytes)).c_str());
     std::printf("  %-34s %s read, %s written\n", "disk per step", b(r.disk_read_bytes_per_step).c_str(),
@@ -187,7 +187,8 @@ int run_plan(const plan_args& args)
                   "disk time per step");
     }
     if (r.host_cache_step_bytes > r.host_cache_bytes) {
-      std::printf("  note: one step uses %s of disk homes, more than the %s host cache: raise [storage] host_cache\n",
+      std::printf("  note: one step keeps %s of disk homes in use at once, more than the %s host cache: it reads "
+                  "some again within the step; raise [storage] host_cache\n",
                   b(static_cast<double>(r.host_cache_step_bytes)).c_str(),
                   b(static_cast<double>(r.host_cache_bytes)).c_str());
     }

@@ -56,7 +56,9 @@ struct plan_report {
   std::size_t disk_units = 0;  ///< units whose homes are on disk ([[units]] home = "disk")
   std::size_t disk_bytes = 0;  ///< their unit files
   std::size_t host_cache_bytes = 0;  ///< [storage] host_cache
-  std::size_t host_cache_step_bytes = 0;  ///< the most disk homes one step uses: a smaller cache reads some twice
+  /// The most disk-home bytes one step keeps in use at once (its units with host AdamW, from
+  /// acquire to update, and the largest other home it reads): a smaller cache reads some twice.
+  std::size_t host_cache_step_bytes = 0;
   double disk_read_bytes_per_step = 0;  ///< unit files read into the host cache
   double disk_write_bytes_per_step = 0;  ///< dirty blocks written to them
   double disk_read_bytes_per_second = 0;
