@@ -197,6 +197,21 @@ std::pair<double, double> disk_traffic_on_the_runtime(const tools::plan_input& i
           static_cast<double>(after.written_bytes - before.written_bytes)};
 }
 
+// `count` units "u0", "u1", ... of 8192 elements.
+std::vector<unit_spec> numbered_units(unsigned count)
+{
+  std::vector<unit_spec> units;
+  for (unsigned i = 0; i < count; ++i) {
+    std::string name = "u";  // not "u" + std::to_string(i): a false -Wrestrict at -O3 (GCC bug 105651)
+    name += std::to_string(i);
+    units.push_back(unit(name, 8192));
+  }
+  return units;
+}
+
+// The bytes of a unit's file: its home, in whole 4 KiB blocks.
+std::size_t file_bytes(const unit_footprint& fp) { return (fp.home_bytes + 4095) / 4096 * 4096; }
+
 // 64 disk homes behind a host cache of 8, read 2 steps ahead, a random unit per step: the unit
 // files' bytes read and written in the steps (after the initial values were written through
 // home()) are what the planner's replay of the host cache predicts, within 5 % under both
@@ -210,16 +225,11 @@ TEST(planner, predicts_the_disk_traffic_of_the_host_cache)
   std::mt19937 rng(11);
   for (const optimizer_placement placement : {optimizer_placement::device, optimizer_placement::host}) {
     std::filesystem::remove_all(dir);
-    std::vector<unit_spec> units;
-    for (unsigned i = 0; i < units_count; ++i) {
-      std::string name = "u";
-      name += std::to_string(i);
-      units.push_back(unit(name, 8192));
-    }
+    const std::vector<unit_spec> units = numbered_units(units_count);
     const unit_footprint fp = footprint(units[0], placement);
     auto in = input(units, 3 * fp.device_bytes, residency::prefetch, placement, 1);
     in.options.defaults.home = "disk";
-    const std::size_t file = (fp.home_bytes + 4095) / 4096 * 4096;
+    const std::size_t file = file_bytes(fp);
     in.options.storage = {.path = dir, .host_cache = 8 * file, .lookahead = 2};
     for (int s = 0; s < 300; ++s) { in.steps.push_back({rng() % units_count}); }
     in.frozen.assign(in.steps.size(), {});
@@ -254,16 +264,11 @@ TEST(planner, counts_the_writes_of_the_initial_values_the_host_cache_keeps)
   const std::filesystem::path dir =
     std::filesystem::temp_directory_path() / ("taskswap-planner-initial-" + std::to_string(::getpid()));
   std::filesystem::remove_all(dir);
-  std::vector<unit_spec> units;
-  for (unsigned i = 0; i < units_count; ++i) {
-    std::string name = "u";  // not "u" + std::to_string(i): a false -Wrestrict at -O3 (GCC bug 105651)
-    name += std::to_string(i);
-    units.push_back(unit(name, 8192));
-  }
+  const std::vector<unit_spec> units = numbered_units(units_count);
   const unit_footprint fp = footprint(units[0], optimizer_placement::device);
   auto in = input(units, 2 * fp.device_bytes, residency::on_demand, optimizer_placement::device, 1);
   in.options.defaults.home = "disk";
-  const std::size_t file = (fp.home_bytes + 4095) / 4096 * 4096;
+  const std::size_t file = file_bytes(fp);
   in.options.storage = {.path = dir, .host_cache = 4 * file, .lookahead = 0};
   for (unsigned s = 0; s < units_count; ++s) { in.steps.push_back({s}); }
   in.frozen.assign(in.steps.size(), {});
@@ -287,16 +292,11 @@ TEST(planner, counts_the_disk_homes_a_step_keeps_in_use_at_once)
     std::filesystem::temp_directory_path() / ("taskswap-planner-held-" + std::to_string(::getpid()));
   for (const optimizer_placement placement : {optimizer_placement::device, optimizer_placement::host}) {
     std::filesystem::remove_all(dir);
-    std::vector<unit_spec> units;
-    for (unsigned i = 0; i < 4; ++i) {
-      std::string name = "u";
-      name += std::to_string(i);
-      units.push_back(unit(name, 8192));
-    }
+    const std::vector<unit_spec> units = numbered_units(4);
     const unit_footprint fp = footprint(units[0], placement);
     auto in = input(units, 8 * fp.device_bytes, residency::on_demand, placement, 1);
     in.options.defaults.home = "disk";
-    const std::size_t file = (fp.home_bytes + 4095) / 4096 * 4096;
+    const std::size_t file = file_bytes(fp);
     in.options.storage = {.path = dir, .host_cache = file};
     in.steps = {{0}, {1, 2, 3}, {0, 1}};
     in.frozen.assign(in.steps.size(), {});
