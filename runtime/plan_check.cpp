@@ -17,13 +17,14 @@ void runtime::impl::plan(std::span<const step_plan> steps)
   check_comm();
   const std::uint64_t first = ledger_.step() + plan_.planned_steps();
   for (std::size_t k = 0; k < steps.size(); ++k) { check_step(steps[k], first + k); }
-  check_host_cache(steps, first);
   if (reducer_) {
     derive_params();
     sync_replicas();
-    plan_together(steps);
+    const together full = plan_together(steps);
+    check_host_cache(full.steps, first, full.frozen_reduced);
   } else {
     for (const step_plan& s : steps) { plan_.append(s); }
+    check_host_cache(steps, first, {});
   }
   planned_steps_ += steps.size();
   start();
@@ -41,44 +42,41 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number)
 }
 
 // A unit trained with its AdamW on the host keeps its home block in use from its acquire (the
-// swap-in reads it) to its update (its gradients come home, the CPU steps the block): the cache
-// keeps those blocks, and the one being read for any other use, together. Where they do not fit,
-// the step still runs, bitwise the same, but reads those homes again within it.
-void runtime::impl::check_host_cache(std::span<const step_plan> steps, std::uint64_t first)
+// swap-in reads it) to its update (its gradients come home, the CPU steps the block), and to its
+// release: to the step's end where the plan releases nothing, or where the update waits for the
+// step's end (a guard, a communicator). So does a unit used frozen here that other ranks train
+// (`frozen_reduced`: this replica takes their update). The cache keeps those blocks, and the one
+// being read for any other use, together. Where they do not fit, the step still runs, bitwise the
+// same, but reads those homes again within it. Checked once the steps are planned (a plan refused
+// says nothing here).
+void runtime::impl::check_host_cache(std::span<const step_plan> steps, std::uint64_t first,
+                                     std::span<const std::vector<std::uint32_t>> frozen_reduced)
 {
   if (!homes_.cache || warned_host_cache_) { return; }
   const detail::host_cache& cache = *homes_.cache;
-  std::vector<std::uint32_t> seen;
   for (std::size_t k = 0; k < steps.size(); ++k) {
-    seen.clear();
-    std::size_t held = 0;  // the blocks of the units updated on the host
-    std::size_t other = 0;  // the largest block of another use
-    std::size_t host_updated = 0;
-    for (const step_plan::entry& e : steps[k].entries()) {
-      const detail::unit_record& r = units_.at(e.unit.value);
-      if (!e.acquire || r.home.cache == nullptr || std::find(seen.begin(), seen.end(), r.index) != seen.end()) {
-        continue;
-      }
-      seen.push_back(r.index);
-      const std::size_t bytes = cache.block_bytes(r.home.entry);
-      if (e.use == unit_use::train && r.policy.optimizer == optimizer_placement::host) {
-        held += bytes;
-        ++host_updated;
-      } else {
-        other = std::max(other, bytes);
-      }
-    }
-    if (held + other > cache.capacity()) {
+    const auto block = [&](std::uint32_t u) {
+      return units_.at(u).home.cache == nullptr ? std::size_t{0} : cache.block_bytes(units_[u].home.entry);
+    };
+    const auto stays = [&](const step_plan::entry& e) {
+      const bool reduced_here =
+        k < frozen_reduced.size() &&
+        std::find(frozen_reduced[k].begin(), frozen_reduced[k].end(), e.unit.value) != frozen_reduced[k].end();
+      return units_.at(e.unit.value).policy.optimizer == optimizer_placement::host &&
+             (e.use == unit_use::train || reduced_here);
+    };
+    const detail::homes_in_use in_use =
+      detail::count_homes_in_use(steps[k], block, stays, guard_.has_value() || reducer_.has_value());
+    if (in_use.bytes > cache.capacity()) {
       warned_host_cache_ = true;
       detail::log(log_level::warning,
-                  message("plan step ", first + k, " keeps ", bytes_text(held + other),
-                          " of disk homes in use at once (", host_updated,
-                          " units whose AdamW runs on the host, from their acquire to their update), "
-                          "more than the ",
+                  message("plan step ", first + k, " keeps ", bytes_text(in_use.bytes),
+                          " of disk homes in use at once (", in_use.staying,
+                          " units whose AdamW runs on the host, from their acquire to their update), more than the ",
                           bytes_text(cache.capacity()),
                           " host cache: the step runs, bitwise the same, but reads those homes again within it. "
                           "Raise [storage] host_cache to at least ",
-                          bytes_text(held + other)));
+                          bytes_text(in_use.bytes)));
       return;
     }
   }
@@ -107,7 +105,7 @@ void runtime::impl::check_agreed_step(const step_plan& step, std::uint64_t step_
 // Agrees with the other ranks on the steps' units, then plans each step with the units other
 // ranks train and this one does not acquired first (this rank applies their update too) and
 // released at its end, and checks the budget again with them.
-void runtime::impl::plan_together(std::span<const step_plan> steps)
+runtime::impl::together runtime::impl::plan_together(std::span<const step_plan> steps)
 {
   const std::uint64_t first = ledger_.step() + plan_.planned_steps();
   std::vector<std::vector<std::uint32_t>> trained(steps.size());
@@ -185,6 +183,7 @@ void runtime::impl::plan_together(std::span<const step_plan> steps)
     plan_.append(full_steps[k], frozen_reduced[k]);
     round_.agree(std::move(agreed_steps[k]));
   }
+  return {.steps = std::move(full_steps), .frozen_reduced = std::move(frozen_reduced)};
 }
 
 }  // namespace taskswap

@@ -10,11 +10,13 @@
 //   region, a packed unit (at most half a granule) charged a granule, the guard's share first;
 // - the checks at registration (the pinned units fit; every other unit fits beside them) and of
 //   a planned step (the units held at once, at every point of the step, fit beside the pinned);
-// - Belady's rule for the victim of an eviction (choose_victim).
+// - Belady's rule for the victim of an eviction (choose_victim);
+// - the disk homes a step keeps in the host cache at once (count_homes_in_use).
 // It knows units by their sizes and policies only: no device, no events, no home copies.
 
 #include <taskswap/runtime.hpp>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -34,6 +36,50 @@ namespace taskswap::detail {
 [[nodiscard]] constexpr bool packs(std::size_t bytes, std::size_t granule) noexcept
 {
   return (bytes + 255) / 256 * 256 * 2 <= granule;
+}
+
+/// The disk homes a step keeps in the host cache at once (Note [Host cache]; the runtime's plan
+/// check and the planner both count it here). A home that `stays` (a unit trained with its AdamW
+/// on the host: its gradients come home and the CPU steps the block) is in use from its acquire
+/// to its release, or to the step's end where releases wait for it (`to_the_end`: a guard, a
+/// communicator); any other home only while it is read, so the largest of those counts once.
+/// `block(u)` is unit u's block in the cache, 0 for a unit whose home is not on disk.
+struct homes_in_use {
+  std::size_t bytes = 0;  ///< the most at once
+  std::size_t staying = 0;  ///< units whose home stays in use
+};
+template <class Block, class Stays>
+[[nodiscard]] homes_in_use count_homes_in_use(const step_plan& step, Block&& block, Stays&& stays, bool to_the_end)
+{
+  std::vector<std::uint32_t> staying;
+  std::vector<std::uint32_t> now;
+  const auto has = [](const std::vector<std::uint32_t>& v, std::uint32_t u) {
+    return std::find(v.begin(), v.end(), u) != v.end();
+  };
+  for (const step_plan::entry& e : step.entries()) {
+    if (e.acquire && block(e.unit.value) != 0 && stays(e) && !has(staying, e.unit.value)) {
+      staying.push_back(e.unit.value);
+    }
+  }
+  std::size_t held = 0;
+  std::size_t peak = 0;
+  std::size_t other = 0;
+  for (const step_plan::entry& e : step.entries()) {
+    const std::uint32_t u = e.unit.value;
+    const std::size_t bytes = block(u);
+    if (bytes == 0) { continue; }
+    if (!has(staying, u)) {
+      if (e.acquire) { other = std::max(other, bytes); }
+    } else if (e.acquire && !has(now, u)) {
+      now.push_back(u);
+      held += bytes;
+      peak = std::max(peak, held);
+    } else if (!e.acquire && !to_the_end && has(now, u)) {
+      now.erase(std::find(now.begin(), now.end(), u));
+      held -= bytes;
+    }
+  }
+  return {.bytes = peak + other, .staying = staying.size()};
 }
 
 /// What the model knows of a unit.

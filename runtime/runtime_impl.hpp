@@ -113,9 +113,10 @@ struct runtime::impl {
   // With a communicator, before the ranks agree: the room of a unit this rank trains comes back
   // when its bucket's reduction is launched, at the latest where bucket_reach says.
   void check_step(const step_plan& step, std::uint64_t step_number) const;
-  // Disk homes: a warning (once per runtime) for the first step whose homes in use at once do
-  // not fit the host cache. The step still runs, bitwise the same: it reads them again.
-  void check_host_cache(std::span<const step_plan> steps, std::uint64_t first);
+  // Disk homes: a warning (once per runtime) for the first planned step whose homes in use at
+  // once do not fit the host cache. The step still runs, bitwise the same: it reads them again.
+  void check_host_cache(std::span<const step_plan> steps, std::uint64_t first,
+                        std::span<const std::vector<std::uint32_t>> frozen_reduced);
   // With a communicator, as agreed: `reduced` the step's agreement, `frozen_reduced` units the
   // step uses frozen here that other ranks train (they take their whole slot), `update_only`
   // units only other ranks train (ready at the step's start).
@@ -162,7 +163,13 @@ struct runtime::impl {
   void upload_params(unit_record& r);
 
   // With a communicator (plan_check.cpp: plan_together; step_reduction.cpp: the rest)
-  void plan_together(std::span<const step_plan> steps);
+  // The steps as planned: each with the units other ranks train that this rank updates, and
+  // the units it uses frozen that other ranks train.
+  struct together {
+    std::vector<step_plan> steps;
+    std::vector<std::vector<std::uint32_t>> frozen_reduced;
+  };
+  together plan_together(std::span<const step_plan> steps);
   // Replicas start equal (replica_sync.cpp)
   void sync_replicas();
   void verify_replicas();

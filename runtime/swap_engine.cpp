@@ -258,6 +258,8 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool 
 bool swap_engine::swap_in_grads(unit_record& r, std::uint64_t use, stream_view user)
 {
   const std::size_t bytes = r.layout.device_grad_bytes();
+  // Its update steps its home, read ahead already: the victims' write-backs keep that block too.
+  const incoming_scope reading(r);
   if (!make_room(r, bytes, use, room_for::acquire)) { return false; }
   r.slot = map_slot(r, bytes);
   go(r, slot_move::map_grads);

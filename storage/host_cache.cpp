@@ -432,7 +432,11 @@ bool host_cache::behind(entry_id e) const { return impl_->entries.at(e).behind; 
 
 const std::filesystem::path& host_cache::file(entry_id e) const { return impl_->files.path(impl_->entries.at(e).file); }
 std::size_t host_cache::capacity() const noexcept { return impl_->memory.size(); }
-std::size_t host_cache::block_bytes(entry_id e) const { return impl_->entries.at(e).bytes; }
+std::size_t host_cache::block_bytes(entry_id e) const
+{
+  const std::size_t a = impl_->alignment();  // where the cache places a block
+  return (impl_->entries.at(e).bytes + a - 1) / a * a;
+}
 host_cache_stats host_cache::stats() const noexcept { return impl_->stats; }
 
 }  // namespace taskswap::detail

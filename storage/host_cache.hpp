@@ -124,7 +124,7 @@ class host_cache {
   [[nodiscard]] bool behind(entry_id e) const;
   [[nodiscard]] const std::filesystem::path& file(entry_id e) const;
   [[nodiscard]] std::size_t capacity() const noexcept;
-  /// The bytes of the entry's block (its file's, rounded up to the files' alignment).
+  /// The bytes the entry's block takes of the cache (its file's, in whole pages).
   [[nodiscard]] std::size_t block_bytes(entry_id e) const;
   [[nodiscard]] host_cache_stats stats() const noexcept;
 

@@ -376,6 +376,10 @@ plan_report make_plan(const plan_input& in)
       }
     }
   }
+  std::vector<std::size_t> file_bytes(units.size(), 0);  // 0: not a disk home
+  for (std::size_t i = 0; i < units.size(); ++i) {
+    if (units[i].disk()) { file_bytes[i] = (units[i].fp.home_bytes + page - 1) / page * page; }
+  }
   // Each step as the runtime checks it (its frozen uses first, as the replay acquires them).
   std::size_t most_held = 0;
   std::size_t most_held_raw = 0;  // the same units' slabs, before rounding
@@ -404,6 +408,12 @@ plan_report make_plan(const plan_input& in)
       most_held = peak.held;
       most_held_raw = peak.raw;
     }
+    // The disk homes it keeps in the host cache at once, as the runtime's plan check counts them.
+    const detail::homes_in_use homes = detail::count_homes_in_use(
+      step, [&](std::uint32_t u) { return file_bytes[u]; },
+      [&](const step_plan::entry& e) { return units[e.unit.value].host() && e.use == unit_use::train; },
+      guarded || communicator);
+    r.host_cache_step_bytes = std::max(r.host_cache_step_bytes, homes.bytes);
   }
   r.peak_device_bytes = r.pinned_device_bytes + most_held + guard;
   r.rounding_bytes = r.peak_device_bytes - guard - model.pinned_packed_bytes() - most_held_raw;
@@ -431,10 +441,6 @@ plan_report make_plan(const plan_input& in)
   };
   traffic t;
   std::vector<detail::victim_candidate> candidates;
-  std::vector<std::size_t> file_bytes(units.size(), 0);
-  for (std::size_t i = 0; i < units.size(); ++i) {
-    if (units[i].disk()) { file_bytes[i] = (units[i].fp.home_bytes + page - 1) / page * page; }
-  }
   cache_replay cache(in.options.storage.host_cache, file_bytes);
   // The trainer writes the homes' initial values through home() in the units' order before the
   // first step, with nothing planned yet (as the sample does): the cache keeps the last ones,
@@ -563,21 +569,6 @@ plan_report make_plan(const plan_input& in)
     std::max<double>(1.0, static_cast<double>(in.steps.size() - std::min(in.warmup_steps, in.steps.size())));
   r.disk_read_bytes_per_step = cache.read() / n;
   r.disk_write_bytes_per_step = cache.written() / n;
-  // As the runtime's plan check counts it: a unit trained with its AdamW on the host keeps its
-  // home in use from its acquire to its update, beside the largest home read for another use.
-  for (std::size_t s = 0; s < in.steps.size(); ++s) {
-    std::size_t held = 0;
-    std::size_t other = 0;
-    for (std::size_t i = 0; i < units.size(); ++i) {
-      if (file_bytes[i] == 0 || !std::binary_search(units[i].uses.begin(), units[i].uses.end(), s)) { continue; }
-      if (units[i].host() && std::find(in.steps[s].begin(), in.steps[s].end(), i) != in.steps[s].end()) {
-        held += file_bytes[i];
-      } else {
-        other = std::max(other, file_bytes[i]);
-      }
-    }
-    r.host_cache_step_bytes = std::max(r.host_cache_step_bytes, held + other);
-  }
   r.disk_read_bytes_per_second = in.disk_read_bytes_per_second;
   r.disk_write_bytes_per_second = in.disk_write_bytes_per_second;
   r.disk_source = in.disk_source;
