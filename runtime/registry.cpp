@@ -132,14 +132,14 @@ void runtime::impl::place_homes()
     }
     // The next use that reads the block. A unit being swapped in reads it now: the device's room
     // for it may write other units home first, and their blocks must not take its place (an
-    // acquire has consumed its use in the plan, which would call its block never used again). A unit held for training with host placement writes its
-    // gradients home at release, and the CPU AdamW then steps the home: its block is in use now,
-    // not at its next acquisition. A unit not held whose device copy serves its next use, an
-    // update on the device that its write-back brings home whole, reads the block again only if
-    // the device lets that copy go, clean, before that use (a prefetch of a unit used sooner may):
-    // never. Where the device does, that use reads the home again; on the shapes of
-    // docs/storage.md the rule still reads 1.8-3.5 % fewer bytes than ranking such a block just
-    // before never, out of a read ahead's reach.
+    // acquire has consumed its use in the plan, which would call its block never used again). A
+    // unit held for training with host placement writes its gradients home at release, and the
+    // CPU AdamW then steps the home: its block is in use now, not at its next acquisition. A unit
+    // not held whose device copy serves its next use, an update on the device that its write-back
+    // brings home whole, reads the block again only if the device lets that copy go, clean, before
+    // that use (a prefetch of a unit used sooner may): never. Where the device does, that use
+    // reads the home again; on the shapes of docs/storage.md the rule still reads 1.8-3.5 % fewer
+    // bytes than ranking such a block just before never, out of a read ahead's reach.
     // A write-back of the unit's device copy replaces its home whole.
     const auto writes_home_whole = [](const unit_record& r) { return r.layout.writeback_bytes >= r.layout.home_bytes; };
     homes_.cache->next_use([this, unit_of, writes_home_whole](detail::host_cache::entry_id e) -> std::uint64_t {
