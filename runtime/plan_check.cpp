@@ -54,10 +54,10 @@ void runtime::impl::check_host_cache(std::span<const step_plan> steps, std::uint
 {
   if (!homes_.cache || warned_host_cache_) { return; }
   const detail::host_cache& cache = *homes_.cache;
+  const auto block = [&](std::uint32_t u) {
+    return units_.at(u).home.cache == nullptr ? std::size_t{0} : cache.block_bytes(units_[u].home.entry);
+  };
   for (std::size_t k = 0; k < steps.size(); ++k) {
-    const auto block = [&](std::uint32_t u) {
-      return units_.at(u).home.cache == nullptr ? std::size_t{0} : cache.block_bytes(units_[u].home.entry);
-    };
     const auto stays = [&](const step_plan::entry& e) {
       const bool reduced_here =
         k < frozen_reduced.size() &&

@@ -523,6 +523,16 @@ TEST_F(disk_home_test, a_home_whose_device_copy_serves_its_next_use_is_not_read_
   EXPECT_EQ(host.state(), disk.state());
 }
 
+// `count` f32 task units, "task/0" on, of task_elements each.
+std::vector<unit_spec> f32_tasks(int count)
+{
+  std::vector<unit_spec> u;
+  for (int t = 0; t < count; ++t) {
+    u.push_back({.name = "task/" + std::to_string(t), .tensors = {{"w", {task_elements}}}, .compute = dtype::f32});
+  }
+  return u;
+}
+
 // A pinned trunk and eight f32 tasks with device AdamW, prefetched a step ahead in a budget of
 // two tasks, trained in `schedule`'s order three times over, the device kept up with
 // (synchronised each step); with a `storage` directory, the tasks' homes are unit files behind a
@@ -530,12 +540,9 @@ TEST_F(disk_home_test, a_home_whose_device_copy_serves_its_next_use_is_not_read_
 std::pair<std::uint64_t, std::string> train_schedule(const fs::path& storage, std::size_t host_cache,
                                                      const std::vector<int>& schedule)
 {
-  std::vector<unit_spec> u;
-  u.push_back({.name = "trunk", .tensors = {{"w", {64, 64}}}, .compute = dtype::f32});
-  u.back().policy = unit_policy{residency::pinned, 0, optimizer_placement::device};
-  for (int t = 0; t < 8; ++t) {
-    u.push_back({.name = "task/" + std::to_string(t), .tensors = {{"w", {task_elements}}}, .compute = dtype::f32});
-  }
+  std::vector<unit_spec> u = f32_tasks(8);
+  u.insert(u.begin(), {.name = "trunk", .tensors = {{"w", {64, 64}}}, .compute = dtype::f32});
+  u.front().policy = unit_policy{residency::pinned, 0, optimizer_placement::device};
   runtime_options o;
   o.device = {.backend = backend_kind::emulated, .budget = 1000 * 1024};
   unit_rule tasks;
@@ -586,10 +593,7 @@ TEST_F(disk_home_test, a_home_whose_device_copy_serves_its_next_use_is_let_go_fi
 // units, one of which must go home to make the unit's room.
 TEST_F(disk_home_test, a_home_read_for_a_swap_in_stays_while_the_device_makes_its_room)
 {
-  std::vector<unit_spec> u;
-  for (int t = 0; t < 5; ++t) {
-    u.push_back({.name = "task/" + std::to_string(t), .tensors = {{"w", {task_elements}}}, .compute = dtype::f32});
-  }
+  const std::vector<unit_spec> u = f32_tasks(5);
   runtime_options o;
   o.device = {.backend = backend_kind::emulated, .budget = 800 * 1024};  // two units, not three
   unit_rule tasks;
@@ -653,10 +657,7 @@ class captured_warnings {
 // they do fit. With AdamW on the device a home is in use only while it is read: nothing to say.
 TEST_F(disk_home_test, a_step_whose_homes_do_not_fit_the_cache_together_trains_bitwise_and_the_plan_says_so)
 {
-  std::vector<unit_spec> u;
-  for (int t = 0; t < 4; ++t) {
-    u.push_back({.name = "task/" + std::to_string(t), .tensors = {{"w", {task_elements}}}, .compute = dtype::f32});
-  }
+  const std::vector<unit_spec> u = f32_tasks(4);
   const auto of_step = [](std::uint32_t k, std::uint32_t i) { return unit_id{k == 0 ? 0 : (k + i) % 4}; };
   for (const optimizer_placement placement : {optimizer_placement::device, optimizer_placement::host}) {
     for (const bool released : {false, true}) {
