@@ -35,6 +35,38 @@ device cuda_device(int index) { return device{detail::cuda_backend_for(index)}; 
 
 device emulated_device(const emulated_options& options) { return emulated_device(options, emulated_faults{}); }
 
+bool vm_cost_model::enabled() const noexcept
+{
+  for (const vm_call_cost* c : {&map, &access, &unmap, &create, &release}) {
+    if (c->per_call_seconds > 0 || c->per_mib_seconds > 0) { return true; }
+  }
+  return false;
+}
+
+// Note [The h200 profile]
+// ~~~~~~~~~~~~~~~~~~~~~~~
+// Measured by bench/vmm_probe.cu on an H200 (driver 580.159, 2 MiB granules; docs/gpu-results.md),
+// the device idle. Each figure is per handle: one cuMemMap maps a handle whole (the driver refuses
+// an offset into one), and cuMemSetAccess and cuMemUnmap cost the same per handle whatever its
+// size (a handle of 96 granules: 35 and 20 us; 96 handles of one granule: 2.0 and 1.35 ms). With
+// a copy or a kernel in flight each call takes about twice as long. The link: 55 GB/s one way,
+// 101 GB/s both ways at once (cuda_copy_duplex).
+emulated_options emulated_profile(std::string_view name, emulated_options base)
+{
+  TASKSWAP_EXPECTS(name == "h200", detail::message("unknown emulated device profile '", name,
+                                                    "'; the profiles are: h200"));
+  constexpr double us = 1e-6;
+  base.granularity = std::size_t{2} << 20;
+  base.link = {.bytes_per_second = 52e9, .latency_seconds = 8 * us};
+  base.vm_costs = {.map = {0.7 * us, 0.0},
+                   .access = {33 * us, 0.015 * us},
+                   .unmap = {20 * us, 0.0},
+                   .create = {8 * us, 0.14 * us},
+                   .release = {9.5 * us, 0.55 * us},
+                   .busy_factor = 2.0};
+  return base;
+}
+
 device emulated_device(const emulated_options& options, const emulated_faults& faults)
 {
   TASKSWAP_EXPECTS(options.memory_bytes > 0,
@@ -46,6 +78,11 @@ device emulated_device(const emulated_options& options, const emulated_faults& f
   TASKSWAP_EXPECTS(options.granularity >= 256 && (options.granularity & (options.granularity - 1)) == 0,
                    detail::message("emulated device granularity must be a power of two of at least 256 bytes, got ",
                                    options.granularity));
+  TASKSWAP_EXPECTS(options.time_scale > 0.0, detail::message("emulated device time_scale must be more than 0, got ",
+                                                               options.time_scale));
+  TASKSWAP_EXPECTS(options.vm_costs.busy_factor >= 1.0,
+                   detail::message("emulated device vm busy_factor must be at least 1, got ",
+                                   options.vm_costs.busy_factor));
   return device{std::make_shared<detail::emulated_backend>(options, faults)};
 }
 

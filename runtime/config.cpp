@@ -225,6 +225,23 @@ const toml::table* section(const toml::table& root, std::string_view name, std::
   return n->as_table();
 }
 
+// [device.vm_costs]: each call's host time on the emulated device, over the profile's.
+void read_vm_costs(const toml::table& t, std::string_view source, vm_cost_model& c)
+{
+  table_reader r(t, source, "[device.vm_costs]");
+  using entry = std::pair<std::string_view, vm_call_cost*>;
+  for (const auto& [name, cost] : {entry{"map", &c.map}, entry{"access", &c.access}, entry{"unmap", &c.unmap},
+                                   entry{"create", &c.create}, entry{"release", &c.release}}) {
+    if (auto v = r.quantity(name, time_units, "33 us")) { cost->per_call_seconds = *v; }
+    if (auto v = r.quantity(std::string(name) + "_per_mib", time_units, "0.5 us")) { cost->per_mib_seconds = *v; }
+  }
+  if (auto f = r.number("busy_factor")) {
+    if (*f < 1.0) { r.fail(*t.get("busy_factor"), "busy_factor", message(*f, " is below 1; write e.g. 2.0")); }
+    c.busy_factor = *f;
+  }
+  r.reject_unknown();
+}
+
 void read_device(const toml::table& t, std::string_view source, device_options& d)
 {
   table_reader r(t, source, "[device]");
@@ -233,6 +250,22 @@ void read_device(const toml::table& t, std::string_view source, device_options& 
   if (auto b = r.choice("backend", backends)) { d.backend = *b; }
   if (auto i = r.integer("index", 0, 1023)) { d.index = static_cast<int>(*i); }
   if (auto b = r.quantity("budget", size_units, "40 GiB")) { d.budget = static_cast<std::size_t>(*b); }
+  // The profile first: the keys below override its figures.
+  if (auto p = r.string("profile")) {
+    try {
+      d.emulated = emulated_profile(*p, d.emulated);
+    } catch (const invalid_argument& e) {
+      r.fail(*t.get("profile"), "profile", e.what());
+    }
+  }
+  if (auto s = r.number("time_scale")) {
+    if (*s <= 0) { r.fail(*t.get("time_scale"), "time_scale", message(*s, " must be more than 0; write e.g. 10")); }
+    d.emulated.time_scale = *s;
+  }
+  if (const toml::node* v = r.get("vm_costs")) {
+    if (!v->is_table()) { r.fail(*v, "vm_costs", "must be a table ([device.vm_costs])"); }
+    read_vm_costs(*v->as_table(), source, d.emulated.vm_costs);
+  }
   if (auto m = r.quantity("memory", size_units, "80 GiB")) { d.emulated.memory_bytes = static_cast<std::size_t>(*m); }
   if (auto l = r.quantity("link_bandwidth", rate_units, "25 GB/s", table_reader::positive::yes)) {
     d.emulated.link.bytes_per_second = *l;

@@ -43,6 +43,28 @@ struct link_model {
   [[nodiscard]] bool enabled() const noexcept { return bytes_per_second > 0.0; }
 };
 
+/// @brief The host time one kind of virtual-memory call costs the thread that makes it:
+/// `per_call` + `per_mib` × the MiB it covers.
+struct vm_call_cost {
+  double per_call_seconds = 0.0;
+  double per_mib_seconds = 0.0;
+};
+
+/// @brief What an emulated device's virtual-memory calls cost the calling thread, as the CUDA
+/// driver's do (docs/gpu-results.md measures them on an H200). A mapping call maps one physical
+/// handle; access is granted per handle mapped; an unmap is charged per handle it unmaps.
+struct vm_cost_model {
+  vm_call_cost map{};  ///< cuMemMap: one handle at one address
+  vm_call_cost access{};  ///< cuMemSetAccess, per handle in the granted range
+  vm_call_cost unmap{};  ///< cuMemUnmap, per handle in the range
+  vm_call_cost create{};  ///< cuMemCreate of one handle
+  vm_call_cost release{};  ///< cuMemRelease of one handle
+  double busy_factor = 1.0;  ///< the costs' multiple while copies or other work run on the device
+
+  /// @brief Whether any call costs time.
+  [[nodiscard]] bool enabled() const noexcept;
+};
+
 /// @brief Settings of an emulated device.
 struct emulated_options {
   std::size_t memory_bytes = std::size_t{1} << 30;  ///< device memory: allocations beyond it fail
@@ -52,7 +74,20 @@ struct emulated_options {
   /// two ranges can alias one granule. Smaller granules are counted the same way, but each range
   /// keeps bytes of its own (there is no mapping hardware below a page).
   std::size_t granularity = 256;
+  vm_cost_model vm_costs{};  ///< host time of the virtual-memory calls (none by default)
+  /// The device runs this many times slower than its figures say: the link's rate is divided by
+  /// it, its latency and the virtual-memory costs multiplied. A machine whose memory copies
+  /// cannot keep up with a fast link (55 GB/s) still shows the same ratios of link, mapping and
+  /// compute time at a scale it can keep (10: a 5.5 GB/s link).
+  double time_scale = 1.0;
 };
+
+/// @brief A named set of an emulated device's figures, measured on a real GPU.
+/// "h200": an NVIDIA H200 on PCIe Gen5 (docs/gpu-results.md): 2 MiB granules, a link of
+/// 52 GB/s each way with 8 us latency, and its driver's virtual-memory costs. Keeps `memory_bytes`
+/// and `time_scale` of `base`.
+/// @throws invalid_argument naming the known profiles for another name
+[[nodiscard]] emulated_options emulated_profile(std::string_view name, emulated_options base = {});
 
 /// @brief Faults an emulated device injects, to test what fails how. Host↔device copies are
 /// counted in the order they are enqueued over all the device's streams, from 1; allocations of
