@@ -13,15 +13,15 @@
 //   pool's part of them. At a 4 KiB granule the emulated device maps a memory file (a system call
 //   when a slot moves); at 256 bytes it only counts, as the emulated default does.
 //
-// cuda_vmm_move/{MiB}/{busy}: what a slot that moves to other granules costs the trainer's thread
-// on a CUDA device: the backend's vm_map (cuMemMap per granule, cuMemSetAccess) and vm_unmap of
-// MiB at one address, then at another, timed on the host (us_per_move: the mean of the two); with
+// cuda_vmm_move/{MiB}/{busy}/{per granule}: what moving a slot to other memory costs the thread that
+// maps on a CUDA device: the backend's vm_map (cuMemMap, cuMemSetAccess) and vm_unmap of MiB at one
+// address, then at another, timed on the host (us_per_move: the mean of the two), the MiB one
+// handle (per granule = 0, the device pool's extents) or a handle per granule (1); with
 // busy = 1 while a 1 GiB host-to-device copy (copy_ms, about 20 ms) runs on another stream into
 // VMM-mapped memory, as the runtime's swap-ins do. copying_after_map = the share of turns in which
 // that copy was still running right after the first vm_map: near 1 where the calls leave the
 // device's work alone; near 0 where a call waits for it (then the turn's time holds the copy's
-// remainder). The question behind it: cuda_runtime_overlap's device sits idle about 1.1 ms per
-// 64 MiB unit's swap-in between its copies (a trace at compute 0, docs/gpu-results.md, 2026-11-27).
+// remainder). bench/vmm_probe.cu splits the same costs by call.
 
 #include "device/backend.hpp"
 #include "device/best_fit_ranges.hpp"
@@ -109,7 +109,8 @@ void device_pool_swap(benchmark::State& state)
   detail::device_pool pool(dev, w.budget);
   std::vector<detail::device_pool::slot_id> slots;
   for (const std::size_t bytes : w.sizes) { slots.push_back(pool.add_slot(bytes)); }
-  const auto quiesce = [](detail::device_pool::slot_id) {};  // nothing runs on the device here
+  // Nothing runs on the device here.
+  const auto quiesce = [](detail::device_pool::slot_id, stream_view) { return std::string(); };
   device_buffer region(dev, w.budget);
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): alignment
   detail::best_fit_ranges ranges(w.budget, reinterpret_cast<std::uintptr_t>(region.data()));
@@ -130,7 +131,7 @@ void device_pool_swap(benchmark::State& state)
       },
       [&](std::size_t u) { static_cast<void>(ranges.deallocate(offsets[u], w.sizes[u])); }, old_evictions);
     const double t = run_turns(
-      w, [&](std::size_t u) { return pool.try_map(slots[u], w.sizes[u], quiesce).has_value(); },
+      w, [&](std::size_t u) { return pool.try_map(slots[u], w.sizes[u], 0, quiesce).has_value(); },
       [&](std::size_t u) { pool.unmap(slots[u]); }, new_evictions);
     new_seconds += t;
     turns += w.order.size();
@@ -160,20 +161,23 @@ void cuda_vmm_move(benchmark::State& state)
     return;
   }
   const bool busy = state.range(1) != 0;
+  const bool per_granule = state.range(2) != 0;
   constexpr std::size_t copy_bytes = std::size_t{1} << 30;
   const std::size_t copy_granules = (copy_bytes + g - 1) / g;
-  // Every resource the benchmark takes, given back however it ends.
+  // Every resource the benchmark takes, given back however it ends: `pieces` handles of `granules`
+  // in all, mapped one after another.
   struct vm_area {
     detail::backend& b;
     std::size_t granules;
     std::size_t g;
-    void* physical = nullptr;
+    std::vector<void*> handles;
     std::byte* va = nullptr;
     std::byte* second = nullptr;
     bool mapped = false;
-    vm_area(detail::backend& backend, std::size_t n, std::size_t granule) : b(backend), granules(n), g(granule)
+    vm_area(detail::backend& backend, std::size_t n, std::size_t granule, std::size_t pieces)
+        : b(backend), granules(n), g(granule)
     {
-      physical = b.vm_create(granules);
+      for (std::size_t i = 0; i < pieces; ++i) { handles.push_back(b.vm_create(granules / pieces)); }
       va = b.vm_reserve(granules * g);
       second = b.vm_reserve(granules * g);
     }
@@ -184,15 +188,20 @@ void cuda_vmm_move(benchmark::State& state)
       if (mapped) { b.vm_unmap(va, granules); }
       b.vm_free(va, granules * g);
       b.vm_free(second, granules * g);
-      b.vm_release(physical, granules);
+      for (void* h : handles) { b.vm_release(h, granules / handles.size()); }
+    }
+    void map(std::byte* at)
+    {
+      const std::size_t each = granules / handles.size();
+      for (std::size_t i = 0; i < handles.size(); ++i) { b.vm_map(at + i * each * g, handles[i], each); }
     }
   };
-  vm_area moved(b, granules, g);
+  vm_area moved(b, granules, g, per_granule ? granules : 1);
   std::optional<vm_area> target;  // the copy's destination, mapped as the pool maps a slot
   std::optional<pinned_buffer> source;
   if (busy) {
-    target.emplace(b, copy_granules, g);
-    b.vm_map(target->va, target->physical, 0, copy_granules);
+    target.emplace(b, copy_granules, g, 1);
+    target->map(target->va);
     target->mapped = true;
     source.emplace(dev, copy_bytes);
   }
@@ -213,7 +222,7 @@ void cuda_vmm_move(benchmark::State& state)
     }
     const auto t0 = clock_type::now();
     for (std::byte* va : {moved.va, moved.second}) {
-      b.vm_map(va, moved.physical, 0, granules);
+      moved.map(va);
       if (busy && va == moved.va && !copies.query()) { ++copying; }  // right after the first map
       b.vm_unmap(va, granules);
     }
@@ -243,9 +252,10 @@ BENCHMARK(device_pool_swap)
   ->UseManualTime()
   ->Unit(benchmark::kMicrosecond)
   ->MinTime(0.5);
-// 2, 64 and 192 MiB (1, 32 and 96 granules of 2 MiB), the device idle and busy copying.
+// 2, 64 and 192 MiB (1, 32 and 96 granules of 2 MiB), the device idle and busy copying, in one
+// handle (the pool's extents) and in a handle per granule (the pool before them).
 BENCHMARK(cuda_vmm_move)
-  ->ArgsProduct({{2, 64, 192}, {0, 1}})
+  ->ArgsProduct({{2, 64, 192}, {0, 1}, {0, 1}})
   ->UseManualTime()
   ->Unit(benchmark::kMicrosecond)
   ->Iterations(20);

@@ -11,9 +11,15 @@
 //   device, and releases it; swapping moves the unit's parameters and moments both ways.
 //   step_time_ratio = step time swapping / step time all-resident. Target ≤ 1.03.
 // runtime_streaming: a streamed trunk's step time against all-resident (see the function).
+// runtime_streaming/h200/{layers}/{compute %}/{room}: the same on the emulated h200.
+// cuda_runtime_streaming: the same on a CUDA device (see the function).
 // cuda_runtime_overlap: the same loop on a CUDA device, the step's transfer time measured as a
 //   plain duplex cudaMemcpyAsync between pinned_buffers and device buffers; at compute 0,
 //   link_ratio = the runtime's swap rate / that copy's rate.
+// runtime_overlap/h200/{elements}/{compute %}: cuda_runtime_overlap's rows on the emulated device
+//   under the h200 profile (an H200's link and its driver's mapping costs, slowed 26 times), the
+//   anchor a plain duplex copy on the same emulated link. Targets: link_ratio ≥ 0.9 at compute 0,
+//   step_time_ratio ≤ 1.03 at 125.
 // TASKSWAP_BENCH_TRACE=<file>: runtime_overlap and cuda_runtime_overlap write the swapping
 //   runtime's trace there (Chrome JSON; the last row run), for looking at where a step's time goes.
 //   Only the swapping runtime records spans, so a traced run's step_time_ratio is not comparable.
@@ -232,10 +238,24 @@ void runtime_overlap(benchmark::State& state)
   overlap(state, dev(3), dev(8), elements, std::chrono::duration<double>(static_cast<double>(travel) / link));
 }
 
+// The overlap loop with its anchor measured on the device itself: the step's transfer time is a
+// plain duplex copy of the bytes a step moves between pinned_buffers and device buffers
+// (link_ratio = swapped bytes per second / the anchor's, read at compute 0).
+void anchored_overlap(benchmark::State& state, const device& swapped_dev, const device& resident_dev)
+{
+  const auto elements = static_cast<std::size_t>(state.range(0));
+  const std::size_t travel = 3 * elements * sizeof(float);
+  const double transfer = plain_duplex_seconds(swapped_dev, travel);
+  overlap(state, swapped_dev, resident_dev, elements, std::chrono::duration<double>(transfer));
+  const double moved =
+    (state.counters["h2d_MiB_per_step"].value + state.counters["d2h_MiB_per_step"].value) * (1 << 20);
+  state.counters["swap_GBps"] = moved / (state.counters["step_ms_swapped"].value / 1e3) / 1e9;
+  state.counters["anchor_GBps"] = 2.0 * static_cast<double>(travel) / transfer / 1e9;
+  state.counters["link_ratio"] = state.counters["swap_GBps"].value / state.counters["anchor_GBps"].value;
+}
+
 // The same loop on a CUDA device: real copies through the copy engines, the AdamW kernel on the SMs,
-// and compute a host function holding the trainer's stream. The step's transfer time is measured
-// here, as a plain duplex copy of the bytes a step moves between pinned_buffers and device
-// buffers (the anchor; link_ratio = swapped bytes per second / the anchor's, at compute 0).
+// and compute a host function holding the trainer's stream.
 void cuda_runtime_overlap(benchmark::State& state)
 {
   if (cuda_device_count() == 0) {
@@ -243,15 +263,27 @@ void cuda_runtime_overlap(benchmark::State& state)
     return;
   }
   const device dev = cuda_device(0);
-  const auto elements = static_cast<std::size_t>(state.range(0));
-  const std::size_t travel = 3 * elements * sizeof(float);
-  const double transfer = plain_duplex_seconds(dev, travel);
-  overlap(state, dev, dev, elements, std::chrono::duration<double>(transfer));
-  const double moved =
-    (state.counters["h2d_MiB_per_step"].value + state.counters["d2h_MiB_per_step"].value) * (1 << 20);
-  state.counters["swap_GBps"] = moved / (state.counters["step_ms_swapped"].value / 1e3) / 1e9;
-  state.counters["anchor_GBps"] = 2.0 * static_cast<double>(travel) / transfer / 1e9;
-  state.counters["link_ratio"] = state.counters["swap_GBps"].value / state.counters["anchor_GBps"].value;
+  anchored_overlap(state, dev, dev);
+}
+
+// The emulated device under the h200 profile (Note [The h200 profile]): its link and its driver's
+// virtual-memory costs, slowed by h200_time_scale so that this machine's memory copies keep up
+// with the link (52 GB/s becomes 2 GB/s; each call costs 26 times its H200 time). The GPU's ratios
+// at the GPU's sizes, on any machine.
+constexpr double h200_time_scale = 26.0;
+
+device h200_device(std::size_t memory_bytes)
+{
+  emulated_options o;
+  o.memory_bytes = memory_bytes;
+  o.time_scale = h200_time_scale;
+  return emulated_device(emulated_profile("h200", o));
+}
+
+void runtime_overlap_h200(benchmark::State& state)
+{
+  const std::size_t unit_bytes = 4 * static_cast<std::size_t>(state.range(0)) * sizeof(float);
+  anchored_overlap(state, h200_device(3 * unit_bytes), h200_device(8 * unit_bytes));
 }
 
 // One step over a streamed trunk: the task unit, then every layer forward (a frozen use: its
@@ -299,18 +331,18 @@ loop_result stream_steps(runtime& rt, stream& s, std::size_t layers, std::size_t
   return result_since(rt, before, std::chrono::duration<double>(clock_type::now() - begin).count());
 }
 
-// runtime_streaming: a trunk of `layers` trained layer units streamed through a budget of the task
-// unit and `room` layers (3: the two the backward holds and one prefetched), against the same loop with every unit resident, in the same run, on the
-// emulated device with a 5 GB/s link. A layer's forward computes compute_factor × its parameters'
-// transfer, its backward compute_factor × its whole travel (the optimizer state in, the update
-// out), so compute ≥ transfer at a factor ≥ 1. Target: step_time_ratio ≤ 1.10.
-void runtime_streaming(benchmark::State& state)
+// A trunk of `layers` trained layer units of `elements` f32 parameters each, streamed through a
+// budget of the task unit and `room` layers (3: the two the backward holds and one prefetched),
+// against the same loop with every unit resident, in the same run, on devices `make_device` makes
+// (of the given memory) whose link moves `link` bytes per second each way. A layer's forward
+// computes compute_factor × its parameters' transfer, its backward compute_factor × its whole
+// travel (the optimizer state in, the update out), so compute ≥ transfer at a factor ≥ 1.
+template <class MakeDevice>
+void streaming(benchmark::State& state, std::size_t elements, double link, const MakeDevice& make_device)
 {
-  constexpr double link = 5e9;
   const auto layers = static_cast<std::size_t>(state.range(0));
   const double compute_factor = static_cast<double>(state.range(1)) / 100.0;
   const auto room = static_cast<std::size_t>(state.range(2));
-  constexpr std::size_t elements = 256 * 1024;  // 1 MiB of f32 parameters per layer
   constexpr std::size_t steps = 6;
   std::vector<unit_spec> streamed_specs{task_unit(0, elements / 4, residency::prefetch, 1)};
   std::vector<unit_spec> resident_specs{task_unit(0, elements / 4, residency::pinned, 1)};
@@ -324,11 +356,8 @@ void runtime_streaming(benchmark::State& state)
   streamed_options.device.budget = task_bytes + room * layer_bytes;
   runtime_options resident_options;
   resident_options.device.budget = task_bytes + layers * layer_bytes;
-  const auto dev = [&](std::size_t budget) {
-    return emulated_device({.memory_bytes = budget, .link = {.bytes_per_second = link}});
-  };
-  const device streamed_dev = dev(streamed_options.device.budget);
-  const device resident_dev = dev(resident_options.device.budget);
+  const device streamed_dev = make_device(streamed_options.device.budget);
+  const device resident_dev = make_device(resident_options.device.budget);
   runtime streamed(streamed_dev, streamed_options, streamed_specs);
   runtime resident(resident_dev, resident_options, resident_specs);
   stream streamed_stream(streamed_dev);
@@ -368,6 +397,62 @@ void runtime_streaming(benchmark::State& state)
   state.counters["peak_over_budget"] = static_cast<double>(peak) / static_cast<double>(streamed_options.device.budget);
 }
 
+// runtime_streaming: 1 MiB of f32 parameters a layer on the emulated device with a 5 GB/s link.
+// Target: step_time_ratio ≤ 1.10.
+void runtime_streaming(benchmark::State& state)
+{
+  constexpr double link = 5e9;
+  streaming(state, 256 * 1024, link, [](std::size_t budget) {
+    return emulated_device({.memory_bytes = budget, .link = {.bytes_per_second = link}});
+  });
+}
+
+// One timed plain host-to-device copy of `bytes` between a pinned_buffer and a device buffer: the
+// link's one-way rate without the runtime, in bytes per second (the fastest of three after a
+// warm-up).
+double plain_h2d_rate(const device& dev, std::size_t bytes)
+{
+  pinned_buffer host(dev, bytes);
+  device_buffer target(dev, bytes);
+  stream up(dev);
+  double best = 0;
+  for (int round = 0; round < 4; ++round) {
+    event start(dev, {.timing = true});
+    event end(dev, {.timing = true});
+    start.record(up);
+    copy_async(target.span(), host.span(), up);
+    end.record(up);
+    end.synchronize();
+    const double seconds = elapsed_ms(start, end) / 1e3;
+    if (round == 1 || (round > 1 && seconds < best)) { best = seconds; }
+  }
+  return static_cast<double>(bytes) / best;
+}
+
+// cuda_runtime_streaming: runtime_streaming's loop on a CUDA device, 16 MiB of f32 parameters a
+// layer (64 MiB with their state and gradients), the compute a host function holding the trainer's
+// stream for compute_factor × the layer's transfer at the link's measured one-way rate (the anchor,
+// a plain pinned copy in the same run). Target: step_time_ratio ≤ 1.05.
+void cuda_runtime_streaming(benchmark::State& state)
+{
+  if (cuda_device_count() == 0) {
+    state.SkipWithError("no CUDA device: this benchmark needs a GPU (tools/gpu-check)");
+    return;
+  }
+  const device dev = cuda_device(0);
+  constexpr std::size_t elements = std::size_t{4} << 20;
+  const double link = plain_h2d_rate(dev, elements * sizeof(float));
+  streaming(state, elements, link, [&](std::size_t) { return dev; });
+  state.counters["link_GBps"] = link / 1e9;
+}
+
+// The same on the emulated h200 (its 2 MiB granules, link and mapping costs, slowed 26 times),
+// 4 MiB of f32 parameters a layer (16 MiB with its state and gradients: 8 granules).
+void runtime_streaming_h200(benchmark::State& state)
+{
+  streaming(state, 1024 * 1024, 52e9 / h200_time_scale, h200_device);
+}
+
 }  // namespace
 
 // {registered units, units the budget holds}: all resident (every acquire a hit, no copies), and
@@ -391,6 +476,26 @@ BENCHMARK(runtime_overlap)
 // the budget) and for 4.
 BENCHMARK(runtime_streaming)
   ->ArgsProduct({{28, 56}, {125, 200}, {3, 4}})
+  ->UseManualTime()
+  ->Unit(benchmark::kMillisecond)
+  ->Iterations(2);
+// As cuda_runtime_overlap, at its sizes 4 Mi and 12 Mi f32 elements, on the emulated h200.
+BENCHMARK(runtime_overlap_h200)
+  ->Name("runtime_overlap/h200")
+  ->ArgsProduct({{4 << 20, 12 << 20}, {0, 125, 200}})
+  ->UseManualTime()
+  ->Unit(benchmark::kMillisecond)
+  ->Iterations(2);
+// 28 layers of 16 MiB, compute 1.25x and 2x, room for 3, on the emulated h200.
+BENCHMARK(runtime_streaming_h200)
+  ->Name("runtime_streaming/h200")
+  ->ArgsProduct({{28}, {125, 200}, {3}})
+  ->UseManualTime()
+  ->Unit(benchmark::kMillisecond)
+  ->Iterations(2);
+// 28 layers of 64 MiB, compute 1.25x and 2x, room for 3 and 4, on a CUDA device.
+BENCHMARK(cuda_runtime_streaming)
+  ->ArgsProduct({{28}, {125, 200}, {3, 4}})
   ->UseManualTime()
   ->Unit(benchmark::kMillisecond)
   ->Iterations(2);

@@ -63,27 +63,29 @@ class backend {
   // Device memory: 256-byte aligned. deallocate waits for the device's queued work.
   [[nodiscard]] virtual std::byte* allocate(std::size_t bytes) = 0;
   virtual void deallocate(std::byte* p, std::size_t bytes) noexcept = 0;
-  // Virtual memory, for the device pool (DESIGN invariant 8): physical memory in granules of
-  // vm_granularity() bytes, mapped into reserved address ranges, so that a range's bytes need not
-  // be contiguous in physical memory. `first`/`count` are granule indices of one physical object;
-  // a range is mapped and unmapped in whole granules. Mapping touches no data and orders nothing:
-  // the caller unmaps a range only once the work that used it is done.
+  // Virtual memory, for the device pool (DESIGN invariant 8): physical memory in handles of whole
+  // granules of vm_granularity() bytes, each handle mapped whole into reserved address ranges, so
+  // that a range's bytes need not be contiguous in physical memory. A handle may be mapped at
+  // several addresses at once. None of these calls touches data, waits for the device or orders
+  // anything: the caller unmaps or releases only what no queued work still uses. They may be made
+  // from a thread other than the one that queues work (the pool's mapping thread).
   [[nodiscard]] virtual std::size_t vm_granularity() const = 0;
-  // Whether a range's bytes are its granules' (so remapping a range in use would lose them);
+  // Whether a range's bytes are its handles' (so remapping a range in use would lose them);
   // false where each range keeps bytes of its own (an emulated granule below a page).
   [[nodiscard]] virtual bool vm_maps_memory() const { return true; }
-  // Physical memory of `granules` granules, counted against the device's memory.
+  // One handle of `granules` granules, counted against the device's memory (cuMemCreate).
   // @throws out_of_memory when the device cannot hold it
   [[nodiscard]] virtual void* vm_create(std::size_t granules) = 0;
-  // Waits for the device's queued work (as deallocate), then frees it; nothing may map it.
-  virtual void vm_release(void* physical, std::size_t granules) noexcept = 0;
+  // Frees a handle mapped nowhere (cuMemRelease).
+  virtual void vm_release(void* handle, std::size_t granules) = 0;
   // An address range of `bytes` (a multiple of the granularity), mapped to nothing.
   [[nodiscard]] virtual std::byte* vm_reserve(std::size_t bytes) = 0;
   virtual void vm_free(std::byte* va, std::size_t bytes) noexcept = 0;
-  // Maps granules [first, first + count) of `physical` at `va`, readable and writable by the
-  // device; `va` must be unmapped there. The same granule may be mapped at several addresses.
-  virtual void vm_map(std::byte* va, void* physical, std::size_t first, std::size_t count) = 0;
-  virtual void vm_unmap(std::byte* va, std::size_t count) = 0;
+  // Maps the whole handle at `va`, readable and writable by the device (cuMemMap with offset 0,
+  // cuMemSetAccess); `va` must be unmapped there.
+  virtual void vm_map(std::byte* va, void* handle, std::size_t granules) = 0;
+  // Unmaps [va, va + granules): handles mapped whole, one after another (one cuMemUnmap).
+  virtual void vm_unmap(std::byte* va, std::size_t granules) = 0;
 
   [[nodiscard]] virtual std::byte* allocate_pinned(std::size_t bytes) = 0;
   virtual void deallocate_pinned(std::byte* p, std::size_t bytes) noexcept = 0;

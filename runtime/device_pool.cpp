@@ -7,89 +7,46 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <numeric>
 
 namespace taskswap::detail {
 
-// ---- granule_runs ------------------------------------------------------------------------------
-
-granule_runs::granule_runs(std::size_t granules)
-{
-  if (granules > 0) { insert(0, granules); }
-}
-
-void granule_runs::insert(std::size_t first, std::size_t count)
-{
-  by_first_.emplace(first, count);
-  by_size_.emplace(count, first);
-  free_ += count;
-}
-
-void granule_runs::erase(std::map<std::size_t, std::size_t>::iterator it)
-{
-  by_size_.erase({it->second, it->first});
-  free_ -= it->second;
-  by_first_.erase(it);
-}
-
-bool granule_runs::is_free(granule_run r) const
-{
-  auto it = by_first_.upper_bound(r.first);
-  if (it == by_first_.begin()) { return false; }
-  --it;
-  return r.first + r.count <= it->first + it->second;
-}
-
-void granule_runs::take(granule_run r)
-{
-  auto it = std::prev(by_first_.upper_bound(r.first));
-  const std::size_t first = it->first;
-  const std::size_t count = it->second;
-  erase(it);
-  if (r.first > first) { insert(first, r.first - first); }
-  if (r.first + r.count < first + count) { insert(r.first + r.count, first + count - r.first - r.count); }
-}
-
-void granule_runs::take(std::size_t count, std::vector<granule_run>& into)
-{
-  if (count == 0) { return; }
-  if (const auto fit = by_size_.lower_bound({count, 0}); fit != by_size_.end()) {
-    into.push_back({fit->second, count});
-    take(into.back());
-    return;
-  }
-  while (count > 0) {
-    const auto largest = std::prev(by_size_.end());
-    const granule_run r{largest->second, std::min(count, largest->first)};
-    take(r);
-    into.push_back(r);
-    count -= r.count;
-  }
-}
-
-void granule_runs::give(granule_run r)
-{
-  std::size_t first = r.first;
-  std::size_t count = r.count;
-  auto next = by_first_.lower_bound(first);
-  if (next != by_first_.begin()) {
-    const auto prev = std::prev(next);
-    if (prev->first + prev->second == first) {
-      first = prev->first;
-      count += prev->second;
-      erase(prev);
-    }
-  }
-  next = by_first_.lower_bound(first + count);
-  if (next != by_first_.end() && next->first == first + count) {
-    count += next->second;
-    erase(next);
-  }
-  insert(first, count);
-}
-
-// ---- device_pool -------------------------------------------------------------------------------
+// Note [Extents]
+// ~~~~~~~~~~~~~~
+// The driver's virtual-memory calls cost their caller by the handle, not by the byte. On an H200
+// (bench/vmm_probe.cu, docs/gpu-results.md) mapping a handle and granting access to it costs
+// about 35 us and unmapping it 20 us, whether it is one granule (2 MiB) or 96 (192 MiB): a slot of
+// 192 MiB mapped as 96 handles of one granule took 3.4 ms, as one handle 55 us, and with a copy or
+// a kernel in flight each figure about doubles. The driver maps a handle only whole (cuMemMap
+// refuses an offset into one), so the physical memory is kept as extents, each one handle, sized
+// to the slots that map them:
+// - A slot maps one extent of its size, or two where a later shrink() keeps a prefix (a unit held
+//   frozen gives up all but its parameters, so its whole mapping parts after them).
+// - A slot whose extents were taken maps free extents of the sizes it needs; where there is none
+//   of a size, free extents are released and one of that size made from their granules (a
+//   reshape, with what is left over made an extent of its own). Units of one shape swap through
+//   the same extents with no reshape; any request of at most the free granules is still met.
+// - At construction the budget is taken as extents of up to 64 MiB: each reshape then releases
+//   few handles, and the device holds the budget from the start.
+// - A reshape gives memory back to the driver for the moment between the release and the create.
+//   Another allocator on the device taking it in that moment fails the map with out_of_memory.
+//
+// Note [Mapping off the trainer's thread]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Every decision (which extent goes where, what is released, the free counts) is made here, on the
+// caller's thread, at once, so the budget stays exact and the caller's view never lags. The driver
+// calls that carry a decision out are queued to the mapping thread (slot_mapper) as one job, in
+// decision order; map() returns the range with the job's ticket, and whoever queues work on the
+// range waits until ready(ticket) (the swap engine enqueues a swap-in's copy then). What moves
+// waits for its earlier users there too: the quiesce callback makes a fence stream wait for their
+// events still in flight, the job records its own fence event after them, and the thread waits for
+// it before its calls. Events recorded later by the caller do not reach the fence. A granule mapped
+// at a second address while its owner's write-back still reads it at the first is what lets a
+// swap-in take a victim's extents without waiting for that copy.
 
 namespace {
+
+constexpr std::size_t extent_chunk_bytes = std::size_t{64} << 20;  // the extents taken at construction
 
 std::size_t granularity_of(const device& dev, std::size_t budget)
 {
@@ -102,23 +59,41 @@ std::size_t granularity_of(const device& dev, std::size_t budget)
 
 }  // namespace
 
-device_pool::device_pool(const device& dev, std::size_t budget)
-    : dev_(dev), budget_(budget), granule_(granularity_of(dev, budget)), granules_(budget / granule_), free_(granules_)
+device_pool::device_pool(const device& dev, std::size_t budget, std::chrono::milliseconds timeout)
+    : dev_(dev), budget_(budget), granule_(granularity_of(dev, budget)), granules_(budget / granule_),
+      fences_(dev), mapper_(dev, timeout)
 {
   backend& b = dev_.backend();
-  try {
-    physical_ = b.vm_create(granules_);
-  } catch (const out_of_memory& e) {
-    throw out_of_memory(message("the device budget of ", bytes_text(budget), " does not fit on ", dev.name(),
-                                ", which has ", bytes_text(e.available()), " free of ", bytes_text(e.budget()),
-                                "; lower [device] budget (", e.what(), ")"),
-                        budget, e.available(), e.budget());
+  const std::size_t chunk = std::max<std::size_t>(1, extent_chunk_bytes / granule_);
+  slot_mapper::job made;
+  for (std::size_t at = 0; at < granules_; at += chunk) {
+    const std::uint32_t e = new_extent_id(std::min(chunk, granules_ - at));
+    made.calls.push_back({.what = slot_mapper::call::kind::create, .extent = e, .granules = extents_[e].granules});
+    free_extents_.emplace(extents_[e].granules, e);
   }
+  free_granules_ = granules_;
   try {
+    mapper_.run_here(made);
     pinned_address_ = b.vm_reserve(granules_ * granule_);
   } catch (...) {
-    b.vm_release(physical_, granules_);
-    throw;
+    static_cast<void>(mapper_.stop());
+    for (std::uint32_t e = 0; e < extents_.size(); ++e) {
+      if (void* h = mapper_.handle(e)) {
+        try {
+          b.vm_release(h, extents_[e].granules);
+        } catch (const error& f) {
+          std::fprintf(stderr, "taskswap: device pool: %s\n", f.what());
+        }
+      }
+    }
+    try {
+      throw;
+    } catch (const out_of_memory& e) {
+      throw out_of_memory(message("the device budget of ", bytes_text(budget), " does not fit on ", dev.name(),
+                                  ", which has ", bytes_text(e.available()), " free of ", bytes_text(e.budget()),
+                                  "; lower [device] budget (", e.what(), ")"),
+                          budget, e.available(), e.budget());
+    }
   }
 }
 
@@ -135,13 +110,22 @@ std::vector<std::string> device_pool::close() noexcept
   std::vector<std::string> problems;
   if (closed_) { return problems; }
   closed_ = true;
-  const auto keep = [&](const error& e) noexcept {
+  const auto keep = [&](const std::exception& e) noexcept {
     try {
       problems.emplace_back(e.what());
     } catch (...) {  // out of memory while tearing down: the report is shorter
     }
   };
   backend& b = dev_.backend();
+  if (const std::exception_ptr failed = mapper_.stop()) {
+    // What is mapped where is not known after a failed call: everything stays reserved.
+    try {
+      std::rethrow_exception(failed);
+    } catch (const std::exception& e) {
+      keep(e);
+    } catch (...) {}
+    return problems;
+  }
   try {
     b.synchronize();  // nothing may use a range while it is unmapped
   } catch (const error& e) {  // a faulted device: its queued work was abandoned
@@ -150,91 +134,219 @@ std::vector<std::string> device_pool::close() noexcept
   // A range still mapped after a failure is left reserved (and its memory held): freeing either
   // under a live mapping is undefined.
   bool all_unmapped = true;
-  const auto report = [&](const error& e) {
-    all_unmapped = false;
-    keep(e);
+  const auto unmap_free = [&](std::byte* address, std::size_t mapped, std::size_t reserved) {
+    try {
+      if (mapped > 0) { b.vm_unmap(address, mapped); }
+      b.vm_free(address, reserved);
+    } catch (const error& e) {
+      all_unmapped = false;
+      keep(e);
+    }
   };
-  for (slot_state& s : slots_) {
-    if (s.address == nullptr) { continue; }  // removed, or packed
+  const auto granules_of = [&](const std::vector<std::uint32_t>& ids) {
+    std::size_t n = 0;
+    for (const std::uint32_t e : ids) { n += extents_[e].granules; }
+    return n;
+  };
+  for (const slot_state& s : slots_) {
+    if (s.address != nullptr) { unmap_free(s.address, granules_of(s.mapped), s.max_granules * granule_); }
+  }
+  for (const class_granule& cg : shared_) { unmap_free(cg.address, cg.extent != none ? 1 : 0, granule_); }
+  unmap_free(pinned_address_, pinned_granules_, granules_ * granule_);
+  if (!all_unmapped) { return problems; }
+  for (std::uint32_t e = 0; e < extents_.size(); ++e) {
+    if (!extents_[e].live) { continue; }
     try {
-      unmap_all(s);
-      b.vm_free(s.address, s.max_granules * granule_);
-    } catch (const error& e) {
-      report(e);
+      b.vm_release(mapper_.handle(e), extents_[e].granules);
+    } catch (const error& f) {
+      keep(f);
     }
   }
-  for (class_granule& cg : shared_) {
-    try {
-      if (cg.mapped) { b.vm_unmap(cg.address, 1); }
-      b.vm_free(cg.address, granule_);
-    } catch (const error& e) {
-      report(e);
-    }
-  }
-  try {
-    std::size_t at = 0;
-    for (const granule_run r : pinned_mapped_) {
-      b.vm_unmap(pinned_address_ + at * granule_, r.count);
-      at += r.count;
-    }
-    b.vm_free(pinned_address_, granules_ * granule_);
-  } catch (const error& e) {
-    report(e);
-  }
-  if (all_unmapped) { b.vm_release(physical_, granules_); }
   return problems;
 }
 
-std::size_t device_pool::free() const
-{
-  const std::lock_guard lock(mutex_);
-  return free_.free() * granule_;
-}
-
-void device_pool::note_peak() { peak_ = std::max(peak_, (granules_ - free_.free()) * granule_); }
+void device_pool::note_peak() { peak_ = std::max(peak_, (granules_ - free_granules_) * granule_); }
 
 void device_pool::throw_full(std::size_t bytes, const char* what) const
 {
-  const std::size_t free = free_.free() * granule_;
   throw out_of_memory(message("device pool on ", dev_.name(), ": ", what, " needs ", bytes_text(taken(bytes)), " (",
-                              bytes_text(bytes), " in granules of ", bytes_text(granule_), "); ", bytes_text(free),
+                              bytes_text(bytes), " in granules of ", bytes_text(granule_), "); ", bytes_text(free()),
                               " of the ", bytes_text(granules_ * granule_), " budget free"),
-                      bytes, free, budget_);
+                      bytes, free(), budget_);
 }
+
+// ---- extents -----------------------------------------------------------------------------------
+
+std::uint32_t device_pool::new_extent_id(std::size_t granules)
+{
+  std::uint32_t e = 0;
+  if (!spare_ids_.empty()) {
+    e = spare_ids_.back();
+    spare_ids_.pop_back();
+  } else {
+    e = static_cast<std::uint32_t>(extents_.size());
+    extents_.emplace_back();
+  }
+  extents_[e] = extent{.granules = granules, .owner = none, .sites = {}, .live = true};
+  ++live_extents_;
+  return e;
+}
+
+void device_pool::take(std::uint32_t e, std::uint32_t owner)
+{
+  extent& x = extents_[e];
+  free_extents_.erase({x.granules, e});
+  free_granules_ -= x.granules;
+  x.owner = owner;
+}
+
+void device_pool::give(std::uint32_t e)
+{
+  extent& x = extents_[e];
+  x.owner = none;
+  free_extents_.emplace(x.granules, e);
+  free_granules_ += x.granules;
+}
+
+// A free extent of exactly `granules`: one that is, or one made from free extents (they are
+// unmapped where they are mapped, after their users, and released). The caller takes it.
+std::uint32_t device_pool::extent_of(std::size_t granules, job_builder& b, const quiesce_fn& quiesce)
+{
+  const auto fit = free_extents_.lower_bound({granules, 0});
+  if (fit != free_extents_.end() && fit->first == granules) { return fit->second; }
+  std::vector<std::uint32_t> from;  // the smallest larger one, else the largest ones first
+  std::size_t sum = 0;
+  if (fit != free_extents_.end()) {
+    from.push_back(fit->second);
+    sum = fit->first;
+  } else {
+    for (auto it = free_extents_.rbegin(); sum < granules; ++it) {
+      from.push_back(it->second);
+      sum += it->first;
+    }
+  }
+  using kind = slot_mapper::call::kind;
+  for (const std::uint32_t e : from) {
+    detach(e, b, quiesce);
+    free_extents_.erase({extents_[e].granules, e});
+    b.job.calls.push_back({.what = kind::release, .extent = e, .granules = extents_[e].granules});
+    extents_[e].live = false;
+    spare_ids_.push_back(e);
+    --live_extents_;
+  }
+  const auto make = [&](std::size_t n) {
+    const std::uint32_t e = new_extent_id(n);
+    b.job.calls.push_back({.what = kind::create, .extent = e, .granules = n});
+    free_extents_.emplace(n, e);
+    return e;
+  };
+  const std::uint32_t made = make(granules);
+  if (sum > granules) { static_cast<void>(make(sum - granules)); }
+  ++reshapes_;
+  return made;
+}
+
+// The fence waits for the earlier users of `site` (once a job).
+void device_pool::quiesce_site(std::uint32_t site, job_builder& b, const quiesce_fn& quiesce)
+{
+  if (std::find(b.quiesced.begin(), b.quiesced.end(), site) != b.quiesced.end()) { return; }
+  b.quiesced.push_back(site);
+  if (!dev_.backend().vm_maps_memory()) { return; }  // each range keeps its own bytes: nothing moves under a user
+  const auto ask = [&](slot_id slot) {
+    std::string users;
+    if (quiesce) {
+      users = quiesce(slot, fences_);
+    } else {
+      dev_.synchronize();  // no caller to ask: wait for everything
+    }
+    if (!users.empty()) {
+      b.job.fence_users += (b.job.fence_users.empty() ? "" : ", ") + users;
+    }
+  };
+  if ((site & class_site) != 0) {
+    for (const slot_id f : shared_[site & ~class_site].former) { ask(f); }
+  } else {
+    ask(site);
+  }
+}
+
+// Unmaps the extents mapped at `site` from its index-th on (the site owns none of them).
+void device_pool::unmap_site_from(std::uint32_t site, std::size_t index, job_builder& b, const quiesce_fn& quiesce)
+{
+  quiesce_site(site, b, quiesce);
+  const auto forget = [&](std::uint32_t e) {
+    std::vector<std::uint32_t>& at = extents_[e].sites;
+    at.erase(std::find(at.begin(), at.end(), site));
+  };
+  if ((site & class_site) != 0) {
+    class_granule& cg = shared_[site & ~class_site];
+    b.job.calls.push_back({.what = slot_mapper::call::kind::unmap, .address = cg.address, .granules = 1});
+    forget(cg.extent);
+    cg.extent = none;
+    cg.former.clear();
+    return;
+  }
+  slot_state& s = slots_[site];
+  std::size_t offset = 0;
+  std::size_t count = 0;
+  for (std::size_t i = 0; i < s.mapped.size(); ++i) {
+    (i < index ? offset : count) += extents_[s.mapped[i]].granules;
+    if (i >= index) { forget(s.mapped[i]); }
+  }
+  b.job.calls.push_back(
+    {.what = slot_mapper::call::kind::unmap, .address = s.address + offset * granule_, .granules = count});
+  s.mapped.resize(index);
+}
+
+// Unmaps the free extent `e` wherever it is mapped.
+void device_pool::detach(std::uint32_t e, job_builder& b, const quiesce_fn& quiesce)
+{
+  const std::vector<std::uint32_t> sites = extents_[e].sites;
+  for (const std::uint32_t site : sites) {
+    if ((site & class_site) != 0) {
+      unmap_site_from(site, 0, b, quiesce);
+    } else {
+      const std::vector<std::uint32_t>& m = slots_[site].mapped;
+      unmap_site_from(site, static_cast<std::size_t>(std::find(m.begin(), m.end(), e) - m.begin()), b, quiesce);
+    }
+  }
+}
+
+void device_pool::map_at(std::byte* address, std::uint32_t e, std::uint32_t site, job_builder& b)
+{
+  b.job.calls.push_back(
+    {.what = slot_mapper::call::kind::map, .extent = e, .address = address, .granules = extents_[e].granules});
+  if (site != pinned_owner) { extents_[e].sites.push_back(site); }
+}
+
+device_pool::ticket device_pool::submit(job_builder& b)
+{
+  if (b.job.calls.empty()) { return 0; }
+  if (!b.job.fence_users.empty()) {
+    b.job.fence.emplace(dev_);
+    b.job.fence->record(fences_);
+  }
+  ++jobs_;
+  return mapper_.submit(std::move(b.job));
+}
+
+// ---- ranges ------------------------------------------------------------------------------------
 
 device_span device_pool::place_pinned(std::size_t bytes)
 {
   TASKSWAP_EXPECTS(bytes > 0, "device pool allocation of 0 bytes");
-  const std::lock_guard lock(mutex_);
   const std::size_t at = (pinned_bytes_ + 255) / 256 * 256;
   const std::size_t need = (at + bytes + granule_ - 1) / granule_;
   if (need > pinned_granules_) {
     const std::size_t more = need - pinned_granules_;
-    if (more > free_.free()) { throw_full(bytes, "a pinned range"); }
-    std::vector<granule_run> runs;
-    free_.take(more, runs);
-    std::size_t mapped = pinned_granules_;
-    try {
-      for (const granule_run r : runs) {
-        dev_.backend().vm_map(pinned_address_ + mapped * granule_, physical_, r.first, r.count);
-        pinned_mapped_.push_back(r);
-        mapped += r.count;
-      }
-    } catch (...) {
-      // Undo this call: what it mapped is unmapped (as far as that works) and every run it took is free.
-      try {
-        while (mapped > pinned_granules_) {
-          mapped -= pinned_mapped_.back().count;
-          dev_.backend().vm_unmap(pinned_address_ + mapped * granule_, pinned_mapped_.back().count);
-          pinned_mapped_.pop_back();
-        }
-      } catch (const error& e) {
-        std::fprintf(stderr, "taskswap: device pool: undoing a pinned mapping: %s\n", e.what());
-      }
-      for (const granule_run r : runs) { free_.give(r); }
-      throw;
-    }
+    if (more > free_granules_) { throw_full(bytes, "a pinned range"); }
+    job_builder b;
+    const std::uint32_t e = extent_of(more, b, nullptr);
+    take(e, pinned_owner);
+    map_at(pinned_address_ + pinned_granules_ * granule_, e, pinned_owner, b);
+    pinned_extents_.push_back(e);
     pinned_granules_ = need;
+    wait(submit(b));  // registration: the range is used at once
   }
   pinned_bytes_ = at + bytes;
   pinned_asked_ += bytes;
@@ -246,20 +358,14 @@ device_span device_pool::place_pinned(std::size_t bytes)
 device_pool::slot_id device_pool::add_slot(std::size_t max_bytes)
 {
   TASKSWAP_EXPECTS(max_bytes > 0, "device pool slot of 0 bytes");
-  if (packs(max_bytes)) {
-    const std::lock_guard lock(mutex_);
-    slot_state s;
-    s.size_class = class_of(max_bytes);
-    slots_.push_back(s);
-    return static_cast<slot_id>(slots_.size() - 1);
-  }
-  const std::size_t granules = (max_bytes + granule_ - 1) / granule_;
-  std::byte* address = dev_.backend().vm_reserve(granules * granule_);
-  const std::lock_guard lock(mutex_);
   slot_state s;
-  s.address = address;
-  s.max_granules = granules;
-  slots_.push_back(s);
+  if (packs(max_bytes)) {
+    s.size_class = class_of(max_bytes);
+  } else {
+    s.max_granules = (max_bytes + granule_ - 1) / granule_;
+    s.address = dev_.backend().vm_reserve(s.max_granules * granule_);
+  }
+  slots_.push_back(std::move(s));
   return static_cast<slot_id>(slots_.size() - 1);
 }
 
@@ -295,43 +401,17 @@ device_pool::slot_state& device_pool::live_slot(slot_id slot, const char* call)
   return slots_[slot];
 }
 
-// From the end, so that after a failure the list still names exactly what is mapped.
-void device_pool::unmap_all(slot_state& s)
-{
-  std::size_t end = 0;
-  for (const granule_run r : s.mapped) { end += r.count; }
-  while (!s.mapped.empty()) {
-    const granule_run r = s.mapped.back();
-    dev_.backend().vm_unmap(s.address + (end - r.count) * granule_, r.count);
-    end -= r.count;
-    s.mapped.pop_back();
-  }
-}
-
-// Frees the slot's own granules from `from_granule` on; they stay mapped there.
-void device_pool::give_from(slot_state& s, std::size_t from_granule)
-{
-  std::size_t at = 0;
-  for (const granule_run r : s.mapped) {
-    if (at >= s.owned) { break; }
-    const std::size_t begin = std::max(at, from_granule);
-    const std::size_t end = std::min(at + r.count, s.owned);
-    if (begin < end) { free_.give({r.first + (begin - at), end - begin}); }
-    at += r.count;
-  }
-  s.owned = std::min(s.owned, from_granule);
-}
-
-device_span device_pool::map_packed(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce)
+device_pool::mapping device_pool::map_packed(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce)
 {
   size_class& c = classes_[s.size_class];
   const std::size_t places = granule_ / c.place_bytes;
   std::uint32_t g = open_place(c);
-  if (g == none) {  // an empty class granule, its stale granule still free if one is; else a new one
+  if (g == none) {  // an empty class granule, its extent still free if one's is; else a new one
+    const auto own_free = [&](const class_granule& cg) { return cg.extent != none && extents_[cg.extent].owner == none; };
     for (const std::uint32_t e : c.granules) {
       const class_granule& cg = shared_[e];
       if (cg.taken != 0) { continue; }
-      if (g == none || (cg.mapped && free_.is_free({cg.granule, 1}))) { g = e; }
+      if (g == none || own_free(cg)) { g = e; }
     }
     if (g == none) {
       class_granule cg;
@@ -342,27 +422,17 @@ device_span device_pool::map_packed(slot_id id, slot_state& s, std::size_t bytes
       c.granules.push_back(g);
     }
     class_granule& cg = shared_[g];
-    if (cg.mapped && free_.is_free({cg.granule, 1})) {
-      free_.take({cg.granule, 1});
+    const std::uint32_t site = class_site | g;
+    if (own_free(cg)) {
+      take(cg.extent, site);
     } else {
-      if (cg.mapped) {
-        if (dev_.backend().vm_maps_memory()) {
-          for (const slot_id f : cg.former) { quiesce(f); }
-          dev_.backend().vm_unmap(cg.address, 1);
-        }
-        cg.mapped = false;
-      }
-      cg.former.clear();
-      std::vector<granule_run> run;
-      free_.take(1, run);
-      try {
-        dev_.backend().vm_map(cg.address, physical_, run.front().first, 1);
-      } catch (...) {
-        free_.give(run.front());
-        throw;
-      }
-      cg.granule = run.front().first;
-      cg.mapped = true;
+      job_builder b;
+      if (cg.extent != none) { unmap_site_from(site, 0, b, quiesce); }
+      const std::uint32_t e = extent_of(1, b, quiesce);
+      take(e, site);
+      map_at(cg.address, e, site, b);
+      shared_[g].extent = e;
+      shared_[g].ready = submit(b);
     }
   }
   class_granule& cg = shared_[g];
@@ -373,7 +443,7 @@ device_span device_pool::map_packed(slot_id id, slot_state& s, std::size_t bytes
   if (std::find(cg.former.begin(), cg.former.end(), id) == cg.former.end()) { cg.former.push_back(id); }
   s.shared = g;
   s.place = place;
-  return mapped(s, bytes, cg.address + place * c.place_bytes);
+  return {mapped(s, bytes, cg.address + place * c.place_bytes), cg.ready};
 }
 
 // The slot is live with `bytes` at `at`: the figures follow.
@@ -391,66 +461,62 @@ void device_pool::unmap_packed(slot_state& s)
 {
   class_granule& cg = shared_[s.shared];
   cg.places[s.place] = none;
-  if (--cg.taken == 0) { free_.give({cg.granule, 1}); }  // it stays mapped there
+  if (--cg.taken == 0) { give(cg.extent); }  // it stays mapped there
   s.shared = none;
 }
 
-device_span device_pool::map_locked(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce)
+// The extents still mapped at the slot cover `need` granules exactly, all free, parting at
+// `split` (0: anywhere): the slot takes them back with no call.
+bool device_pool::reuses_mapped(slot_state& s, std::size_t need, std::size_t split)
 {
-  if (s.size_class != none) { return map_packed(id, s, bytes, quiesce); }
+  std::size_t sum = 0;
+  std::size_t n = 0;
+  bool parts = split == 0;
+  for (; n < s.mapped.size() && sum < need; ++n) {
+    const extent& x = extents_[s.mapped[n]];
+    if (x.owner != none) { return false; }
+    sum += x.granules;
+    parts = parts || sum == split;
+  }
+  if (sum != need || !parts) { return false; }
+  for (std::size_t i = 0; i < n; ++i) { take(s.mapped[i], static_cast<std::uint32_t>(&s - slots_.data())); }
+  s.owned = n;
+  return true;
+}
+
+device_pool::mapping device_pool::map_slot(slot_id id, slot_state& s, std::size_t bytes, std::size_t keep,
+                                           const quiesce_fn& quiesce)
+{
   const std::size_t need = (bytes + granule_ - 1) / granule_;
-  // The granules still mapped here, as far as the request reaches: all free, they are taken back
-  // with no mapping call; otherwise the slot moves to other granules.
-  const auto for_prefix = [&](auto&& visit) {
-    std::size_t covered = 0;
-    for (const granule_run r : s.mapped) {
-      if (covered >= need) { break; }
-      const granule_run part{r.first, std::min(r.count, need - covered)};
-      if (!visit(part)) { return false; }
-      covered += part.count;
-    }
-    return true;
-  };
-  if (for_prefix([&](granule_run part) { return free_.is_free(part); })) {
-    for_prefix([&](granule_run part) {
-      free_.take(part);
-      s.owned += part.count;
-      return true;
-    });
-  } else {
-    if (dev_.backend().vm_maps_memory()) {
-      quiesce(id);
-      unmap_all(s);
-    } else {
-      s.mapped.clear();  // nothing is mapped where each range keeps its own bytes
-    }
+  std::size_t split = keep > 0 && keep < bytes ? (keep + granule_ - 1) / granule_ : 0;
+  if (split >= need) { split = 0; }
+  if (reuses_mapped(s, need, split)) { return {mapped(s, bytes, s.address), s.ready}; }
+  const std::vector<std::size_t> pieces = split != 0 ? std::vector{split, need - split} : std::vector{need};
+  // The leading extents mapped here that are free and of the pieces' sizes stay; the rest move.
+  job_builder b;
+  std::size_t kept = 0;
+  while (kept < pieces.size() && kept < s.mapped.size()) {
+    const extent& x = extents_[s.mapped[kept]];
+    if (x.owner != none || x.granules != pieces[kept]) { break; }
+    ++kept;
   }
-  if (s.owned < need) {
-    // Past the granules mapped here (all of them reused) the addresses are unmapped: map new ones.
-    const std::size_t first_new = s.mapped.size();
-    free_.take(need - s.owned, s.mapped);
-    std::size_t at = s.owned;
-    for (std::size_t i = first_new; i < s.mapped.size(); ++i) {
-      const granule_run r = s.mapped[i];
-      try {
-        dev_.backend().vm_map(s.address + at * granule_, physical_, r.first, r.count);
-      } catch (...) {
-        for (std::size_t j = i; j < s.mapped.size(); ++j) { free_.give(s.mapped[j]); }
-        s.mapped.resize(i);
-        s.owned = at;
-        give_from(s, 0);  // what was taken and mapped stays mapped here, free
-        throw;
-      }
-      at += r.count;
-    }
-    s.owned = need;
+  if (kept < s.mapped.size()) { unmap_site_from(id, kept, b, quiesce); }
+  for (std::size_t i = 0; i < kept; ++i) { take(s.mapped[i], id); }
+  std::size_t at = std::accumulate(pieces.begin(), pieces.begin() + static_cast<long>(kept), std::size_t{0});
+  for (std::size_t i = kept; i < pieces.size(); ++i) {
+    const std::uint32_t e = extent_of(pieces[i], b, quiesce);
+    take(e, id);
+    map_at(s.address + at * granule_, e, id, b);
+    s.mapped.push_back(e);
+    at += pieces[i];
   }
-  return mapped(s, bytes, s.address);
+  s.owned = pieces.size();
+  if (const ticket t = submit(b); t != 0) { s.ready = t; }
+  return {mapped(s, bytes, s.address), s.ready};
 }
 
 bool device_pool::fits(slot_id slot, std::size_t bytes) const
 {
-  const std::lock_guard lock(mutex_);
   TASKSWAP_EXPECTS(slot < slots_.size() && !slots_[slot].removed,
                    message("device pool: fits of slot ", slot, ", which this pool does not have"));
   return has_room(slots_[slot], bytes);
@@ -459,38 +525,38 @@ bool device_pool::fits(slot_id slot, std::size_t bytes) const
 // A packed slot needs a free place in its class or a free granule; any other, its granules.
 bool device_pool::has_room(const slot_state& s, std::size_t bytes) const
 {
-  if (s.size_class != none) { return open_place(classes_[s.size_class]) != none || free_.free() >= 1; }
-  return (bytes + granule_ - 1) / granule_ <= free_.free();
+  if (s.size_class != none) { return open_place(classes_[s.size_class]) != none || free_granules_ >= 1; }
+  return (bytes + granule_ - 1) / granule_ <= free_granules_;
 }
 
-std::optional<device_span> device_pool::try_map(slot_id slot, std::size_t bytes, const quiesce_fn& quiesce)
+std::optional<device_pool::mapping> device_pool::try_map(slot_id slot, std::size_t bytes, std::size_t keep,
+                                                         const quiesce_fn& quiesce)
 {
-  const std::lock_guard lock(mutex_);
   slot_state& s = live_slot(slot, "map");
   TASKSWAP_EXPECTS(!s.live, message("device pool: slot ", slot, " is mapped already; unmap it first"));
   const std::size_t max = s.size_class != none ? classes_[s.size_class].place_bytes : s.max_granules * granule_;
   TASKSWAP_EXPECTS(bytes > 0 && bytes <= max,
                    message("device pool: cannot map ", bytes, " bytes at slot ", slot, " of ", max, " bytes"));
   if (!has_room(s, bytes)) { return std::nullopt; }
-  return map_locked(slot, s, bytes, quiesce);
+  if (s.size_class != none) { return map_packed(slot, s, bytes, quiesce); }
+  return map_slot(slot, s, bytes, keep, quiesce);
 }
 
-device_span device_pool::map(slot_id slot, std::size_t bytes, const quiesce_fn& quiesce)
+device_pool::mapping device_pool::map(slot_id slot, std::size_t bytes, std::size_t keep, const quiesce_fn& quiesce)
 {
-  if (auto range = try_map(slot, bytes, quiesce)) { return *range; }
-  const std::lock_guard lock(mutex_);
+  if (auto m = try_map(slot, bytes, keep, quiesce)) { return *m; }
   throw_full(bytes, "a range");
 }
 
 void device_pool::unmap(slot_id slot)
 {
-  const std::lock_guard lock(mutex_);
   slot_state& s = live_slot(slot, "unmap");
   TASKSWAP_EXPECTS(s.live, message("device pool: slot ", slot, " is not mapped"));
   if (s.size_class != none) {
     unmap_packed(s);
   } else {
-    give_from(s, 0);
+    for (std::size_t i = 0; i < s.owned; ++i) { give(s.mapped[i]); }
+    s.owned = 0;
   }
   s.live = false;
   slot_bytes_ -= s.bytes;
@@ -500,14 +566,20 @@ void device_pool::unmap(slot_id slot)
 
 device_span device_pool::shrink(slot_id slot, std::size_t bytes)
 {
-  const std::lock_guard lock(mutex_);
   slot_state& s = live_slot(slot, "shrink");
   TASKSWAP_EXPECTS(s.size_class == none,
                    message("device pool: slot ", slot, " is packed; it cannot keep part of its place"));
   TASKSWAP_EXPECTS(s.live && bytes > 0 && bytes < s.bytes,
                    message("device pool: cannot keep ", bytes, " bytes of slot ", slot,
                            s.live ? message(", which maps ", s.bytes) : std::string(", which is not mapped")));
-  give_from(s, (bytes + granule_ - 1) / granule_);
+  const std::size_t keep = (bytes + granule_ - 1) / granule_;
+  std::size_t sum = 0;
+  std::size_t n = 0;
+  while (n < s.owned && sum < keep) { sum += extents_[s.mapped[n++]].granules; }
+  TASKSWAP_EXPECTS(sum == keep, message("device pool: slot ", slot, " cannot keep ", bytes,
+                                        " bytes: its extents do not part there (map it with that keep)"));
+  for (std::size_t i = n; i < s.owned; ++i) { give(s.mapped[i]); }
+  s.owned = n;
   slot_bytes_ -= s.bytes - bytes;
   s.bytes = bytes;
   return {&dev_.backend(), s.address, bytes};
@@ -515,20 +587,27 @@ device_span device_pool::shrink(slot_id slot, std::size_t bytes)
 
 void device_pool::remove_slot(slot_id slot)
 {
-  const std::lock_guard lock(mutex_);
   slot_state& s = live_slot(slot, "remove");
   if (s.live) {
     if (s.size_class != none) {
       unmap_packed(s);
     } else {
-      give_from(s, 0);
+      for (std::size_t i = 0; i < s.owned; ++i) { give(s.mapped[i]); }
     }
     slot_bytes_ -= s.bytes;
     --live_slots_;
   }
   if (s.address != nullptr) {
-    unmap_all(s);
-    dev_.backend().vm_free(s.address, s.max_granules * granule_);
+    job_builder b;
+    if (!s.mapped.empty()) {
+      s.owned = 0;
+      b.quiesced.push_back(slot);  // no work uses it any more
+      unmap_site_from(slot, 0, b, nullptr);
+    }
+    b.job.calls.push_back({.what = slot_mapper::call::kind::free_addresses,
+                           .address = s.address,
+                           .granules = s.max_granules * granule_});
+    static_cast<void>(submit(b));
   }
   s = slot_state{};
   s.removed = true;
@@ -536,15 +615,17 @@ void device_pool::remove_slot(slot_id slot)
 
 device_pool_stats device_pool::stats() const
 {
-  const std::lock_guard lock(mutex_);
   device_pool_stats st;
   st.budget = budget_;
   st.capacity = granules_ * granule_;
   st.granule = granule_;
-  st.used = (granules_ - free_.free()) * granule_;
+  st.used = (granules_ - free_granules_) * granule_;
   st.requested = pinned_asked_ + slot_bytes_;
   st.allocations = pinned_ranges_ + live_slots_;
   st.peak = peak_;
+  st.extents = live_extents_;
+  st.reshapes = reshapes_;
+  st.mapping_jobs = jobs_;
   return st;
 }
 

@@ -2,41 +2,49 @@
 #pragma once
 
 // The device pool: the device bytes the runtime may use. It takes the budget from the backend at
-// construction as physical memory in granules (whole granules of the budget; the rest is never
-// taken) and maps granules into address ranges with the backend's virtual memory calls, so a
-// range's bytes need not be contiguous in physical memory and free room never splits: any request
-// of at most the free granules is met (DESIGN invariant 8). Every resident slab and staging buffer
-// comes out of it, so device bytes held never exceed the budget (invariant 1). Thread-safe.
+// construction as physical memory (whole granules of the budget; the rest is never taken) and maps
+// it into address ranges with the backend's virtual memory calls, so a range's bytes need not be
+// contiguous in physical memory and free room never splits: any request of at most the free
+// granules is met (DESIGN invariant 8). Every resident slab and staging buffer comes out of it, so
+// device bytes held never exceed the budget (invariant 1).
 //
-// - Pinned ranges are packed one after another (256-byte aligned) into one region whose granules
+// - Physical memory is a set of extents: each one handle of whole granules, mapped whole. What a
+//   driver call costs goes by the handle, not the bytes (Note [Extents]), so a slot takes one
+//   extent of its size, or two where a later shrink() keeps a prefix. An extent of the size asked
+//   for is reused as it is; otherwise free extents are released and one of that size is made from
+//   them (a reshape).
+// - Pinned ranges are packed one after another (256-byte aligned) into one region whose extents
 //   are mapped as it grows and never given back.
 // - Every other range is a slot: an address range reserved once, of its largest size, that keeps
-//   its address for the pool's life. Mapping a slot takes whole granules; unmapping frees them at
-//   once (the caller orders their reuse after the slot's last use, as before) but leaves them
-//   mapped at the slot, so mapping it again while they are still free needs no mapping call. Only
-//   when they were taken does the slot move to other granules, after `quiesce` has waited for the
-//   slot's previous users (a granule may stay mapped at several slots; only the owner uses it).
+//   its address for the pool's life. Unmapping a slot frees its extents at once (the caller
+//   orders their reuse after the slot's last use) but leaves them mapped there, so mapping it again
+//   while they are still free needs no call. Only when they were taken does the slot move to
+//   others; an extent may stay mapped at several slots (only its owner uses it).
 // - A slot of at most half a granule is packed: it takes a place in a granule shared with slots
 //   of its size class (granule / k bytes, 256-byte aligned, k places per granule). A class granule
 //   is given back when its last place empties, and stays mapped where it was, as a slot does.
 //   Packed slots cost a granule each at most, so a check that charges them a granule is sound;
 //   units resident but not held fill granules k at a time.
+// - The driver calls run on the pool's mapping thread (slot_mapper), in the order the pool decides
+//   them: a map returns the range at once with a ticket, and the range may be used once ready()
+//   says the ticket is done (Note [Mapping off the trainer's thread]). What moves waits there,
+//   not on the caller's thread, for a fence after the addresses' earlier users.
 //
-// docs/runtime.md gives the design and why.
+// Not thread-safe: one thread (the runtime's caller) uses it. docs/runtime.md gives the design.
 
 #include "runtime/residency_model.hpp"
+#include "runtime/slot_mapper.hpp"
 
 #include <taskswap/device.hpp>
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <map>
-#include <mutex>
 #include <optional>
 #include <set>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace taskswap::detail {
@@ -49,46 +57,26 @@ struct device_pool_stats {
   std::size_t requested = 0;  // bytes the live ranges asked for; used - requested is the rounding
   std::size_t peak = 0;  // the most `used` has been
   std::size_t allocations = 0;  // live ranges (pinned ones included)
-};
-
-// A run of granules: [first, first + count).
-struct granule_run {
-  std::size_t first = 0;
-  std::size_t count = 0;
-};
-
-// The free granules as coalesced runs; a request takes the smallest run that holds it whole, or
-// else the largest runs first (the fewest mapping calls).
-class granule_runs {
- public:
-  explicit granule_runs(std::size_t granules);
-  [[nodiscard]] std::size_t free() const noexcept { return free_; }
-  [[nodiscard]] bool is_free(granule_run r) const;
-  void take(granule_run r);  // r must be free
-  void take(std::size_t count, std::vector<granule_run>& into);  // count must be at most free()
-  void give(granule_run r);
-
- private:
-  void insert(std::size_t first, std::size_t count);
-  void erase(std::map<std::size_t, std::size_t>::iterator it);
-
-  std::size_t free_ = 0;
-  std::map<std::size_t, std::size_t> by_first_;  // first -> count
-  std::set<std::pair<std::size_t, std::size_t>> by_size_;  // (count, first)
+  std::size_t extents = 0;  // physical handles held now
+  std::size_t reshapes = 0;  // extents made from others since construction
+  std::size_t mapping_jobs = 0;  // batches of driver calls queued since construction
 };
 
 class device_pool {
  public:
   using slot_id = std::uint32_t;
+  using ticket = slot_mapper::ticket;
 
-  /// Takes the whole granules of `budget` from `dev`.
+  /// Takes the whole granules of `budget` from `dev`. `timeout` bounds the mapping thread's wait
+  /// for the earlier users of what moves.
   /// @throws invalid_argument for a budget smaller than one granule
   /// @throws out_of_memory when the device cannot hold the budget, with what it has free
-  device_pool(const device& dev, std::size_t budget);
+  device_pool(const device& dev, std::size_t budget,
+              std::chrono::milliseconds timeout = std::chrono::milliseconds{300'000});
   /// Prints what close() found, if close() was not called.
   ~device_pool();
-  /// Waits for the device, unmaps and frees every range; returns what went wrong (a faulted
-  /// device's error, a range that could not be unmapped: then its memory stays reserved) for the
+  /// Waits for the mapping thread and the device, unmaps and frees every range; returns what went
+  /// wrong (a faulted device's error, a mapping that failed: then its memory stays reserved) for the
   /// owner to report once with its own. Never throws; the pool is unusable afterwards.
   [[nodiscard]] std::vector<std::string> close() noexcept;
   device_pool(const device_pool&) = delete;
@@ -100,9 +88,9 @@ class device_pool {
   /// The bytes a range of `bytes` takes: whole granules.
   [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return whole_granules(bytes, granule_); }
   /// The bytes of the free granules.
-  [[nodiscard]] std::size_t free() const;
+  [[nodiscard]] std::size_t free() const noexcept { return free_granules_ * granule_; }
 
-  /// A range of `bytes` (256-byte aligned) that stays mapped for the pool's life.
+  /// A range of `bytes` (256-byte aligned) that stays mapped for the pool's life; usable on return.
   /// @throws out_of_memory naming the budget and the bytes in use
   [[nodiscard]] device_span place_pinned(std::size_t bytes);
 
@@ -114,19 +102,38 @@ class device_pool {
   [[nodiscard]] bool packs(std::size_t max_bytes) const noexcept { return packs(max_bytes, granule_); }
   /// A slot of up to `max_bytes`, unmapped; its address is reserved now (packed: with its granule).
   [[nodiscard]] slot_id add_slot(std::size_t max_bytes);
-  /// Called with each slot whose earlier users must be done before addresses it used move to
-  /// other granules.
-  using quiesce_fn = std::function<void(slot_id)>;
+
+  /// Called with each slot whose earlier users must be done before addresses it used move: makes
+  /// `fence` wait for those users' work still in flight, and returns who they are (for a timeout's
+  /// message), or an empty string where nothing is in flight.
+  using quiesce_fn = std::function<std::string(slot_id, stream_view fence)>;
+  /// A mapped range and the ticket after which it may be used (0: at once).
+  struct mapping {
+    device_span range;
+    ticket ready = 0;
+  };
   /// Whether mapping `bytes` at the unmapped slot would succeed now.
   [[nodiscard]] bool fits(slot_id slot, std::size_t bytes) const;
-  /// Maps `bytes` at the unmapped slot; nothing (and no change) when it does not fit.
-  [[nodiscard]] std::optional<device_span> try_map(slot_id slot, std::size_t bytes, const quiesce_fn& quiesce);
+  /// Maps `bytes` at the unmapped slot; nothing (and no change) when it does not fit. A later
+  /// shrink() may keep `keep` bytes (0: none): the slot's extents then part there.
+  [[nodiscard]] std::optional<mapping> try_map(slot_id slot, std::size_t bytes, std::size_t keep,
+                                               const quiesce_fn& quiesce);
   /// As try_map(), but out_of_memory naming the budget and the bytes in use.
-  [[nodiscard]] device_span map(slot_id slot, std::size_t bytes, const quiesce_fn& quiesce);
-  /// Frees the slot's granules. The caller orders their reuse after the slot's last use.
+  [[nodiscard]] mapping map(slot_id slot, std::size_t bytes, std::size_t keep, const quiesce_fn& quiesce);
+  /// Whether the mapping of `t` is done. @throws the mapping thread's failure
+  [[nodiscard]] bool ready(ticket t) { return t == 0 || mapper_.ready(t); }
+  /// Blocks until the mapping of `t` is done. @throws the mapping thread's failure
+  void wait(ticket t)
+  {
+    if (t != 0) { mapper_.wait(t); }
+  }
+  /// @throws the mapping thread's failure, if one happened
+  void check() { static_cast<void>(mapper_.ready(0)); }
+  /// Frees the slot's extents. The caller orders their reuse after the slot's last use.
   void unmap(slot_id slot);
-  /// Keeps the first `bytes` of the mapped slot and frees the granules past them; returns the
-  /// kept range. The caller orders the freed granules' reuse as for unmap().
+  /// Keeps the first `bytes` of the mapped slot (as mapped with `keep` = `bytes`, or with its
+  /// extents parting there) and frees the extents past them; returns the kept range. The caller
+  /// orders the freed extents' reuse as for unmap().
   [[nodiscard]] device_span shrink(slot_id slot, std::size_t bytes);
   /// Unmaps the slot and gives back its addresses; no work may use it any more.
   void remove_slot(slot_id slot);
@@ -136,10 +143,18 @@ class device_pool {
 
  private:
   static constexpr std::uint32_t none = ~std::uint32_t{0};
+  static constexpr std::uint32_t pinned_owner = none - 1;
+  static constexpr std::uint32_t class_site = std::uint32_t{1} << 31;  // a site index with this bit: a class granule
+  struct extent {
+    std::size_t granules = 0;
+    std::uint32_t owner = none;  // the site that owns it (pinned_owner: the pinned region); none: free
+    std::vector<std::uint32_t> sites;  // where it is mapped, its owner's included (never the pinned region)
+    bool live = false;
+  };
   struct slot_state {
     std::byte* address = nullptr;  // packed: nullptr (its place's address while mapped)
     std::size_t max_granules = 0;
-    std::vector<granule_run> mapped;  // at address, in order; the first `owned` granules are its own
+    std::vector<std::uint32_t> mapped;  // extents at address, in order; the first `owned` are its own
     std::size_t owned = 0;
     std::size_t bytes = 0;  // asked for by the live mapping
     bool live = false;
@@ -147,46 +162,67 @@ class device_pool {
     std::uint32_t size_class = none;  // packed: its class
     std::uint32_t shared = none;  // packed and mapped: its class granule ...
     std::uint32_t place = 0;  // ... and its place there
+    ticket ready = 0;  // the last job that mapped extents here
   };
-  // A granule shared by the packed slots of one class: its addresses reserved once; its physical
-  // granule mapped there while any place is taken, and left mapped (stale) when it empties.
+  // A granule shared by the packed slots of one class: its addresses reserved once; an extent of
+  // one granule mapped there while any place is taken, and left mapped (stale) when it empties.
   struct class_granule {
     std::byte* address = nullptr;
-    std::size_t granule = 0;  // the physical granule mapped at address
-    bool mapped = false;
+    std::uint32_t extent = none;  // mapped at address
     std::vector<slot_id> places;  // the slot in each place, or none
-    std::size_t taken = 0;  // places taken: while any is, the granule is its own
-    std::vector<slot_id> former;  // slots that used it since it was mapped
+    std::size_t taken = 0;  // places taken: while any is, the extent is its own
+    std::vector<slot_id> former;  // slots that used it since its extent was mapped
+    ticket ready = 0;  // the job that mapped its extent
   };
   struct size_class {
     std::size_t place_bytes = 0;
     std::vector<std::uint32_t> granules;  // into shared_
   };
+  // The driver calls of one map, and the slots whose earlier users they wait for.
+  struct job_builder {
+    slot_mapper::job job;
+    std::vector<std::uint32_t> quiesced;  // sites whose users the fence waits for
+  };
+
   [[nodiscard]] static std::size_t round256(std::size_t bytes) noexcept { return (bytes + 255) / 256 * 256; }
   [[nodiscard]] std::uint32_t class_of(std::size_t bytes);
   [[nodiscard]] std::uint32_t open_place(const size_class& c) const;  // a class granule with a free place, or none
   [[nodiscard]] bool has_room(const slot_state& s, std::size_t bytes) const;
   [[noreturn]] void throw_full(std::size_t bytes, const char* what) const;
-  [[nodiscard]] device_span map_locked(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce);
-  [[nodiscard]] device_span map_packed(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce);
+  [[nodiscard]] mapping map_slot(slot_id id, slot_state& s, std::size_t bytes, std::size_t keep,
+                                 const quiesce_fn& quiesce);
+  [[nodiscard]] mapping map_packed(slot_id id, slot_state& s, std::size_t bytes, const quiesce_fn& quiesce);
   [[nodiscard]] device_span mapped(slot_state& s, std::size_t bytes, std::byte* at);
+  [[nodiscard]] bool reuses_mapped(slot_state& s, std::size_t need, std::size_t split);
   void unmap_packed(slot_state& s);
-  void unmap_all(slot_state& s);
-  void give_from(slot_state& s, std::size_t from_granule);
-  void note_peak();
   [[nodiscard]] slot_state& live_slot(slot_id slot, const char* call);
+  // Extents: the free ones by size, taking and giving them, making one of a size, moving them.
+  [[nodiscard]] std::uint32_t new_extent_id(std::size_t granules);
+  [[nodiscard]] std::uint32_t extent_of(std::size_t granules, job_builder& b, const quiesce_fn& quiesce);
+  void take(std::uint32_t e, std::uint32_t owner);
+  void give(std::uint32_t e);
+  void quiesce_site(std::uint32_t site, job_builder& b, const quiesce_fn& quiesce);
+  void unmap_site_from(std::uint32_t site, std::size_t index, job_builder& b, const quiesce_fn& quiesce);
+  void detach(std::uint32_t e, job_builder& b, const quiesce_fn& quiesce);
+  void map_at(std::byte* address, std::uint32_t e, std::uint32_t site, job_builder& b);
+  [[nodiscard]] ticket submit(job_builder& b);
+  void note_peak();
 
   device dev_;
   std::size_t budget_;
   std::size_t granule_;
   std::size_t granules_;
-  void* physical_ = nullptr;
-  mutable std::mutex mutex_;
-  granule_runs free_;
+  std::vector<extent> extents_;
+  std::vector<std::uint32_t> spare_ids_;  // ids of released extents, for reuse
+  std::set<std::pair<std::size_t, std::uint32_t>> free_extents_;  // (granules, id)
+  std::size_t free_granules_ = 0;
+  std::size_t live_extents_ = 0;
+  std::size_t reshapes_ = 0;
+  std::size_t jobs_ = 0;
   std::size_t peak_ = 0;
   // The pinned region: reserved for the whole capacity, mapped as it grows.
   std::byte* pinned_address_ = nullptr;
-  std::vector<granule_run> pinned_mapped_;
+  std::vector<std::uint32_t> pinned_extents_;
   std::size_t pinned_granules_ = 0;
   std::size_t pinned_bytes_ = 0;  // packed, alignment included
   std::size_t pinned_ranges_ = 0;
@@ -197,6 +233,8 @@ class device_pool {
   std::vector<class_granule> shared_;
   std::size_t slot_bytes_ = 0;  // asked for by the mapped slots
   std::size_t live_slots_ = 0;
+  stream fences_;  // waits for the earlier users of what a job moves (quiesce_fn)
+  slot_mapper mapper_;  // last: its thread stops first
 };
 
 }  // namespace taskswap::detail

@@ -37,7 +37,7 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
     options_.storage.path /= message("rank", comm->rank());
   }
   register_units(options, specs);
-  pool_.emplace(dev, options.device.budget - model_->guard_bytes());
+  pool_.emplace(dev, options.device.budget - model_->guard_bytes(), options.timeout);
   place_homes();
   if (options_.trace) {
     trace_.emplace(device_, h2d_.view());
@@ -79,9 +79,7 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
                                            .trace = trace_ ? &*trace_ : nullptr,
                                            .h2d_track = h2d_track_,
                                            .d2h_track = d2h_track_,
-                                           .path = path(),
-                                           .timeout = options_.timeout,
-                                           .stalled = [this](const std::string& why) { stalled(why); }});
+                                           .path = path()});
 }
 
 runtime::impl::~impl()

@@ -102,7 +102,11 @@ void runtime::impl::broadcast_replicas()
     // place among units' places: its removal below unmaps nothing another slot shares.
     const std::size_t bytes = std::max(std::min({largest, std::size_t{64} << 20, free}), model_->granule());
     own_slot = pool_->add_slot(bytes);
-    own = pool_->map(*own_slot, bytes, [](detail::device_pool::slot_id) {});  // a new slot has had no users
+    // A new slot has had no users.
+    const detail::device_pool::mapping m =
+      pool_->map(*own_slot, bytes, 0, [](detail::device_pool::slot_id, stream_view) { return std::string(); });
+    pool_->wait(m.ready);
+    own = m.range;
   }
   TASKSWAP_EXPECTS(own || borrowed != nullptr,
                    message("[comm] initial = \"broadcast\": no room in the ", bytes_text(options_.device.budget),

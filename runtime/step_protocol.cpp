@@ -104,6 +104,7 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
         needed, pool_->free(), budget);
     }
   }
+  swap_->settle(r);  // a swap-in whose slot was being mapped has its copy queued before the wait below
   go(r, m);
   ++held_count_;
   r.held_bytes = r.pinned() ? 0 : charged(r, r.slot->size());
@@ -432,6 +433,7 @@ void runtime::impl::flush()
                      message("flush: unit '", r.name, "' is held; release it first"));
   }
   start();
+  swap_->settle_all();
   for (unit_record& r : units_) {
     if (r.dirty()) { swap_->write_back(r); }
   }

@@ -14,16 +14,24 @@
 namespace taskswap::detail {
 namespace {
 
-// Marks a unit as being swapped in for as long as the scope lasts (unit_record::incoming).
+// Marks a unit as being swapped in for as long as the scope lasts (unit_record::incoming), or
+// until its copy is queued where keep() says that it waits for its mapping.
 class incoming_scope {
  public:
   explicit incoming_scope(unit_record& r) : r_(r) { r_.incoming = true; }
-  ~incoming_scope() { r_.incoming = false; }
+  ~incoming_scope()
+  {
+    if (!kept_) { r_.incoming = false; }
+  }
   incoming_scope(const incoming_scope&) = delete;
   incoming_scope& operator=(const incoming_scope&) = delete;
+  incoming_scope(incoming_scope&&) = delete;
+  incoming_scope& operator=(incoming_scope&&) = delete;
+  void keep() noexcept { kept_ = true; }
 
  private:
   unit_record& r_;
+  bool kept_ = false;
 };
 
 }  // namespace
@@ -69,28 +77,73 @@ void swap_engine::remove_resident(unit_record& r)
   resident_.pop_back();
 }
 
-// Copies the travelling prefix of the home block into the unit's slot and zeroes its gradients
-// (or, for a slot of the parameters alone, copies those), on h2d, after every pending reuse of
-// pool memory and every pending write of this home block.
-void swap_engine::fill_slot(unit_record& r)
+// A swap-in's copy is ordered when it is decided and queued once its slot is mapped. Ordering
+// puts on h2d, now, the waits for every pending reuse of pool memory and every pending write of
+// this home block: they name events as they are recorded now, and a copy queued later on h2d
+// follows them. The copy then fills the travelling prefix of the home block into the slot and
+// zeroes its gradients (or, for a slot of the parameters alone, copies those).
+void swap_engine::order_fill(const unit_record& r)
 {
-  const detail::unit_layout& l = r.layout;
   flush_h2d_waits();
   for (const std::optional<event>* e : {&r.written_back, &r.host_updated}) {
     if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(p_.h2d); }
   }
+}
+
+void swap_engine::enqueue_fill(unit_record& r)
+{
+  const detail::unit_layout& l = r.layout;
   const std::size_t bytes = r.params_only() ? l.params_bytes : l.travel_bytes;  // the params lie first in both
   const std::size_t span = p_.trace != nullptr ? p_.trace->open(p_.h2d_track, "swap-in " + r.name, p_.h2d) : 0;
   r.stage_in(0, r.slot->subspan(0, bytes), p_.h2d);
   if (!r.params_only()) { fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, p_.h2d); }
   r.arrived.record(p_.h2d);
+  r.incoming = false;  // its home block is read by h2d now, which the home tier was told
   if (p_.trace != nullptr) { p_.trace->close(span, p_.h2d); }
+}
+
+void swap_engine::fill_slot(unit_record& r)
+{
+  order_fill(r);
+  enqueue_fill(r);
   go(r, coherence_move::fill);
-  p_.ledger.swap_in(r.index, bytes);
+  p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes);
+}
+
+void swap_engine::issue_ready_fills()
+{
+  while (!pending_fills_.empty() && p_.pool.ready(pending_fills_.front().ready)) {
+    const std::uint32_t u = pending_fills_.front().unit;
+    pending_fills_.pop_front();
+    enqueue_fill(p_.units[u]);
+  }
+}
+
+// The fills before r's go first (in order), each once its own mapping is done: a reused slot's
+// ticket can be older than an earlier fill's.
+void swap_engine::settle(unit_record& r)
+{
+  const auto it = std::find_if(pending_fills_.begin(), pending_fills_.end(),
+                               [&](const pending_fill& f) { return f.unit == r.index; });
+  if (it == pending_fills_.end()) { return; }
+  for (auto n = it - pending_fills_.begin() + 1; n > 0; --n) {
+    const pending_fill f = pending_fills_.front();
+    p_.pool.wait(f.ready);
+    pending_fills_.pop_front();
+    enqueue_fill(p_.units[f.unit]);
+  }
+}
+
+void swap_engine::settle_all()
+{
+  if (!pending_fills_.empty()) { settle(p_.units[pending_fills_.back().unit]); }
 }
 
 void swap_engine::write_back(unit_record& r)
 {
+  // A home in the host cache takes a block there, by the cache's rules for the blocks in use: the
+  // swap-ins decided before read theirs first, as they would have with no mapping to wait for.
+  if (r.home.cache != nullptr) { settle_all(); }
   const detail::unit_layout& l = r.layout;
   if (r.released.recorded() && !r.released.query()) { r.released.wait(p_.d2h); }
   const std::size_t span = p_.trace != nullptr ? p_.trace->open(p_.d2h_track, "write-back " + r.name, p_.d2h) : 0;
@@ -103,6 +156,7 @@ void swap_engine::write_back(unit_record& r)
 
 void swap_engine::evict(unit_record& r)
 {
+  settle(r);  // its copy goes before the copies of whoever takes its extents
   if (r.dirty()) {
     write_back(r);
     h2d_waits_.push_back(&*r.written_back);  // recorded after d2h waited for the release
@@ -176,35 +230,30 @@ void swap_engine::narrow_to_params(unit_record& r)
   note_device_bytes();
 }
 
-// The slot moves to other granules only after its previous users are done: a host wait, rarely
-// more than a query (the unit left the device at least one swap earlier), bounded by
-// [runtime] timeout as every other wait of the runtime is. One thread uses the pool, so holding
-// its lock meanwhile stops nobody.
-device_span swap_engine::map_slot(unit_record& r, std::size_t bytes)
+// The slot moves to other extents only after its previous users are done: the pool's fence waits
+// for their events still in flight (the unit left the device at least one swap earlier, so there
+// are rarely any), on the mapping thread, bounded by [runtime] timeout. A whole slot's extents part
+// after the parameters, so that a frozen use can narrow it (narrow_to_params).
+device_pool::mapping swap_engine::map_slot(unit_record& r, std::size_t bytes, std::size_t keep)
 {
   // The units whose earlier uses of the addresses must be done: r itself, or for a packed unit
   // the units that had places in the class granule that moves.
-  return p_.pool.map(r.pool_slot, bytes, [&](device_pool::slot_id slot) {
-    if (slot >= unit_of_slot_.size() || unit_of_slot_[slot] >= p_.units.size()) { return; }  // staging: never used
+  return p_.pool.map(r.pool_slot, bytes, keep, [&](device_pool::slot_id slot, stream_view fence) {
+    std::string users;
+    if (slot >= unit_of_slot_.size() || unit_of_slot_[slot] >= p_.units.size()) { return users; }  // staging
     const unit_record& u = p_.units[unit_of_slot_[slot]];
-    const auto deadline = std::chrono::steady_clock::now() + p_.timeout;
-    const auto wait = [&](const event& e, const char* what) {
+    const auto after = [&](const event& e) {
       if (!e.recorded() || e.query()) { return; }
-      const auto left =
-        std::max(deadline - std::chrono::steady_clock::now(), std::chrono::steady_clock::duration::zero());
-      if (!e.synchronize_for(left)) {
-        p_.stalled(message("moving device memory that '", u.name, "' used: its previous use (", what,
-                           ") has not finished within ", p_.timeout.count(),
-                           " ms ([runtime] timeout); the trainer's stream or a copy is stalled"));
-      }
+      e.wait(fence);
+      users = "'" + u.name + "'";
     };
-    wait(u.arrived, "swap-in");
-    wait(u.released, "release");
-    for (const auto& [e, what] :
-         {std::pair{&u.written_back, "write-back"}, std::pair{&u.grads_copied, "gradients home"},
-          std::pair{&u.grads_ready_event, "gradients ready"}, std::pair{&u.grads_done, "reduction"}}) {
-      if (*e) { wait(**e, what); }
+    after(u.arrived);
+    after(u.released);
+    for (const std::optional<event>* e :
+         {&u.written_back, &u.grads_copied, &u.grads_ready_event, &u.grads_done}) {
+      if (*e) { after(**e); }
     }
+    return users;
   });
 }
 
@@ -244,13 +293,22 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool 
   if (why == room_for::acquire && r.resident()) { evict(r); }
   const std::size_t bytes = whole ? r.layout.device_bytes : r.layout.params_bytes;
   // Its home is read below: the victims' write-backs that make its room keep its block cached.
-  const incoming_scope reading(r);
+  incoming_scope reading(r);
   if (!make_room(r, bytes, use, why)) { return false; }  // counting what r gives up below
   if (r.resident()) { evict(r); }
-  r.slot = map_slot(r, bytes);
+  const device_pool::mapping m = map_slot(r, bytes, whole ? r.layout.params_bytes : 0);
+  r.slot = m.range;
   go(r, whole ? detail::slot_move::swap_in_whole : detail::slot_move::swap_in_params);
   add_resident(r);
-  fill_slot(r);
+  order_fill(r);
+  go(r, coherence_move::fill);
+  p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes);
+  if (pending_fills_.empty() && p_.pool.ready(m.ready)) {
+    enqueue_fill(r);
+  } else {
+    pending_fills_.push_back({r.index, m.ready});
+    reading.keep();  // the host cache keeps its home block until the copy is queued
+  }
   note_device_bytes();
   return true;
 }
@@ -261,7 +319,9 @@ bool swap_engine::swap_in_grads(unit_record& r, std::uint64_t use, stream_view u
   // Its update steps its home, read ahead already: the victims' write-backs keep that block too.
   const incoming_scope reading(r);
   if (!make_room(r, bytes, use, room_for::acquire)) { return false; }
-  r.slot = map_slot(r, bytes);
+  const device_pool::mapping m = map_slot(r, bytes, 0);
+  p_.pool.wait(m.ready);  // the update runs now
+  r.slot = m.range;
   go(r, slot_move::map_grads);
   add_resident(r);
   flush_h2d_waits();  // the pool memory's previous users are done with it
@@ -276,6 +336,8 @@ bool swap_engine::swap_in_grads(unit_record& r, std::uint64_t use, stream_view u
 // budget allow; stops at the first that does not fit, so no later unit takes its room.
 void swap_engine::prefetch()
 {
+  p_.pool.check();
+  issue_ready_fills();
   p_.plan.for_each_upcoming(max_lookahead_, [&](unit_id u, planned_acquisition a, std::size_t distance) {
     unit_record& r = p_.units[u.value];
     const bool whole = a.whole();

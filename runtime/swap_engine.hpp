@@ -6,8 +6,8 @@
 // a frozen use's slot, and prefetches what the plan needs next. It owns the resident set, the
 // device pool's slot-to-unit map and the waits the next write into pool memory must follow; it
 // changes a unit's slot content and coherence (Note [Unit states]) and never its step phase. The
-// step protocol (runtime::impl) calls it; it calls back nothing but `stalled` (a wait on a
-// previous use of pool memory ran out of [runtime] timeout).
+// step protocol (runtime::impl) calls it; it calls back nothing. A swap-in whose slot the pool's
+// mapping thread is still mapping has its copy queued later (settle, issue_ready_fills).
 
 #include "runtime/device_pool.hpp"
 #include "runtime/plan_queue.hpp"
@@ -45,8 +45,6 @@ class swap_engine {
     int h2d_track;
     int d2h_track;
     step_path path;
-    std::chrono::milliseconds timeout;
-    std::function<void(const std::string&)> stalled;  // throws timeout_error
   };
   explicit swap_engine(parts p);
 
@@ -64,6 +62,13 @@ class swap_engine {
   bool swap_in_grads(unit_record& r, std::uint64_t use, stream_view user);
   /// Copies the travelling prefix of the home block into the (mapped) slot of `r`.
   void fill_slot(unit_record& r);
+  /// Queues the copies of the swap-ins whose slots the mapping thread has mapped since.
+  void issue_ready_fills();
+  /// Makes sure the swap-in of `r`, if one is waiting for its mapping, has its copy queued (waiting
+  /// for the mapping thread where it must): before anything uses or moves its slot.
+  void settle(unit_record& r);
+  /// settle() for every unit.
+  void settle_all();
   void write_back(unit_record& r);
   void evict(unit_record& r);
   /// Brings in the upcoming units in the order of their use, as far as each one's lookahead and
@@ -76,7 +81,9 @@ class swap_engine {
 
  private:
   bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, room_for why);
-  device_span map_slot(unit_record& r, std::size_t bytes);
+  device_pool::mapping map_slot(unit_record& r, std::size_t bytes, std::size_t keep);
+  void order_fill(const unit_record& r);
+  void enqueue_fill(unit_record& r);
   unit_record* pick_victim(const unit_record& coming, std::uint64_t use, room_for why);
   void narrow_to_params(unit_record& r);
   void add_resident(unit_record& r);
@@ -93,6 +100,13 @@ class swap_engine {
   std::vector<std::uint32_t> resident_;  // non-pinned resident units
   std::vector<victim_candidate> victim_candidates_;  // pick_victim's, kept to reuse its memory
   std::vector<const event*> h2d_waits_;  // must precede the next write into pool memory
+  // Swap-ins decided and ordered on h2d whose slots the mapping thread has still to map: their
+  // copies are queued once it has (Note [Mapping off the trainer's thread]), in this order.
+  struct pending_fill {
+    std::uint32_t unit = 0;
+    device_pool::ticket ready = 0;
+  };
+  std::deque<pending_fill> pending_fills_;
 };
 
 }  // namespace taskswap::detail

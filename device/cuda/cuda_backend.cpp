@@ -243,7 +243,7 @@ class cuda_backend final : public backend {
     }
   }
 
-  // ---- virtual memory: one cuMemCreate per granule (cuMemMap maps a handle from offset 0) ----
+  // ---- virtual memory: a handle per cuMemCreate, mapped whole (cuMemMap refuses an offset) ----
 
   [[nodiscard]] std::size_t vm_granularity() const override
   {
@@ -268,47 +268,33 @@ class cuda_backend final : public backend {
     return granularity_;
   }
 
+  // A handle is a heap copy of the driver's CUmemGenericAllocationHandle.
   [[nodiscard]] void* vm_create(std::size_t granules) override
   {
     const driver_vm& vm = driver_vm::get();
     const std::size_t g = vm_granularity();
     const cuda_device_guard guard(index_);
     const CUmemAllocationProp prop = device_memory_on(index_);
-    auto handles = std::make_unique<std::vector<CUmemGenericAllocationHandle>>();
-    handles->reserve(granules);
+    CUmemGenericAllocationHandle h{};
     try {
-      for (std::size_t i = 0; i < granules; ++i) {
-        CUmemGenericAllocationHandle h{};
-        TASKSWAP_CU_TRY(vm, vm.create(&h, g, &prop, 0),
-                        [&] { return message("cuda:", index_, ": granule ", i, " of ", granules); });
-        handles->push_back(h);
-      }
+      TASKSWAP_CU_TRY(vm, vm.create(&h, granules * g, &prop, 0),
+                      [&] { return message("cuda:", index_, ": a handle of ", granules, " granules"); });
     } catch (const out_of_memory&) {
-      for (const CUmemGenericAllocationHandle h : *handles) { static_cast<void>(vm.release(h)); }
       const memory_info info = memory();
-      throw out_of_memory(
-        message("cuda:", index_, ": cannot allocate ", bytes_text(granules * g), " of device memory in ", granules,
-                " granules of ", bytes_text(g), "; ", bytes_text(info.free), " free of ", bytes_text(info.total)),
-        granules * g, info.free, info.total);
-    } catch (...) {
-      for (const CUmemGenericAllocationHandle h : *handles) { static_cast<void>(vm.release(h)); }
-      throw;
+      throw out_of_memory(message("cuda:", index_, ": cannot allocate ", bytes_text(granules * g),
+                                  " of device memory in one handle; ", bytes_text(info.free), " free of ",
+                                  bytes_text(info.total)),
+                          granules * g, info.free, info.total);
     }
-    return handles.release();
+    return new CUmemGenericAllocationHandle(h);  // NOLINT(cppcoreguidelines-owning-memory): vm_release deletes it
   }
 
-  void vm_release(void* physical, std::size_t /*granules*/) noexcept override
+  void vm_release(void* handle, std::size_t granules) override
   {
-    const std::unique_ptr<std::vector<CUmemGenericAllocationHandle>> handles(
-      static_cast<std::vector<CUmemGenericAllocationHandle>*>(physical));
-    try {
-      const cuda_device_guard guard(index_);
-      TASKSWAP_ASSERT_CUDA_SUCCESS(cudaDeviceSynchronize());  // as cudaFree: queued work may use it
-      const driver_vm& vm = driver_vm::get();
-      for (const CUmemGenericAllocationHandle h : *handles) { TASKSWAP_CU_TRY(vm, vm.release(h), "cuMemRelease"); }
-    } catch (const error& e) {
-      std::fprintf(stderr, "taskswap: %s\n", e.what());
-    }
+    const std::unique_ptr<CUmemGenericAllocationHandle> h(static_cast<CUmemGenericAllocationHandle*>(handle));
+    const cuda_device_guard guard(index_);
+    const driver_vm& vm = driver_vm::get();
+    TASKSWAP_CU_TRY(vm, vm.release(*h), [&] { return message("cuda:", index_, ": releasing ", granules, " granules"); });
   }
 
   [[nodiscard]] std::byte* vm_reserve(std::size_t bytes) override
@@ -332,40 +318,36 @@ class cuda_backend final : public backend {
     }
   }
 
-  void vm_map(std::byte* va, void* physical, std::size_t first, std::size_t count) override
+  void vm_map(std::byte* va, void* handle, std::size_t granules) override
   {
     const driver_vm& vm = driver_vm::get();
-    const std::size_t g = vm_granularity();
-    const auto& handles = *static_cast<const std::vector<CUmemGenericAllocationHandle>*>(physical);
+    const std::size_t bytes = granules * vm_granularity();
+    const cuda_device_guard guard(index_);
     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a device address
     const auto base = reinterpret_cast<CUdeviceptr>(va);
-    std::size_t mapped = 0;
+    TASKSWAP_CU_TRY(vm, vm.map(base, bytes, 0, *static_cast<const CUmemGenericAllocationHandle*>(handle), 0),
+                    [&] { return message("cuda:", index_, ": mapping ", granules, " granules"); });
+    CUmemAccessDesc access{};
+    access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    access.location.id = index_;
+    access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     try {
-      for (; mapped < count; ++mapped) {
-        TASKSWAP_CU_TRY(vm, vm.map(base + mapped * g, g, 0, handles[first + mapped], 0),
-                        [&] { return message("cuda:", index_, ": mapping granule ", first + mapped); });
-      }
-      CUmemAccessDesc access{};
-      access.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-      access.location.id = index_;
-      access.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-      TASKSWAP_CU_TRY(vm, vm.set_access(base, count * g, &access, 1),
-                      [&] { return message("cuda:", index_, ": granting access"); });
+      TASKSWAP_CU_TRY(vm, vm.set_access(base, bytes, &access, 1),
+                      [&] { return message("cuda:", index_, ": granting access to ", granules, " granules"); });
     } catch (...) {
-      for (std::size_t i = 0; i < mapped; ++i) { static_cast<void>(vm.unmap(base + i * g, g)); }
+      static_cast<void>(vm.unmap(base, bytes));
       throw;
     }
   }
 
-  void vm_unmap(std::byte* va, std::size_t count) override
+  void vm_unmap(std::byte* va, std::size_t granules) override
   {
     const driver_vm& vm = driver_vm::get();
-    const std::size_t g = vm_granularity();
+    const cuda_device_guard guard(index_);
     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a device address
     const auto base = reinterpret_cast<CUdeviceptr>(va);
-    for (std::size_t i = 0; i < count; ++i) {  // as mapped: one granule at a time
-      TASKSWAP_CU_TRY(vm, vm.unmap(base + i * g, g), [&] { return message("cuda:", index_, ": unmapping"); });
-    }
+    TASKSWAP_CU_TRY(vm, vm.unmap(base, granules * vm_granularity()),
+                    [&] { return message("cuda:", index_, ": unmapping ", granules, " granules"); });
   }
 
   [[nodiscard]] std::byte* allocate_pinned(std::size_t bytes) override

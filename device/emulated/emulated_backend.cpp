@@ -229,9 +229,54 @@ namespace {
 emulated_queue& queue_of(void* s) { return *static_cast<emulated_queue*>(s); }
 }  // namespace
 
+namespace {
+
+// The options as the device runs them: time_scale applied to the link and the call costs.
+emulated_options at_scale(emulated_options o)
+{
+  const double s = o.time_scale;
+  o.link.bytes_per_second /= s;
+  o.link.latency_seconds *= s;
+  for (vm_call_cost* c : {&o.vm_costs.map, &o.vm_costs.access, &o.vm_costs.unmap, &o.vm_costs.create,
+                          &o.vm_costs.release}) {
+    c->per_call_seconds *= s;
+    c->per_mib_seconds *= s;
+  }
+  return o;
+}
+
+}  // namespace
+
 emulated_backend::emulated_backend(const emulated_options& options, const emulated_faults& faults)
-    : options_(options), faults_(faults), index_(next_emulated_index.fetch_add(1))
+    : options_(at_scale(options)), faults_(faults), index_(next_emulated_index.fetch_add(1))
 {}
+
+bool emulated_backend::busy()
+{
+  const auto now = std::chrono::steady_clock::now();
+  for (link_channel* c : {&host_to_device_, &device_to_host_}) {
+    const std::lock_guard lock(c->mutex);
+    if (c->free_at > now) { return true; }
+  }
+  const std::lock_guard lock(queues_mutex_);
+  return std::any_of(queues_.begin(), queues_.end(), [](emulated_queue* q) { return !q->query(); });
+}
+
+// The calling thread pays `calls` calls over `bytes` as the model says. A sleep overshoots by the
+// thread's timer slack; what it overslept is owed back by the thread's next charges.
+void emulated_backend::charge(const vm_call_cost& cost, std::size_t calls, std::size_t bytes)
+{
+  if (cost.per_call_seconds <= 0 && cost.per_mib_seconds <= 0) { return; }
+  thread_local double owed = 0;
+  double seconds = static_cast<double>(calls) * cost.per_call_seconds +
+                   static_cast<double>(bytes) / double(1 << 20) * cost.per_mib_seconds;
+  if (options_.vm_costs.busy_factor > 1.0 && busy()) { seconds *= options_.vm_costs.busy_factor; }
+  owed += seconds;
+  if (owed <= 0) { return; }
+  const auto start = std::chrono::steady_clock::now();
+  std::this_thread::sleep_for(std::chrono::duration<double>(owed));
+  owed -= std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 void emulated_backend::fault(std::exception_ptr why) noexcept
 {
@@ -318,112 +363,6 @@ void emulated_backend::deallocate(std::byte* p, std::size_t bytes) noexcept
   }
   ::operator delete(p, device_alignment);
   give_memory(bytes);
-}
-
-// ---- virtual memory ----------------------------------------------------------------------------
-// With a granule of whole host pages, physical memory is a memory file and a mapping is an mmap
-// of part of it, so ranges alias granules as CUDA's do. Below a page nothing can be mapped: each
-// range is anonymous memory of its own and the granules are only counted.
-
-namespace {
-
-std::size_t host_page_size() noexcept
-{
-  static const std::size_t page = [] {
-    const long p = ::sysconf(_SC_PAGESIZE);
-    return p > 0 ? static_cast<std::size_t>(p) : std::size_t{4096};
-  }();
-  return page;
-}
-
-// `error` is errno as the failed call left it (building the message may change errno).
-[[noreturn]] void throw_errno(int error, const std::string& what)
-{
-  throw device_error(message(what, ": ", std::strerror(error)));
-}
-
-}  // namespace
-
-bool emulated_backend::maps_pages() const noexcept { return options_.granularity % host_page_size() == 0; }
-
-namespace {
-
-struct emulated_physical {
-  int fd = -1;  // -1: counted only
-};
-
-}  // namespace
-
-void* emulated_backend::vm_create(std::size_t granules)
-{
-  const std::size_t bytes = granules * options_.granularity;
-  take_memory(bytes);
-  auto physical = std::make_unique<emulated_physical>();
-  if (maps_pages()) {
-    // Backed now, as cudaMalloc and allocate() are: a host that cannot hold it fails here, not
-    // with SIGBUS inside a copy, and no page fault lands in a timed copy.
-    physical->fd = ::memfd_create("taskswap-emulated-device", MFD_CLOEXEC);
-    int error = physical->fd < 0 ? errno : ::posix_fallocate(physical->fd, 0, static_cast<off_t>(bytes));
-    if (error == EOPNOTSUPP || error == EINVAL) {  // no fallocate on this file system: size it instead
-      error = ::ftruncate(physical->fd, static_cast<off_t>(bytes)) == 0 ? 0 : errno;
-    }
-    if (error != 0) {
-      if (physical->fd >= 0) { ::close(physical->fd); }
-      give_memory(bytes);
-      if (error == ENOSPC || error == ENOMEM) {
-        throw out_of_memory(message("emulated:", index_, ": the host could not provide ", bytes_text(bytes),
-                                    " to stand for device memory"),
-                            bytes, 0, options_.memory_bytes);
-      }
-      throw_errno(error, message("emulated:", index_, ": a memory file of ", bytes_text(bytes), " for device memory"));
-    }
-  }
-  return physical.release();
-}
-
-void emulated_backend::vm_release(void* physical, std::size_t granules) noexcept
-{
-  try {
-    synchronize();
-  } catch (...) {  // as deallocate
-  }
-  const std::unique_ptr<emulated_physical> p(static_cast<emulated_physical*>(physical));
-  if (p->fd >= 0) { ::close(p->fd); }
-  give_memory(granules * options_.granularity);
-}
-
-std::byte* emulated_backend::vm_reserve(std::size_t bytes)
-{
-  // Below a page a range holds its own bytes, so it is readable and writable from the start.
-  const int protection = maps_pages() ? PROT_NONE : PROT_READ | PROT_WRITE;
-  void* va = ::mmap(nullptr, bytes, protection, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (va == MAP_FAILED) {
-    throw_errno(errno, message("emulated:", index_, ": reserving ", bytes_text(bytes), " of addresses"));
-  }
-  return static_cast<std::byte*>(va);
-}
-
-void emulated_backend::vm_free(std::byte* va, std::size_t bytes) noexcept { ::munmap(va, bytes); }
-
-void emulated_backend::vm_map(std::byte* va, void* physical, std::size_t first, std::size_t count)
-{
-  check_fault();
-  const int fd = static_cast<emulated_physical*>(physical)->fd;
-  if (fd < 0) { return; }
-  const std::size_t g = options_.granularity;
-  if (::mmap(va, count * g, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, static_cast<off_t>(first * g)) ==
-      MAP_FAILED) {
-    throw_errno(errno, message("emulated:", index_, ": mapping ", count, " granules at ", static_cast<void*>(va)));
-  }
-}
-
-void emulated_backend::vm_unmap(std::byte* va, std::size_t count)
-{
-  if (!maps_pages()) { return; }
-  if (::mmap(va, count * options_.granularity, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1,
-             0) == MAP_FAILED) {
-    throw_errno(errno, message("emulated:", index_, ": unmapping ", count, " granules at ", static_cast<void*>(va)));
-  }
 }
 
 std::byte* emulated_backend::allocate_pinned(std::size_t bytes)

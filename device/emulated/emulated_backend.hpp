@@ -12,8 +12,11 @@
 #include <exception>
 #include <string>
 #include <cstddef>
+#include <map>
 #include <mutex>
 #include <set>
+#include <utility>
+#include <vector>
 
 namespace taskswap::detail {
 
@@ -42,11 +45,11 @@ class emulated_backend final : public backend {
   [[nodiscard]] std::size_t vm_granularity() const override { return options_.granularity; }
   [[nodiscard]] bool vm_maps_memory() const override { return maps_pages(); }
   [[nodiscard]] void* vm_create(std::size_t granules) override;
-  void vm_release(void* physical, std::size_t granules) noexcept override;
+  void vm_release(void* handle, std::size_t granules) override;
   [[nodiscard]] std::byte* vm_reserve(std::size_t bytes) override;
   void vm_free(std::byte* va, std::size_t bytes) noexcept override;
-  void vm_map(std::byte* va, void* physical, std::size_t first, std::size_t count) override;
-  void vm_unmap(std::byte* va, std::size_t count) override;
+  void vm_map(std::byte* va, void* handle, std::size_t granules) override;
+  void vm_unmap(std::byte* va, std::size_t granules) override;
 
   [[nodiscard]] std::byte* allocate_pinned(std::size_t bytes) override;
   void deallocate_pinned(std::byte* p, std::size_t bytes) noexcept override;
@@ -80,6 +83,10 @@ class emulated_backend final : public backend {
     std::chrono::steady_clock::time_point free_at{};
   };
   void transfer(link_channel& channel, void* dst, const void* src, std::size_t bytes);
+  // The virtual-memory cost model: whether copies or other work are in flight, and the host time
+  // a call costs its caller.
+  [[nodiscard]] bool busy();
+  void charge(const vm_call_cost& cost, std::size_t calls, std::size_t bytes);
   // Injected faults: the device's state after a failed copy, and the check every call makes.
   [[nodiscard]] bool faulted() const noexcept { return faulted_.load(std::memory_order_acquire); }
   void fault(std::exception_ptr why) noexcept;
@@ -107,6 +114,23 @@ class emulated_backend final : public backend {
 
   link_channel host_to_device_;
   link_channel device_to_host_;
+
+  // Virtual memory (emulated_vm.cpp): the memory file of page granules and what is mapped where.
+  struct vm_table {
+    std::mutex mutex;
+    int fd = -1;  // the memory file, made at the first handle (page granules only)
+    std::map<std::size_t, std::size_t> free_runs;  // first granule -> count, of the memory file
+    std::map<std::uintptr_t, std::pair<std::size_t, void*>> mapped;  // address -> (granules, handle)
+    vm_table() = default;
+    ~vm_table();
+    vm_table(const vm_table&) = delete;
+    vm_table& operator=(const vm_table&) = delete;
+    vm_table(vm_table&&) = delete;
+    vm_table& operator=(vm_table&&) = delete;
+    [[nodiscard]] std::vector<std::pair<std::size_t, std::size_t>> take(std::size_t count);
+    void give(std::size_t first, std::size_t count);
+  };
+  vm_table vm_;
 };
 
 }  // namespace taskswap::detail

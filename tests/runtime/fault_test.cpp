@@ -188,13 +188,13 @@ TEST(faults, a_failed_copy_ends_in_a_device_error_and_every_home_copy_stays_a_va
 TEST(faults, an_allocation_that_fails_mid_step_loses_nothing_and_training_goes_on)
 {
   (void)reference_states();
-  // Allocation 1 is the runtime's pool; the trainer's scratch at step 9 is allocation 2.
-  const device dev = emulated_device({.memory_bytes = std::size_t{8} << 20U, .link = {}}, {.fail_allocation = 2});
+  // The device holds the runtime's budget and no more: the trainer's scratch at step 9 fails.
+  const device dev = emulated_device({.memory_bytes = options().device.budget, .link = {}});
   trainer t(dev, options());
   t.plan();
   for (int step = 0; step < 9; ++step) { t.step(step); }
   expect_error_mentioning<out_of_memory>([&] { t.step(9, [&] { device_buffer scratch(dev, 4096); }); },
-                                         "allocation 2 of 4.0 KiB (4096 bytes) failed (an injected fault)");
+                                         "cannot allocate 4.0 KiB (4096 bytes) of device memory");
   t.rt.flush();
   expect_homes_intact(t.rt);
   // The step is done again, and the run ends where a fault-free run ends.

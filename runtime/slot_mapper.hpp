@@ -1,0 +1,92 @@
+// SPDX-License-Identifier: Apache-2.0
+#pragma once
+
+// The device pool's mapping thread: it makes the driver's virtual-memory calls (create, release,
+// map, unmap of physical handles) that the pool decides, in the order it decides them, so that
+// none of them runs on the trainer's thread (Note [Mapping off the trainer's thread]). The pool
+// keeps every decision (which handle goes where) on the caller's thread; the thread only carries
+// them out. A batch of calls is a job; the pool learns that a job is done from its ticket.
+//
+// A job may carry a fence: an event after the previous users of the addresses it unmaps. The
+// thread waits for it, at most `timeout`, before the calls; a fence that does not complete in that
+// time fails the job. A failed call fails its job and every later one: the pool's record of what
+// is mapped no longer holds, and each later ready()/wait() throws the same error.
+
+#include <taskswap/device.hpp>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace taskswap::detail {
+
+class backend;
+
+class slot_mapper {
+ public:
+  using ticket = std::uint64_t;  // 0: nothing to wait for
+
+  /// One driver call. Handles are named by the pool's extent ids; the thread keeps the handle of
+  /// each id from its create to its release.
+  struct call {
+    enum class kind : std::uint8_t { create, release, map, unmap, free_addresses };
+    kind what = kind::map;
+    std::uint32_t extent = 0;  // create, release, map
+    std::byte* address = nullptr;  // map, unmap, free_addresses
+    std::size_t granules = 0;  // create, map, unmap; free_addresses: bytes
+  };
+  struct job {
+    std::optional<event> fence;  // recorded after the users of what the job unmaps or releases
+    std::string fence_users;  // who they are, for the timeout's message
+    std::vector<call> calls;
+  };
+
+  slot_mapper(const device& dev, std::chrono::milliseconds timeout);
+  /// Lets the queued jobs finish and stops the thread.
+  ~slot_mapper();
+  slot_mapper(const slot_mapper&) = delete;
+  slot_mapper& operator=(const slot_mapper&) = delete;
+  slot_mapper(slot_mapper&&) = delete;
+  slot_mapper& operator=(slot_mapper&&) = delete;
+
+  /// Queues `j`; its ticket. A job with no calls is done at once (ticket 0).
+  [[nodiscard]] ticket submit(job j);
+  /// Whether the job is done. @throws the failure of this or an earlier job
+  [[nodiscard]] bool ready(ticket t);
+  /// Blocks until the job is done. @throws the failure of this or an earlier job
+  void wait(ticket t);
+  /// Blocks until every queued job is done and stops the thread; what failed, if anything. The
+  /// handles are the caller's to release after it (handle()).
+  [[nodiscard]] std::exception_ptr stop() noexcept;
+  /// The backend's handle of `extent`; only after stop().
+  [[nodiscard]] void* handle(std::uint32_t extent) const;
+  /// Runs `j` on the calling thread, before the thread starts: the pool's construction.
+  void run_here(const job& j);
+
+ private:
+  void run();
+  void carry_out(const job& j);
+
+  device dev_;
+  std::chrono::milliseconds timeout_;
+  std::vector<void*> handles_;  // by extent id; the thread's alone while it runs
+  std::mutex mutex_;
+  std::condition_variable queued_;
+  std::condition_variable finished_;
+  std::deque<job> jobs_;
+  ticket submitted_ = 0;
+  ticket done_ = 0;
+  std::exception_ptr failure_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts once the members above exist
+};
+
+}  // namespace taskswap::detail
