@@ -20,8 +20,8 @@
 //   under the h200 profile (an H200's link and its driver's mapping costs, slowed 26 times), the
 //   anchor a plain duplex copy on the same emulated link. Targets: link_ratio ≥ 0.9 at compute 0,
 //   step_time_ratio ≤ 1.03 at 125.
-// TASKSWAP_BENCH_TRACE=<file>: runtime_overlap and cuda_runtime_overlap write the swapping
-//   runtime's trace there (Chrome JSON; the last row run), for looking at where a step's time goes.
+// TASKSWAP_BENCH_TRACE=<file>: the overlap and streaming rows write the swapping runtime's trace
+//   there (Chrome JSON; the last row run), for looking at where a step's time goes.
 //   Only the swapping runtime records spans, so a traced run's step_time_ratio is not comparable.
 
 #include <taskswap/taskswap.hpp>
@@ -354,6 +354,8 @@ void streaming(benchmark::State& state, std::size_t elements, double link, const
   const std::size_t task_bytes = layer_bytes / 4;
   runtime_options streamed_options;
   streamed_options.device.budget = task_bytes + room * layer_bytes;
+  const char* const trace = std::getenv("TASKSWAP_BENCH_TRACE");
+  streamed_options.trace = trace != nullptr;
   runtime_options resident_options;
   resident_options.device.budget = task_bytes + layers * layer_bytes;
   const device streamed_dev = make_device(streamed_options.device.budget);
@@ -385,6 +387,7 @@ void streaming(benchmark::State& state, std::size_t elements, double link, const
     peak = std::max(peak, b.totals.peak_device_bytes);
     state.SetIterationTime(b.seconds);
   }
+  if (trace != nullptr) { streamed.write_trace(trace); }
   const double n = static_cast<double>(state.iterations()) * static_cast<double>(steps);
   state.counters["step_time_ratio"] = streamed_seconds / resident_seconds;
   state.counters["step_ms_streamed"] = streamed_seconds / n * 1e3;

@@ -251,13 +251,8 @@ void read_device(const toml::table& t, std::string_view source, device_options& 
   if (auto i = r.integer("index", 0, 1023)) { d.index = static_cast<int>(*i); }
   if (auto b = r.quantity("budget", size_units, "40 GiB")) { d.budget = static_cast<std::size_t>(*b); }
   // The profile first: the keys below override its figures.
-  if (auto p = r.string("profile")) {
-    try {
-      d.emulated = emulated_profile(*p, d.emulated);
-    } catch (const invalid_argument& e) {
-      r.fail(*t.get("profile"), "profile", e.what());
-    }
-  }
+  constexpr std::array profiles{std::pair{std::string_view("h200"), std::string_view("h200")}};
+  if (auto p = r.choice("profile", profiles)) { d.emulated = emulated_profile(*p, d.emulated); }
   if (auto s = r.number("time_scale")) {
     if (*s <= 0) { r.fail(*t.get("time_scale"), "time_scale", message(*s, " must be more than 0; write e.g. 10")); }
     d.emulated.time_scale = *s;

@@ -298,6 +298,21 @@ void device_pool::unmap_site_from(std::uint32_t site, std::size_t index, job_bui
   s.mapped.resize(index);
 }
 
+// Unmaps the extent mapped `index`-th at slot `id` (another slot's now), `at` granules in, alone:
+// a new one takes its place.
+void device_pool::replace_mapped(slot_id id, std::size_t index, std::size_t at, job_builder& b,
+                                 const quiesce_fn& quiesce)
+{
+  quiesce_site(id, b, quiesce);
+  slot_state& s = slots_[id];
+  std::vector<std::uint32_t>& sites = extents_[s.mapped[index]].sites;
+  sites.erase(std::find(sites.begin(), sites.end(), id));
+  b.job.calls.push_back({.what = slot_mapper::call::kind::unmap,
+                         .address = s.address + at * granule_,
+                         .granules = extents_[s.mapped[index]].granules});
+  s.mapped[index] = none;  // until the caller maps the new one
+}
+
 // Unmaps the free extent `e` wherever it is mapped.
 void device_pool::detach(std::uint32_t e, job_builder& b, const quiesce_fn& quiesce)
 {
@@ -492,22 +507,35 @@ device_pool::mapping device_pool::map_slot(slot_id id, slot_state& s, std::size_
   if (split >= need) { split = 0; }
   if (reuses_mapped(s, need, split)) { return {mapped(s, bytes, s.address), s.ready}; }
   const std::vector<std::size_t> pieces = split != 0 ? std::vector{split, need - split} : std::vector{need};
-  // The leading extents mapped here that are free and of the pieces' sizes stay; the rest move.
+  // Where the extents mapped here part as the pieces do, each stays if it is free and is replaced
+  // alone if another slot took it; from the first that does not fit the pieces on, they move.
   job_builder b;
-  std::size_t kept = 0;
-  while (kept < pieces.size() && kept < s.mapped.size()) {
-    const extent& x = extents_[s.mapped[kept]];
-    if (x.owner != none || x.granules != pieces[kept]) { break; }
-    ++kept;
+  std::size_t same = 0;
+  while (same < pieces.size() && same < s.mapped.size() && extents_[s.mapped[same]].granules == pieces[same]) {
+    ++same;
   }
-  if (kept < s.mapped.size()) { unmap_site_from(id, kept, b, quiesce); }
-  for (std::size_t i = 0; i < kept; ++i) { take(s.mapped[i], id); }
-  std::size_t at = std::accumulate(pieces.begin(), pieces.begin() + static_cast<long>(kept), std::size_t{0});
-  for (std::size_t i = kept; i < pieces.size(); ++i) {
-    const std::uint32_t e = extent_of(pieces[i], b, quiesce);
-    take(e, id);
-    map_at(s.address + at * granule_, e, id, b);
-    s.mapped.push_back(e);
+  if (same < s.mapped.size()) { unmap_site_from(id, same, b, quiesce); }
+  // The ones that stay are taken first: a reshape below must not release them.
+  std::vector<bool> stays(pieces.size(), false);
+  for (std::size_t i = 0; i < same; ++i) {
+    if (extents_[s.mapped[i]].owner == none) {
+      take(s.mapped[i], id);
+      stays[i] = true;
+    }
+  }
+  std::size_t at = 0;
+  for (std::size_t i = 0; i < pieces.size(); ++i) {
+    if (!stays[i]) {
+      if (i < same) { replace_mapped(id, i, at, b, quiesce); }
+      const std::uint32_t e = extent_of(pieces[i], b, quiesce);
+      take(e, id);
+      map_at(s.address + at * granule_, e, id, b);
+      if (i < same) {
+        s.mapped[i] = e;
+      } else {
+        s.mapped.push_back(e);
+      }
+    }
     at += pieces[i];
   }
   s.owned = pieces.size();

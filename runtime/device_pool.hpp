@@ -203,6 +203,7 @@ class device_pool {
   void give(std::uint32_t e);
   void quiesce_site(std::uint32_t site, job_builder& b, const quiesce_fn& quiesce);
   void unmap_site_from(std::uint32_t site, std::size_t index, job_builder& b, const quiesce_fn& quiesce);
+  void replace_mapped(slot_id id, std::size_t index, std::size_t at, job_builder& b, const quiesce_fn& quiesce);
   void detach(std::uint32_t e, job_builder& b, const quiesce_fn& quiesce);
   void map_at(std::byte* address, std::uint32_t e, std::uint32_t site, job_builder& b);
   [[nodiscard]] ticket submit(job_builder& b);

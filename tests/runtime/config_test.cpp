@@ -91,6 +91,46 @@ trace = true
   EXPECT_EQ(dev.memory().total, std::size_t{512} << 20);  // the budget, when no memory is given
 }
 
+// A named profile sets the device's figures, the keys after it override them, and time_scale
+// slows the whole device. The h200 profile's figures are the ones docs/gpu-results.md measured.
+TEST(config, an_emulated_profile_and_its_overrides)
+{
+  const runtime_options o = parse_config(R"(
+[device]
+backend = "emulated"
+budget = "64 MiB"
+link_bandwidth = "40 GB/s"
+profile = "h200"
+time_scale = 26
+[device.vm_costs]
+access = "50 us"
+unmap_per_mib = "0.5 us"
+busy_factor = 3.0
+)");
+  const emulated_options& e = o.device.emulated;
+  EXPECT_EQ(e.granularity, std::size_t{2} << 20);
+  EXPECT_DOUBLE_EQ(e.link.bytes_per_second, 40e9);  // the key wins over the profile, wherever it stands
+  EXPECT_DOUBLE_EQ(e.link.latency_seconds, 8e-6);
+  EXPECT_DOUBLE_EQ(e.time_scale, 26.0);
+  EXPECT_DOUBLE_EQ(e.vm_costs.access.per_call_seconds, 50e-6);
+  EXPECT_DOUBLE_EQ(e.vm_costs.map.per_call_seconds, 0.7e-6);  // the profile's
+  EXPECT_DOUBLE_EQ(e.vm_costs.unmap.per_call_seconds, 20e-6);
+  EXPECT_DOUBLE_EQ(e.vm_costs.unmap.per_mib_seconds, 0.5e-6);
+  EXPECT_DOUBLE_EQ(e.vm_costs.busy_factor, 3.0);
+  EXPECT_TRUE(e.vm_costs.enabled());
+  EXPECT_FALSE(vm_cost_model{}.enabled());
+  const auto fails = [](const std::string& text, const std::string& needle) {
+    expect_error_mentioning<config_error>([&] { (void)parse_config(text, "my.toml"); }, needle);
+  };
+  const std::string head = "[device]\nbackend = \"emulated\"\nbudget = \"1 GiB\"\n";
+  fails(head + "profile = \"h100\"\n", "my.toml:4: [device] profile: unknown value \"h100\"; use h200");
+  fails(head + "time_scale = 0\n", "my.toml:4: [device] time_scale: 0 must be more than 0");
+  fails(head + "vm_costs = 3\n", "my.toml:4: [device] vm_costs: must be a table");
+  fails(head + "[device.vm_costs]\nmap = \"1\"\n", "my.toml:5: [device.vm_costs] map: \"1\" is not a quantity with a unit");
+  fails(head + "[device.vm_costs]\nbusy_factor = 0.5\n", "my.toml:5: [device.vm_costs] busy_factor: 0.5 is below 1");
+  fails(head + "[device.vm_costs]\nmapp = \"1 us\"\n", "my.toml:5: [device.vm_costs] has no key 'mapp'");
+}
+
 TEST(config, sizes_need_a_unit)
 {
   EXPECT_EQ(parse_size("1.5 KiB"), 1536U);

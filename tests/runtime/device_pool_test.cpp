@@ -304,6 +304,7 @@ TEST_P(device_pool_at, AMoveWaitsOnTheMappingThreadForItsUsers)
   std::size_t asked = 0;
   const device_pool::mapping m = t.move_a(2 * g, asked);  // returns at once: the caller does not wait
   EXPECT_EQ(asked, 1U);
+  std::this_thread::sleep_for(std::chrono::milliseconds{200});  // time enough for a job that waits for nothing
   EXPECT_FALSE(t.pool.ready(m.ready)) << "the move did not wait for the blocked user";
   t.go = true;
   t.pool.wait(m.ready);
@@ -327,6 +328,22 @@ TEST_P(device_pool_at, AMoveWhoseUsersNeverFinishFailsWithTheirNames)
   const device_pool::mapping m = t.move_a(2 * g, asked);
   expect_error_mentioning<timeout_error>([&] { t.pool.wait(m.ready); }, "'unit a' used");
   expect_error_mentioning<timeout_error>([&] { t.pool.check(); }, "[runtime] timeout");
+}
+
+// The driver's calls cost the mapping thread, not the caller: with each access grant costing a
+// second on the emulated device, map() returns before the job is done, and the job takes that.
+TEST(device_pool, TheCallerDoesNotPayTheMappingCalls)
+{
+  vm_cost_model costs;
+  costs.access.per_call_seconds = 1.0;
+  const device dev = emulated_device({.memory_bytes = 8 * MiB, .granularity = 64 * KiB, .vm_costs = costs});
+  device_pool pool(dev, 4 * MiB);
+  const auto a = pool.add_slot(MiB);
+  const auto start = std::chrono::steady_clock::now();
+  const device_pool::mapping m = pool.map(a, MiB, 0, no_users);
+  EXPECT_FALSE(pool.ready(m.ready)) << "the map's calls ran on the caller's thread";
+  pool.wait(m.ready);
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::seconds{1});
 }
 
 // A driver call that fails on the mapping thread (here the create of a reshape: the device's
