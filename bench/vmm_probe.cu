@@ -13,7 +13,7 @@
 //  8. whether the calls wait for a kernel or a host function in flight on another stream;
 //  9. what cuMemCreate and cuMemRelease cost for a handle of 1 … 96 granules.
 // Arguments: [device index] [sections, e.g. 17; default all]
-// Build: nvcc -O2 -std=c++20 -arch=sm_90 bench/vmm_probe.cu -lcuda -o vmm_probe
+// Built as build/<preset>/bench/vmm_probe where CUDA is on; run: vmm_probe [device] [sections]
 #include <cuda.h>
 #include <cuda_runtime.h>
 
@@ -120,8 +120,8 @@ void table_split(const char* title, CUdeviceptr va, const std::vector<CUmemGener
                  bool unmap_whole, int reps)
 {
   std::printf("\n%s\n", title);
-  std::printf("%8s %10s %12s %12s %12s %12s %12s\n", "granules", "MiB", "map us", "access us", "unmap us",
-              "total us", "us per MiB");
+  std::printf("%8s %10s %12s %12s %12s %12s %12s\n", "granules", "MiB", "map us", "access us", "unmap us", "total us",
+              "us per MiB");
   for (const std::size_t n : {1, 8, 32, 96}) {
     std::vector<double> m, a, u;
     for (int r = 0; r < reps; ++r) {
@@ -167,10 +167,10 @@ int main(int argc, char** argv)
 
   // 1. idle
   if (want('1')) {
-  table_split("1a. one move, device idle (map per granule, one grant, unmap per granule)", va, h, false, 21);
-  table_split("1b. the same, unmap over the whole range in one call", va, h, true, 21);
+    table_split("1a. one move, device idle (map per granule, one grant, unmap per granule)", va, h, false, 21);
+    table_split("1b. the same, unmap over the whole range in one call", va, h, true, 21);
 
-  // 1c. a run of granules as one handle: one cuMemMap, one grant, one unmap.
+    // 1c. a run of granules as one handle: one cuMemMap, one grant, one unmap.
   }
   if (want('1')) {
     std::printf("\n1c. one handle of n granules: one map, one grant, one unmap\n");
@@ -265,8 +265,8 @@ int main(int argc, char** argv)
 
   // 4. threads mapping at once, each its own addresses and granules.
   if (want('4')) {
-    std::printf("\n4. mapping threads at once (moves of 16 granules, 0.4 s)\n%8s %14s %14s\n", "threads",
-                "MiB moved/s", "per thread");
+    std::printf("\n4. mapping threads at once (moves of 16 granules, 0.4 s)\n%8s %14s %14s\n", "threads", "MiB moved/s",
+                "per thread");
     for (const int k : {1, 2, 4, 8}) {
       std::atomic<bool> stop{false};
       std::atomic<std::size_t> moved{0};
@@ -354,7 +354,11 @@ int main(int argc, char** argv)
     TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     std::atomic<bool> go{false};
     TRY(cudaLaunchHostFunc(
-      s, [](void* p) { while (!static_cast<std::atomic<bool>*>(p)->load()) { std::this_thread::yield(); } }, &go));
+      s,
+      [](void* p) {
+        while (!static_cast<std::atomic<bool>*>(p)->load()) { std::this_thread::yield(); }
+      },
+      &go));
     // NOLINTNEXTLINE(performance-no-int-to-ptr)
     const cudaError_t queued = cudaMemcpyAsync(reinterpret_cast<void*>(va), host, n * g, cudaMemcpyHostToDevice, s);
     for (std::size_t i = 0; i < n; ++i) { TRY(cuMemMap(va + i * g, g, 0, h[i], 0)); }
@@ -394,7 +398,8 @@ int main(int argc, char** argv)
             spin<<<1, 1, 0, s>>>(static_cast<long long>(clock_khz) * 20);
             TRY(cudaGetLastError());
           } else if (what == 2) {
-            TRY(cudaLaunchHostFunc(s, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(20)); }, nullptr));
+            TRY(cudaLaunchHostFunc(
+              s, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(20)); }, nullptr));
           }
           std::this_thread::sleep_for(std::chrono::microseconds(200));
           split sp;
@@ -416,7 +421,9 @@ int main(int argc, char** argv)
           m.push_back(sp.map), a.push_back(sp.access), u.push_back(sp.unmap);
         }
         std::printf("%22s %24s %10.1f %10.1f %10.1f %6d/5\n",
-                    what == 0 ? "nothing" : what == 1 ? "a kernel" : "a host function",
+                    what == 0   ? "nothing"
+                    : what == 1 ? "a kernel"
+                                : "a host function",
                     kind == 0 ? "32 handles of a granule" : "one handle of 32", median(m), median(a), median(u),
                     running);
       }

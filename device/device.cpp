@@ -53,8 +53,8 @@ bool vm_cost_model::enabled() const noexcept
 // 101 GB/s both ways at once (cuda_copy_duplex).
 emulated_options emulated_profile(std::string_view name, emulated_options base)
 {
-  TASKSWAP_EXPECTS(name == "h200", detail::message("unknown emulated device profile '", name,
-                                                    "'; the profiles are: h200"));
+  TASKSWAP_EXPECTS(name == "h200",
+                   detail::message("unknown emulated device profile '", name, "'; the profiles are: h200"));
   constexpr double us = 1e-6;
   base.granularity = std::size_t{2} << 20;
   base.link = {.bytes_per_second = 52e9, .latency_seconds = 8 * us};
@@ -78,11 +78,11 @@ device emulated_device(const emulated_options& options, const emulated_faults& f
   TASKSWAP_EXPECTS(options.granularity >= 256 && (options.granularity & (options.granularity - 1)) == 0,
                    detail::message("emulated device granularity must be a power of two of at least 256 bytes, got ",
                                    options.granularity));
-  TASKSWAP_EXPECTS(options.time_scale > 0.0, detail::message("emulated device time_scale must be more than 0, got ",
-                                                               options.time_scale));
-  TASKSWAP_EXPECTS(options.vm_costs.busy_factor >= 1.0,
-                   detail::message("emulated device vm busy_factor must be at least 1, got ",
-                                   options.vm_costs.busy_factor));
+  TASKSWAP_EXPECTS(options.time_scale > 0.0,
+                   detail::message("emulated device time_scale must be more than 0, got ", options.time_scale));
+  TASKSWAP_EXPECTS(
+    options.vm_costs.busy_factor >= 1.0,
+    detail::message("emulated device vm busy_factor must be at least 1, got ", options.vm_costs.busy_factor));
   return device{std::make_shared<detail::emulated_backend>(options, faults)};
 }
 

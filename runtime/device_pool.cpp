@@ -60,8 +60,12 @@ std::size_t granularity_of(const device& dev, std::size_t budget)
 }  // namespace
 
 device_pool::device_pool(const device& dev, std::size_t budget, std::chrono::milliseconds timeout)
-    : dev_(dev), budget_(budget), granule_(granularity_of(dev, budget)), granules_(budget / granule_),
-      fences_(dev), mapper_(dev, timeout)
+    : dev_(dev),
+      budget_(budget),
+      granule_(granularity_of(dev, budget)),
+      granules_(budget / granule_),
+      fences_(dev),
+      mapper_(dev, timeout)
 {
   backend& b = dev_.backend();
   const std::size_t chunk = std::max<std::size_t>(1, extent_chunk_bytes / granule_);
@@ -259,9 +263,7 @@ void device_pool::quiesce_site(std::uint32_t site, job_builder& b, const quiesce
     } else {
       dev_.synchronize();  // no caller to ask: wait for everything
     }
-    if (!users.empty()) {
-      b.job.fence_users += (b.job.fence_users.empty() ? "" : ", ") + users;
-    }
+    if (!users.empty()) { b.job.fence_users += (b.job.fence_users.empty() ? "" : ", ") + users; }
   };
   if ((site & class_site) != 0) {
     for (const slot_id f : shared_[site & ~class_site].former) { ask(f); }
@@ -422,7 +424,9 @@ device_pool::mapping device_pool::map_packed(slot_id id, slot_state& s, std::siz
   const std::size_t places = granule_ / c.place_bytes;
   std::uint32_t g = open_place(c);
   if (g == none) {  // an empty class granule, its extent still free if one's is; else a new one
-    const auto own_free = [&](const class_granule& cg) { return cg.extent != none && extents_[cg.extent].owner == none; };
+    const auto own_free = [&](const class_granule& cg) {
+      return cg.extent != none && extents_[cg.extent].owner == none;
+    };
     for (const std::uint32_t e : c.granules) {
       const class_granule& cg = shared_[e];
       if (cg.taken != 0) { continue; }
@@ -632,9 +636,8 @@ void device_pool::remove_slot(slot_id slot)
       b.quiesced.push_back(slot);  // no work uses it any more
       unmap_site_from(slot, 0, b, nullptr);
     }
-    b.job.calls.push_back({.what = slot_mapper::call::kind::free_addresses,
-                           .address = s.address,
-                           .granules = s.max_granules * granule_});
+    b.job.calls.push_back(
+      {.what = slot_mapper::call::kind::free_addresses, .address = s.address, .granules = s.max_granules * granule_});
     static_cast<void>(submit(b));
   }
   s = slot_state{};

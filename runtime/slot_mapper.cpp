@@ -55,10 +55,7 @@ std::exception_ptr slot_mapper::stop() noexcept
   return failure_;
 }
 
-void* slot_mapper::handle(std::uint32_t extent) const
-{
-  return extent < handles_.size() ? handles_[extent] : nullptr;
-}
+void* slot_mapper::handle(std::uint32_t extent) const { return extent < handles_.size() ? handles_[extent] : nullptr; }
 
 void slot_mapper::run_here(const job& j) { carry_out(j); }
 

@@ -249,8 +249,7 @@ device_pool::mapping swap_engine::map_slot(unit_record& r, std::size_t bytes, st
     };
     after(u.arrived);
     after(u.released);
-    for (const std::optional<event>* e :
-         {&u.written_back, &u.grads_copied, &u.grads_ready_event, &u.grads_done}) {
+    for (const std::optional<event>* e : {&u.written_back, &u.grads_copied, &u.grads_ready_event, &u.grads_done}) {
       if (*e) { after(**e); }
     }
     return users;

@@ -41,9 +41,9 @@ from peft.tuners.lora import LoraLayer  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import taskswap  # noqa: E402
-from taskswap import _core  # noqa: E402
 import taskswap.torch as tt  # noqa: E402
 import taskswap.torch.peft as tpeft  # noqa: E402
+from taskswap import _core  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -112,7 +112,7 @@ def run(m: dict, model: torch.nn.Module, options: taskswap.Options, resident: bo
     sched = torch.randint(0, m["tasks"], (steps,), generator=g).tolist()
     rt.plan([adapters.uses(f"task{t}") for t in sched])
     times, losses = [], []
-    for i, t in enumerate(sched):
+    for t in sched:
         x = torch.randint(0, m["vocab"], (m["batch"], m["sequence"]), generator=g).to(device)
         start = time.perf_counter()
         with adapters.step(f"task{t}"):

@@ -281,10 +281,10 @@ class cuda_backend final : public backend {
                       [&] { return message("cuda:", index_, ": a handle of ", granules, " granules"); });
     } catch (const out_of_memory&) {
       const memory_info info = memory();
-      throw out_of_memory(message("cuda:", index_, ": cannot allocate ", bytes_text(granules * g),
-                                  " of device memory in one handle; ", bytes_text(info.free), " free of ",
-                                  bytes_text(info.total)),
-                          granules * g, info.free, info.total);
+      throw out_of_memory(
+        message("cuda:", index_, ": cannot allocate ", bytes_text(granules * g), " of device memory in one handle; ",
+                bytes_text(info.free), " free of ", bytes_text(info.total)),
+        granules * g, info.free, info.total);
     }
     return new CUmemGenericAllocationHandle(h);  // NOLINT(cppcoreguidelines-owning-memory): vm_release deletes it
   }
@@ -294,7 +294,8 @@ class cuda_backend final : public backend {
     const std::unique_ptr<CUmemGenericAllocationHandle> h(static_cast<CUmemGenericAllocationHandle*>(handle));
     const cuda_device_guard guard(index_);
     const driver_vm& vm = driver_vm::get();
-    TASKSWAP_CU_TRY(vm, vm.release(*h), [&] { return message("cuda:", index_, ": releasing ", granules, " granules"); });
+    TASKSWAP_CU_TRY(vm, vm.release(*h),
+                    [&] { return message("cuda:", index_, ": releasing ", granules, " granules"); });
   }
 
   [[nodiscard]] std::byte* vm_reserve(std::size_t bytes) override

@@ -237,8 +237,8 @@ emulated_options at_scale(emulated_options o)
   const double s = o.time_scale;
   o.link.bytes_per_second /= s;
   o.link.latency_seconds *= s;
-  for (vm_call_cost* c : {&o.vm_costs.map, &o.vm_costs.access, &o.vm_costs.unmap, &o.vm_costs.create,
-                          &o.vm_costs.release}) {
+  for (vm_call_cost* c :
+       {&o.vm_costs.map, &o.vm_costs.access, &o.vm_costs.unmap, &o.vm_costs.create, &o.vm_costs.release}) {
     c->per_call_seconds *= s;
     c->per_mib_seconds *= s;
   }

@@ -129,9 +129,9 @@ void* emulated_backend::vm_create(std::size_t granules)
     for (const auto& [first, count] : h->runs) { t.give(first, count); }
     give_memory(bytes);
     if (error == ENOSPC || error == ENOMEM) {
-      throw out_of_memory(message("emulated:", index_, ": the host could not provide ", bytes_text(bytes),
-                                  " to stand for device memory"),
-                          bytes, 0, options_.memory_bytes);
+      throw out_of_memory(
+        message("emulated:", index_, ": the host could not provide ", bytes_text(bytes), " to stand for device memory"),
+        bytes, 0, options_.memory_bytes);
     }
     throw_errno(error, message("emulated:", index_, ": a memory file of ", bytes_text(bytes), " for device memory"));
   }
@@ -225,8 +225,8 @@ void emulated_backend::vm_unmap(std::byte* va, std::size_t granules)
       ++it;
     }
     if (covered != granules) {
-      throw device_error(message("emulated:", index_, ": unmapping ", granules, " granules at ",
-                                 static_cast<void*>(va), ", which are not whole handles mapped one after another"));
+      throw device_error(message("emulated:", index_, ": unmapping ", granules, " granules at ", static_cast<void*>(va),
+                                 ", which are not whole handles mapped one after another"));
     }
     for (auto e = t.mapped.find(at); e != it;) {
       --static_cast<emulated_handle*>(e->second.second)->mappings;

@@ -126,7 +126,8 @@ busy_factor = 3.0
   fails(head + "profile = \"h100\"\n", "my.toml:4: [device] profile: unknown value \"h100\"; use h200");
   fails(head + "time_scale = 0\n", "my.toml:4: [device] time_scale: 0 must be more than 0");
   fails(head + "vm_costs = 3\n", "my.toml:4: [device] vm_costs: must be a table");
-  fails(head + "[device.vm_costs]\nmap = \"1\"\n", "my.toml:5: [device.vm_costs] map: \"1\" is not a quantity with a unit");
+  fails(head + "[device.vm_costs]\nmap = \"1\"\n",
+        "my.toml:5: [device.vm_costs] map: \"1\" is not a quantity with a unit");
   fails(head + "[device.vm_costs]\nbusy_factor = 0.5\n", "my.toml:5: [device.vm_costs] busy_factor: 0.5 is below 1");
   fails(head + "[device.vm_costs]\nmapp = \"1 us\"\n", "my.toml:5: [device.vm_costs] has no key 'mapp'");
 }
