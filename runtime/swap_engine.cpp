@@ -36,7 +36,7 @@ class incoming_scope {
 
 }  // namespace
 
-swap_engine::swap_engine(parts p) : p_(std::move(p))
+swap_engine::swap_engine(parts p) : p_(p)
 {
   for (const unit_record& r : p_.units) {
     if (r.pinned()) { continue; }

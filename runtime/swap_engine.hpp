@@ -30,7 +30,7 @@ namespace taskswap::detail {
 
 class swap_engine {
  public:
-  /// What it works with, owned by the runtime and outliving it. The values (path, timeout, tracks)
+  /// What it works with, owned by the runtime and outliving it. The values (path, tracks)
   /// are copied at construction: they are fixed for a runtime's life.
   struct parts {
     const device& dev;
