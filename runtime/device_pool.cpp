@@ -81,14 +81,8 @@ device_pool::device_pool(const device& dev, std::size_t budget, std::chrono::mil
     pinned_address_ = b.vm_reserve(granules_ * granule_);
   } catch (...) {
     static_cast<void>(mapper_.stop());
-    for (std::uint32_t e = 0; e < extents_.size(); ++e) {
-      if (void* h = mapper_.handle(e)) {
-        try {
-          b.vm_release(h, extents_[e].granules);
-        } catch (const error& f) {
-          std::fprintf(stderr, "taskswap: device pool: %s\n", f.what());
-        }
-      }
+    for (const std::string& problem : mapper_.release_all()) {
+      std::fprintf(stderr, "taskswap: device pool: %s\n", problem.c_str());
     }
     try {
       throw;
@@ -122,50 +116,27 @@ std::vector<std::string> device_pool::close() noexcept
   };
   backend& b = dev_.backend();
   if (const std::exception_ptr failed = mapper_.stop()) {
-    // What is mapped where is not known after a failed call: everything stays reserved.
     try {
       std::rethrow_exception(failed);
     } catch (const std::exception& e) {
       keep(e);
     } catch (...) {}
-    return problems;
   }
   try {
     b.synchronize();  // nothing may use a range while it is unmapped
   } catch (const error& e) {  // a faulted device: its queued work was abandoned
     keep(e);
   }
-  // A range still mapped after a failure is left reserved (and its memory held): freeing either
-  // under a live mapping is undefined.
-  bool all_unmapped = true;
-  const auto unmap_free = [&](std::byte* address, std::size_t mapped, std::size_t reserved) {
-    try {
-      if (mapped > 0) { b.vm_unmap(address, mapped); }
-      b.vm_free(address, reserved);
-    } catch (const error& e) {
-      all_unmapped = false;
-      keep(e);
-    }
-  };
-  const auto granules_of = [&](const std::vector<std::uint32_t>& ids) {
-    std::size_t n = 0;
-    for (const std::uint32_t e : ids) { n += extents_[e].granules; }
-    return n;
-  };
+  // What the mapping thread's calls did is what is undone, whatever the pool's record says after a
+  // failed call. Where a mapping cannot be undone, the addresses stay reserved.
+  const std::vector<std::string> undone = mapper_.release_all();
+  problems.insert(problems.end(), undone.begin(), undone.end());
+  if (!undone.empty()) { return problems; }
   for (const slot_state& s : slots_) {
-    if (s.address != nullptr) { unmap_free(s.address, granules_of(s.mapped), s.max_granules * granule_); }
+    if (s.address != nullptr) { b.vm_free(s.address, s.max_granules * granule_); }
   }
-  for (const class_granule& cg : shared_) { unmap_free(cg.address, cg.extent != none ? 1 : 0, granule_); }
-  unmap_free(pinned_address_, pinned_granules_, granules_ * granule_);
-  if (!all_unmapped) { return problems; }
-  for (std::uint32_t e = 0; e < extents_.size(); ++e) {
-    if (!extents_[e].live) { continue; }
-    try {
-      b.vm_release(mapper_.handle(e), extents_[e].granules);
-    } catch (const error& f) {
-      keep(f);
-    }
-  }
+  for (const class_granule& cg : shared_) { b.vm_free(cg.address, granule_); }
+  b.vm_free(pinned_address_, granules_ * granule_);
   return problems;
 }
 
@@ -512,7 +483,8 @@ device_pool::mapping device_pool::map_slot(slot_id id, slot_state& s, std::size_
   if (reuses_mapped(s, need, split)) { return {mapped(s, bytes, s.address), s.ready}; }
   const std::vector<std::size_t> pieces = split != 0 ? std::vector{split, need - split} : std::vector{need};
   // Where the extents mapped here part as the pieces do, each stays if it is free and is replaced
-  // alone if another slot took it; from the first that does not fit the pieces on, they move.
+  // alone if another slot took it; from the first that does not fit the pieces on, they move, and
+  // so do those past the pieces (an extent mapped here twice would be taken twice).
   job_builder b;
   std::size_t same = 0;
   while (same < pieces.size() && same < s.mapped.size() && extents_[s.mapped[same]].granules == pieces[same]) {
@@ -530,8 +502,9 @@ device_pool::mapping device_pool::map_slot(slot_id id, slot_state& s, std::size_
   std::size_t at = 0;
   for (std::size_t i = 0; i < pieces.size(); ++i) {
     if (!stays[i]) {
-      if (i < same) { replace_mapped(id, i, at, b, quiesce); }
+      // The extent first: a reshape may unmap extents mapped here past the pieces.
       const std::uint32_t e = extent_of(pieces[i], b, quiesce);
+      if (i < same) { replace_mapped(id, i, at, b, quiesce); }
       take(e, id);
       map_at(s.address + at * granule_, e, id, b);
       if (i < same) {

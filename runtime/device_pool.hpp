@@ -75,9 +75,10 @@ class device_pool {
               std::chrono::milliseconds timeout = std::chrono::milliseconds{300'000});
   /// Prints what close() found, if close() was not called.
   ~device_pool();
-  /// Waits for the mapping thread and the device, unmaps and frees every range; returns what went
-  /// wrong (a faulted device's error, a mapping that failed: then its memory stays reserved) for the
-  /// owner to report once with its own. Never throws; the pool is unusable afterwards.
+  /// Waits for the mapping thread and the device, then undoes what the mapping thread's calls did
+  /// (every mapping, every handle) and frees the addresses; returns what went wrong (the mapping
+  /// thread's failure, a faulted device's error, an unmap that failed: then the addresses stay
+  /// reserved) for the owner to report once with its own. Never throws; the pool is unusable after.
   [[nodiscard]] std::vector<std::string> close() noexcept;
   device_pool(const device_pool&) = delete;
   device_pool& operator=(const device_pool&) = delete;

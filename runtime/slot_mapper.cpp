@@ -11,7 +11,7 @@
 namespace taskswap::detail {
 
 slot_mapper::slot_mapper(const device& dev, std::chrono::milliseconds timeout)
-    : dev_(dev), timeout_(timeout), thread_([this] { run(); })
+    : dev_(dev), timeout_(timeout), granule_(dev.backend().vm_granularity()), thread_([this] { run(); })
 {}
 
 slot_mapper::~slot_mapper() { static_cast<void>(stop()); }
@@ -55,7 +55,35 @@ std::exception_ptr slot_mapper::stop() noexcept
   return failure_;
 }
 
-void* slot_mapper::handle(std::uint32_t extent) const { return extent < handles_.size() ? handles_[extent] : nullptr; }
+std::vector<std::string> slot_mapper::release_all() noexcept
+{
+  std::vector<std::string> problems;
+  const auto keep = [&](const std::exception& e) noexcept {
+    try {
+      problems.emplace_back(e.what());
+    } catch (...) {  // out of memory while tearing down: the report is shorter
+    }
+  };
+  backend& b = dev_.backend();
+  for (const auto& [address, granules] : mapped_) {
+    try {
+      b.vm_unmap(address, granules);
+    } catch (const std::exception& e) {
+      keep(e);
+    }
+  }
+  mapped_.clear();
+  for (std::size_t e = 0; e < handles_.size(); ++e) {
+    if (handles_[e] == nullptr) { continue; }
+    try {
+      b.vm_release(handles_[e], handle_granules_[e]);
+    } catch (const std::exception& f) {
+      keep(f);
+    }
+    handles_[e] = nullptr;
+  }
+  return problems;
+}
 
 void slot_mapper::run_here(const job& j) { carry_out(j); }
 
@@ -99,15 +127,25 @@ void slot_mapper::carry_out(const job& j)
   for (const call& c : j.calls) {
     switch (c.what) {
       case call::kind::create:
-        if (handles_.size() <= c.extent) { handles_.resize(c.extent + 1, nullptr); }
+        if (handles_.size() <= c.extent) {
+          handles_.resize(c.extent + 1, nullptr);
+          handle_granules_.resize(c.extent + 1, 0);
+        }
         handles_[c.extent] = b.vm_create(c.granules);
+        handle_granules_[c.extent] = c.granules;
         break;
       case call::kind::release:
         b.vm_release(handles_[c.extent], c.granules);
         handles_[c.extent] = nullptr;
         break;
-      case call::kind::map: b.vm_map(c.address, handles_[c.extent], c.granules); break;
-      case call::kind::unmap: b.vm_unmap(c.address, c.granules); break;
+      case call::kind::map:
+        b.vm_map(c.address, handles_[c.extent], c.granules);
+        mapped_.emplace(c.address, c.granules);
+        break;
+      case call::kind::unmap:
+        b.vm_unmap(c.address, c.granules);
+        mapped_.erase(mapped_.lower_bound(c.address), mapped_.lower_bound(c.address + c.granules * granule_));
+        break;
       case call::kind::free_addresses: b.vm_free(c.address, c.granules); break;
     }
   }

@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <deque>
 #include <exception>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -63,11 +64,12 @@ class slot_mapper {
   [[nodiscard]] bool ready(ticket t);
   /// Blocks until the job is done. @throws the failure of this or an earlier job
   void wait(ticket t);
-  /// Blocks until every queued job is done and stops the thread; what failed, if anything. The
-  /// handles are the caller's to release after it (handle()).
+  /// Blocks until every queued job is done and stops the thread; what failed, if anything.
   [[nodiscard]] std::exception_ptr stop() noexcept;
-  /// The backend's handle of `extent`; only after stop().
-  [[nodiscard]] void* handle(std::uint32_t extent) const;
+  /// After stop(), with the device's work done: unmaps everything mapped and releases every handle,
+  /// as the calls that succeeded left them (whatever the caller's record says after a failure);
+  /// what went wrong, for the caller to report. Never throws.
+  [[nodiscard]] std::vector<std::string> release_all() noexcept;
   /// Runs `j` on the calling thread, before the thread starts: the pool's construction.
   void run_here(const job& j);
 
@@ -77,7 +79,12 @@ class slot_mapper {
 
   device dev_;
   std::chrono::milliseconds timeout_;
-  std::vector<void*> handles_;  // by extent id; the thread's alone while it runs
+  // What the calls that succeeded did, the thread's alone while it runs: the handle of each
+  // extent id (and its granules), and every mapping by its address (granules).
+  std::vector<void*> handles_;
+  std::vector<std::size_t> handle_granules_;
+  std::map<std::byte*, std::size_t> mapped_;
+  std::size_t granule_ = 0;
   std::mutex mutex_;
   std::condition_variable queued_;
   std::condition_variable finished_;
