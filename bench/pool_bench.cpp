@@ -9,7 +9,7 @@
 //   - old: best-fit ranges over one allocation (device/best_fit_ranges, the pool before DESIGN
 //     invariant 8): a unit fits when one free block holds it, so split room costs evictions the
 //     sum would not need (counted: extra_evictions_old).
-//   ratio = new / old. Target for the runtime's swapping rows: ≤ 1.10 (issue 19); this isolates the
+//   ratio = new / old. Target for the runtime's swapping rows: ≤ 1.10; this isolates the
 //   pool's part of them. At a 4 KiB granule the emulated device maps a memory file (a system call
 //   when a slot moves); at 256 bytes it only counts, as the emulated default does.
 //

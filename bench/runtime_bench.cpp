@@ -137,6 +137,25 @@ loop_result train(runtime& rt, stream& s, std::size_t tasks, std::size_t steps, 
   return result_since(rt, before, std::chrono::duration<double>(end - begin).count());
 }
 
+// The fastest of three timed rounds of `work` (queued on `s` between two timing events) after a
+// warm-up round, in seconds: a plain copy's time, the anchor the runtime's rows are judged by.
+template <class Work>
+double fastest_round(const device& dev, stream& s, const Work& work)
+{
+  double best = 0;
+  for (int round = 0; round < 4; ++round) {
+    event start(dev, {.timing = true});
+    event end(dev, {.timing = true});
+    start.record(s);
+    work();
+    end.record(s);
+    end.synchronize();
+    const double seconds = elapsed_ms(start, end) / 1e3;
+    if (round == 1 || (round > 1 && seconds < best)) { best = seconds; }
+  }
+  return best;
+}
+
 // One timed plain duplex copy of `bytes` each way between pinned_buffers (not the runtime's
 // arena) and device buffers on two streams: the link's rate without the runtime, in seconds.
 double plain_duplex_seconds(const device& dev, std::size_t bytes)
@@ -147,23 +166,16 @@ double plain_duplex_seconds(const device& dev, std::size_t bytes)
   device_buffer device_out(dev, bytes);
   stream up(dev);
   stream down(dev);
-  double best = 0;
-  for (int round = 0; round < 4; ++round) {  // the first is a warm-up; the fastest of the rest
-    event start(dev, {.timing = true});
+  return fastest_round(dev, up, [&] {
+    event started(dev);
     event down_done(dev);
-    event end(dev, {.timing = true});
-    start.record(up);
-    start.wait(down);
+    started.record(up);
+    started.wait(down);
     copy_async(device_in.span(), host_in.span(), up);
     copy_async(host_out.span(), device_out.span(), down);
     down_done.record(down);
     down_done.wait(up);
-    end.record(up);
-    end.synchronize();
-    const double seconds = elapsed_ms(start, end) / 1e3;
-    if (round == 1 || (round > 1 && seconds < best)) { best = seconds; }
-  }
-  return best;
+  });
 }
 
 // The overlap loop on two runtimes of `tasks` units of `elements` f32 each: one swapping in a budget
@@ -410,26 +422,14 @@ void runtime_streaming(benchmark::State& state)
   });
 }
 
-// One timed plain host-to-device copy of `bytes` between a pinned_buffer and a device buffer: the
-// link's one-way rate without the runtime, in bytes per second (the fastest of three after a
-// warm-up).
+// The link's one-way rate without the runtime, in bytes per second: a plain host-to-device copy of
+// `bytes` between a pinned_buffer and a device buffer.
 double plain_h2d_rate(const device& dev, std::size_t bytes)
 {
   pinned_buffer host(dev, bytes);
   device_buffer target(dev, bytes);
   stream up(dev);
-  double best = 0;
-  for (int round = 0; round < 4; ++round) {
-    event start(dev, {.timing = true});
-    event end(dev, {.timing = true});
-    start.record(up);
-    copy_async(target.span(), host.span(), up);
-    end.record(up);
-    end.synchronize();
-    const double seconds = elapsed_ms(start, end) / 1e3;
-    if (round == 1 || (round > 1 && seconds < best)) { best = seconds; }
-  }
-  return static_cast<double>(bytes) / best;
+  return static_cast<double>(bytes) / fastest_round(dev, up, [&] { copy_async(target.span(), host.span(), up); });
 }
 
 // cuda_runtime_streaming: runtime_streaming's loop on a CUDA device, 16 MiB of f32 parameters a

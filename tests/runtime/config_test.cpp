@@ -15,6 +15,12 @@
 namespace taskswap::test {
 namespace {
 
+// Parsing `text` as my.toml fails with a config_error that says `needle`.
+void fails(const std::string& text, const std::string& needle)
+{
+  expect_error_mentioning<config_error>([&] { (void)parse_config(text, "my.toml"); }, needle);
+}
+
 constexpr const char* design_example = R"(
 [device]
 backend = "cuda"        # cuda | emulated
@@ -119,9 +125,6 @@ busy_factor = 3.0
   EXPECT_DOUBLE_EQ(e.vm_costs.busy_factor, 3.0);
   EXPECT_TRUE(e.vm_costs.enabled());
   EXPECT_FALSE(vm_cost_model{}.enabled());
-  const auto fails = [](const std::string& text, const std::string& needle) {
-    expect_error_mentioning<config_error>([&] { (void)parse_config(text, "my.toml"); }, needle);
-  };
   const std::string head = "[device]\nbackend = \"emulated\"\nbudget = \"1 GiB\"\n";
   fails(head + "profile = \"h100\"\n", "my.toml:4: [device] profile: unknown value \"h100\"; use h200");
   fails(head + "time_scale = 0\n", "my.toml:4: [device] time_scale: 0 must be more than 0");
@@ -180,9 +183,6 @@ TEST(config, param_groups_per_rule_and_their_errors)
   const unit_policy p = policy_for(task, o);
   EXPECT_EQ(p.lr_scale, 10.0);  // the rule wins over the defaults
   EXPECT_EQ(p.weight_decay, 0.0);
-  const auto fails = [](const std::string& text, const std::string& needle) {
-    expect_error_mentioning<config_error>([&] { (void)parse_config(text, "my.toml"); }, needle);
-  };
   fails("[device]\nbudget = \"1 GiB\"\n[[units]]\nmatch = \"a\"\nlr_scale = 0.0\n",
         "my.toml:5: [[units]] lr_scale: must be more than 0");
   fails("[device]\nbudget = \"1 GiB\"\n[[units]]\nmatch = \"a\"\nweight_decay = -0.1\n",
@@ -227,9 +227,6 @@ TEST(config, storage_names_the_disk_tiers_directory_cache_and_requests)
   EXPECT_EQ(defaults.storage.queue_depth, 8U);
   EXPECT_EQ(defaults.storage.block, std::size_t{1} << 20U);
   EXPECT_EQ(defaults.storage.timeout, std::chrono::seconds(300));
-  const auto fails = [](const std::string& text, const std::string& needle) {
-    expect_error_mentioning<config_error>([&] { (void)parse_config(text, "my.toml"); }, needle);
-  };
   fails("[device]\nbudget = \"1 GiB\"\n[storage]\nblock = \"1000 B\"\n",
         "my.toml:4: [storage] block: must be a multiple of 4 KiB");
   fails("[device]\nbudget = \"1 GiB\"\n[storage]\nqueue_depth = 0\n", "[storage] queue_depth");
@@ -241,9 +238,6 @@ TEST(config, storage_names_the_disk_tiers_directory_cache_and_requests)
 
 TEST(config, errors_name_the_file_the_line_and_the_key)
 {
-  const auto fails = [](const std::string& text, const std::string& needle) {
-    expect_error_mentioning<config_error>([&] { (void)parse_config(text, "my.toml"); }, needle);
-  };
   fails("[device]\nbudget = \"1 GiB\"\nbugdet = 3\n", "my.toml:3: [device] has no key 'bugdet'");
   fails("[device]\nbudget = 1024\n", "my.toml:2: [device] budget: expected a quantity with a unit");
   fails("[device]\nbudget = \"1024\"\n", "my.toml:2: [device] budget: \"1024\" is not a quantity with a unit");
