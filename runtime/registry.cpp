@@ -94,7 +94,8 @@ void runtime::impl::register_units(const runtime_options& options, const std::ve
                         .reduce_bytes = r.layout.reduce_bytes(),  // as the reducer is given them
                         .pinned = r.pinned(),
                         .host_placement = policy.optimizer == optimizer_placement::host,
-                        .never_trained = r.layout.frozen});
+                        .never_trained = r.layout.frozen,
+                        .lookahead = r.policy.residency == residency::prefetch ? r.policy.lookahead : -1});
   }
   for (std::size_t i = 0; i < rule_used.size(); ++i) {
     if (!rule_used[i]) {

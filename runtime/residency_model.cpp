@@ -28,6 +28,10 @@ residency_model::residency_model(std::size_t budget, std::size_t granule, std::s
   packed_.reserve(units_.size());
   for (const modelled_unit& u : units_) {
     packed_.push_back(!u.pinned && packs(u.device_bytes, granule_));
+    if (u.lookahead >= 0) {
+      const auto steps = static_cast<std::size_t>(u.lookahead);
+      horizon_ = horizon_ == no_next_step ? steps : std::max(horizon_, steps);
+    }
     if (u.pinned) { pinned_packed_ += (u.device_bytes + slab_alignment - 1) / slab_alignment * slab_alignment; }
   }
   pinned_ = taken(pinned_packed_);  // packed, in whole granules
@@ -225,18 +229,31 @@ std::vector<std::size_t> residency_model::local_reduction_points(const step_plan
   return reduction_points(step, order, bucket_reach(bytes, bucket_cap));
 }
 
+// Note [Victims beyond the lookahead]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// Belady's rule takes the unit used furthest in the future. A prefetch for a later step is
+// conservative (docs/runtime.md): it takes the unit Belady takes when that step comes, and waits
+// while that unit is held. Where the unit the trainer holds now is used again only far ahead, it
+// is Belady's choice, and the prefetch waits for its release: the swap-in then has only the time
+// between two steps. Beyond the prefetch horizon (the longest lookahead) the rule ranks no next
+// use before another: those units go first, the least recently released first. The unit held
+// now, or needed before the use the room is for, is released after every idle one, so it is
+// never that choice while an idle unit lies beyond the horizon, and the choice a prefetch makes
+// early is the one an acquire makes at the use: the planner, which replays acquires, predicts it.
+// Within the horizon Belady's rule holds. With no unit prefetched the horizon is the whole plan.
+// The cost is Belady's optimum beyond the horizon: a unit used in 10 steps may go before one used
+// in 40 (runtime_eviction tests: no more than the optimum where the horizon covers the sequence).
 std::size_t residency_model::choose_victim(std::span<const victim_candidate> candidates) noexcept
 {
+  const auto better = [](const victim_candidate& c, const victim_candidate& b) {
+    if (c.beyond != b.beyond) { return c.beyond; }
+    if (!c.beyond && c.next_use != b.next_use) { return c.next_use > b.next_use; }
+    if (c.idle != b.idle) { return c.idle; }
+    return c.last_release < b.last_release;
+  };
   std::size_t best = candidates.size();
   for (std::size_t i = 0; i < candidates.size(); ++i) {
-    const victim_candidate& c = candidates[i];
-    if (best == candidates.size()) {
-      best = i;
-      continue;
-    }
-    const victim_candidate& b = candidates[best];
-    const bool released_earlier = (c.idle && !b.idle) || (c.idle == b.idle && c.last_release < b.last_release);
-    if (c.next_use > b.next_use || (c.next_use == b.next_use && released_earlier)) { best = i; }
+    if (best == candidates.size() || better(candidates[i], candidates[best])) { best = i; }
   }
   if (best != candidates.size() && !candidates[best].idle) { return candidates.size(); }
   return best;

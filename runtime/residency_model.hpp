@@ -10,7 +10,8 @@
 //   region, a packed unit (at most half a granule) charged a granule, the guard's share first;
 // - the checks at registration (the pinned units fit; every other unit fits beside them) and of
 //   a planned step (the units held at once, at every point of the step, fit beside the pinned);
-// - Belady's rule for the victim of an eviction (choose_victim);
+// - Belady's rule for the victim of an eviction within the prefetch horizon, least recently
+//   released beyond it (choose_victim, Note [Victims beyond the lookahead]);
 // - the disk homes a step keeps in the host cache at once (count_homes_in_use).
 // It knows units by their sizes and policies only: no device, no events, no home copies.
 
@@ -91,6 +92,7 @@ struct modelled_unit {
   bool pinned = false;
   bool host_placement = false;  // for the hint of a message
   bool never_trained = false;  // unit_spec::trainable false: every use frozen
+  int lookahead = -1;  // a prefetched unit's lookahead in steps; -1 for a unit not prefetched
 };
 
 /// The most a step holds at once: as charged (whole granules, pinned units excluded), and its
@@ -128,7 +130,11 @@ struct victim_candidate {
   std::uint64_t next_use = 0;  // when it is used next (positions or steps; larger is later)
   std::uint64_t last_release = 0;  // when it was last let go (larger is more recent)
   bool idle = true;  // not held and not needed before the use the room is for
+  bool beyond = false;  // its next use lies past the horizon (residency_model::beyond_horizon)
 };
+
+/// A next use that the plan does not hold.
+inline constexpr std::size_t no_next_step = static_cast<std::size_t>(-1);
 
 class residency_model {
  public:
@@ -180,10 +186,21 @@ class residency_model {
   /// units `step` trains, the others unknown, each unit's bucket ending where bucket_reach says.
   [[nodiscard]] std::vector<std::size_t> local_reduction_points(const step_plan& step, std::size_t bucket_cap) const;
 
-  /// Belady's rule: the candidate used furthest in the future, least recently released among
-  /// equals; an idle one before one that is not. Returns the chosen candidate's index, or
-  /// `candidates.size()` when there is none or the choice is not idle (a prefetch then waits:
-  /// it moves fetches earlier but never adds one; docs/runtime.md, "conservative").
+  /// The steps past a use within which eviction ranks units by their next use: the longest
+  /// lookahead of a prefetched unit, or every step when no unit is prefetched.
+  [[nodiscard]] std::size_t horizon() const noexcept { return horizon_; }
+  /// Whether a unit next used in step `next_step` (no_next_step: not in the plan) lies beyond the
+  /// horizon past a use in step `use_step` (steps counted from any one origin).
+  [[nodiscard]] bool beyond_horizon(std::size_t use_step, std::size_t next_step) const noexcept
+  {
+    return next_step == no_next_step || (horizon_ != no_next_step && next_step - use_step > horizon_);
+  }
+
+  /// The victim (Note [Victims beyond the lookahead]): a candidate beyond the horizon before one
+  /// within it; within it, Belady's rule, the one used furthest in the future; then an idle one
+  /// before one that is not, then the least recently released. Returns the chosen candidate's
+  /// index, or `candidates.size()` when there is none or the choice is not idle (a prefetch then
+  /// waits: it moves fetches earlier but never adds one; docs/runtime.md, "conservative").
   [[nodiscard]] static std::size_t choose_victim(std::span<const victim_candidate> candidates) noexcept;
 
  private:
@@ -192,6 +209,7 @@ class residency_model {
   std::size_t capacity_ = 0;
   std::size_t pinned_packed_ = 0;
   std::size_t pinned_ = 0;
+  std::size_t horizon_ = no_next_step;
   std::vector<modelled_unit> units_;
   std::vector<bool> packed_;
 };

@@ -173,14 +173,14 @@ void swap_engine::evict(unit_record& r)
   note_device_bytes();
 }
 
-// The victim, by the residency model's rule (Note [One residency model]): an acquire (a use now)
-// may take any unit not held, by its next use; a prefetch for the use at `use` is conservative
-// (Cao et al., 1995): it displaces the unit that Belady would displace when `use` comes, and only
-// if that unit is neither held nor needed before then; otherwise it waits. So prefetching moves
-// fetches earlier but never adds one. Among units used equally far after `use` (typically never
-// again in the plan), those idle until `use` were released before the others will have been by
-// then, so Belady at `use` takes one of them: a tie with a unit that is held or needed first does
-// not stop the prefetch.
+// The victim, by the residency model's rule (Note [One residency model], Note [Victims beyond the
+// lookahead]): an acquire (a use now) may take any unit not held; a prefetch for the use at `use`
+// is conservative (Cao et al., 1995): it displaces the unit that the rule takes when `use` comes,
+// and only if that unit is neither held nor needed before then; otherwise it waits. So
+// prefetching moves fetches earlier but never adds one. Among units ranked equal at `use` (used
+// equally far after it, or all beyond the horizon), those idle until `use` were released before
+// the others will have been by then, so the rule at `use` takes one of them: a tie with a unit
+// that is held or needed first does not stop the prefetch.
 // Note [Prefetch victims]
 // ~~~~~~~~~~~~~~~~~~~~~~~
 // An acquire takes the room Belady's rule gives among the units not held. A prefetch is
@@ -199,6 +199,7 @@ void swap_engine::evict(unit_record& r)
 unit_record* swap_engine::pick_victim(const unit_record& coming, std::uint64_t use, room_for why)
 {
   const bool for_acquire = why == room_for::acquire;
+  const std::size_t use_step = for_acquire ? 0 : p_.plan.step_distance(use);
   victim_candidates_.clear();
   for (const std::uint32_t i : resident_) {
     if (i == coming.index) { continue; }  // its own slot is counted as freed (make_room), and goes at the swap-in
@@ -206,7 +207,12 @@ unit_record* swap_engine::pick_victim(const unit_record& coming, std::uint64_t u
     if (why != room_for::prefetch_later && r.held()) { continue; }
     const std::uint64_t next = for_acquire ? p_.plan.next_use(unit_id{i}) : p_.plan.next_use_after(unit_id{i}, use);
     const bool idle = for_acquire || (!r.held() && p_.plan.next_use(unit_id{i}) >= use);
-    victim_candidates_.push_back({.unit = i, .next_use = next, .last_release = r.last_release, .idle = idle});
+    const std::size_t next_step = next == never ? no_next_step : p_.plan.step_distance(next);
+    victim_candidates_.push_back({.unit = i,
+                                  .next_use = next,
+                                  .last_release = r.last_release,
+                                  .idle = idle,
+                                  .beyond = p_.model.beyond_horizon(use_step, next_step)});
   }
   const std::size_t k = residency_model::choose_victim(victim_candidates_);
   return k == victim_candidates_.size() ? nullptr : &p_.units[victim_candidates_[k].unit];

@@ -246,5 +246,41 @@ TEST(residency_model, belady_takes_the_furthest_use_then_the_least_recently_rele
   EXPECT_EQ(residency_model::choose_victim({}), 0U);
 }
 
+TEST(residency_model, beyond_the_horizon_an_idle_unit_goes_first_the_least_recently_released)
+{
+  // Within the horizon Belady's rule ranks; beyond it, idle before not, then release order.
+  std::vector<victim_candidate> c{{.unit = 1, .next_use = 40, .last_release = 9, .idle = false, .beyond = true},
+                                  {.unit = 2, .next_use = 30, .last_release = 7, .idle = true, .beyond = true},
+                                  {.unit = 3, .next_use = 20, .last_release = 5, .idle = true, .beyond = true},
+                                  {.unit = 4, .next_use = 8, .last_release = 1, .idle = true, .beyond = false}};
+  EXPECT_EQ(residency_model::choose_victim(c), 2U);  // unit 3: idle, released before unit 2
+  c[2].idle = false;
+  EXPECT_EQ(residency_model::choose_victim(c), 1U);  // the only idle unit beyond the horizon
+  c[1].idle = false;  // beyond the horizon none is idle: the first there is unit 1 (held), so wait
+  EXPECT_EQ(residency_model::choose_victim(c), c.size());
+  c[0].beyond = c[1].beyond = c[2].beyond = false;  // all within: Belady, the furthest (not idle)
+  EXPECT_EQ(residency_model::choose_victim(c), c.size());
+  c[0].next_use = 4;
+  c[1].idle = true;
+  EXPECT_EQ(residency_model::choose_victim(c), 1U);
+}
+
+TEST(residency_model, the_horizon_is_the_longest_lookahead_of_a_prefetched_unit)
+{
+  const std::size_t g = 64 * KiB;
+  std::vector<modelled_unit> units{unit("a", 8 * KiB, 2 * KiB), unit("b", 8 * KiB, 2 * KiB),
+                                   unit("c", 8 * KiB, 2 * KiB)};
+  const residency_model none(8 * g, g, 0, units);  // no unit prefetched: the whole plan
+  EXPECT_FALSE(none.beyond_horizon(3, 1000));
+  EXPECT_TRUE(none.beyond_horizon(3, detail::no_next_step));
+  units[0].lookahead = 1;
+  units[2].lookahead = 3;
+  const residency_model m(8 * g, g, 0, units);
+  EXPECT_EQ(m.horizon(), 3U);
+  EXPECT_FALSE(m.beyond_horizon(2, 5));
+  EXPECT_TRUE(m.beyond_horizon(2, 6));
+  EXPECT_TRUE(m.beyond_horizon(2, detail::no_next_step));
+}
+
 }  // namespace
 }  // namespace taskswap::test

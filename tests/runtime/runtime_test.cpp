@@ -406,6 +406,42 @@ TEST(runtime_protocol, a_prefetch_is_not_held_back_by_a_tie_with_a_unit_needed_f
   EXPECT_EQ(rt.stats().total.swap_ins, 4U);  // every unit fetched once: the prefetch added none
 }
 
+// Room for three units, lookahead 1 (so the victim rule ranks by next use only within one step
+// past the use the room is for). Steps use units 1, 2, 0, 3, 1, 2, 0. At the end of step 1 the
+// prefetch of step 3's unit 3 needs room among units 1 (next used at step 4: within the horizon),
+// 2 (step 5) and 0 (step 6, needed first at step 2). Belady's rule would take unit 0 and wait for
+// its release at the end of step 2, leaving the swap-in only the time between two steps. Units 2
+// and 0 both lie beyond the horizon, and unit 2 is idle: it goes now (Note [Victims beyond the
+// lookahead]); unit 1, the least recently released but within the horizon, stays.
+TEST(runtime_protocol, a_prefetch_takes_an_idle_unit_beyond_the_lookahead_before_the_unit_needed_first)
+{
+  device dev = emulated(64 * MiB);
+  std::vector<unit_spec> specs;
+  for (int i = 0; i < 4; ++i) {
+    specs.push_back(make_unit("task/" + std::to_string(i), 1024, residency::prefetch, optimizer_placement::device, 1));
+  }
+  const std::size_t slot = footprint(specs[0], optimizer_placement::device).device_bytes;
+  runtime rt(dev, options_with_budget(3 * slot), specs);
+  const std::vector<std::uint32_t> order{1, 2, 0, 3, 1, 2, 0};
+  std::vector<step_plan> plan;
+  for (const std::uint32_t u : order) { plan.push_back(step_plan{unit_id{u}}); }
+  rt.plan(plan);
+  stream s(dev);
+  for (std::size_t k = 0; k < order.size(); ++k) {
+    const unit_id u{order[k]};
+    (void)rt.acquire(u, s);
+    rt.release(u, s);
+    const step_stats st = rt.end_step();
+    EXPECT_EQ(st.misses, 0U) << "step " << k;
+    if (k == 1) {
+      EXPECT_EQ(rt.state(unit_id{3}), unit_state::resident) << "step 3's unit waited for unit 0";
+      EXPECT_EQ(rt.state(unit_id{2}), unit_state::home);
+      EXPECT_EQ(rt.state(unit_id{1}), unit_state::resident);
+      EXPECT_EQ(rt.state(unit_id{0}), unit_state::resident);
+    }
+  }
+}
+
 // A streamed trunk: the step's task unit is held to its end and never used again in the plan, so
 // Belady ranks it the best victim; it cannot be evicted, and an in-step prefetch that waited for
 // it (as one for a later step rightly does) would never run. Each layer must be brought in while

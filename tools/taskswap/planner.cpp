@@ -154,12 +154,12 @@ std::size_t plan_horizon(const plan_input& in, std::size_t s)
   return in.plan_window * (1 + (s + in.plan_margin) / in.plan_window);
 }
 
-// The replay of steps given as the trainer's calls in order (plan_input::ordered): Belady over the
-// positions of the uses within and across steps (the runtime's positions), the units held at the
-// time never victims, a trained use written back when evicted after its update. Traffic counts in
+// The replay of steps given as the trainer's calls in order (plan_input::ordered): the runtime's
+// victim rule over the positions of the uses within and across steps (the runtime's positions),
+// the units held at the time never victims, a trained use written back when evicted after its update. Traffic counts in
 // the step of its use.
-traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& units, std::size_t room,
-                       cache_replay& cache)
+traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& units,
+                       const detail::residency_model& model, std::size_t room, cache_replay& cache)
 {
   std::vector<std::vector<std::size_t>> positions(units.size());  // of each unit's acquisitions
   std::vector<std::size_t> step_of;  // the step of each position
@@ -250,10 +250,13 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
         candidates.clear();
         for (const auto& [v, sl] : resident) {
           if (held.contains(v)) { continue; }
-          candidates.push_back({.unit = static_cast<std::uint32_t>(v),
-                                .next_use = next_use(v, here, s),
-                                .last_release = last_release[v],
-                                .idle = true});
+          const std::size_t next = next_use(v, here, s);
+          candidates.push_back(
+            {.unit = static_cast<std::uint32_t>(v),
+             .next_use = next,
+             .last_release = last_release[v],
+             .idle = true,
+             .beyond = model.beyond_horizon(s, next == never ? detail::no_next_step : step_of[next])});
         }
         const std::size_t k = detail::residency_model::choose_victim(candidates);  // the runtime's rule
         if (k == candidates.size()) { break; }  // cannot happen after the plan check: the held units fit
@@ -348,7 +351,8 @@ plan_report make_plan(const plan_input& in)
                         .reduce_bytes = p.fp.reduce_bytes,
                         .pinned = p.pinned(),
                         .host_placement = p.host(),
-                        .never_trained = !spec.trainable});
+                        .never_trained = !spec.trainable,
+                        .lookahead = p.policy.residency == residency::prefetch ? p.policy.lookahead : -1});
     units.push_back(std::move(p));
   }
   const detail::residency_model model(r.budget, in.granule, guarded ? step_guard_device_bytes(in.units.size()) : 0,
@@ -425,8 +429,9 @@ plan_report make_plan(const plan_input& in)
     units[i].fp.frozen_device_bytes = model.use_charge(static_cast<std::uint32_t>(i), false);
   }
 
-  // Replay: Belady over the swapped units in the room the pinned ones leave, seeing only the
-  // steps planned so far (the runtime knows nothing beyond), least recently used among equals.
+  // Replay: the runtime's victim rule (Belady within the prefetch horizon, least recently used
+  // beyond it and among equals) over the swapped units in the room the pinned ones leave, seeing
+  // only the steps planned so far (the runtime knows nothing beyond).
   const auto next_use = [&](const planned_unit& p, std::size_t s) {
     const std::size_t next = p.next_use_after(s);
     return next >= plan_horizon(in, s) ? never : next;
@@ -451,7 +456,7 @@ plan_report make_plan(const plan_input& in)
     cache.touch(i, cache_replay::access::overwrite, 0.0, [](std::size_t) { return never; });
   }
   std::vector<std::pair<std::size_t, double>> written_home;  // a swap-in's victims written back, counted
-  if (!in.ordered.empty()) { t = replay_ordered(in, units, room, cache); }
+  if (!in.ordered.empty()) { t = replay_ordered(in, units, model, room, cache); }
   cache.superseded_when([&](std::size_t v) {
     const auto it = resident.find(v);
     return it != resident.end() && it->second && units[v].whole_write_back();
@@ -500,10 +505,12 @@ plan_report make_plan(const plan_input& in)
           if (held_now(v)) { continue; }
           // A unit this step acquires later is needed now: Belady takes it last.
           const bool later_now = std::find(need.begin() + static_cast<std::ptrdiff_t>(k), need.end(), v) != need.end();
+          const std::size_t next = later_now ? s : next_use(units[v], s);
           candidates.push_back({.unit = static_cast<std::uint32_t>(v),
-                                .next_use = later_now ? s : next_use(units[v], s),
+                                .next_use = next,
                                 .last_release = last_use[v],
-                                .idle = true});
+                                .idle = true,
+                                .beyond = model.beyond_horizon(s, next == never ? detail::no_next_step : next)});
         }
         const std::size_t chosen = detail::residency_model::choose_victim(candidates);  // the runtime's rule
         const std::size_t victim = chosen == candidates.size() ? never : candidates[chosen].unit;
