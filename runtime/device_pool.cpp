@@ -520,6 +520,20 @@ device_pool::mapping device_pool::map_slot(slot_id id, slot_state& s, std::size_
   return {mapped(s, bytes, s.address), s.ready};
 }
 
+bool device_pool::maps_like(slot_id a, slot_id b) const
+{
+  if (a == b || a >= slots_.size() || b >= slots_.size()) { return false; }
+  const slot_state& x = slots_[a];
+  const slot_state& y = slots_[b];
+  if (x.size_class != none || y.size_class != none || !x.live || x.mapped.empty()) { return false; }
+  if (x.mapped != y.mapped) { return false; }
+  // b maps them still: each extent lists b among its sites.
+  return std::all_of(x.mapped.begin(), x.mapped.end(), [&](std::uint32_t e) {
+    const std::vector<std::uint32_t>& at = extents_[e].sites;
+    return std::find(at.begin(), at.end(), b) != at.end();
+  });
+}
+
 bool device_pool::fits(slot_id slot, std::size_t bytes) const
 {
   TASKSWAP_EXPECTS(slot < slots_.size() && !slots_[slot].removed,

@@ -121,6 +121,10 @@ class device_pool {
                                                const quiesce_fn& quiesce);
   /// As try_map(), but out_of_memory naming the budget and the bytes in use.
   [[nodiscard]] mapping map(slot_id slot, std::size_t bytes, std::size_t keep, const quiesce_fn& quiesce);
+  /// Whether the mapped slot `a` holds the very extents that slot `b` held when last mapped, at
+  /// the same offsets, and `b` still maps them (so a copy out of `b`'s range and one into `a`'s
+  /// touch the same memory at the same offsets; Note [Extents]).
+  [[nodiscard]] bool maps_like(slot_id a, slot_id b) const;
   /// Whether the mapping of `t` is done. @throws the mapping thread's failure
   [[nodiscard]] bool ready(ticket t) { return t == 0 || mapper_.ready(t); }
   /// Blocks until the mapping of `t` is done. @throws the mapping thread's failure

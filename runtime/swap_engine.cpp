@@ -90,22 +90,80 @@ void swap_engine::order_fill(const unit_record& r)
   }
 }
 
-void swap_engine::enqueue_fill(unit_record& r)
+// Note [Handoff]
+// ~~~~~~~~~~~~~~
+// A swap-in that makes its room by evicting a dirty unit takes that unit's extents: its copy in
+// must not overwrite bytes the victim's write-back has still to read. Waiting for the whole
+// write-back runs the two directions of the link one after the other. A write-back of a host
+// home goes in parts instead (up to handoff_parts, of at least handoff_min_part bytes), with an
+// event after each; where the swap-in maps the victim's extents at the same offsets
+// (device_pool::maps_like: units of one shape), its copy goes in the same parts, each waiting for
+// the write-back's part that ends at or past it. The directions then overlap but for one part.
+// Its gradients' zeroing waits for the parts it overlaps, or for the first part (which follows
+// the victim's last use) where it overlaps none. A disk home's block goes whole (a write of part
+// of it would read the rest from the file first), and so does a packed slot's.
+namespace {
+
+constexpr std::size_t handoff_parts = 16;
+constexpr std::size_t handoff_min_part = std::size_t{1} << 20;
+
+std::size_t handoff_part_bytes(std::size_t bytes)
+{
+  constexpr std::size_t align = std::size_t{64} << 10;
+  const std::size_t part = (bytes + handoff_parts - 1) / handoff_parts;
+  return std::max(handoff_min_part, (part + align - 1) / align * align);
+}
+
+}  // namespace
+
+void swap_engine::enqueue_fill(unit_record& r, std::uint32_t from)
 {
   const detail::unit_layout& l = r.layout;
   const std::size_t bytes = r.params_only() ? l.params_bytes : l.travel_bytes;  // the params lie first in both
   const std::size_t span = p_.trace != nullptr ? p_.trace->open(p_.h2d_track, "swap-in " + r.name, p_.h2d) : 0;
-  r.stage_in(0, r.slot->subspan(0, bytes), p_.h2d);
-  if (!r.params_only()) { fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, p_.h2d); }
+  const unit_record* x = from == no_handoff ? nullptr : &p_.units[from];
+  const std::size_t part = x != nullptr ? x->written_part_bytes : bytes;
+  std::size_t waited = 0;  // parts of x's write-back h2d waits for already
+  // h2d waits until x's write-back has read what it reads of [begin, end): the last part that
+  // reads some of it, or the first (after x's last use) where none does.
+  const auto after_write_back = [&](std::size_t begin, std::size_t end) {
+    if (x == nullptr) { return; }
+    const std::size_t read = x->layout.writeback_bytes;
+    const std::size_t k = begin >= read ? 0 : std::min(x->written_part_count - 1, (std::min(end, read) - 1) / part);
+    if (k + 1 > waited) {
+      x->written_parts[k].wait(p_.h2d);
+      waited = k + 1;
+    }
+  };
+  for (std::size_t at = 0; at < bytes; at += part) {
+    const std::size_t n = std::min(part, bytes - at);
+    after_write_back(at, at + n);
+    r.stage_in(at, r.slot->subspan(at, n), p_.h2d);
+  }
+  if (!r.params_only()) {
+    after_write_back(l.device_grads, l.device_grads + l.device_grad_bytes());
+    fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, p_.h2d);
+  }
   r.arrived.record(p_.h2d);
   r.incoming = false;  // its home block is read by h2d now, which the home tier was told
   if (p_.trace != nullptr) { p_.trace->close(span, p_.h2d); }
 }
 
+// The one victim of this swap-in whose extents `r` maps at the same offsets, written back in
+// parts still in flight (Note [Handoff]); no_handoff otherwise.
+std::uint32_t swap_engine::handoff_from(const unit_record& r) const
+{
+  if (room_victims_.size() != 1 || r.packed || r.home.cache != nullptr) { return no_handoff; }
+  const unit_record& x = p_.units[room_victims_.front()];
+  if (x.written_part_count < 2 || !x.written_back || x.written_back->query()) { return no_handoff; }
+  if (!p_.pool.maps_like(r.pool_slot, x.pool_slot)) { return no_handoff; }
+  return x.index;
+}
+
 void swap_engine::fill_slot(unit_record& r)
 {
   order_fill(r);
-  enqueue_fill(r);
+  enqueue_fill(r, no_handoff);
   go(r, coherence_move::fill);
   p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes);
 }
@@ -113,9 +171,9 @@ void swap_engine::fill_slot(unit_record& r)
 void swap_engine::issue_ready_fills()
 {
   while (!pending_fills_.empty() && p_.pool.ready(pending_fills_.front().ready)) {
-    const std::uint32_t u = pending_fills_.front().unit;
+    const pending_fill f = pending_fills_.front();
     pending_fills_.pop_front();
-    enqueue_fill(p_.units[u]);
+    enqueue_fill(p_.units[f.unit], f.from);
   }
 }
 
@@ -130,7 +188,7 @@ void swap_engine::settle(unit_record& r)
     const pending_fill f = pending_fills_.front();
     p_.pool.wait(f.ready);
     pending_fills_.pop_front();
-    enqueue_fill(p_.units[f.unit]);
+    enqueue_fill(p_.units[f.unit], f.from);
   }
 }
 
@@ -147,7 +205,17 @@ void swap_engine::write_back(unit_record& r)
   const detail::unit_layout& l = r.layout;
   if (r.released.recorded() && !r.released.query()) { r.released.wait(p_.d2h); }
   const std::size_t span = p_.trace != nullptr ? p_.trace->open(p_.d2h_track, "write-back " + r.name, p_.d2h) : 0;
-  r.write_home(0, const_device_span(r.slot->subspan(0, l.writeback_bytes)), p_.d2h);
+  // In parts where a swap-in may take its extents as they go (Note [Handoff]).
+  const std::size_t part = handoff_part_bytes(l.writeback_bytes);
+  const bool in_parts = r.home.cache == nullptr && !r.packed && l.writeback_bytes > part;
+  r.written_part_count = in_parts ? (l.writeback_bytes + part - 1) / part : 0;
+  r.written_part_bytes = part;
+  while (r.written_parts.size() < r.written_part_count) { r.written_parts.emplace_back(p_.dev); }
+  for (std::size_t k = 0, at = 0; at < l.writeback_bytes; ++k, at += in_parts ? part : l.writeback_bytes) {
+    const std::size_t n = in_parts ? std::min(part, l.writeback_bytes - at) : l.writeback_bytes;
+    r.write_home(at, const_device_span(r.slot->subspan(at, n)), p_.d2h);
+    if (in_parts) { r.written_parts[k].record(p_.d2h); }
+  }
   ensure(r.written_back, p_.dev).record(p_.d2h);
   if (p_.trace != nullptr) { p_.trace->close(span, p_.d2h); }
   go(r, coherence_move::write_back);
@@ -161,6 +229,7 @@ void swap_engine::evict(unit_record& r)
     write_back(r);
     h2d_waits_.push_back(&*r.written_back);  // recorded after d2h waited for the release
   } else {
+    r.written_part_count = 0;  // no write-back of this eviction to take its extents behind
     if (r.released.recorded()) { h2d_waits_.push_back(&r.released); }
     if (r.host_stepped()) { h2d_waits_.push_back(&*r.grads_copied); }
   }
@@ -273,6 +342,7 @@ bool swap_engine::make_room(const unit_record& r, std::size_t bytes, std::uint64
     if (fits()) { return true; }
     if (unit_record* victim = pick_victim(r, use, why)) {
       evict(*victim);
+      room_victims_.push_back(victim->index);
       continue;
     }
     if (why != room_for::acquire) { return false; }  // a prefetch never narrows what the trainer holds
@@ -299,19 +369,25 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool 
   const std::size_t bytes = whole ? r.layout.device_bytes : r.layout.params_bytes;
   // Its home is read below: the victims' write-backs that make its room keep its block cached.
   incoming_scope reading(r);
+  room_victims_.clear();
   if (!make_room(r, bytes, use, why)) { return false; }  // counting what r gives up below
   if (r.resident()) { evict(r); }
   const device_pool::mapping m = map_slot(r, bytes, whole ? r.layout.params_bytes : 0);
   r.slot = m.range;
   go(r, whole ? detail::slot_move::swap_in_whole : detail::slot_move::swap_in_params);
   add_resident(r);
+  const std::uint32_t from = handoff_from(r);
+  if (from != no_handoff) {  // its copy follows the victim's write-back part by part instead
+    const event* whole_write_back = &*p_.units[from].written_back;
+    h2d_waits_.erase(std::remove(h2d_waits_.begin(), h2d_waits_.end(), whole_write_back), h2d_waits_.end());
+  }
   order_fill(r);
   go(r, coherence_move::fill);
   p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes);
   if (pending_fills_.empty() && p_.pool.ready(m.ready)) {
-    enqueue_fill(r);
+    enqueue_fill(r, from);
   } else {
-    pending_fills_.push_back({r.index, m.ready});
+    pending_fills_.push_back({r.index, m.ready, from});
     reading.keep();  // the host cache keeps its home block until the copy is queued
   }
   note_device_bytes();

@@ -30,6 +30,8 @@ namespace taskswap::detail {
 
 class swap_engine {
  public:
+  /// A swap-in that takes no victim's extents part by part (Note [Handoff]).
+  static constexpr std::uint32_t no_handoff = ~std::uint32_t{0};
   /// What it works with, owned by the runtime and outliving it. The values (path, tracks)
   /// are copied at construction: they are fixed for a runtime's life.
   struct parts {
@@ -83,7 +85,8 @@ class swap_engine {
   bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, room_for why);
   device_pool::mapping map_slot(unit_record& r, std::size_t bytes, std::size_t keep);
   void order_fill(const unit_record& r);
-  void enqueue_fill(unit_record& r);
+  void enqueue_fill(unit_record& r, std::uint32_t from);
+  [[nodiscard]] std::uint32_t handoff_from(const unit_record& r) const;
   unit_record* pick_victim(const unit_record& coming, std::uint64_t use, room_for why);
   void narrow_to_params(unit_record& r);
   void add_resident(unit_record& r);
@@ -100,11 +103,13 @@ class swap_engine {
   std::vector<std::uint32_t> resident_;  // non-pinned resident units
   std::vector<victim_candidate> victim_candidates_;  // pick_victim's, kept to reuse its memory
   std::vector<const event*> h2d_waits_;  // must precede the next write into pool memory
+  std::vector<std::uint32_t> room_victims_;  // the units make_room() evicted for the swap-in in progress
   // Swap-ins decided and ordered on h2d whose slots the mapping thread has still to map: their
   // copies are queued once it has (Note [Mapping off the trainer's thread]), in this order.
   struct pending_fill {
     std::uint32_t unit = 0;
     device_pool::ticket ready = 0;
+    std::uint32_t from = no_handoff;  // the victim whose extents it takes as they are written back
   };
   std::deque<pending_fill> pending_fills_;
 };

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace taskswap::detail {
 
@@ -39,6 +40,11 @@ struct unit_record {
   event released;
   std::optional<event> grads_ready_event;
   std::optional<event> written_back;
+  // Its last write-back in parts (Note [Handoff]): an event after each part, in order, each part
+  // `written_part_bytes` but the last; none where it went whole.
+  std::vector<event> written_parts;
+  std::size_t written_part_count = 0;
+  std::size_t written_part_bytes = 0;
   std::optional<event> grads_done;
   std::optional<event> grads_copied;
   std::optional<event> host_updated;

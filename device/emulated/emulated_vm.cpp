@@ -201,7 +201,7 @@ void emulated_backend::vm_map(std::byte* va, void* handle, std::size_t granules)
   charge(options_.vm_costs.access, 1, granules * g);
   std::size_t offset = 0;
   for (const auto& [first, count] : h->runs) {
-    if (::mmap(va + offset, count * g, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, t.fd,
+    if (::mmap(va + offset, count * g, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, t.fd,
                static_cast<off_t>(first * g)) == MAP_FAILED) {
       throw_errno(errno, message("emulated:", index_, ": mapping ", count, " granules at ", static_cast<void*>(va)));
     }
