@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // The NCCL communicator at world size 1 on a CUDA device (label gpu): the ops, the split channel,
 // the runtime reducing through it, and a streamed trunk's trained layers reduced through it.
-// Multi-GPU runs are not possible on the machines lent here.
+// Multi-GPU runs need more than one GPU, which the test machines do not have.
 
 #include "cuda_skip.hpp"
 #include "numeric/dtype_conversion.hpp"

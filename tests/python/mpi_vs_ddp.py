@@ -51,7 +51,7 @@ def compare(rank: int, world: int, norm: bool) -> bool:
     ddp_state = model_state(trained)
 
     # At -np 3 this budget (17 KiB) once passed the plan check and then failed an acquire with
-    # OutOfMemory: the contiguous pool's free room had split. The granule pool cannot (issue 19).
+    # OutOfMemory: the contiguous pool's free room had split. The granule pool cannot.
     budget = (13 if norm else 11) + 2 * world  # KiB: the trunk (pinned; 2 KiB more with the norm) and 2-3 heads
     options = config(f"{budget} KiB", average="world", eps=EPS)
     rt = train_taskswap(fresh(model), sched, options, comm=tt.mpi(), rank=rank)

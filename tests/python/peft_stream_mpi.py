@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
 """Under mpirun: samples/python/peft_multitask.py with its base streamed (samples/configs/peft-stream.toml:
 32 frozen decoder layers through a budget an eighth of their size) over an MPI communicator, each rank
-training its own task schedule, against the same run with every unit resident (issue 32 in PyTorch,
+training its own task schedule, against the same run with every unit resident (streaming in PyTorch,
 with a communicator). Without gradient checkpointing and with it, reentrant and not (each decoder layer's
 forward runs again inside its backward, as that backward's planned use of the layer).
 
