@@ -534,6 +534,19 @@ bool device_pool::maps_like(slot_id a, slot_id b) const
   });
 }
 
+bool device_pool::sharers(slot_id s, std::vector<slot_id>& out) const
+{
+  out.clear();
+  if (s >= slots_.size() || slots_[s].size_class != none) { return false; }
+  for (const std::uint32_t e : slots_[s].mapped) {
+    for (const std::uint32_t site : extents_[e].sites) {
+      if ((site & class_site) != 0) { return false; }
+      if (site != s && std::find(out.begin(), out.end(), site) == out.end()) { out.push_back(site); }
+    }
+  }
+  return true;
+}
+
 bool device_pool::fits(slot_id slot, std::size_t bytes) const
 {
   TASKSWAP_EXPECTS(slot < slots_.size() && !slots_[slot].removed,

@@ -125,6 +125,10 @@ class device_pool {
   /// the same offsets, and `b` still maps them (so a copy out of `b`'s range and one into `a`'s
   /// touch the same memory at the same offsets; Note [Extents]).
   [[nodiscard]] bool maps_like(slot_id a, slot_id b) const;
+  /// The other slots that still map an extent the mapped slot `s` holds (their earlier uses of it
+  /// must be done before `s` writes it), into `out`. False where that cannot be told by slot (a
+  /// packed slot, or an extent a class granule had): then every earlier user counts.
+  [[nodiscard]] bool sharers(slot_id s, std::vector<slot_id>& out) const;
   /// Whether the mapping of `t` is done. @throws the mapping thread's failure
   [[nodiscard]] bool ready(ticket t) { return t == 0 || mapper_.ready(t); }
   /// Blocks until the mapping of `t` is done. @throws the mapping thread's failure

@@ -50,10 +50,32 @@ swap_engine::swap_engine(parts p) : p_(p)
 
 void swap_engine::flush_h2d_waits()
 {
-  for (const event* e : h2d_waits_) {
-    if (!e->query()) { e->wait(p_.h2d); }  // a finished event orders nothing: skip the enqueue
+  for (const h2d_wait& w : h2d_waits_) {
+    if (!w.e->query()) { w.e->wait(p_.h2d); }  // a finished event orders nothing: skip the enqueue
   }
   h2d_waits_.clear();
+}
+
+// The waits of the units whose memory the swap-in of `r` now holds: r's own, and those of the
+// units that still map an extent r's slot took (device_pool::sharers). The others stay for whoever takes their extents, so
+// a swap-in into idle extents does not wait for an unrelated write-back. The write-back of
+// `from`, which r follows part by part (Note [Handoff]), is dropped. A finished one goes.
+void swap_engine::flush_h2d_waits_for(const unit_record& r, std::uint32_t from)
+{
+  const bool known = !r.packed && h2d_waits_.size() <= 64 && p_.pool.sharers(r.pool_slot, sharers_);
+  const event* handed = from != no_handoff ? &*p_.units[from].written_back : nullptr;
+  auto kept = h2d_waits_.begin();
+  for (const h2d_wait& w : h2d_waits_) {
+    if (w.e == handed || w.e->query()) { continue; }
+    const bool shares = !known || w.unit == no_handoff || w.unit == r.index ||
+                        std::find(sharers_.begin(), sharers_.end(), p_.units[w.unit].pool_slot) != sharers_.end();
+    if (shares) {
+      w.e->wait(p_.h2d);
+    } else {
+      *kept++ = w;
+    }
+  }
+  h2d_waits_.erase(kept, h2d_waits_.end());
 }
 
 void swap_engine::note_device_bytes()
@@ -82,9 +104,13 @@ void swap_engine::remove_resident(unit_record& r)
 // this home block: they name events as they are recorded now, and a copy queued later on h2d
 // follows them. The copy then fills the travelling prefix of the home block into the slot and
 // zeroes its gradients (or, for a slot of the parameters alone, copies those).
-void swap_engine::order_fill(const unit_record& r)
+void swap_engine::order_fill(const unit_record& r, std::uint32_t from)
 {
-  flush_h2d_waits();
+  if (from == all_waits) {
+    flush_h2d_waits();
+  } else {
+    flush_h2d_waits_for(r, from);
+  }
   for (const std::optional<event>* e : {&r.written_back, &r.host_updated}) {
     if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(p_.h2d); }
   }
@@ -162,7 +188,7 @@ std::uint32_t swap_engine::handoff_from(const unit_record& r) const
 
 void swap_engine::fill_slot(unit_record& r)
 {
-  order_fill(r);
+  order_fill(r, all_waits);
   enqueue_fill(r, no_handoff);
   go(r, coherence_move::fill);
   p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes);
@@ -227,11 +253,11 @@ void swap_engine::evict(unit_record& r)
   settle(r);  // its copy goes before the copies of whoever takes its extents
   if (r.dirty()) {
     write_back(r);
-    h2d_waits_.push_back(&*r.written_back);  // recorded after d2h waited for the release
+    h2d_waits_.push_back({r.index, &*r.written_back});  // recorded after d2h waited for the release
   } else {
     r.written_part_count = 0;  // no write-back of this eviction to take its extents behind
-    if (r.released.recorded()) { h2d_waits_.push_back(&r.released); }
-    if (r.host_stepped()) { h2d_waits_.push_back(&*r.grads_copied); }
+    if (r.released.recorded()) { h2d_waits_.push_back({r.index, &r.released}); }
+    if (r.host_stepped()) { h2d_waits_.push_back({r.index, &*r.grads_copied}); }
   }
   p_.pool.unmap(r.pool_slot);
   r.slot.reset();
@@ -294,10 +320,10 @@ void swap_engine::narrow_to_params(unit_record& r)
 {
   if (r.dirty()) {
     write_back(r);
-    h2d_waits_.push_back(&*r.written_back);
+    h2d_waits_.push_back({r.index, &*r.written_back});
   }
-  if (r.released.recorded()) { h2d_waits_.push_back(&r.released); }
-  if (r.host_stepped()) { h2d_waits_.push_back(&*r.grads_copied); }
+  if (r.released.recorded()) { h2d_waits_.push_back({r.index, &r.released}); }
+  if (r.host_stepped()) { h2d_waits_.push_back({r.index, &*r.grads_copied}); }
   const std::size_t keep = r.layout.params_bytes;
   r.held_bytes = p_.model.taken(keep);
   r.slot = p_.pool.shrink(r.pool_slot, keep);
@@ -376,12 +402,8 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool 
   r.slot = m.range;
   go(r, whole ? detail::slot_move::swap_in_whole : detail::slot_move::swap_in_params);
   add_resident(r);
-  const std::uint32_t from = handoff_from(r);
-  if (from != no_handoff) {  // its copy follows the victim's write-back part by part instead
-    const event* whole_write_back = &*p_.units[from].written_back;
-    h2d_waits_.erase(std::remove(h2d_waits_.begin(), h2d_waits_.end(), whole_write_back), h2d_waits_.end());
-  }
-  order_fill(r);
+  const std::uint32_t from = handoff_from(r);  // its copy follows that write-back part by part
+  order_fill(r, from);
   go(r, coherence_move::fill);
   p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes);
   if (pending_fills_.empty() && p_.pool.ready(m.ready)) {

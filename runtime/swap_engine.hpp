@@ -84,7 +84,11 @@ class swap_engine {
  private:
   bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, room_for why);
   device_pool::mapping map_slot(unit_record& r, std::size_t bytes, std::size_t keep);
-  void order_fill(const unit_record& r);
+  /// Orders r's fill on h2d after the waits it needs: every pending one (all_waits), or those of
+  /// the units whose memory its slot took, but for the write-back of `from` (no_handoff: none).
+  void order_fill(const unit_record& r, std::uint32_t from);
+  static constexpr std::uint32_t all_waits = no_handoff - 1;
+  void flush_h2d_waits_for(const unit_record& r, std::uint32_t from);
   void enqueue_fill(unit_record& r, std::uint32_t from);
   [[nodiscard]] std::uint32_t handoff_from(const unit_record& r) const;
   unit_record* pick_victim(const unit_record& coming, std::uint64_t use, room_for why);
@@ -102,7 +106,13 @@ class swap_engine {
   std::vector<std::uint32_t> unit_of_slot_;  // device pool slot -> unit
   std::vector<std::uint32_t> resident_;  // non-pinned resident units
   std::vector<victim_candidate> victim_candidates_;  // pick_victim's, kept to reuse its memory
-  std::vector<const event*> h2d_waits_;  // must precede the next write into pool memory
+  // Must precede the next write into the memory of `unit`'s slot (no_handoff: into any pool memory).
+  struct h2d_wait {
+    std::uint32_t unit = no_handoff;
+    const event* e = nullptr;
+  };
+  std::vector<h2d_wait> h2d_waits_;
+  std::vector<device_pool::slot_id> sharers_;  // flush_h2d_waits_for's, kept to reuse its memory
   std::vector<std::uint32_t> room_victims_;  // the units make_room() evicted for the swap-in in progress
   // Swap-ins decided and ordered on h2d whose slots the mapping thread has still to map: their
   // copies are queued once it has (Note [Mapping off the trainer's thread]), in this order.
