@@ -520,18 +520,28 @@ device_pool::mapping device_pool::map_slot(slot_id id, slot_state& s, std::size_
   return {mapped(s, bytes, s.address), s.ready};
 }
 
-bool device_pool::maps_like(slot_id a, slot_id b) const
+bool device_pool::shares_aligned(slot_id a, slot_id b) const
 {
   if (a == b || a >= slots_.size() || b >= slots_.size()) { return false; }
   const slot_state& x = slots_[a];
   const slot_state& y = slots_[b];
-  if (x.size_class != none || y.size_class != none || !x.live || x.mapped.empty()) { return false; }
-  if (x.mapped != y.mapped) { return false; }
-  // b maps them still: each extent lists b among its sites.
-  return std::all_of(x.mapped.begin(), x.mapped.end(), [&](std::uint32_t e) {
+  if (x.size_class != none || y.size_class != none || !x.live) { return false; }
+  const auto offset_in = [&](const slot_state& s, std::uint32_t e) {  // in granules; none: not mapped there
+    std::size_t at = 0;
+    for (const std::uint32_t m : s.mapped) {
+      if (m == e) { return at; }
+      at += extents_[m].granules;
+    }
+    return std::size_t{none};
+  };
+  bool shared = false;
+  for (const std::uint32_t e : x.mapped) {
     const std::vector<std::uint32_t>& at = extents_[e].sites;
-    return std::find(at.begin(), at.end(), b) != at.end();
-  });
+    if (std::find(at.begin(), at.end(), b) == at.end()) { continue; }
+    if (offset_in(x, e) != offset_in(y, e)) { return false; }
+    shared = true;
+  }
+  return shared;
 }
 
 bool device_pool::sharers(slot_id s, std::vector<slot_id>& out) const

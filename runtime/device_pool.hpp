@@ -121,10 +121,10 @@ class device_pool {
                                                const quiesce_fn& quiesce);
   /// As try_map(), but out_of_memory naming the budget and the bytes in use.
   [[nodiscard]] mapping map(slot_id slot, std::size_t bytes, std::size_t keep, const quiesce_fn& quiesce);
-  /// Whether the mapped slot `a` holds the very extents that slot `b` held when last mapped, at
-  /// the same offsets, and `b` still maps them (so a copy out of `b`'s range and one into `a`'s
-  /// touch the same memory at the same offsets; Note [Extents]).
-  [[nodiscard]] bool maps_like(slot_id a, slot_id b) const;
+  /// Whether the mapped slot `a` holds an extent that slot `b` still maps, and each such extent
+  /// lies at the same offset in both ranges (so where a copy out of `b`'s range and one into
+  /// `a`'s touch the same memory, they do at the same offsets; Note [Extents]).
+  [[nodiscard]] bool shares_aligned(slot_id a, slot_id b) const;
   /// The other slots that still map an extent the mapped slot `s` holds (their earlier uses of it
   /// must be done before `s` writes it), into `out`. False where that cannot be told by slot (a
   /// packed slot, or an extent a class granule had): then every earlier user counts.

@@ -122,8 +122,9 @@ void swap_engine::order_fill(const unit_record& r, std::uint32_t from)
 // must not overwrite bytes the victim's write-back has still to read. Waiting for the whole
 // write-back runs the two directions of the link one after the other. A write-back of a host
 // home goes in parts instead (up to handoff_parts, of at least handoff_min_part bytes), with an
-// event after each; where the swap-in maps the victim's extents at the same offsets
-// (device_pool::maps_like: units of one shape), its copy goes in the same parts, each waiting for
+// event after each; where the swap-in maps extents of the victim at the same offsets as the
+// victim did (device_pool::shares_aligned: units of one shape, or a layer whose parameters stayed
+// taking the rest of its victim's slot), its copy goes in the same parts, each waiting for
 // the write-back's part that ends at or past it. The directions then overlap but for one part.
 // Its gradients' zeroing waits for the parts it overlaps, or for the first part (which follows
 // the victim's last use) where it overlaps none. A disk home's block goes whole (a write of part
@@ -175,14 +176,14 @@ void swap_engine::enqueue_fill(unit_record& r, std::uint32_t from)
   if (p_.trace != nullptr) { p_.trace->close(span, p_.h2d); }
 }
 
-// The one victim of this swap-in whose extents `r` maps at the same offsets, written back in
+// The one victim of this swap-in whose extents `r` maps at the victim's offsets, written back in
 // parts still in flight (Note [Handoff]); no_handoff otherwise.
 std::uint32_t swap_engine::handoff_from(const unit_record& r) const
 {
   if (room_victims_.size() != 1 || r.packed || r.home.cache != nullptr) { return no_handoff; }
   const unit_record& x = p_.units[room_victims_.front()];
   if (x.written_part_count < 2 || !x.written_back || x.written_back->query()) { return no_handoff; }
-  if (!p_.pool.maps_like(r.pool_slot, x.pool_slot)) { return no_handoff; }
+  if (!p_.pool.shares_aligned(r.pool_slot, x.pool_slot)) { return no_handoff; }
   return x.index;
 }
 
