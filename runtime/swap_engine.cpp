@@ -57,9 +57,11 @@ void swap_engine::flush_h2d_waits()
 }
 
 // The waits of the units whose memory the swap-in of `r` now holds: r's own, and those of the
-// units that still map an extent r's slot took (device_pool::sharers). The others stay for whoever takes their extents, so
-// a swap-in into idle extents does not wait for an unrelated write-back. The write-back of
-// `from`, which r follows part by part (Note [Handoff]), is dropped. A finished one goes.
+// units that still map an extent r's slot took (device_pool::sharers). The others stay for
+// whoever takes their extents, so a swap-in into idle extents does not wait for an unrelated
+// write-back. The write-back of `from`, which r follows part by part (Note [Handoff]), is
+// dropped, and so is a finished one. Past 64 waits, or where the sharers cannot be told, all
+// of them are flushed.
 void swap_engine::flush_h2d_waits_for(const unit_record& r, std::uint32_t from)
 {
   const bool known = !r.packed && h2d_waits_.size() <= 64 && p_.pool.sharers(r.pool_slot, sharers_);
@@ -124,8 +126,8 @@ void swap_engine::order_fill(const unit_record& r, std::uint32_t from)
 // home goes in parts instead (up to handoff_parts, of at least handoff_min_part bytes), with an
 // event after each; where the swap-in maps extents of the victim at the same offsets as the
 // victim did (device_pool::shares_aligned: units of one shape, or a layer whose parameters stayed
-// taking the rest of its victim's slot), its copy goes in the same parts, each waiting for
-// the write-back's part that ends at or past it. The directions then overlap but for one part.
+// taking the rest of its victim's slot), its copy goes in the same parts, each waiting for the
+// write-back's part that ends at or past it. The directions then overlap but for one part.
 // Its gradients' zeroing waits for the parts it overlaps, or for the first part (which follows
 // the victim's last use) where it overlaps none. A disk home's block goes whole (a write of part
 // of it would read the rest from the file first), and so does a packed slot's.
