@@ -42,9 +42,6 @@ swap_engine::swap_engine(parts p) : p_(p)
     if (r.pinned()) { continue; }
     unit_of_slot_.resize(std::max<std::size_t>(unit_of_slot_.size(), r.pool_slot + 1), ~std::uint32_t{0});
     unit_of_slot_[r.pool_slot] = r.index;
-    if (r.policy.residency == residency::prefetch) {
-      max_lookahead_ = std::max(max_lookahead_, static_cast<std::size_t>(r.policy.lookahead));
-    }
   }
 }
 
@@ -444,7 +441,9 @@ void swap_engine::prefetch()
 {
   p_.pool.check();
   issue_ready_fills();
-  p_.plan.for_each_upcoming(max_lookahead_, [&](unit_id u, planned_acquisition a, std::size_t distance) {
+  // The longest lookahead of a prefetched unit: the residency model's horizon (none: this step).
+  const std::size_t ahead = p_.model.horizon() == no_next_step ? 0 : p_.model.horizon();
+  p_.plan.for_each_upcoming(ahead, [&](unit_id u, planned_acquisition a, std::size_t distance) {
     unit_record& r = p_.units[u.value];
     const bool whole = a.whole();
     if (r.resident_for(whole)) { return true; }

@@ -102,7 +102,6 @@ class swap_engine {
   }
 
   parts p_;
-  std::size_t max_lookahead_ = 0;  // the longest lookahead of a prefetched unit
   std::vector<std::uint32_t> unit_of_slot_;  // device pool slot -> unit
   std::vector<std::uint32_t> resident_;  // non-pinned resident units
   std::vector<victim_candidate> victim_candidates_;  // pick_victim's, kept to reuse its memory
