@@ -187,9 +187,11 @@ def replicas_bitwise_equal(state: dict[str, torch.Tensor], world: int) -> bool:
 
 def end_under_mpirun(rank: int, failures: list[str]) -> int:
     """Ends the gloo group gloo_under_mpirun made; the exit code (each rank says what failed)."""
+    import gc
     import sys
 
     import torch.distributed as dist
+    gc.collect()  # DDP's reducer cycles would keep the group alive into the interpreter's exit (mpi_vs_ddp.py)
     dist.barrier()
     dist.destroy_process_group()
     if failures:

@@ -12,7 +12,9 @@ pinned. test_streaming.py's trunk of 32 residual blocks and 4 task heads.
 - Trained layers: with a communicator a trained layer's room comes back once its gradient
   bucket's reduction is launched. With the default bucket_cap the trunk is one bucket, so the
   streamed budget is refused by the plan check with a message that says so; with a bucket a
-  layer, trained layers stream at that budget (with exit_early), bitwise equal to pinned. At a
+  layer, trained layers stream at that budget (with exit_early), bitwise equal to pinned and, with
+  ranks exiting early at different depths, within 1e-5 of torch DDP (gloo, find_unused_parameters)
+  with torch.optim.AdamW, which runs no taskswap hook. At a
   budget that holds the trained layers, the streamed loop
   (forward and backward uses acquired and released by the hooks, a rank that exits early
   contributing zeros for the layers it skipped) is bitwise equal to the pinned one, and the
@@ -26,12 +28,12 @@ from __future__ import annotations
 import sys
 
 import torch
-from test_streaming import LAYERS, Deep, checkpointed_pairs, train
+from test_streaming import LAYERS, Deep, checkpointed_pairs, train, train_plain
 
 import taskswap
 import taskswap.torch as tt
 from loops import bitwise_equal as same
-from loops import config, end_under_mpirun, gloo_under_mpirun, replicas_bitwise_equal
+from loops import config, counting_ddp, end_under_mpirun, gloo_under_mpirun, max_relative, replicas_bitwise_equal
 
 
 def depth(step: int, rank: int) -> int:
@@ -119,6 +121,12 @@ def main() -> int:
         check(f"{case}: replicas bitwise equal", replicas_bitwise_equal(streamed, world))
         check(f"{case}: trunk 8x the budget", trunk >= 8 * budget)
         check(f"{case}: peak within the budget", totals.peak_device_bytes <= budget)
+        if checkpoint is None:  # against plain torch: DDP (gloo) and torch.optim.AdamW, no taskswap
+            reference = train_plain(depth=depth, rank=rank, wrap=counting_ddp(world, [0]))
+            worst = max_relative(streamed, reference)
+            check(f"{case}: within 1e-5 of torch DDP ({worst:.2e})", worst < 1e-5)
+            if rank == 0:
+                print(f"{case}: max relative difference to torch DDP {worst:.2e}", flush=True)
         if rank == 0:
             print(f"{case}: trunk {trunk / budget:.1f}x the budget, peak {totals.peak_device_bytes} of {budget}, "
                   f"misses {totals.misses}, evictions {totals.evictions}", flush=True)

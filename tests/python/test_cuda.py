@@ -92,13 +92,17 @@ def test_nccl_communicator_over_torch_distributed(tmp_path):
 def test_streamed_layers_equal_all_resident_bitwise_on_cuda():
     """register_layers on CUDA: the backward's hooks run on autograd's device thread and acquire on
     its current stream; a 32-layer trunk (4.2 MiB of parameters a layer: larger than half a 2 MiB
-    granule, so each keeps its address) through a budget of the heads and two layers."""
-    from test_streaming import train
+    granule, so each keeps its address) through a budget of the heads and two layers; trained, also
+    against plain torch (torch.optim.AdamW on CUDA, no taskswap hooks)."""
+    from test_streaming import train, train_plain
     for trained in (True, False):
         streamed, totals, budget, _ = train(streamed=True, trained_layers=trained, backend="cuda", width=512)
         resident, _, _, _ = train(streamed=False, trained_layers=trained, backend="cuda", width=512)
         assert totals.evictions > 0 and totals.peak_device_bytes <= budget
         assert all(torch.equal(streamed[k], resident[k]) for k in streamed)
+        if trained:
+            streamed = {k: v.cpu() for k, v in streamed.items()}
+            assert max_relative(streamed, train_plain(width=512, device="cuda")) < 1e-5
 
 
 def test_disk_homes_on_cuda_equal_host_homes_and_resume_bitwise(tmp_path):

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """Layer streaming within a step (Runtime.register_layers): a trunk many times the device budget
 trains bitwise equal to the same loop with every layer resident, with trained and frozen layers,
-activation checkpointing, evaluation under no_grad and steps that skip layers."""
+activation checkpointing, evaluation under no_grad and steps that skip layers; and, trained, within
+1e-5 of plain torch (torch.optim.AdamW, no taskswap hooks), which the resident loop cannot show."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.utils.checkpoint
 
 import taskswap
 import taskswap.torch as tt
-from loops import config
+from loops import BETAS, EPS, LR, WD, config, max_relative
 
 WIDTH, LAYERS, TASKS = 32, 32, 4
 
@@ -130,6 +131,33 @@ def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = t
     return state, totals, budget, LAYERS * per_layer
 
 
+def train_plain(*, trained_layers: bool = True, checkpoint: str | None = None, steps: int = 12,
+                depth=lambda step: LAYERS, rank: int = 0, wrap=None, width: int = WIDTH, device: str = "cpu") -> dict:
+    """The reference: Deep trained by plain torch (torch.optim.AdamW over every parameter, no
+    taskswap), on train()'s batches and tasks, keyed as Runtime.state_dict() keys. A head not used
+    in a step has no gradient, and AdamW skips it as taskswap does not step it. `wrap`: makes the
+    model DDP (then `depth(step, rank)`, as train() with a communicator)."""
+    model = Deep(checkpoint=checkpoint, width=width).to(device)
+    if not trained_layers:
+        for p in model.layers.parameters():
+            p.requires_grad_(False)
+    net = wrap(model) if wrap else model
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=BETAS, eps=EPS,
+                            weight_decay=WD)
+    for step in range(steps):
+        t = step % TASKS
+        x, y = (v.to(device) for v in batch(step + 100003 * rank, torch.float32, width))
+        opt.zero_grad(set_to_none=True)
+        d = depth(step, rank) if wrap else depth(step)
+        torch.nn.functional.mse_loss(net(x, t, d), y).backward()
+        opt.step()
+    state = {f"trunk/{i}.{n}": p.detach().cpu() for i, layer in enumerate(model.layers)
+             for n, p in layer.named_parameters()}
+    state.update({f"task/{t}.{n}": p.detach().cpu() for t, h in enumerate(model.heads)
+                  for n, p in h.named_parameters()})
+    return state
+
+
 def assert_same(a: dict, b: dict) -> None:
     assert a.keys() == b.keys()
     differ = [k for k in a if not torch.equal(a[k], b[k])]
@@ -150,6 +178,20 @@ def test_streamed_trunk_is_bitwise_all_resident_and_stays_in_budget(trained_laye
     start = Deep(dtype=dtype).state_dict()
     changed = not torch.equal(streamed["trunk/3.1.weight"], start["layers.3.1.weight"])
     assert changed == trained_layers
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant", "reentrant"])
+def test_streamed_layers_train_as_plain_torch_does(checkpoint):
+    """Against plain torch (torch.optim.AdamW, no taskswap hooks), not against taskswap's pinned
+    layers, which run the same hooks: a hook that stepped a layer before its last gradient, or
+    twice, or not at all, would agree with itself. Odd steps run half the trunk."""
+    depth = lambda step: LAYERS if step % 2 == 0 else LAYERS // 2  # noqa: E731
+    streamed, totals, budget, _ = train(streamed=True, checkpoint=checkpoint, depth=depth, exit_early=True)
+    reference = train_plain(checkpoint=checkpoint, depth=depth)
+    worst = max_relative(streamed, reference)
+    assert worst < 1e-5, worst
+    assert max_relative(reference, train_plain(steps=0)) > 1e-2  # the layers moved
+    assert totals.peak_device_bytes <= budget
 
 
 @pytest.mark.parametrize("checkpoint", ["non_reentrant", "reentrant"])
