@@ -32,6 +32,7 @@ struct cache_entry {
   bool io_write = false;
   bool evicting = false;  // its block is freed once its write is done
   bool behind = false;  // its file is older than a superseded block let go: only a whole overwrite brings it back
+  bool catching_up = false;  // behind, with a whole overwrite queued: caught up once the block's work is done
   std::vector<std::pair<void*, event>> busy;  // per stream, after the work that uses the block
   std::uint64_t last_used = 0;
   std::size_t live_at = 0;  // its index in impl::live, while it has a block
@@ -66,7 +67,7 @@ struct host_cache::impl {
   static void quiesce(cache_entry& c)
   {
     for (auto& [stream, done] : c.busy) { done.synchronize(); }
-    c.busy.clear();
+    settled(c);
   }
   // Whether the work that uses the block is done (then nothing waits on it).
   static bool idle(cache_entry& c)
@@ -74,8 +75,15 @@ struct host_cache::impl {
     for (auto& [stream, done] : c.busy) {
       if (!done.query()) { return false; }
     }
-    c.busy.clear();
+    settled(c);
     return true;
+  }
+  // The work that used the block is done: an overwrite queued on it has arrived.
+  static void settled(cache_entry& c)
+  {
+    c.busy.clear();
+    c.behind = c.behind && !c.catching_up;
+    c.catching_up = false;
   }
 
   // Gives the block back: an eviction, or (`evicted` false) a block whose read failed.
@@ -307,7 +315,9 @@ std::span<std::byte> host_cache::block(entry_id e, bool overwrite)
   TASKSWAP_EXPECTS(e < m.entries.size(), message("host cache entry ", e, " was not added"));
   cache_entry& c = m.entries[e];
   c.last_used = ++m.tick;
-  c.behind = c.behind && !overwrite;  // the caller writes all of it now
+  // The caller writes all of it now; until that work is done (a device failure may drop it) the
+  // entry stays behind.
+  c.catching_up = c.catching_up || (c.behind && overwrite);
   if (c.offset) {
     c.evicting = false;  // wanted again: an eviction's write in flight keeps the block
     if (c.io && !c.io_write && !m.files.done(*c.io)) {
@@ -372,7 +382,10 @@ void host_cache::used(entry_id e, const stream_view* s, bool wrote)
   TASKSWAP_EXPECTS(c.offset && (!c.io || c.io_write), message("host cache: '", c.unit, "' is used while not cached"));
   c.evicting = false;  // in use: it stays
   c.dirty = c.dirty || wrote;
-  if (s == nullptr) { return; }
+  if (s == nullptr) {  // the host did it: done
+    if (c.busy.empty()) { m.settled(c); }
+    return;
+  }
   for (auto& [stream, done] : c.busy) {
     if (stream == s->native_handle()) {
       done.record(*s);
@@ -424,6 +437,7 @@ void host_cache::discard(entry_id e)
   if (c.offset) { m.free_block(c, false); }
   c.dirty = false;
   c.behind = false;  // the caller's file is the home now
+  c.catching_up = false;
   c.fresh = false;
   c.synced = true;  // the caller syncs what it writes
 }

@@ -198,8 +198,8 @@ TEST_F(disk_home_test, a_failed_read_or_write_is_one_storage_error_naming_the_fi
   }
 }
 
-// Whatever ends a run with disk homes (a request failing with EIO or ENOSPC, a short read, a unit
-// file deleted under the run), the error is one storage_error naming the file and the unit, the
+// Whatever ends a run with disk homes (a request failing with EIO or ENOSPC, unit files truncated
+// under the run, a unit file deleted under the run), the error is one storage_error naming the file and the unit, the
 // failed runtime writes nothing over the checkpoint saved before, and that checkpoint resumes
 // bitwise, in a new directory and in the failed run's own.
 TEST_F(disk_home_test, after_a_fault_the_checkpoint_saved_before_it_resumes_bitwise)
@@ -219,7 +219,7 @@ TEST_F(disk_home_test, after_a_fault_the_checkpoint_saved_before_it_resumes_bitw
   }
   ASSERT_GT(at_checkpoint, 0U);
   ASSERT_GT(at_end, at_checkpoint + 40) << "the steps after the checkpoint are meant to read and write the drive";
-  for (const std::string fault : {"EIO", "ENOSPC", "short read", "deleted"}) {
+  for (const std::string fault : {"EIO", "ENOSPC", "truncated", "deleted"}) {
     SCOPED_TRACE(fault);
     const fs::path run = dir_ / ("run-" + fault);
     const fs::path ck = dir_ / ("ck-" + fault);
@@ -231,8 +231,6 @@ TEST_F(disk_home_test, after_a_fault_the_checkpoint_saved_before_it_resumes_bitw
     if (fault == "EIO" || fault == "ENOSPC") {
       o.storage.fail_request = after;
       o.storage.fail_errno = fault == "EIO" ? 5 : 28;
-    } else if (fault == "short read") {
-      o.storage.short_request = after;
     }
     std::string what;
     {
@@ -241,14 +239,24 @@ TEST_F(disk_home_test, after_a_fault_the_checkpoint_saved_before_it_resumes_bitw
       failing.rt.save_checkpoint(ck);
       ASSERT_LT(failing.rt.stats().disk.requests, after) << "the fault is meant to come after the checkpoint";
       try {
-        if (fault == "deleted") {
+        const auto unit_files = [&] {
+          std::vector<fs::path> files;
+          for (const fs::directory_entry& e : fs::directory_iterator(run)) {
+            if (e.path().extension() == ".unit") { files.push_back(e.path()); }
+          }
+          return files;
+        };
+        if (fault == "truncated") {
+          // Every file empty: the cache holds fewer homes than the steps use, so a home not in it
+          // is read before its use, and its file ends before the bytes.
+          for (const fs::path& f : unit_files()) { fs::resize_file(f, 0); }
+          failing.train(40, 20);
+        } else if (fault == "deleted") {
           // Right after the checkpoint: a file not written since, which only a check of the
           // files the cache did not write can find.
-          const auto victim =
-            std::find_if(fs::directory_iterator(run), fs::directory_iterator(),
-                         [](const fs::directory_entry& e) { return e.path().extension() == ".unit"; });
-          ASSERT_NE(victim, fs::directory_iterator());
-          fs::remove(victim->path());
+          const std::vector<fs::path> files = unit_files();
+          ASSERT_FALSE(files.empty());
+          fs::remove(files.front());
         } else {
           failing.train(40, 20);
         }
@@ -259,11 +267,10 @@ TEST_F(disk_home_test, after_a_fault_the_checkpoint_saved_before_it_resumes_bitw
       }
       EXPECT_NE(what.find(run.string()), std::string::npos) << what;
       EXPECT_NE(what.find("unit 'task/"), std::string::npos) << what;
-      const std::string says = fault == "EIO"                                 ? "Input/output error"
-                               : fault == "ENOSPC"                            ? "No space left on device"
-                               : fault == "deleted"                           ? "was deleted while the run used it"
-                               : what.find("short read") != std::string::npos ? "short read"
-                                                                              : "the drive took none of the bytes";
+      const std::string says = fault == "EIO"       ? "Input/output error"
+                               : fault == "ENOSPC"    ? "No space left on device"
+                               : fault == "truncated" ? "the file ends before them (a short read"
+                                                      : "was deleted while the run used it";
       EXPECT_NE(what.find(says), std::string::npos) << what;
       // The failed runtime refuses to save again, and the checkpoint before the fault is whole.
       expect_error_mentioning<storage_error>([&] { failing.rt.save_checkpoint(ck); }, what);
@@ -628,6 +635,73 @@ TEST_F(disk_home_test, a_home_read_for_a_swap_in_stays_while_the_device_makes_it
   train_step(rt, s, {c}, 2);
   s.synchronize();
   EXPECT_EQ(rt.stats().disk.read_bytes, 0U) << "the home of task/2 was let go and read again";
+}
+
+// After a failure the runtime refuses to hand out a home that is older than its unit's newest
+// update: v and w are updated on the device, and the cache let their dirty blocks go unwritten
+// (superseded: the write-back would bring them whole), so their files hold the initial values.
+// A failed copy then loses the device copies. A home not behind stays readable as it was.
+TEST_F(disk_home_test, after_a_failure_a_home_older_than_its_device_copy_is_refused_and_the_others_read)
+{
+  const std::vector<unit_spec> u = f32_tasks(5);
+  runtime_options o;
+  o.device = {.backend = backend_kind::emulated, .budget = 1200 * 1024};  // three units: no device eviction
+  unit_rule tasks;
+  tasks.match = "task/*";
+  tasks.residency = residency::on_demand;
+  tasks.home = "disk";
+  o.units.push_back(tasks);
+  o.storage = {.path = dir_, .host_cache = 0, .queue_depth = 4, .block = 64 * 1024, .lookahead = 0};
+  std::size_t block = 0;  // one home's block in the cache
+  {
+    o.storage.host_cache = std::size_t{1} << 20U;
+    const device probe_dev = emulated_device({.memory_bytes = std::size_t{4} << 20U, .link = {}});
+    runtime probe(probe_dev, o, u);
+    (void)probe.home(unit_id{0});
+    block = probe.stats().disk.cached_bytes;
+  }
+  fs::remove_all(dir_);
+  ASSERT_GT(block, 0U);
+  o.storage.host_cache = 3 * block + block / 2;  // three homes
+  // Copies 1 and 2 bring v and w in; the third, c's swap-in, fails.
+  const device dev = emulated_device({.memory_bytes = std::size_t{4} << 20U, .link = {}}, {.fail_copy = 3});
+  const stream s(dev);
+  runtime rt(dev, o, u);
+  const unit_id v = rt.find("task/0");
+  const unit_id w = rt.find("task/1");
+  const unit_id c = rt.find("task/2");
+  const unit_id idle = rt.find("task/3");
+  for (const unit_id t : {v, w}) {  // initial values: dirty blocks
+    const home_view h = rt.home(t);
+    std::fill_n(static_cast<float*>(h.master.data), h.master.count, 0.25F);
+  }
+  rt.plan(std::vector<step_plan>{step_plan{v}, step_plan{w}, step_plan{c}});
+  for (const unit_id t : {v, w}) {
+    train_step(rt, s, {t}, 0);
+    s.synchronize();
+  }
+  {
+    const home_view h = rt.home(idle);
+    std::fill_n(static_cast<float*>(h.master.data), h.master.count, 0.5F);
+  }
+  (void)rt.home(rt.find("task/4"));  // takes v's block, and c's block takes w's
+  expect_error_mentioning<device_error>(  // from whichever call meets the failed copy first
+    [&] {
+      (void)rt.acquire(c, s);
+      rt.release(c, s);
+      (void)rt.end_step();
+      rt.flush();
+    },
+    "copy 3");
+  for (const unit_id t : {v, w}) {
+    SCOPED_TRACE(rt.name(t));
+    expect_error_mentioning<storage_error>([&] { (void)rt.home(t); },
+                                           "is older than its last write-back: its newest bytes were in the device "
+                                           "copy, which the failure lost; resume from the last checkpoint");
+  }
+  const home_view h = rt.home(idle);
+  const auto* m = static_cast<const float*>(h.master.data);
+  EXPECT_TRUE(std::all_of(m, m + h.master.count, [](float x) { return x == 0.5F; }));
 }
 
 // The warnings logged while it lives.

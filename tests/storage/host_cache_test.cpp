@@ -10,9 +10,11 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <memory>
+#include <thread>
 
 namespace taskswap::detail {
 namespace {
@@ -65,6 +67,35 @@ TEST_F(host_cache_test, a_superseded_block_goes_first_and_unwritten_whatever_its
   EXPECT_TRUE(cache.behind(t.a));  // its file is older than the block let go, until the write-back
   (void)cache.block(t.b);
   EXPECT_EQ(cache.stats().hits, s.hits + 1);  // `b` stayed
+}
+
+// A behind entry's block taken for a whole overwrite stays behind until the work that writes it
+// is done: a device failure before then would leave older bytes (or none) in it.
+TEST_F(host_cache_test, a_behind_entry_catches_up_once_its_overwrite_is_done_not_when_queued)
+{
+  three_homes t(dir_);
+  host_cache& cache = t.cache;
+  cache.next_use([&](host_cache::entry_id e) -> std::uint64_t { return e == t.a ? 1 : e == t.b ? 5 : 2; });
+  cache.superseded([&](host_cache::entry_id e) { return e == t.a; });
+  for (const host_cache::entry_id e : {t.a, t.b, t.c}) {  // `c` lets `a` go unwritten
+    (void)cache.block(e);
+    cache.used(e, nullptr, true);
+  }
+  ASSERT_TRUE(cache.behind(t.a));
+  cache.superseded([](host_cache::entry_id) { return false; });
+  const stream s(t.dev);
+  std::atomic<bool> open{false};
+  (void)cache.block(t.a, true);
+  launch_host_func(s, [&open] {
+    while (!open.load()) { std::this_thread::yield(); }
+  });
+  const stream_view view = s;
+  cache.used(t.a, &view, true);
+  EXPECT_TRUE(cache.behind(t.a)) << "caught up while its write was still queued";
+  open = true;
+  s.synchronize();
+  cache.flush();  // waits for the block's work
+  EXPECT_FALSE(cache.behind(t.a));
 }
 
 // `a` dirty, `b` clean, both never used again; `a` was used first. Making room for `c` lets the

@@ -282,6 +282,14 @@ TEST_F(unit_files_test, a_read_that_ends_early_is_a_short_read_error)
   expect_error_mentioning<storage_error>([&] { files.wait(files.read(f, 0, back.span())); }, "short read");
 }
 
+TEST_F(unit_files_test, a_write_the_drive_takes_none_of_is_an_error_saying_so)
+{
+  unit_files files(options(4), io_faults{.short_request = 1, .short_bytes = 0});
+  const unit_files::file_index f = files.open("task/0", 1, 128 * kib);
+  expect_error_mentioning<storage_error>([&] { (void)write_random(files, f, 128 * kib); },
+                                         "the drive took none of the bytes");
+}
+
 TEST_F(unit_files_test, a_file_truncated_under_the_run_is_a_short_read_naming_it)
 {
   unit_files files(options());
