@@ -10,6 +10,7 @@
 #include "device/message.hpp"
 #include "host/host_task_arena.hpp"
 #include "host/topology.hpp"
+#include "numeric/align.hpp"
 
 #include <taskswap/host.hpp>
 
@@ -31,9 +32,9 @@ namespace taskswap {
 
 namespace {
 
-constexpr std::size_t huge_page = std::size_t{2} << 20;
+using detail::round_up;
 
-std::size_t round_up(std::size_t value, std::size_t multiple) { return (value + multiple - 1) / multiple * multiple; }
+constexpr std::size_t huge_page = std::size_t{2} << 20;
 
 bool is_power_of_two(std::size_t v) { return v != 0 && (v & (v - 1)) == 0; }
 

@@ -20,6 +20,7 @@
 #include "runtime/runtime_impl.hpp"
 
 #include "kernels/kernels.hpp"
+#include "numeric/align.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -28,6 +29,7 @@ namespace taskswap {
 
 using detail::ensure;
 using detail::message;
+using detail::round_up;
 
 namespace {
 
@@ -35,8 +37,6 @@ constexpr std::size_t guard_state_bytes = 256;
 constexpr std::size_t block_sums_bytes = detail::square_sum_blocks * sizeof(double);
 constexpr std::size_t scalars_bytes = 256;  // two adamw_scalars
 constexpr std::size_t steps_offset = guard_state_bytes + block_sums_bytes + scalars_bytes;
-
-std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
 }  // namespace
 

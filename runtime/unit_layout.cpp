@@ -3,14 +3,13 @@
 
 #include "device/message.hpp"
 #include "host/stream_stagger.hpp"
+#include "numeric/align.hpp"
 
 #include <limits>
 
 namespace taskswap::detail {
 
 namespace {
-
-std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
 std::size_t checked_product(const unit_spec& spec, const tensor_spec& t)
 {

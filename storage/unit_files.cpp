@@ -6,6 +6,7 @@
 #include "device/expects.hpp"
 #include "device/log.hpp"
 #include "device/message.hpp"
+#include "numeric/align.hpp"
 
 #include <taskswap/error.hpp>
 
@@ -33,8 +34,6 @@ constexpr std::size_t direct_alignment = 4096;  // the largest logical block siz
 constexpr std::size_t max_registered = std::size_t{1} << 30;  // the kernel's limit per registered buffer
 
 std::string errno_text(int e) { return message(std::generic_category().message(e), " (errno ", e, ")"); }
-
-std::size_t round_up(std::size_t n, std::size_t to) { return (n + to - 1) / to * to; }
 
 struct unit_file {
   std::string unit;
