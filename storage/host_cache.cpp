@@ -151,8 +151,7 @@ struct host_cache::impl {
   cache_entry* victim(entry_id keep, bool ahead)
   {
     cache_entry* best = nullptr;
-    std::uint64_t best_next = 0;
-    bool best_writes = false;
+    cache_candidate best_seen;
     // Backwards: finish_io() may free the block of the entry at k, which moves the last one (seen
     // already) to k.
     for (std::size_t k = live.size(); k-- > 0;) {
@@ -161,16 +160,14 @@ struct host_cache::impl {
       if (i == keep || (c.io && !finish_io(c, false)) || !c.offset) { continue; }
       // A superseded block is worth nothing (its unit's write-back replaces it whole, unread): it
       // goes first, whenever its unit is used next.
-      const std::uint64_t next = superseded(i) ? never : next_use(i);
-      const bool writes = needs_write(c);
-      if (ahead && (next != never || writes || c.evicting)) { continue; }
-      const bool older =
-        best != nullptr && (c.last_used < best->last_used || (c.last_used == best->last_used && &c < best));
-      if (best == nullptr || next > best_next ||
-          (next == best_next && ((best_writes && !writes) || (best_writes == writes && older)))) {
+      const cache_candidate seen{.next_use = superseded(i) ? never : next_use(i),
+                                 .needs_write = needs_write(c),
+                                 .last_used = c.last_used,
+                                 .id = i};
+      if (ahead && (seen.next_use != never || seen.needs_write || c.evicting)) { continue; }
+      if (best == nullptr || evict_before(seen, best_seen)) {
         best = &c;
-        best_next = next;
-        best_writes = writes;
+        best_seen = seen;
       }
     }
     return best;

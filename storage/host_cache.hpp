@@ -23,9 +23,10 @@
 //   memory before its device copy starts).
 // - Eviction takes the cached entry whose next use (next_use(): the runtime's plan, as the next
 //   use that reads the block) is furthest, then one that needs no write, then the least recently
-//   used: Belady's rule, as the device's. A superseded block counts as never used again, whatever
-//   its unit's next use: that use finds the device copy, and the write-back that brings it home
-//   overwrites the block unread. A dirty victim is written to its file before its memory is
+//   used: Belady's rule, as the device's. evict_before() is that rule; the planner's replay
+//   applies it too. A superseded block counts as never used again, whatever its unit's next use:
+//   that use finds the device copy, and the write-back that brings it home overwrites the block
+//   unread. A dirty victim is written to its file before its memory is
 //   reused, so nothing is lost between the tiers (DESIGN.md invariant 9); block() waits for that
 //   write and for the work on the victim's block.
 // - A prefetch takes free room, or the room of blocks that cost nothing to let go: next_use()
@@ -67,6 +68,25 @@ struct host_cache_stats {
   std::uint64_t bytes_written = 0;
   std::size_t used_bytes = 0;  // cached blocks now
 };
+
+/// A cached block as the eviction rule weighs it (Note [Host cache]).
+struct cache_candidate {
+  std::uint64_t next_use = 0;  ///< when the plan reads it next; `never` where none does, or it is superseded
+  bool needs_write = false;  ///< dirty and not superseded: it must reach its file before it goes
+  std::uint64_t last_used = 0;  ///< the tick of its last touch
+  std::size_t id = 0;  ///< the last tie-break: the lower goes first
+};
+
+/// The host cache's eviction rule, which the cache and the planner's replay both apply: whether
+/// `a` goes before `b`. The next use furthest (Belady's rule), then one that needs no write, then
+/// the least recently used, then the lower id.
+[[nodiscard]] constexpr bool evict_before(const cache_candidate& a, const cache_candidate& b) noexcept
+{
+  if (a.next_use != b.next_use) { return a.next_use > b.next_use; }
+  if (a.needs_write != b.needs_write) { return !a.needs_write; }
+  if (a.last_used != b.last_used) { return a.last_used < b.last_used; }
+  return a.id < b.id;
+}
 
 class host_cache {
  public:
@@ -120,7 +140,8 @@ class host_cache {
   /// block unwritten; the next block() reads the file.
   void discard(entry_id e);
 
-  /// Whether the entry's file is older than a superseded block let go (until a whole overwrite).
+  /// Whether the entry's file is older than a superseded block let go (until a whole overwrite is
+  /// done).
   [[nodiscard]] bool behind(entry_id e) const;
   [[nodiscard]] const std::filesystem::path& file(entry_id e) const;
   [[nodiscard]] std::size_t capacity() const noexcept;

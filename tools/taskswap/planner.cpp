@@ -2,6 +2,7 @@
 #include "planner.hpp"
 
 #include "runtime/residency_model.hpp"
+#include "storage/host_cache.hpp"
 
 #include <fnmatch.h>
 
@@ -58,13 +59,13 @@ struct planned_unit {
 // The host cache in front of the disk homes (storage/host_cache.hpp, Note [Host cache]),
 // replayed at the runtime's touches of a disk home: a swap-in reads its block, a device
 // placement's write-back overwrites it whole, a host placement's update (gradients home, the CPU
-// AdamW) reads and changes it. Eviction is Belady's rule over the planned uses (a use of this step
-// not yet made is next; a superseded block is never used again), among equals one that needs no
-// write, then the least recently used. A miss reads the unit file, but for a whole overwrite, and
-// a dirty block evicted is written to it unless it is superseded (its unit's device copy has an
-// update its write-back brings home whole). Blocks are the files' sizes (4 KiB multiples); the
-// cache's fragmentation and its reads ahead of use are not modelled: a read ahead takes only room
-// that costs nothing (the same bytes, earlier).
+// AdamW) reads and changes it. Eviction is the cache's own rule, detail::evict_before: Belady's
+// over the planned uses (a use of this step not yet made is next; a superseded block is never
+// used again), among equals one that needs no write, then the least recently used. A miss reads
+// the unit file, but for a whole overwrite, and a dirty block evicted is written to it unless it
+// is superseded (its unit's device copy has an update its write-back brings home whole). Blocks
+// are the files' sizes (4 KiB multiples); the cache's fragmentation and its reads ahead of use are
+// not modelled: a read ahead takes only room that costs nothing (the same bytes, earlier).
 class cache_replay {
  public:
   enum class access { read, overwrite, update };
@@ -85,18 +86,16 @@ class cache_replay {
     if (!e.cached) {
       while (used_ + file_bytes_[u] > capacity_) {
         std::size_t victim = never;
-        std::size_t victim_next = 0;
-        bool victim_writes = false;
+        detail::cache_candidate best;
         for (std::size_t v = 0; v < entries_.size(); ++v) {
           if (v == u || !entries_[v].cached) { continue; }
-          const bool writes = entries_[v].dirty && !superseded_(v);
-          const std::size_t next = superseded_(v) ? never : next_use(v);
-          if (victim == never || next > victim_next ||
-              (next == victim_next &&
-               ((victim_writes && !writes) || (victim_writes == writes && entries_[v].last < entries_[victim].last)))) {
+          const detail::cache_candidate seen{.next_use = superseded_(v) ? never : next_use(v),
+                                             .needs_write = entries_[v].dirty && !superseded_(v),
+                                             .last_used = entries_[v].last,
+                                             .id = v};
+          if (victim == never || detail::evict_before(seen, best)) {
             victim = v;
-            victim_next = next;
-            victim_writes = writes;
+            best = seen;
           }
         }
         if (victim == never) { break; }  // one home larger than the cache: the runtime refuses it
