@@ -60,8 +60,8 @@ struct unit_policy {
   /// The unit's weight decay (>= 0); none: the optimizer's. A unit with its own is not affected by
   /// the weight decay set_optimizer() sets (its lr still scales with the optimizer's).
   std::optional<double> weight_decay{};
-  /// The home tier that keeps its home copy: "host" (the pinned, NUMA-local arena; the only tier
-  /// so far).
+  /// The home tier that keeps its home copy: "host" (the pinned, NUMA-local arena) or "disk" (a
+  /// unit file under [storage] path, behind the host cache).
   std::string home = "host";
 };
 

@@ -16,6 +16,7 @@ import torch
 import taskswap
 import taskswap.torch as tt
 from loops import BETAS, EPS, LR, WD, config, max_relative
+from taskswap.torch._units import _TRAIN, _Use
 
 
 def run_python(code: str) -> str:
@@ -137,7 +138,7 @@ def test_a_frozen_unit_costs_its_parameters_and_is_used_frozen():
     assert fp.device_bytes < param_bytes + 512 and fp.home_bytes == fp.device_bytes and fp.grad_bytes == 0
     trained_fp = taskswap.footprint(trained.spec(), taskswap.OptimizerPlacement.device)
     with pytest.raises(taskswap.InvalidArgument, match="trainable=False"):
-        rt.plan([[tt._Use(frozen, tt._TRAIN)]])
+        rt.plan([[_Use(frozen, _TRAIN)]])
     rt.plan([[frozen, trained]] * 3)  # a unit registered trainable=False is used frozen
     x = torch.randn(5, 64)
     for _ in range(3):

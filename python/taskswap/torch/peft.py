@@ -31,7 +31,9 @@ from typing import Sequence
 import torch
 
 from .. import _core
-from . import Runtime, Unit, _Entry, _module_entries, _StepScope
+from ._runtime import Runtime
+from ._scope import _StepScope
+from ._units import Unit, _Entry, _module_entries
 
 __all__ = ["Adapters", "register"]
 
