@@ -229,6 +229,7 @@ buffer_sizes buffers_of(const model_config& m, int steps)
   const auto o = static_cast<std::size_t>(m.outputs);
   buffer_sizes b;
   for (int l = 0; l <= m.trunk_layers; ++l) { b.per_sample.push_back(d); }  // h_0 (input) … h_L
+  for (int l = 0; l < m.trunk_layers; ++l) { b.per_sample.push_back(d); }  // each layer's branch r_l
   b.per_sample.push_back(h);  // adapter hidden
   b.per_sample.push_back(o);  // output, then dLoss/dy
   b.per_sample.push_back(o);  // target
@@ -332,6 +333,7 @@ struct trainer::impl {
     for (std::size_t n : b.fixed) { take(n); }
     std::size_t i = 0;
     for (int l = 0; l <= model.trunk_layers; ++l) { h.push_back(out[i++]); }
+    for (int l = 0; l < model.trunk_layers; ++l) { branch.push_back(out[i++]); }
     hidden = out[i++];
     y = out[i++];
     target = out[i++];
@@ -397,7 +399,12 @@ struct trainer::impl {
           std::fill(w, w + t.count, 0.0F);
           continue;
         }
-        const float bound = std::sqrt(6.0F / static_cast<float>(t.shape[0]));
+        // He's bound; a trunk layer's, over the square root of the depth: each residual branch
+        // then adds about 1/depth of the signal's power, so the trunk's output stays near its input's.
+        float bound = std::sqrt(6.0F / static_cast<float>(t.shape[0]));
+        if (u < static_cast<std::size_t>(model.trunk_layers)) {
+          bound /= std::sqrt(static_cast<float>(model.trunk_layers));
+        }
         const std::uint64_t key = key_of(model.seed, key_init, u, ti);
         for (std::size_t i = 0; i < t.count; ++i) { w[i] = bound * uniform(key, i); }
       }
@@ -463,8 +470,11 @@ struct trainer::impl {
       const taskswap::unit_id u = trunk[static_cast<std::size_t>(l)];
       auto& v = tv[static_cast<std::size_t>(l)];
       if (streamed) { v = rt.acquire(u, compute, taskswap::unit_use::frozen); }
-      kernels->gemm(false, false, b, d, d, 1.0F, act(l), weight(v, 0, wide_weight), 0.0F, act(l + 1));
-      kernels->bias_activation(act(l + 1), weight(v, 1, wide_bias), b, d, true);
+      // A residual block: h_{l+1} = h_l + r_l, r_l = relu(h_l W_l + b_l).
+      float* r = branch[static_cast<std::size_t>(l)];
+      kernels->gemm(false, false, b, d, d, 1.0F, act(l), weight(v, 0, wide_weight), 0.0F, r);
+      kernels->bias_activation(r, weight(v, 1, wide_bias), b, d, true);
+      kernels->add(act(l + 1), act(l), r, static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
       if (streamed) { rt.release(u, compute); }
     }
     if (streamed) { av = rt.acquire(adapter, compute); }
@@ -480,7 +490,7 @@ struct trainer::impl {
     kernels->column_sums(grad_target(av, 3, wide_bias_grad), y, b, o, scratch);
     store_grad(av, 3, wide_bias_grad);
     kernels->gemm(false, true, b, hd, o, 1.0F, y, weight(av, 2, wide_weight), 0.0F, back[0]);
-    kernels->relu_backward(back[0], hidden, static_cast<std::size_t>(b) * static_cast<std::size_t>(hd));
+    kernels->relu_backward(back[0], back[0], hidden, static_cast<std::size_t>(b) * static_cast<std::size_t>(hd));
     kernels->gemm(true, false, d, hd, b, 1.0F, act(layers), back[0], 0.0F, grad_target(av, 0, wide_grad));
     store_grad(av, 0, wide_grad);
     kernels->column_sums(grad_target(av, 1, wide_bias_grad), back[0], b, hd, scratch);
@@ -496,21 +506,21 @@ struct trainer::impl {
     kernels->gemm(false, true, b, d, hd, 1.0F, back[0], weight(av, 0, wide_weight), 0.0F, back[1]);
     finish(av.id);
 
-    // Backward through the trunk, last layer first; each layer's update overlaps the rest.
+    // Backward through the trunk, last layer first; each layer's update overlaps the rest. dh
+    // holds dLoss/dh_{l+1}; the branch's gradient dr = dh masked by r_l > 0; then dh += dr W_l^T
+    // is dLoss/dh_l (the skip path and the branch's).
     float* dh = back[1];
-    float* next = back[0];
+    float* dr = back[0];
     for (int l = layers - 1; l >= 0; --l) {
       auto& v = tv[static_cast<std::size_t>(l)];
       if (streamed) { v = rt.acquire(trunk[static_cast<std::size_t>(l)], compute); }
-      kernels->relu_backward(dh, act(l + 1), static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
-      kernels->gemm(true, false, d, d, b, 1.0F, act(l), dh, 0.0F, grad_target(v, 0, wide_grad));
+      kernels->relu_backward(dr, dh, branch[static_cast<std::size_t>(l)],
+                             static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
+      kernels->gemm(true, false, d, d, b, 1.0F, act(l), dr, 0.0F, grad_target(v, 0, wide_grad));
       store_grad(v, 0, wide_grad);
-      kernels->column_sums(grad_target(v, 1, wide_bias_grad), dh, b, d, scratch);
+      kernels->column_sums(grad_target(v, 1, wide_bias_grad), dr, b, d, scratch);
       store_grad(v, 1, wide_bias_grad);
-      if (l > 0) {
-        kernels->gemm(false, true, b, d, d, 1.0F, dh, weight(v, 0, wide_weight), 0.0F, next);
-        std::swap(dh, next);
-      }
+      if (l > 0) { kernels->gemm(false, true, b, d, d, 1.0F, dr, weight(v, 0, wide_weight), 1.0F, dh); }
       finish(v.id);
     }
     last_stats = rt.end_step();
@@ -560,6 +570,7 @@ struct trainer::impl {
   std::vector<taskswap::unit_id> trunk;
   std::vector<taskswap::unit_id> tasks;
   std::vector<float*> h;
+  std::vector<float*> branch;  // each trunk layer's r_l, whose sign the backward masks by
   float* hidden = nullptr;
   float* y = nullptr;
   float* target = nullptr;

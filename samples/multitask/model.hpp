@@ -1,11 +1,11 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The sample's multi-task model: a trunk of ReLU layers (one unit each) and T task adapters (a
-// two-layer MLP each, one unit each), trained on synthetic regression: task t's target is
-// x · A_t for a fixed random teacher A_t, so every task's loss falls. The task of each step comes
-// from a seeded sampler and is planned ahead. Used by the trainer (main.cpp) and by `taskswap
-// headroom`, which needs the same units, activations and steps.
+// The sample's multi-task model: a trunk of residual ReLU blocks (one unit each) and T task
+// adapters (a two-layer MLP each, one unit each), trained on synthetic regression: task t's target
+// is x · A_t for a fixed random teacher A_t, so every task's loss falls. The task of each step
+// comes from a seeded sampler and is planned ahead. Used by the trainer (main.cpp) and by
+// `taskswap headroom`, which needs the same units, activations and steps.
 
 #include "ops.hpp"
 

@@ -32,8 +32,10 @@ class ops {
   virtual void random_uniform(float* x, std::size_t n, std::uint64_t key, float scale) = 0;
   /// y[r][c] += b[c], then max(y, 0) when relu.
   virtual void bias_activation(float* y, const float* b, int rows, int cols, bool relu) = 0;
-  /// dy[i] = y[i] > 0 ? dy[i] : 0 (the ReLU's backward, from its output).
-  virtual void relu_backward(float* dy, const float* y, std::size_t n) = 0;
+  /// out[i] = y[i] > 0 ? dy[i] : 0 (the ReLU's backward, from its output); `out` may be `dy`.
+  virtual void relu_backward(float* out, const float* dy, const float* y, std::size_t n) = 0;
+  /// out[i] = a[i] + b[i] (a residual connection); `out` may be `a` or `b`.
+  virtual void add(float* out, const float* a, const float* b, std::size_t n) = 0;
   /// out[c] = sum over r of x[r][c] (overwrites out). `scratch`: scratch_floats(cols) floats.
   virtual void column_sums(float* out, const float* x, int rows, int cols, float* scratch) = 0;
   /// Mean squared error: *loss = mean((y - t)^2); y becomes dLoss/dy = 2 (y - t) / (rows · cols),

@@ -94,12 +94,17 @@ class cpu_ops final : public ops {
     });
   }
 
-  void relu_backward(float* dy, const float* y, std::size_t n) override
+  void relu_backward(float* out, const float* dy, const float* y, std::size_t n) override
   {
     enqueue([=] {
-      for (std::size_t i = 0; i < n; ++i) {
-        if (!(y[i] > 0.0F)) { dy[i] = 0.0F; }
-      }
+      for (std::size_t i = 0; i < n; ++i) { out[i] = y[i] > 0.0F ? dy[i] : 0.0F; }
+    });
+  }
+
+  void add(float* out, const float* a, const float* b, std::size_t n) override
+  {
+    enqueue([=] {
+      for (std::size_t i = 0; i < n; ++i) { out[i] = a[i] + b[i]; }
     });
   }
 

@@ -100,11 +100,19 @@ __global__ void bias_activation_kernel(float* y, const float* b, std::size_t n, 
   }
 }
 
-__global__ void relu_backward_kernel(float* dy, const float* y, std::size_t n)
+__global__ void relu_backward_kernel(float* out, const float* dy, const float* y, std::size_t n)
 {
   for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
        i += std::size_t{gridDim.x} * blockDim.x) {
-    if (!(y[i] > 0.0F)) { dy[i] = 0.0F; }
+    out[i] = y[i] > 0.0F ? dy[i] : 0.0F;
+  }
+}
+
+__global__ void add_kernel(float* out, const float* a, const float* b, std::size_t n)
+{
+  for (std::size_t i = blockIdx.x * std::size_t{blockDim.x} + threadIdx.x; i < n;
+       i += std::size_t{gridDim.x} * blockDim.x) {
+    out[i] = __fadd_rn(a[i], b[i]);
   }
 }
 
@@ -259,10 +267,17 @@ class cuda_ops final : public ops {
     MULTITASK_CUDA(cudaGetLastError());
   }
 
-  void relu_backward(float* dy, const float* y, std::size_t n) override
+  void relu_backward(float* out, const float* dy, const float* y, std::size_t n) override
   {
     const device_scope scope(device_);
-    relu_backward_kernel<<<blocks_for(n), threads, 0, s_>>>(dy, y, n);
+    relu_backward_kernel<<<blocks_for(n), threads, 0, s_>>>(out, dy, y, n);
+    MULTITASK_CUDA(cudaGetLastError());
+  }
+
+  void add(float* out, const float* a, const float* b, std::size_t n) override
+  {
+    const device_scope scope(device_);
+    add_kernel<<<blocks_for(n), threads, 0, s_>>>(out, a, b, n);
     MULTITASK_CUDA(cudaGetLastError());
   }
 

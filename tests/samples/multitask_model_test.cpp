@@ -114,7 +114,7 @@ TEST(multitask_model, the_workspace_is_what_the_accounting_says)
   auto c = parse("[model]\ntasks = 4\nsteps = 64\n");
   const int batch = 64;
   const multitask::workspace_size w = multitask::model_workspace(c.model, c.model.steps);
-  const std::size_t per_sample_buffers = static_cast<std::size_t>(c.model.trunk_layers) + 1 + 5;
+  const std::size_t per_sample_buffers = 2 * static_cast<std::size_t>(c.model.trunk_layers) + 1 + 5;  // h_0..h_L, r_l
   const std::size_t exact = w.bytes(batch) - 256 * per_sample_buffers;  // no padding at this batch
   c.runtime.device.emulated.memory_bytes = c.runtime.device.budget + exact;
   {

@@ -156,9 +156,32 @@ TYPED_TEST(ops_test, bias_relu_and_its_backward)
   }
   const auto d0 = this->random(y0.size(), 6);
   float* d = this->upload(d0);
-  this->ops_->relu_backward(d, y, y0.size());
+  float* masked = this->poisoned(y0.size());
+  this->ops_->relu_backward(masked, d, y, y0.size());  // into another array: d stays
+  this->ops_->relu_backward(d, d, y, y0.size());  // in place
+  const auto into = this->download(masked, y0.size());
   const auto grad = this->download(d, y0.size());
-  for (std::size_t i = 0; i < y0.size(); ++i) { ASSERT_EQ(grad[i], out[i] > 0 ? d0[i] : 0.0F) << i; }
+  for (std::size_t i = 0; i < y0.size(); ++i) {
+    ASSERT_EQ(into[i], out[i] > 0 ? d0[i] : 0.0F) << i;
+    ASSERT_EQ(grad[i], into[i]) << i;
+  }
+}
+
+TYPED_TEST(ops_test, add_is_the_elementwise_sum)
+{
+  const std::size_t n = 1000;
+  const auto a0 = this->random(n, 7);
+  const auto b0 = this->random(n, 8);
+  float* a = this->upload(a0);
+  float* out = this->poisoned(n);
+  this->ops_->add(out, a, this->upload(b0), n);
+  this->ops_->add(a, a, a, n);  // in place
+  const auto sum = this->download(out, n);
+  const auto twice = this->download(a, n);
+  for (std::size_t i = 0; i < n; ++i) {
+    ASSERT_EQ(sum[i], a0[i] + b0[i]) << i;
+    ASSERT_EQ(twice[i], 2.0F * a0[i]) << i;
+  }
 }
 
 TYPED_TEST(ops_test, column_sums_and_mse_match_double_references_and_are_deterministic)
