@@ -4,7 +4,7 @@
 // A manifest that parses is written back and read again: the same manifest (the writer and the
 // reader agree on every field, the optimizer's settings to the bit).
 
-#include "runtime/checkpoint.hpp"
+#include "storage/checkpoint.hpp"
 
 #include <taskswap/checkpoint.hpp>
 #include <taskswap/error.hpp>

@@ -4,7 +4,7 @@
 
 #include "runtime/runtime_impl.hpp"
 
-#include "runtime/crc32c.hpp"
+#include "storage/crc32c.hpp"
 
 #include <algorithm>
 

@@ -4,7 +4,7 @@
 #include "runtime/runtime_impl.hpp"
 
 #include "device/log.hpp"
-#include "runtime/crc32c.hpp"
+#include "storage/crc32c.hpp"
 
 namespace taskswap {
 
@@ -19,7 +19,7 @@ std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
     detail::checkpoint_source c;
     c.name = r.name;
     c.compute = l.compute;
-    c.tensors = l.tensors;
+    for (const tensor_info& t : l.tensors) { c.tensors.emplace_back(t.name, t.shape); }
     c.step = r.step;
     c.trainable = !l.frozen;
     if (r.home.cache != nullptr) {

@@ -40,7 +40,7 @@
 #include "host/adamw_formula.hpp"
 #include "host/step_guard.hpp"
 #include "host/host_task_arena.hpp"
-#include "runtime/checkpoint.hpp"
+#include "storage/checkpoint.hpp"
 #include "runtime/device_pool.hpp"
 #include "runtime/plan_queue.hpp"
 #include "runtime/residency_model.hpp"

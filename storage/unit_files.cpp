@@ -7,6 +7,7 @@
 #include "device/log.hpp"
 #include "device/message.hpp"
 #include "numeric/align.hpp"
+#include "storage/posix_file.hpp"
 
 #include <taskswap/error.hpp>
 
@@ -38,23 +39,15 @@ std::string errno_text(int e) { return message(std::generic_category().message(e
 struct unit_file {
   std::string unit;
   std::filesystem::path path;
-  int fd = -1;
+  posix_file file;
   std::size_t bytes = 0;
   bool existed = false;
 };
 
-// Reserves the file's first `bytes` (zeros where it had none); 0 or the errno.
-int reserve(int fd, std::size_t bytes)
-{
-  int e = ::posix_fallocate(fd, 0, static_cast<off_t>(bytes));
-  if (e == EOPNOTSUPP || e == EINVAL) { e = ::ftruncate(fd, static_cast<off_t>(bytes)) == 0 ? 0 : errno; }
-  return e;
-}
-
 std::string no_space_text(const unit_file& f, int e)
 {
   struct statvfs fs {};
-  const std::size_t free_bytes = ::fstatvfs(f.fd, &fs) == 0 ? std::size_t{fs.f_bavail} * fs.f_frsize : 0;
+  const std::size_t free_bytes = ::fstatvfs(f.file.fd(), &fs) == 0 ? std::size_t{fs.f_bavail} * fs.f_frsize : 0;
   return message("unit '", f.unit, "' needs ", bytes_text(f.bytes), " for its file '", f.path.string(),
                  "': ", errno_text(e), "; the drive has ", bytes_text(free_bytes),
                  " free: free space or set [storage] path to a larger drive");
@@ -78,22 +71,11 @@ struct transfer_state {
 
 }  // namespace
 
-// The directory, open and locked (flock) while a unit_files uses it: two runs, or two ranks,
-// sharing it would read and write each other's unit files.
-struct directory_lock {
-  int fd = -1;
-  directory_lock() = default;
-  directory_lock(const directory_lock&) = delete;
-  directory_lock& operator=(const directory_lock&) = delete;
-  ~directory_lock()
-  {
-    if (fd >= 0) { ::close(fd); }
-  }
-};
-
 struct unit_files::impl {
   unit_file_options options;
-  directory_lock lock;
+  // The directory, open and locked (flock) while a unit_files uses it: two runs, or two ranks,
+  // sharing it would read and write each other's unit files.
+  posix_file lock;
   io_faults faults;
   io_uring ring{};
   bool direct = true;
@@ -122,12 +104,14 @@ struct unit_files::impl {
   void probe_direct()
   {
     const std::filesystem::path probe = options.directory / ".taskswap-direct-probe";
-    const int fd = ::open(probe.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | (faults.refuse_direct ? 0 : O_DIRECT), 0600);
-    const int e = fd >= 0 ? (faults.refuse_direct ? EINVAL : 0) : errno;
-    if (fd >= 0) {
-      ::close(fd);
-      ::unlink(probe.c_str());
+    int e = 0;
+    bool made = false;
+    {
+      const posix_file f(probe, O_RDWR | O_CREAT | (faults.refuse_direct ? 0 : O_DIRECT), 0600);
+      made = f.is_open();
+      e = made ? (faults.refuse_direct ? EINVAL : 0) : f.error();
     }
+    if (made) { ::unlink(probe.c_str()); }
     if (e == 0) { return; }
     if (e != EINVAL) {
       throw config_error(message("[storage] path '", options.directory.string(),
@@ -183,7 +167,7 @@ struct unit_files::impl {
       const std::uint32_t slot = free_slots.back();
       free_slots.pop_back();
       b.request = ++stats.requests;
-      const int fd = files[b.file].fd;
+      const int fd = files[b.file].file.fd();
       const auto n = static_cast<unsigned>(b.bytes);
       const auto off = static_cast<__u64>(b.offset);
       const int fixed = fixed_index(b.buffer, b.bytes);
@@ -403,9 +387,9 @@ unit_files::unit_files(unit_file_options options, io_faults faults)
     throw config_error(message("[storage] path '", o.directory.string(), "': cannot make the directory: ", ec.message(),
                                "; point it at a writable directory on a local drive"));
   }
-  impl_->lock.fd = ::open(o.directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (impl_->lock.fd < 0 || ::flock(impl_->lock.fd, LOCK_EX | LOCK_NB) != 0) {
-    const int e = errno;
+  impl_->lock = posix_file(o.directory, O_RDONLY | O_DIRECTORY);
+  const int e = impl_->lock.is_open() ? impl_->lock.lock() : impl_->lock.error();
+  if (e != 0) {
     throw config_error(message(
       "[storage] path '", o.directory.string(), "': ",
       e == EWOULDBLOCK ? std::string("another run (or rank) uses this directory") : "cannot lock it: " + errno_text(e),
@@ -445,7 +429,7 @@ unit_files::~unit_files()
   // stay pinned by the kernel until it ends; with buffered I/O a request the drive never ends
   // could still copy into its buffer after the memory is freed (docs/storage.md, Faults).
   io_uring_queue_exit(&m.ring);
-  for (const unit_file& f : m.files) { ::close(f.fd); }
+  m.files.clear();  // closed after the ring
   for (const int fd : m.stall_pipe) {
     if (fd >= 0) { ::close(fd); }
   }
@@ -492,13 +476,13 @@ unit_files::file_index unit_files::open(std::string_view unit, std::uint64_t ide
 {
   impl& m = *impl_;
   m.check_ring();
-  unit_file f{.unit = std::string(unit), .path = m.options.directory / file_name(unit, identity)};
-  const int flags = O_RDWR | O_CREAT | O_CLOEXEC | (m.direct ? O_DIRECT : 0);
+  unit_file f{.unit = std::string(unit), .path = m.options.directory / file_name(unit, identity), .file = {}};
+  const int flags = O_RDWR | O_CREAT | (m.direct ? O_DIRECT : 0);
   f.existed = std::filesystem::exists(f.path);
-  f.fd = ::open(f.path.c_str(), flags, 0644);
-  if (f.fd < 0 && errno == EMFILE && raise_open_file_limit()) { f.fd = ::open(f.path.c_str(), flags, 0644); }
-  if (f.fd < 0) {
-    const int e = errno;
+  f.file = posix_file(f.path, flags);
+  if (!f.file.is_open() && f.file.error() == EMFILE && raise_open_file_limit()) { f.file = posix_file(f.path, flags); }
+  if (!f.file.is_open()) {
+    const int e = f.file.error();
     rlimit limit{};
     (void)::getrlimit(RLIMIT_NOFILE, &limit);
     throw storage_error(
@@ -512,11 +496,11 @@ unit_files::file_index unit_files::open(std::string_view unit, std::uint64_t ide
   }
   f.bytes = round_up(bytes, m.alignment());
   struct stat st {};
-  int e = ::fstat(f.fd, &st) == 0 ? 0 : errno;
-  if (e == 0 && static_cast<std::size_t>(st.st_size) < f.bytes) { e = reserve(f.fd, f.bytes); }
+  int e = f.file.status(st);
+  if (e == 0 && static_cast<std::size_t>(st.st_size) < f.bytes) { e = f.file.reserve(f.bytes); }
   if (e != 0) {
     const std::string why = no_space_text(f, e);
-    ::close(f.fd);
+    f.file = posix_file();
     if (!f.existed) { ::unlink(f.path.c_str()); }
     throw storage_error(why);
   }
@@ -585,8 +569,8 @@ void unit_files::wait(transfer t)
 void unit_files::zero(file_index f)
 {
   const unit_file& file = impl_->files.at(f);
-  int e = ::ftruncate(file.fd, 0) == 0 ? 0 : errno;
-  if (e == 0) { e = reserve(file.fd, file.bytes); }
+  int e = file.file.truncate(0);
+  if (e == 0) { e = file.file.reserve(file.bytes); }
   if (e != 0) { throw storage_error(no_space_text(file, e)); }
 }
 
@@ -594,8 +578,8 @@ void unit_files::check_present(file_index f) const
 {
   const unit_file& file = impl_->files.at(f);
   struct stat st {};
-  if (::fstat(file.fd, &st) != 0) {
-    throw storage_error(message("checking '", file.path.string(), "' (unit '", file.unit, "'): ", errno_text(errno)));
+  if (const int e = file.file.status(st); e != 0) {
+    throw storage_error(message("checking '", file.path.string(), "' (unit '", file.unit, "'): ", errno_text(e)));
   }
   if (st.st_nlink == 0) {
     throw storage_error(message("'", file.path.string(), "', the file of unit '", file.unit,
@@ -608,12 +592,8 @@ void unit_files::sync(file_index f)
 {
   check_present(f);
   const unit_file& file = impl_->files.at(f);
-  int r = 0;
-  do {
-    r = ::fsync(file.fd);
-  } while (r != 0 && errno == EINTR);
-  if (r != 0) {
-    throw storage_error(message("syncing '", file.path.string(), "' (unit '", file.unit, "'): ", errno_text(errno),
+  if (const int e = file.file.sync(); e != 0) {
+    throw storage_error(message("syncing '", file.path.string(), "' (unit '", file.unit, "'): ", errno_text(e),
                                 "; the last checkpoint is unchanged"));
   }
 }

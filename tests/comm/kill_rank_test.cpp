@@ -6,7 +6,7 @@
 // run_kill_rank.sh under mpirun --enable-recovery (so that mpirun lets the survivors finish);
 // each survivor prints KILL-TEST-PASS or KILL-TEST-FAIL.
 
-#include "runtime/crc32c.hpp"
+#include "storage/crc32c.hpp"
 
 #include <taskswap/taskswap.hpp>
 

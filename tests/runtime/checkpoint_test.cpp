@@ -5,7 +5,7 @@
 #include "expect_error.hpp"
 #include "file_size_limit.hpp"
 #include "runtime/training_loop.hpp"
-#include "runtime/crc32c.hpp"
+#include "storage/crc32c.hpp"
 
 #include <taskswap/taskswap.hpp>
 

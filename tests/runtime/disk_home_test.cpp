@@ -7,7 +7,7 @@
 
 #include "expect_error.hpp"
 #include "file_size_limit.hpp"
-#include "runtime/checkpoint.hpp"
+#include "storage/checkpoint.hpp"
 #include "runtime/training_loop.hpp"
 #include "scratch_dir.hpp"
 #include "device/message.hpp"

@@ -5,7 +5,7 @@
 // reference: nothing half-written, nothing updated from data that never arrived).
 
 #include "expect_error.hpp"
-#include "runtime/crc32c.hpp"
+#include "storage/crc32c.hpp"
 
 #include <taskswap/taskswap.hpp>
 

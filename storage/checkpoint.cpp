@@ -1,10 +1,10 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "runtime/checkpoint.hpp"
+#include "storage/checkpoint.hpp"
 
 #include "device/log.hpp"
 #include "device/message.hpp"
-#include "runtime/crc32c.hpp"
-#include "runtime/unit_layout.hpp"
+#include "storage/crc32c.hpp"
+#include "storage/posix_file.hpp"
 
 #include <taskswap/build_info.hpp>
 #include <taskswap/error.hpp>
@@ -278,96 +278,70 @@ void check_slabs(const checkpoint_manifest& m, std::string_view source)
 
 // ---- files ----------------------------------------------------------------------------------
 
-std::string system_reason() { return std::strerror(errno); }
+std::string system_reason() { return detail::errno_reason(errno); }
 
-class fd_file {
+// A file of a checkpoint: a posix_file whose failures are checkpoint_errors naming its path.
+class checkpoint_file {
  public:
-  fd_file(const std::filesystem::path& path, int flags, mode_t mode = 0644) : path_(path)
+  checkpoint_file(const std::filesystem::path& path, int flags, mode_t mode = 0644) : f_(path, flags, mode)
   {
-    fd_ = ::open(path.c_str(), flags | O_CLOEXEC, mode);
-    if (fd_ < 0) { throw checkpoint_error(message("cannot open '", path.string(), "': ", system_reason())); }
-  }
-  ~fd_file()
-  {
-    if (fd_ >= 0) { ::close(fd_); }
-  }
-  fd_file(const fd_file&) = delete;
-  fd_file& operator=(const fd_file&) = delete;
-  fd_file(fd_file&& o) noexcept : path_(std::move(o.path_)), fd_(std::exchange(o.fd_, -1)) {}
-  fd_file& operator=(fd_file&&) = delete;
-
-  void write_all(std::span<const std::byte> data)
-  {
-    while (!data.empty()) {
-      const ssize_t n = ::write(fd_, data.data(), std::min(data.size(), io_chunk));
-      if (n < 0 && errno == EINTR) { continue; }
-      if (n <= 0) { throw checkpoint_error(message("writing '", path_.string(), "' failed: ", system_reason())); }
-      data = data.subspan(static_cast<std::size_t>(n));
+    if (!f_.is_open()) {
+      throw checkpoint_error(message("cannot open '", path.string(), "': ", detail::errno_reason(f_.error())));
     }
   }
+  void write_all(std::span<const std::byte> data) const { check(f_.write_all(data), "writing"); }
   /// Reads exactly data.size() bytes at `offset`.
-  void read_at(std::span<std::byte> data, std::uint64_t offset)
+  void read_at(std::span<std::byte> data, std::uint64_t offset) const
   {
-    while (!data.empty()) {
-      const ssize_t n = ::pread(fd_, data.data(), std::min(data.size(), io_chunk), static_cast<off_t>(offset));
-      if (n < 0 && errno == EINTR) { continue; }
-      if (n <= 0) {
-        throw checkpoint_error(message("reading '", path_.string(), "' at ", offset,
-                                       " failed: ", n == 0 ? "it ends there" : system_reason()));
-      }
-      data = data.subspan(static_cast<std::size_t>(n));
-      offset += static_cast<std::uint64_t>(n);
+    const int e = f_.read_at(data, offset);
+    if (e != 0) {
+      throw checkpoint_error(message("reading '", path().string(), "' at ", offset, " failed: ",
+                                     e == detail::posix_file::ended ? "it ends there" : detail::errno_reason(e)));
     }
   }
   /// Writes all of `data` at `offset`.
-  void write_at(std::span<const std::byte> data, std::uint64_t offset)
+  void write_at(std::span<const std::byte> data, std::uint64_t offset) const
   {
-    while (!data.empty()) {
-      const ssize_t n = ::pwrite(fd_, data.data(), std::min(data.size(), io_chunk), static_cast<off_t>(offset));
-      if (n < 0 && errno == EINTR) { continue; }
-      if (n <= 0) {
-        throw checkpoint_error(message("writing '", path_.string(), "' at ", offset, " failed: ", system_reason()));
-      }
-      data = data.subspan(static_cast<std::size_t>(n));
-      offset += static_cast<std::uint64_t>(n);
+    const int e = f_.write_at(data, offset);
+    if (e != 0) {
+      throw checkpoint_error(
+        message("writing '", path().string(), "' at ", offset, " failed: ", detail::errno_reason(e)));
     }
   }
-  void sync()
-  {
-    if (::fsync(fd_) != 0) {
-      throw checkpoint_error(message("flushing '", path_.string(), "' failed: ", system_reason()));
-    }
-  }
+  void sync() const { check(f_.sync(), "flushing"); }
   [[nodiscard]] std::uint64_t size() const
   {
     struct stat st {};
-    if (::fstat(fd_, &st) != 0) {
-      throw checkpoint_error(message("cannot stat '", path_.string(), "': ", system_reason()));
-    }
+    const int e = f_.status(st);
+    if (e != 0) { throw checkpoint_error(message("cannot stat '", path().string(), "': ", detail::errno_reason(e))); }
     return static_cast<std::uint64_t>(st.st_size);
   }
   [[nodiscard]] bool regular() const
   {
     struct stat st {};
-    return ::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode);
+    return f_.status(st) == 0 && S_ISREG(st.st_mode);
   }
-  /// Drops the file's pages from the page cache (read once, or written and synced).
-  void forget() const { (void)::posix_fadvise(fd_, 0, 0, POSIX_FADV_DONTNEED); }
-  [[nodiscard]] int fd() const noexcept { return fd_; }
-  [[nodiscard]] const std::filesystem::path& path() const noexcept { return path_; }
+  void forget() const { f_.forget(); }
+  [[nodiscard]] int fd() const noexcept { return f_.fd(); }
+  [[nodiscard]] const std::filesystem::path& path() const noexcept { return f_.path(); }
 
  private:
-  std::filesystem::path path_;
-  int fd_ = -1;
+  void check(int e, std::string_view doing) const
+  {
+    if (e != 0) {
+      throw checkpoint_error(message(doing, " '", path().string(), "' failed: ", detail::errno_reason(e)));
+    }
+  }
+  detail::posix_file f_;
 };
 
-void sync_directory(const std::filesystem::path& dir)
+void flush_directory(const std::filesystem::path& dir)
 {
-  fd_file d(dir, O_RDONLY | O_DIRECTORY);
-  d.sync();
+  const int e = detail::sync_directory(dir);
+  if (e != 0) { throw checkpoint_error(message("flushing '", dir.string(), "' failed: ", detail::errno_reason(e))); }
 }
 
-std::uint32_t slab_crc(fd_file& f, const checkpoint_slab& s, std::vector<std::byte>& buffer)
+std::uint32_t slab_crc(checkpoint_file& f, const checkpoint_slab& s, std::vector<std::byte>& buffer)
 {
   std::uint32_t crc = 0;
   for (std::uint64_t done = 0; done < s.bytes;) {
@@ -397,7 +371,7 @@ std::filesystem::path slab_file(const std::filesystem::path& dir, const checkpoi
 
 // Opens a unit's file in a checkpoint for reading: a regular file, never through a link (a
 // damaged manifest or directory cannot make a load read elsewhere, or block on a pipe).
-fd_file open_checkpoint_file(const std::filesystem::path& dir, const checkpoint_unit& u)
+checkpoint_file open_checkpoint_file(const std::filesystem::path& dir, const checkpoint_unit& u)
 {
   const std::filesystem::path path = slab_file(dir, u);
   std::error_code ec;
@@ -405,7 +379,7 @@ fd_file open_checkpoint_file(const std::filesystem::path& dir, const checkpoint_
     throw checkpoint_error(message("checkpoint '", dir.string(), "': ", path.string(),
                                    " is a symbolic link; a checkpoint holds its files itself: use another one"));
   }
-  fd_file f(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK);
+  checkpoint_file f(path, O_RDONLY | O_NOFOLLOW | O_NONBLOCK);
   if (!f.regular()) {
     throw checkpoint_error(
       message("checkpoint '", dir.string(), "': ", path.string(), " is not a regular file: use another checkpoint"));
@@ -513,7 +487,7 @@ void verify_checkpoint(const std::filesystem::path& dir) { detail::verify_data(d
 
 void detail::verify_data(const std::filesystem::path& dir, const checkpoint_manifest& m)
 {
-  fd_file f(dir / data_file, O_RDONLY);
+  checkpoint_file f(dir / data_file, O_RDONLY);
   const std::uint64_t size = f.size();
   if (size != m.data_bytes) {
     throw checkpoint_error(message("checkpoint '", dir.string(), "': ", data_file, " has ", size,
@@ -522,7 +496,7 @@ void detail::verify_data(const std::filesystem::path& dir, const checkpoint_mani
   }
   std::vector<std::byte> buffer;
   for (const checkpoint_unit& u : m.units) {
-    std::optional<fd_file> own;  // the unit's file in units/
+    std::optional<checkpoint_file> own;  // the unit's file in units/
     if (!u.file.empty()) {
       std::error_code ec;
       if (!std::filesystem::exists(slab_file(dir, u), ec)) {
@@ -557,7 +531,7 @@ checkpoint_manifest describe_checkpoint(std::span<const checkpoint_source> units
   std::uint64_t at = 0;  // in data.bin
   std::vector<std::byte> buffer;
   for (const checkpoint_source& u : units) {
-    std::optional<fd_file> file;  // a disk home: its slabs keep their places in its file
+    std::optional<checkpoint_file> file;  // a disk home: its slabs keep their places in its file
     if (!u.file.empty()) { file.emplace(u.file, O_RDONLY); }
     const auto slab = [&](const home_range& r) {
       if (file) {
@@ -572,7 +546,7 @@ checkpoint_manifest describe_checkpoint(std::span<const checkpoint_source> units
     checkpoint_unit c;
     c.name = u.name;
     c.compute = u.compute;
-    for (const tensor_info& t : u.tensors) { c.tensors.emplace_back(t.name, t.shape); }
+    c.tensors = u.tensors;
     c.step = u.step;
     c.params = slab(u.params);
     if (u.master.bytes != 0) { c.master = slab(u.master); }
@@ -650,8 +624,8 @@ std::string manifest_text(const checkpoint_manifest& m)
 // through a buffer. `first` skips the earlier ways (tests).
 void copy_unit_file(const std::filesystem::path& from, const std::filesystem::path& to, file_copy first)
 {
-  fd_file src(from, O_RDONLY);
-  fd_file dst(to, O_WRONLY | O_CREAT | O_EXCL);
+  checkpoint_file src(from, O_RDONLY);
+  checkpoint_file dst(to, O_WRONLY | O_CREAT | O_EXCL);
   const auto unsupported = [](int e) {  // the call does not apply to these files: the next way then
     return e == EXDEV || e == EINVAL || e == ENOSYS || e == EOPNOTSUPP || e == ENOTTY || e == EPERM;
   };
@@ -695,7 +669,7 @@ void verify_copies(const std::filesystem::path& tmp, const checkpoint_manifest& 
   std::vector<std::byte> buffer;
   for (const checkpoint_unit& u : manifest.units) {
     if (u.file.empty()) { continue; }
-    fd_file f(slab_file(tmp, u), O_RDONLY);
+    checkpoint_file f(slab_file(tmp, u), O_RDONLY);
     for_each_slab(u, [&](const checkpoint_slab& sl, std::string_view what) {
       if (slab_crc(f, sl, buffer) != sl.crc32c) {
         throw checkpoint_error(
@@ -772,7 +746,7 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
   fs::path leftover = tmp;
   try {
     {
-      fd_file data(tmp / data_file, O_WRONLY | O_CREAT | O_EXCL);
+      checkpoint_file data(tmp / data_file, O_WRONLY | O_CREAT | O_EXCL);
       for (const checkpoint_source& u : units) {
         if (!u.file.empty()) { continue; }
         for (const home_range& r : {u.params, u.master, u.m, u.v}) {
@@ -790,16 +764,16 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
       copy_unit_file(u.file, own / u.file.filename());
     }
     if (fs::exists(own, ec)) {
-      sync_directory(own);
+      flush_directory(own);
       verify_copies(tmp, manifest);
     }
     {
       const std::string text = manifest_text(manifest);
-      fd_file f(tmp / manifest_file, O_WRONLY | O_CREAT | O_EXCL);
+      checkpoint_file f(tmp / manifest_file, O_WRONLY | O_CREAT | O_EXCL);
       f.write_all(std::as_bytes(std::span(text.data(), text.size())));
       f.sync();
     }
-    sync_directory(tmp);
+    flush_directory(tmp);
     if (!fs::exists(target, ec)) {
       if (::rename(tmp.c_str(), target.c_str()) != 0) {
         throw checkpoint_error(
@@ -827,7 +801,7 @@ void write_checkpoint(const std::filesystem::path& dir, const checkpoint_manifes
         message("cannot put the new checkpoint in place of '", target.string(), "': ", system_reason()));
     }
     placed = true;
-    sync_directory(parent);
+    flush_directory(parent);
   } catch (const checkpoint_error& e) {
     if (!placed) {
       fs::remove_all(tmp, ec);
@@ -874,14 +848,14 @@ std::vector<std::size_t> match_units(const std::filesystem::path& dir, const che
     }
     for (std::size_t i = 0; i < u.tensors.size(); ++i) {
       const auto& [name, shape] = c.tensors[i];
-      if (name != u.tensors[i].name || shape != u.tensors[i].shape) {
+      if (name != u.tensors[i].first || shape != u.tensors[i].second) {
         const auto text = [](const std::vector<std::size_t>& s) {
           std::string t = "[";
           for (std::size_t k = 0; k < s.size(); ++k) { t += (k == 0 ? "" : ", ") + std::to_string(s[k]); }
           return t + "]";
         };
         throw checkpoint_error(message(where, ": unit '", u.name, "' tensor ", i, " is '", name, "' ", text(shape),
-                                       " in the checkpoint but '", u.tensors[i].name, "' ", text(u.tensors[i].shape),
+                                       " in the checkpoint but '", u.tensors[i].first, "' ", text(u.tensors[i].second),
                                        " in this runtime"));
       }
     }
@@ -911,15 +885,15 @@ std::vector<std::size_t> match_units(const std::filesystem::path& dir, const che
 void read_checkpoint(const std::filesystem::path& dir, const checkpoint_manifest& manifest,
                      std::span<const checkpoint_source> units, std::span<const std::size_t> where)
 {
-  fd_file data(dir / data_file, O_RDONLY);
+  checkpoint_file data(dir / data_file, O_RDONLY);
   std::vector<std::byte> buffer;
   for (std::size_t i = 0; i < units.size(); ++i) {
     const checkpoint_unit& c = manifest.units[where[i]];
     const checkpoint_source& u = units[i];
-    std::optional<fd_file> own;  // the unit's file in the checkpoint's units/
+    std::optional<checkpoint_file> own;  // the unit's file in the checkpoint's units/
     if (!c.file.empty()) { own.emplace(open_checkpoint_file(dir, c)); }
-    fd_file& from = own ? *own : data;
-    std::optional<fd_file> to;  // a disk home: its unit file, written in place
+    checkpoint_file& from = own ? *own : data;
+    std::optional<checkpoint_file> to;  // a disk home: its unit file, written in place
     if (!u.file.empty()) { to.emplace(u.file, O_WRONLY); }
     const auto read = [&](const checkpoint_slab& s, const home_range& into, std::string_view what) {
       std::uint32_t crc = 0;

@@ -6,12 +6,13 @@
 // what is read; the collective parts (with a communicator) are the runtime's.
 
 #include <taskswap/checkpoint.hpp>
-#include <taskswap/runtime.hpp>
+#include <taskswap/dtype.hpp>
 
 #include <cstddef>
 #include <filesystem>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace taskswap::detail {
@@ -27,7 +28,7 @@ struct home_range {
 struct checkpoint_source {
   std::string name;
   dtype compute = dtype::f32;
-  std::span<const tensor_info> tensors;
+  std::vector<std::pair<std::string, std::vector<std::size_t>>> tensors;  // name, shape
   std::int64_t step = 0;
   bool trainable = true;  // false: never trained; master, m and v are empty
   std::span<std::byte> home;  // a host home's block

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "runtime/crc32c.hpp"
+#include "storage/crc32c.hpp"
 
 #include <array>
 #include <cstring>
