@@ -3,9 +3,11 @@
 
 #include "runtime/home_tier.hpp"
 
+#include "device/expects.hpp"
 #include "device/message.hpp"
 
-#include <array>
+#include <mutex>
+#include <vector>
 
 namespace taskswap::detail {
 
@@ -14,54 +16,62 @@ extern const home_tier disk_home_tier;  // home_tier_disk.cpp
 
 namespace {
 
-// One row per tier.
-constexpr std::array<const home_tier*, 2> home_tiers{&host_home_tier, &disk_home_tier};
+// One row per tier; add_home_tier() appends more.
+std::vector<const home_tier*>& home_tiers()
+{
+  static std::vector<const home_tier*> tiers{&host_home_tier, &disk_home_tier};
+  return tiers;
+}
+
+std::mutex& home_tiers_mutex()
+{
+  static std::mutex m;
+  return m;
+}
+
+std::string home_tier_names_locked()
+{
+  std::string out;
+  for (const home_tier* t : home_tiers()) { out += message(out.empty() ? "" : ", ", "\"", t->name, "\""); }
+  return out;
+}
 
 }  // namespace
 
 const home_tier& home_tier_named(std::string_view name)
 {
-  for (const home_tier* t : home_tiers) {
+  const std::scoped_lock lock(home_tiers_mutex());
+  for (const home_tier* t : home_tiers()) {
     if (t->name == name) { return *t; }
   }
-  throw config_error(message("home \"", name, "\" is not a home tier; the tiers are ", home_tier_names()));
+  throw config_error(message("home \"", name, "\" is not a home tier; the tiers are ", home_tier_names_locked()));
 }
 
 std::string home_tier_names()
 {
-  std::string out;
-  for (const home_tier* t : home_tiers) { out += message(out.empty() ? "" : ", ", "\"", t->name, "\""); }
-  return out;
+  const std::scoped_lock lock(home_tiers_mutex());
+  return home_tier_names_locked();
+}
+
+void add_home_tier(const home_tier& tier)
+{
+  const std::scoped_lock lock(home_tiers_mutex());
+  for (const home_tier* t : home_tiers()) {
+    TASKSWAP_EXPECTS(t->name != tier.name, message("a home tier named \"", tier.name, "\" exists already"));
+  }
+  home_tiers().push_back(&tier);
 }
 
 void setup_homes(home_store& store, const device& dev, std::size_t bytes, const host_options& host,
-                 const storage_options& storage, bool disk)
+                 const storage_options& storage, std::span<const home_tier* const> used)
 {
-  if (disk && (storage.path.empty() || storage.host_cache == 0)) {
-    throw config_error(message("units have home = \"disk\" but [storage] ",
-                               storage.path.empty() ? "path" : "host_cache",
-                               " is missing; give the directory of the unit files on a local drive and the pinned "
-                               "host memory that caches them, e.g. [storage] path = \"/nvme/taskswap\", "
-                               "host_cache = \"64 GiB\""));
-  }
-  constexpr std::size_t page = 4096;
-  const std::size_t cache_bytes = disk ? (storage.host_cache + page - 1) / page * page : 0;
   pinned_arena_options o;
-  o.bytes = bytes + (disk ? cache_bytes + page : 0);  // a page for the cache's alignment
+  o.bytes = bytes;
+  for (const home_tier* t : used) { o.bytes += t->store_bytes(storage); }
   o.numa_node = host.numa_node;
   o.huge_pages = host.huge_pages;
   store.arena.emplace(dev, o);
-  if (!disk) { return; }
-  store.files.emplace(
-    unit_file_options{.directory = storage.path,
-                      .queue_depth = storage.queue_depth,
-                      .block_bytes = storage.block,
-                      .timeout = storage.timeout},
-    io_faults{
-      .fail_request = storage.fail_request, .fail_errno = storage.fail_errno, .short_request = storage.short_request});
-  const std::span<std::byte> cache = store.arena->allocate(cache_bytes, page);
-  store.files->register_buffers(cache);
-  store.cache.emplace(dev, cache, *store.files);
+  for (const home_tier* t : used) { t->open_store(store, dev, storage); }
 }
 
 std::uint64_t home_identity(std::string_view text)
@@ -75,3 +85,5 @@ std::uint64_t home_identity(std::string_view text)
 }
 
 }  // namespace taskswap::detail
+
+bool taskswap::home_is_cached(const unit_policy& p) { return detail::home_tier_named(p.home).cached; }

@@ -17,10 +17,17 @@
 // - used:       work on a stream (or the host, done) used the host_block, and whether it wrote it.
 //               The runtime says so at once after taking a host_block, before touching another
 //               home: a tier whose host memory is a cache must not reuse that block until then.
-// Adding a tier is one file that fills a home_tier and one row in home_tiers (home_tier.cpp); a
-// unit takes the tier its policy names (unit_policy::home, [[units]] home = "..."). The host tier
-// (home_tier_host.cpp) keeps every home in the pinned, NUMA-local arena of home_store; the disk
-// tier (home_tier_disk.cpp) keeps it in a unit file, behind the host cache (Note [Host cache]).
+// - store_bytes, open_store: what the tier shares among its homes (the disk tier's files and
+//               host cache), sized and made once, only when some unit uses the tier.
+// - cached:     its homes are read through the host cache: home() views last until the next
+//               call, the plan reads them [storage] lookahead steps ahead, the planner replays
+//               the cache for them.
+// Adding a tier is one file that fills a home_tier and one row in home_tiers (home_tier.cpp), or
+// one add_home_tier() call (tests/runtime/home_tier_test.cpp adds a tier so); a unit takes the
+// tier its policy names (unit_policy::home, [[units]] home = "..."). No tier's name is compared
+// outside its own file. The host tier (home_tier_host.cpp) keeps every home in the pinned,
+// NUMA-local arena of home_store; the disk tier (home_tier_disk.cpp) keeps it in a unit file,
+// behind the host cache (Note [Host cache]).
 
 #include "storage/host_cache.hpp"
 #include "storage/unit_files.hpp"
@@ -66,6 +73,13 @@ struct home_store {
 
 struct home_tier {
   std::string_view name;  // as [[units]] home = "..." names it
+  bool cached = false;  // its homes are read through the host cache (see the Note)
+  /// The pinned host memory (of store.arena) the tier's shared parts take, once (0: none).
+  std::size_t (*store_bytes)(const storage_options& storage);
+  /// Makes the tier's shared parts in `store`, whose arena has what store_bytes() asked (called
+  /// once, before any place(), when a unit uses the tier).
+  /// @throws config_error when the configuration lacks what the tier needs, storage_error
+  void (*open_store)(home_store& store, const device& dev, const storage_options& storage);
   /// The pinned host memory (of store.arena) a home of `bytes` takes in this tier.
   std::size_t (*pinned_bytes)(std::size_t bytes);
   /// Places `home` in `store`, whose arena has what pinned_bytes() asked.
@@ -90,12 +104,16 @@ struct home_tier {
 /// The names of the tiers, for messages ("host").
 [[nodiscard]] std::string home_tier_names();
 
+/// Adds a tier to the table (its name not taken yet), for the life of the process.
+/// @throws invalid_argument when a tier of that name exists
+void add_home_tier(const home_tier& tier);
+
 /// Makes `store`'s arena of `bytes` (what the tiers' pinned_bytes() ask and the runtime's own
-/// pinned buffers) on `node` (-1: the device's local node); with `disk`, also the disk tier's
-/// files in `storage.path` and its host cache of `storage.host_cache` bytes in the same arena.
-/// @throws config_error when `disk` and [storage] lacks a path or a host cache
+/// pinned buffers) and what each tier in `used` shares (store_bytes(), open_store()), on the
+/// host's NUMA node.
+/// @throws config_error when a tier lacks its configuration
 void setup_homes(home_store& store, const device& dev, std::size_t bytes, const host_options& host,
-                 const storage_options& storage, bool disk);
+                 const storage_options& storage, std::span<const home_tier* const> used);
 
 /// A unit's identity for its disk file: a hash of its layout (tensors, dtypes, sizes).
 [[nodiscard]] std::uint64_t home_identity(std::string_view text);

@@ -5,11 +5,40 @@
 
 #include "runtime/home_tier.hpp"
 
+#include "device/message.hpp"
+#include "numeric/align.hpp"
+
 namespace taskswap::detail {
 
 namespace {
 
+constexpr std::size_t page = 4096;
+
 std::size_t disk_pinned_bytes(std::size_t /*bytes*/) { return 0; }  // the host cache is sized once
+
+// The host cache, and a page for its alignment.
+std::size_t disk_store_bytes(const storage_options& storage) { return round_up(storage.host_cache, page) + page; }
+
+void disk_open_store(home_store& store, const device& dev, const storage_options& storage)
+{
+  if (storage.path.empty() || storage.host_cache == 0) {
+    throw config_error(message("units have home = \"disk\" but [storage] ",
+                               storage.path.empty() ? "path" : "host_cache",
+                               " is missing; give the directory of the unit files on a local drive and the pinned "
+                               "host memory that caches them, e.g. [storage] path = \"/nvme/taskswap\", "
+                               "host_cache = \"64 GiB\""));
+  }
+  store.files.emplace(
+    unit_file_options{.directory = storage.path,
+                      .queue_depth = storage.queue_depth,
+                      .block_bytes = storage.block,
+                      .timeout = storage.timeout},
+    io_faults{
+      .fail_request = storage.fail_request, .fail_errno = storage.fail_errno, .short_request = storage.short_request});
+  const std::span<std::byte> cache = store.arena->allocate(round_up(storage.host_cache, page), page);
+  store.files->register_buffers(cache);
+  store.cache.emplace(dev, cache, *store.files);
+}
 
 void disk_place(home_store& store, unit_home& home, const home_request& request)
 {
@@ -45,6 +74,9 @@ void disk_used(const unit_home& home, const stream_view* s, bool wrote) { home.c
 
 extern const home_tier disk_home_tier;
 const home_tier disk_home_tier{.name = "disk",
+                               .cached = true,
+                               .store_bytes = disk_store_bytes,
+                               .open_store = disk_open_store,
                                .pinned_bytes = disk_pinned_bytes,
                                .place = disk_place,
                                .stage_in = disk_stage_in,

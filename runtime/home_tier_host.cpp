@@ -9,6 +9,10 @@ namespace taskswap::detail {
 
 namespace {
 
+std::size_t host_store_bytes(const storage_options& /*storage*/) { return 0; }  // the arena is the store
+
+void host_open_store(home_store& /*store*/, const device& /*dev*/, const storage_options& /*storage*/) {}
+
 std::size_t host_pinned_bytes(std::size_t bytes) { return bytes; }
 
 void host_place(home_store& store, unit_home& home, const home_request& request)
@@ -37,6 +41,9 @@ void host_used(const unit_home& /*home*/, const stream_view* /*s*/, bool /*wrote
 
 extern const home_tier host_home_tier;
 const home_tier host_home_tier{.name = "host",
+                               .cached = false,
+                               .store_bytes = host_store_bytes,
+                               .open_store = host_open_store,
                                .pinned_bytes = host_pinned_bytes,
                                .place = host_place,
                                .stage_in = host_stage_in,

@@ -113,15 +113,15 @@ void runtime::impl::place_homes()
 {
   std::size_t total = 0;
   bool any_host = false;
+  std::vector<const detail::home_tier*> used;  // the tiers the units take, each once
   for (unit_record& r : units_) {
     r.home.tier = &detail::home_tier_named(r.policy.home);
+    if (std::find(used.begin(), used.end(), r.home.tier) == used.end()) { used.push_back(r.home.tier); }
     total += r.home.tier->pinned_bytes(r.layout.home_bytes);
     any_host = any_host || (r.policy.optimizer == optimizer_placement::host && !r.layout.frozen);
   }
   const std::size_t guard_host = guards(options_) ? guard_host_bytes(units_.size()) : 0;
-  const bool disk =
-    std::any_of(units_.begin(), units_.end(), [](const unit_record& r) { return r.policy.home == "disk"; });
-  detail::setup_homes(homes_, device_, total + guard_host, options_.host, options_.storage, disk);
+  detail::setup_homes(homes_, device_, total + guard_host, options_.host, options_.storage, used);
   for (unit_record& r : units_) {
     r.home.tier->place(homes_, r.home, {.unit = r.name, .identity = identity_of(r), .bytes = r.layout.home_bytes});
   }

@@ -300,6 +300,12 @@ struct unit_footprint {
 /// else the defaults with every matching [[units]] rule applied in order.
 [[nodiscard]] unit_policy policy_for(const unit_spec& spec, const runtime_options& options);
 
+/// @brief Whether a unit of policy `p` keeps its home behind the host cache (the "disk" tier):
+/// its home() view lasts until the next call to the runtime, and the plan reads it [storage]
+/// lookahead steps ahead.
+/// @throws config_error for a home tier that does not exist, naming the tiers
+[[nodiscard]] bool home_is_cached(const unit_policy& p);
+
 /// @brief Where a unit is now.
 enum class unit_state : std::uint8_t { home, resident, held };
 

@@ -184,7 +184,7 @@ int plan_margin(const model_config& m, const taskswap::runtime_options& options)
   for (const taskswap::unit_spec& u : model_units(m)) {
     const taskswap::unit_policy p = taskswap::policy_for(u, options);
     if (p.residency == taskswap::residency::prefetch) { lookahead = std::max(lookahead, p.lookahead); }
-    if (p.home == "disk") { lookahead = std::max(lookahead, options.storage.lookahead); }  // the disk hop's
+    if (taskswap::home_is_cached(p)) { lookahead = std::max(lookahead, options.storage.lookahead); }  // the disk hop's
   }
   return std::min(m.plan_window, lookahead + 1);
 }
@@ -364,16 +364,16 @@ struct trainer::impl {
   {
     // Units on all the host's threads (a GPU configuration holds hundreds of millions of weights).
     const std::size_t n = rt.unit_count();
-    // A disk home's view lasts until the next call to the runtime: those units one at a time.
+    // A cached home's view (a disk home's) lasts until the next call to the runtime: those units one at a time.
     for (std::size_t u = 0; u < n; ++u) {
-      if (rt.policy({static_cast<std::uint32_t>(u)}).home == "disk") {
+      if (taskswap::home_is_cached(rt.policy({static_cast<std::uint32_t>(u)}))) {
         initialise_unit(rt.home({static_cast<std::uint32_t>(u)}), u);
       }
     }
     std::vector<taskswap::home_view> homes;
     std::vector<std::size_t> in_memory;
     for (std::size_t u = 0; u < n; ++u) {
-      if (rt.policy({static_cast<std::uint32_t>(u)}).home != "disk") {
+      if (!taskswap::home_is_cached(rt.policy({static_cast<std::uint32_t>(u)}))) {
         homes.push_back(rt.home({static_cast<std::uint32_t>(u)}));
         in_memory.push_back(u);
       }

@@ -34,7 +34,8 @@ struct planned_unit {
   std::vector<std::size_t> uses;  // steps that acquire it, ascending
   [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
   [[nodiscard]] bool host() const noexcept { return policy.optimizer == optimizer_placement::host; }
-  [[nodiscard]] bool disk() const noexcept { return policy.home == "disk"; }
+  bool cached = false;  // its home is read through the host cache (home_is_cached)
+  [[nodiscard]] bool disk() const noexcept { return cached; }
   /// How a device write-back touches its disk home: whole (no read first) or in part.
   [[nodiscard]] bool whole_write_back() const noexcept { return fp.write_back_bytes >= fp.home_bytes; }
   [[nodiscard]] std::size_t next_use_after(std::size_t step) const
@@ -331,6 +332,7 @@ plan_report make_plan(const plan_input& in)
   for (const unit_spec& spec : in.units) {
     planned_unit p;
     p.policy = policy_for(spec, in.options);
+    p.cached = home_is_cached(p.policy);
     if (p.policy.lookahead < 0) {
       throw config_error("unit '" + spec.name + "': lookahead " + std::to_string(p.policy.lookahead) +
                          " is negative; use 0 or more");
@@ -605,7 +607,7 @@ plan_report make_plan(const plan_input& in)
 std::size_t disk_homed_units(const plan_input& in)
 {
   return static_cast<std::size_t>(std::count_if(in.units.begin(), in.units.end(), [&](const unit_spec& spec) {
-    return policy_for(spec, in.options).home == "disk";
+    return home_is_cached(policy_for(spec, in.options));
   }));
 }
 
