@@ -10,6 +10,11 @@ and out of a device budget that holds a few of them.
     python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml --all-resident
     python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml --reference torch
     python3 samples/python/peft_multitask.py samples/configs/peft-stream.toml   # a base 9x the budget
+    python3 samples/python/peft_multitask.py samples/configs/peft-emulated.toml --tasks-per-step 8
+
+``--tasks-per-step k`` trains k tasks in each step over one pass of the base: the step's batch is
+the k tasks' batches, each routed through its own adapter (``adapters.step({adapter: rows})``),
+and the loss is the sum of the tasks' mean losses, so each adapter's gradient is its own task's.
 
 With ``[model] stream = true`` the base's decoder layers stream through the device within each
 step (``taskswap.torch.peft.register(..., stream=True)``): a base larger than the device budget
@@ -74,8 +79,16 @@ def schedule(m: dict, steps: int, rank: int = 0) -> list[int]:
     return torch.randint(0, m["tasks"], (steps,), generator=g).tolist()
 
 
-def batch(m: dict, answers: torch.Tensor, task: int, step: int, rank: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(7919 * step + 104729 * rank + 13)
+def schedule_mixed(m: dict, steps: int, k: int, rank: int = 0) -> list[list[int]]:
+    """The k distinct tasks of every step, as a seeded sampler draws them (each rank its own)."""
+    g = torch.Generator().manual_seed(2000 + 17 * rank + m["seed"])
+    return [torch.randperm(m["tasks"], generator=g)[:k].tolist() for _ in range(steps)]
+
+
+def batch(m: dict, answers: torch.Tensor, task: int, step: int, rank: int = 0,
+          part: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s batch of `task` (`part`: its place among a mixed-task step's tasks)."""
+    g = torch.Generator().manual_seed(7919 * step + 104729 * rank + 13 + 1000003 * part)
     x = torch.randint(0, m["vocab"], (m["batch"], m["sequence"]), generator=g)
     return x, answers[task][x % 2]
 
@@ -96,9 +109,11 @@ def adapter_state(model: torch.nn.Module, tasks: int) -> dict[str, torch.Tensor]
 
 
 def train_taskswap(m: dict, options: taskswap.Options, steps: int, all_resident: bool = False, comm=None,
-                   log_every: int = 0, dtype: torch.dtype = torch.float32, checkpointing: str | None = None) -> dict:
+                   log_every: int = 0, dtype: torch.dtype = torch.float32, checkpointing: str | None = None,
+                   tasks_per_step: int = 1) -> dict:
     """``checkpointing``: None, "reentrant" or "non_reentrant": transformers' gradient checkpointing
-    of the decoder layers (their forward runs again in backward)."""
+    of the decoder layers (their forward runs again in backward). ``tasks_per_step`` > 1: mixed-task
+    steps; the run's "schedule" and "losses" then list each task of each step with its loss."""
     cuda = options.device.backend == taskswap.Backend.cuda
     device = torch.device("cuda", options.device.index) if cuda else torch.device("cpu")
     if cuda:
@@ -119,6 +134,8 @@ def train_taskswap(m: dict, options: taskswap.Options, steps: int, all_resident:
         rt.options.device.budget = rt.all_pinned_budget()
     rt.start()
     rank = rt.rank
+    if tasks_per_step > 1:
+        return _train_mixed(m, rt, adapters, model, device, steps, tasks_per_step, log_every)
     sched, answers = schedule(m, steps, rank), task_answers(m)
     losses: list[float] = []
     t0 = time.perf_counter()
@@ -144,6 +161,42 @@ def train_taskswap(m: dict, options: taskswap.Options, steps: int, all_resident:
            "state": {k: v for k, v in state.items() if k.startswith("adapter/")}}
     rt.close()  # the model gets its trained adapters back
     out["model_state"] = {k: v.cpu() for k, v in adapter_state(model, m["tasks"]).items()}
+    return out
+
+
+def _train_mixed(m: dict, rt: tt.Runtime, adapters: tpeft.Adapters, model: torch.nn.Module, device: torch.device,
+                 steps: int, k: int, log_every: int) -> dict:
+    """train_taskswap's loop with k tasks per step (mixed-task steps)."""
+    sched, answers = schedule_mixed(m, steps, k, rt.rank), task_answers(m)
+    rows = m["batch"]
+    tasks_done: list[int] = []
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for i, tasks in enumerate(sched):
+        if i % PLAN_AHEAD == 0:
+            rt.plan([adapters.uses([f"task{u}" for u in step]) for step in sched[i:i + PLAN_AHEAD]])
+        parts = [batch(m, answers, t, i, rt.rank, part=j) for j, t in enumerate(tasks)]
+        x = torch.cat([p[0] for p in parts]).to(device)
+        y = torch.cat([p[1] for p in parts]).to(device)
+        routing = {f"task{t}": range(j * rows, (j + 1) * rows) for j, t in enumerate(tasks)}
+        with adapters.step(routing):
+            logits = model(input_ids=x).logits.float()
+            per_task = [torch.nn.functional.cross_entropy(logits[j * rows:(j + 1) * rows].reshape(-1, logits.shape[-1]),
+                                                          y[j * rows:(j + 1) * rows].reshape(-1))
+                        for j in range(len(tasks))]
+            torch.stack(per_task).sum().backward()
+        tasks_done += tasks
+        losses += [v.item() for v in per_task]
+        if log_every and rt.rank == 0 and (i + 1) % log_every == 0:
+            print(f"step {i + 1:5d}  loss {sum(losses[-log_every * k:]) / (log_every * k):.4f}", flush=True)
+    elapsed = time.perf_counter() - t0
+    stats = rt.stats()
+    state = rt.state_dict()
+    out = {"schedule": tasks_done, "losses": losses, "seconds": elapsed, "rank": rt.rank, "world": rt.world_size,
+           "stats": stats, "budget": stats.budget, "units": len(rt.units), "streamed_bytes": 0,
+           "state": {key: v for key, v in state.items() if key.startswith("adapter/")}}
+    rt.close()
+    out["model_state"] = {key: v.cpu() for key, v in adapter_state(model, m["tasks"]).items()}
     return out
 
 
@@ -210,6 +263,8 @@ def main() -> int:
     ap.add_argument("--adamw", choices=["for-loop", "foreach", "fused"], default="foreach",
                     help="the reference's AdamW implementation")
     ap.add_argument("--save", help="torch.save the run (schedule, per-step losses, adapters) to this file")
+    ap.add_argument("--tasks-per-step", type=int, default=1,
+                    help="tasks trained in each step over one pass of the base (mixed-task steps)")
     args = ap.parse_args()
 
     with open(args.config, "rb") as f:
@@ -223,7 +278,8 @@ def main() -> int:
     else:
         options = taskswap.load_config(args.config, ["model"])
         comm = {"config": None, "none": "none", "mpi": tt.mpi()}[args.comm]
-        run = train_taskswap(m, options, steps, args.all_resident, comm, m.get("log_every", 0))
+        run = train_taskswap(m, options, steps, args.all_resident, comm, m.get("log_every", 0),
+                             tasks_per_step=args.tasks_per_step)
         label = "all-resident" if args.all_resident else "taskswap"
     first, last = per_task(run["schedule"], run["losses"])
     fell = [t for t in first if last[t] < first[t]]

@@ -25,7 +25,9 @@ PEFT's walk over every adapter of every layer (milliseconds with many adapters).
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Sequence
 
 import torch
@@ -92,6 +94,7 @@ class Adapters:
                            for m in self._tuners)
                       and len(self._tuners) == len(_adapter_holders(model)))
         self._active: tuple[str, ...] | None = None
+        self._routed: list[torch.nn.Module] = []  # the layers whose forward a mixed-task step routes
 
     def __getitem__(self, name: str) -> Unit:
         unit = self.units.get(name)
@@ -149,12 +152,139 @@ class Adapters:
             self.model.base_model.set_adapter(list(names))
         self._active = names
 
-    def step(self, names: str | Sequence[str], *extra, micro_batches: int = 1) -> _StepScope:
+    def step(self, names: str | Sequence[str] | Mapping[str, object], *extra,
+             micro_batches: int = 1) -> _StepScope | _RoutedStep:
         """Activates the adapter(s) ``names`` and opens ``rt.step`` over the base, them and
-        ``extra``: the base is used frozen, the adapters are trained."""
+        ``extra``: the base is used frozen, the adapters are trained.
+
+        ``names`` as a mapping ``{adapter: rows}`` is a mixed-task step: the rows of the batch
+        (a sequence or 1-D tensor of row indices along the inputs' first dimension, or a boolean
+        mask) go through their own adapter in every adapted layer, in training and in evaluation,
+        forward and backward, over one pass of the base; each adapter's gradients come from its
+        rows alone, and rows no adapter names go through the base alone. The loss and its
+        normalisation are the trainer's. Each adapter's dropout applies to its rows. Only
+        un-merged LoRA ``Linear`` layers without a variant (DoRA, ...) are routed; anything else
+        an adapter of the step reaches is refused, saying what to change. ``with`` gives the step
+        scope."""
+        if isinstance(names, Mapping):
+            routing = _routing(names)
+            uses = self.uses(list(routing), *extra)
+            self.activate(list(routing))
+            return _RoutedStep(self, routing, self.rt.step(*uses, micro_batches=micro_batches))
         uses = self.uses(names, *extra)
         self.activate(names)
         return self.rt.step(*uses, micro_batches=micro_batches)
+
+    def _route(self, routing: dict[str, torch.Tensor]) -> None:
+        """Points every adapted layer's forward at the routed one (refused: nothing changed)."""
+        layers = []
+        for _, m in _adapter_holders(self.model):
+            keys = _adapter_keys(m)
+            reached = [n for n in routing if n in keys]
+            if not reached:
+                continue
+            kind = f"{type(m).__module__}.{type(m).__qualname__}"
+            if kind != "peft.tuners.lora.layer.Linear":
+                raise _core.InvalidArgument(
+                    f"taskswap: a mixed-task step routes rows through LoRA Linear layers; adapter '{reached[0]}' has "
+                    f"a {kind} layer; train its tasks one per step (adapters.step(name))")
+            if getattr(m, "merged", False):
+                raise _core.InvalidArgument("taskswap: a mixed-task step cannot route through a merged LoRA layer; "
+                                            "unmerge the adapters first (model.unmerge_adapter())")
+            variant = [n for n in reached if n in getattr(m, "lora_variant", {})]
+            if variant:
+                raise _core.InvalidArgument(
+                    f"taskswap: adapter '{variant[0]}' is a LoRA variant ({type(m.lora_variant[variant[0]]).__name__}, "
+                    "as DoRA is) that a mixed-task step does not route; train it one task per step")
+            layers.append((m, [(n, rows) for n, rows in routing.items() if n in m.lora_A]))
+        for m, routes in layers:
+            m.forward = functools.partial(_routed_forward, m, routes)
+        self._routed = [m for m, _ in layers]
+
+    def _unroute(self) -> None:
+        for m in getattr(self, "_routed", []):
+            m.__dict__.pop("forward", None)  # the class's forward again
+        self._routed = []
+
+
+def _adapter_keys(m: torch.nn.Module) -> set[str]:
+    """The adapter names a tuner layer holds weights for."""
+    keys: set[str] = set()
+    for attr in getattr(m, "adapter_layer_names", ()):
+        container = getattr(m, attr, None)
+        if isinstance(container, (torch.nn.ModuleDict, torch.nn.ParameterDict)):
+            keys.update(container.keys())
+    return keys
+
+
+def _routing(rows_of: Mapping[str, object]) -> dict[str, torch.Tensor]:
+    """A mixed-task step's rows per adapter, as 1-D int64 tensors of distinct row indices."""
+    if not rows_of:
+        raise _core.InvalidArgument("taskswap: a mixed-task step names at least one adapter and its rows")
+    routing: dict[str, torch.Tensor] = {}
+    seen: dict[int, str] = {}
+    for name, rows in rows_of.items():
+        t = torch.as_tensor(rows)
+        if t.dtype == torch.bool:
+            t = t.nonzero().flatten()
+        if t.dim() != 1 or (t.numel() and (t.dtype.is_floating_point or t.dtype.is_complex)):
+            raise _core.InvalidArgument(f"taskswap: the rows of adapter '{name}' are row indices (a 1-D sequence or "
+                                        f"tensor of integers) or a 1-D boolean mask, not a tensor of shape "
+                                        f"{tuple(t.shape)} and dtype {t.dtype}")
+        t = t.to(torch.int64)
+        for r in t.tolist():
+            if r < 0:
+                raise _core.InvalidArgument(f"taskswap: adapter '{name}' names row {r}; rows count from 0")
+            if r in seen:
+                raise _core.InvalidArgument(f"taskswap: row {r} is routed to both '{seen[r]}' and '{name}'; each row "
+                                            "goes through one adapter")
+            seen[r] = name
+        routing[name] = t
+    return routing
+
+
+def _routed_forward(layer: torch.nn.Module, routes: list[tuple[str, torch.Tensor]], x: torch.Tensor, *args,
+                    **kwargs) -> torch.Tensor:
+    """A LoRA Linear layer's forward in a mixed-task step: the base over every row, then each
+    adapter's low-rank update over its own rows (gathered, computed, added back)."""
+    result = layer.base_layer(x, *args, **kwargs)
+    dtype = result.dtype
+    for name, rows in routes:
+        if rows.numel() == 0:
+            continue
+        if rows.device != x.device:
+            rows = rows.to(x.device, non_blocking=True)
+        lora_a = layer.lora_A[name]
+        part = layer._cast_input_dtype(x.index_select(0, rows), lora_a.weight.dtype)
+        update = layer.lora_B[name](lora_a(layer.lora_dropout[name](part))) * layer.scaling[name]
+        result = result.index_add(0, rows, update.to(dtype))
+    return result
+
+
+class _RoutedStep:
+    """A mixed-task step (Adapters.step with a mapping): the routed forwards for the step scope's
+    life, then the layers' own again."""
+
+    __slots__ = ("adapters", "routing", "scope")
+
+    def __init__(self, adapters: Adapters, routing: dict[str, torch.Tensor], scope: _StepScope):
+        self.adapters = adapters
+        self.routing = routing
+        self.scope = scope
+
+    def __enter__(self) -> _StepScope:
+        self.adapters._route(self.routing)
+        try:
+            return self.scope.__enter__()
+        except BaseException:
+            self.adapters._unroute()
+            raise
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            self.scope.__exit__(exc_type, exc, tb)
+        finally:
+            self.adapters._unroute()
 
 
 def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | None = None,
