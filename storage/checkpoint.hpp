@@ -12,10 +12,18 @@
 #include <filesystem>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
 namespace taskswap::detail {
+
+/// The manifest's `format` value and its file's name in a checkpoint directory.
+inline constexpr std::string_view checkpoint_format = "taskswap-checkpoint";
+inline constexpr std::string_view manifest_file = "manifest.toml";
+
+/// The manifest's text.
+[[nodiscard]] std::string manifest_text(const checkpoint_manifest& m);
 
 /// Where a slab lies in a unit's home block (and in its unit file, laid out as the block).
 struct home_range {
@@ -44,9 +52,6 @@ struct checkpoint_source {
 /// home's read from its file).
 /// @throws checkpoint_error when a unit file cannot be read
 [[nodiscard]] checkpoint_manifest describe_checkpoint(std::span<const checkpoint_source> units);
-
-/// The manifest's text.
-[[nodiscard]] std::string manifest_text(const checkpoint_manifest& m);
 
 /// Writes data.bin, the copies of the disk homes' unit files in units/ (clones where the file
 /// system shares extents) and manifest.toml into a temporary directory beside `dir`, flushes them
