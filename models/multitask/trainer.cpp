@@ -1,0 +1,577 @@
+// SPDX-License-Identifier: Apache-2.0
+// The sample model's trainer (model.hpp): the runtime, the workspace of one batch, and the step
+// (forward, backward, the step protocol), plan windows, losses, checkpoints.
+
+#include "model.hpp"
+#include "model_internal.hpp"
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+namespace multitask {
+
+namespace {
+
+using detail::alignment;
+using detail::buffer_sizes;
+using detail::buffers_of;
+using detail::key_init;
+using detail::key_input;
+using detail::key_of;
+using detail::key_teacher;
+using detail::round_up;
+using taskswap::dtype;
+
+}  // namespace
+
+struct trainer::impl {
+  impl(const taskswap::device& d, const taskswap::runtime_options& options, const model_config& m, int b, int s,
+       std::shared_ptr<taskswap::communicator> c)
+      : dev(d),
+        model(m),
+        batch(b),
+        steps(s),
+        compute(dev),
+        comm(c                                                      ? std::move(c)
+             : options.comm.backend == taskswap::comm_backend::none ? nullptr
+                                                                    : taskswap::make_communicator(dev, options.comm)),
+        rt(dev, options, model_units(m), comm),
+        kernels(make_ops(dev, compute)),
+        workspace(dev, workspace_bytes()),
+        losses_home(dev, static_cast<std::size_t>(steps) * sizeof(float))
+  {
+    margin = plan_margin(model, options);
+    if (options.scaler.enabled) { loss_scale = rt.loss_scale(); }
+    for (int l = 0; l < model.trunk_layers; ++l) { trunk.push_back(rt.find("trunk/" + std::to_string(l))); }
+    streamed = trunk_streams(model, options);
+    for (int t = 0; t < model.tasks; ++t) { tasks.push_back(rt.find("task/" + std::to_string(t))); }
+    carve();
+  }
+
+  [[nodiscard]] std::size_t workspace_bytes() const
+  {
+    const buffer_sizes b = buffers_of(model, steps);
+    std::size_t bytes = 0;
+    for (std::size_t n : b.per_sample) {
+      bytes += round_up(n * static_cast<std::size_t>(batch) * sizeof(float), alignment);
+    }
+    for (std::size_t n : b.fixed) { bytes += round_up(n * sizeof(float), alignment); }
+    return bytes;
+  }
+
+  void carve()
+  {
+    const buffer_sizes b = buffers_of(model, steps);
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the workspace holds f32 arrays
+    auto* base = reinterpret_cast<float*>(workspace.data());
+    std::size_t offset = 0;
+    std::vector<float*> out;
+    const auto take = [&](std::size_t floats) {
+      out.push_back(base + offset / sizeof(float));
+      offset += round_up(floats * sizeof(float), alignment);
+    };
+    for (std::size_t n : b.per_sample) { take(n * static_cast<std::size_t>(batch)); }
+    for (std::size_t n : b.fixed) { take(n); }
+    std::size_t i = 0;
+    for (int l = 0; l <= model.trunk_layers; ++l) { h.push_back(out[i++]); }
+    for (int l = 0; l < model.trunk_layers; ++l) { branch.push_back(out[i++]); }
+    hidden = out[i++];
+    y = out[i++];
+    target = out[i++];
+    back[0] = out[i++];
+    back[1] = out[i++];
+    teacher = out[i++];
+    losses = out[i++];
+    scratch = out[i++];
+    if (model.compute != dtype::f32) {
+      wide_weight = out[i++];
+      wide_grad = out[i++];
+      wide_bias = out[i++];
+      wide_bias_grad = out[i++];
+    }
+  }
+
+  // The initial values, before the first run() or save (a resumed run takes the checkpoint's
+  // instead, and writes no home: with disk homes that would be a pass over every unit file).
+  void initialise_once()
+  {
+    if (initialised) { return; }
+    initialise();
+    initialised = true;
+  }
+
+  // He-uniform weights from the seed, zero biases and output layers, written to every unit's master before the first plan.
+  void initialise()
+  {
+    // Units on all the host's threads (a GPU configuration holds hundreds of millions of weights).
+    const std::size_t n = rt.unit_count();
+    // A cached home's view (a disk home's) lasts until the next call to the runtime: those units one at a time.
+    for (std::size_t u = 0; u < n; ++u) {
+      if (taskswap::home_is_cached(rt.policy({static_cast<std::uint32_t>(u)}))) {
+        initialise_unit(rt.home({static_cast<std::uint32_t>(u)}), u);
+      }
+    }
+    std::vector<taskswap::home_view> homes;
+    std::vector<std::size_t> in_memory;
+    for (std::size_t u = 0; u < n; ++u) {
+      if (!taskswap::home_is_cached(rt.policy({static_cast<std::uint32_t>(u)}))) {
+        homes.push_back(rt.home({static_cast<std::uint32_t>(u)}));
+        in_memory.push_back(u);
+      }
+    }
+    const std::size_t workers = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 64);
+    std::atomic<std::size_t> next{0};
+    const auto work = [&] {
+      for (std::size_t i = next++; i < homes.size(); i = next++) { initialise_unit(homes[i], in_memory[i]); }
+    };
+    std::vector<std::jthread> threads;
+    for (std::size_t w = 1; w < workers; ++w) { threads.emplace_back(work); }
+    work();
+  }
+
+  void initialise_unit(const taskswap::home_view& home, std::size_t u) const
+  {
+    {
+      auto* master = static_cast<float*>(home.master.data);
+      for (std::size_t ti = 0; ti < home.tensors.size(); ++ti) {
+        const taskswap::tensor_info& t = home.tensors[ti];
+        float* w = master + t.offset;
+        if (t.shape.size() == 1 || t.name == "w2") {  // biases, and each adapter's output layer, start at zero
+          std::fill(w, w + t.count, 0.0F);
+          continue;
+        }
+        // He's bound; a trunk layer's, over the square root of the depth: each residual branch
+        // then adds about 1/depth of the signal's power, so the trunk's output stays near its input's.
+        float bound = std::sqrt(6.0F / static_cast<float>(t.shape[0]));
+        if (u < static_cast<std::size_t>(model.trunk_layers)) {
+          bound /= std::sqrt(static_cast<float>(model.trunk_layers));
+        }
+        const std::uint64_t key = key_of(model.seed, key_init, u, ti);
+        for (std::size_t i = 0; i < t.count; ++i) { w[i] = bound * uniform(key, i); }
+      }
+    }
+  }
+
+  // The f32 view of tensor `i` of `v`: the parameters themselves, or a widened copy.
+  const float* weight(const taskswap::unit_view& v, std::size_t i, float* wide)
+  {
+    if (model.compute == dtype::f32) { return static_cast<const float*>(v.param(i)); }
+    kernels->widen(wide, v.param(i), model.compute, v.tensors[i].count);
+    return wide;
+  }
+  // Where the gradient of tensor `i` is computed (f32), and its storing into the slab.
+  float* grad_target(const taskswap::unit_view& v, std::size_t i, float* wide)
+  {
+    return model.compute == dtype::f32 ? static_cast<float*>(v.grad(i)) : wide;
+  }
+  void store_grad(const taskswap::unit_view& v, std::size_t i, float* wide)
+  {
+    if (model.compute != dtype::f32) { kernels->narrow(v.grad(i), model.compute, wide, v.tensors[i].count); }
+  }
+
+  // Forward and backward of one step; returns nothing, the loss lands in losses[step]. A streamed
+  // trunk acquires each layer for its forward (parameters alone) and releases it, and again for
+  // its backward, stepped and released at once; the adapter comes in after the trunk's forward.
+  // The arithmetic is the same either way, so a streamed run equals a held one bit for bit.
+  void train_step(std::int64_t step)
+  {
+    const int task = task_of_step(model, rank(), step);
+    const int b = batch;
+    const int d = model.width;
+    const int hd = model.adapter_hidden;
+    const int o = model.outputs;
+    const int layers = model.trunk_layers;
+    const auto act = [this](int l) { return h[static_cast<std::size_t>(l)]; };
+    const bool frozen = model.trunk_frozen(step);
+    const taskswap::unit_id adapter = tasks[static_cast<std::size_t>(task)];
+    std::vector<taskswap::unit_view> tv(trunk.size());
+    taskswap::unit_view av;
+    if (!streamed) {
+      for (std::size_t l = 0; l < trunk.size(); ++l) {
+        tv[l] = rt.acquire(trunk[l], compute, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train);
+      }
+      av = rt.acquire(adapter, compute);
+    }
+
+    // The batch and its targets: x random, y = x · A_task.
+    kernels->random_uniform(
+      act(0), static_cast<std::size_t>(b) * static_cast<std::size_t>(d),
+      key_of(model.seed, key_input, static_cast<std::uint64_t>(rank()), static_cast<std::uint64_t>(step)), 1.0F);
+    // The teacher: a part every task shares (what the trunk can learn once) plus the task's own.
+    const std::size_t teacher_size = static_cast<std::size_t>(d) * static_cast<std::size_t>(o);
+    const float scale = std::sqrt(3.0F / static_cast<float>(d));
+    kernels->random_uniform(teacher, teacher_size, key_of(model.seed, key_teacher, 0, 0), scale);
+    kernels->gemm(false, false, b, o, d, 1.0F, act(0), teacher, 0.0F, target);
+    kernels->random_uniform(teacher, teacher_size, key_of(model.seed, key_teacher, 1, static_cast<std::uint64_t>(task)),
+                            0.5F * scale);
+    kernels->gemm(false, false, b, o, d, 1.0F, act(0), teacher, 1.0F, target);
+
+    // Forward.
+    for (int l = 0; l < layers; ++l) {
+      const taskswap::unit_id u = trunk[static_cast<std::size_t>(l)];
+      auto& v = tv[static_cast<std::size_t>(l)];
+      if (streamed) { v = rt.acquire(u, compute, taskswap::unit_use::frozen); }
+      // A residual block: h_{l+1} = h_l + r_l, r_l = relu(h_l W_l + b_l).
+      float* r = branch[static_cast<std::size_t>(l)];
+      kernels->gemm(false, false, b, d, d, 1.0F, act(l), weight(v, 0, wide_weight), 0.0F, r);
+      kernels->bias_activation(r, weight(v, 1, wide_bias), b, d, true);
+      kernels->add(act(l + 1), act(l), r, static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
+      if (streamed) { rt.release(u, compute); }
+    }
+    if (streamed) { av = rt.acquire(adapter, compute); }
+    kernels->gemm(false, false, b, hd, d, 1.0F, act(layers), weight(av, 0, wide_weight), 0.0F, hidden);
+    kernels->bias_activation(hidden, weight(av, 1, wide_bias), b, hd, true);
+    kernels->gemm(false, false, b, o, hd, 1.0F, hidden, weight(av, 2, wide_weight), 0.0F, y);
+    kernels->bias_activation(y, weight(av, 3, wide_bias), b, o, false);
+    kernels->mse(y, target, b, o, losses + step, scratch, loss_scale);
+
+    // Backward through the adapter (y now holds dLoss/dy).
+    kernels->gemm(true, false, hd, o, b, 1.0F, hidden, y, 0.0F, grad_target(av, 2, wide_grad));
+    store_grad(av, 2, wide_grad);
+    kernels->column_sums(grad_target(av, 3, wide_bias_grad), y, b, o, scratch);
+    store_grad(av, 3, wide_bias_grad);
+    kernels->gemm(false, true, b, hd, o, 1.0F, y, weight(av, 2, wide_weight), 0.0F, back[0]);
+    kernels->relu_backward(back[0], back[0], hidden, static_cast<std::size_t>(b) * static_cast<std::size_t>(hd));
+    kernels->gemm(true, false, d, hd, b, 1.0F, act(layers), back[0], 0.0F, grad_target(av, 0, wide_grad));
+    store_grad(av, 0, wide_grad);
+    kernels->column_sums(grad_target(av, 1, wide_bias_grad), back[0], b, hd, scratch);
+    store_grad(av, 1, wide_bias_grad);
+    if (frozen) {  // the trunk takes no gradient: backward ends at the adapter
+      finish(av.id);
+      if (!streamed) {
+        for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { rt.release(*it, compute); }
+      }
+      last_stats = rt.end_step();
+      return;
+    }
+    kernels->gemm(false, true, b, d, hd, 1.0F, back[0], weight(av, 0, wide_weight), 0.0F, back[1]);
+    finish(av.id);
+
+    // Backward through the trunk, last layer first; each layer's update overlaps the rest. dh
+    // holds dLoss/dh_{l+1}; the branch's gradient dr = dh masked by r_l > 0; then dh += dr W_l^T
+    // is dLoss/dh_l (the skip path and the branch's).
+    float* dh = back[1];
+    float* dr = back[0];
+    for (int l = layers - 1; l >= 0; --l) {
+      auto& v = tv[static_cast<std::size_t>(l)];
+      if (streamed) { v = rt.acquire(trunk[static_cast<std::size_t>(l)], compute); }
+      kernels->relu_backward(dr, dh, branch[static_cast<std::size_t>(l)],
+                             static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
+      kernels->gemm(true, false, d, d, b, 1.0F, act(l), dr, 0.0F, grad_target(v, 0, wide_grad));
+      store_grad(v, 0, wide_grad);
+      kernels->column_sums(grad_target(v, 1, wide_bias_grad), dr, b, d, scratch);
+      store_grad(v, 1, wide_bias_grad);
+      if (l > 0) { kernels->gemm(false, true, b, d, d, 1.0F, dr, weight(v, 0, wide_weight), 1.0F, dh); }
+      finish(v.id);
+    }
+    last_stats = rt.end_step();
+  }
+
+  void finish(taskswap::unit_id u)
+  {
+    rt.grads_ready(u, compute);
+    rt.step(u, compute);
+    rt.release(u, compute);
+  }
+
+  // Plans the next window when the steps planned ahead fall to the margin (all ranks alike).
+  void plan_ahead(std::int64_t step)
+  {
+    if (planned_until < steps && planned_until - step <= (planned_until == first_step ? 0 : margin)) {
+      plan_from(planned_until);
+    }
+  }
+
+  void plan_from(std::int64_t first)
+  {
+    const std::int64_t end = std::min<std::int64_t>(first + model.plan_window, steps);
+    planned_until = end;
+    std::vector<taskswap::step_plan> plans;
+    for (std::int64_t s = first; s < end; ++s) {
+      plans.push_back(
+        step_plan_of(model, trunk, tasks[static_cast<std::size_t>(task_of_step(model, rank(), s))], s, streamed));
+    }
+    rt.plan(plans);
+  }
+
+  [[nodiscard]] int rank() const noexcept { return comm ? comm->rank() : 0; }
+  [[nodiscard]] int world() const noexcept { return comm ? comm->size() : 1; }
+
+  taskswap::device dev;
+  model_config model;
+  int batch;
+  int steps;
+  taskswap::stream compute;
+  std::shared_ptr<taskswap::communicator> comm;
+  taskswap::runtime rt;
+  bool streamed = false;  // the trunk streams within each step
+  std::unique_ptr<ops> kernels;
+  taskswap::device_buffer workspace;
+  taskswap::pinned_buffer losses_home;
+  std::vector<taskswap::unit_id> trunk;
+  std::vector<taskswap::unit_id> tasks;
+  std::vector<float*> h;
+  std::vector<float*> branch;  // each trunk layer's r_l, whose sign the backward masks by
+  float* hidden = nullptr;
+  float* y = nullptr;
+  float* target = nullptr;
+  std::array<float*, 2> back{};
+  float* teacher = nullptr;
+  float* losses = nullptr;
+  float* scratch = nullptr;
+  float* wide_weight = nullptr;
+  float* wide_grad = nullptr;
+  float* wide_bias = nullptr;
+  float* wide_bias_grad = nullptr;
+  const float* loss_scale = nullptr;  // the runtime's, on the device, with [scaler] enabled
+  taskswap::step_stats last_stats{};
+  int margin = 1;
+  std::int64_t first_step = 0;  // where run() starts (a resumed checkpoint's position)
+  bool initialised = false;  // the homes hold the initial values or a checkpoint's
+  std::int64_t planned_until = 0;  // steps planned so far
+};
+
+trainer::trainer(const taskswap::device& dev, const taskswap::runtime_options& options, const model_config& model,
+                 int batch, int steps, std::shared_ptr<taskswap::communicator> comm)
+    : impl_(std::make_unique<impl>(dev, options, model, batch, steps, std::move(comm)))
+{}
+
+trainer::~trainer() = default;
+
+taskswap::runtime& trainer::get_runtime() noexcept { return impl_->rt; }
+int trainer::rank() const noexcept { return impl_->rank(); }
+int trainer::world() const noexcept { return impl_->world(); }
+
+std::int64_t trainer::resume(const std::filesystem::path& checkpoint)
+{
+  impl& m = *impl_;
+  // Checked before anything is loaded: the schedule depends on the seed and on the ranks.
+  const taskswap::checkpoint_manifest c = taskswap::read_checkpoint_manifest(checkpoint);
+  if (c.world != m.world()) {
+    throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' was saved by " +
+                                     std::to_string(c.world) + " rank(s), this run has " + std::to_string(m.world()) +
+                                     "; resume with as many ranks (each rank's task schedule depends on it)");
+  }
+  const auto entry = [&](const std::string& key) {
+    const auto it = c.user.find(key);
+    return it == c.user.end() ? std::string("(none)") : it->second;
+  };
+  if (entry("model.seed") != std::to_string(m.model.seed)) {
+    throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' was trained with [model] seed = " +
+                                     entry("model.seed") + ", this run has " + std::to_string(m.model.seed) +
+                                     "; resume with the same seed (the task schedule depends on it)");
+  }
+  if (static_cast<std::int64_t>(c.steps_done) > m.steps) {
+    throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' is at step " +
+                                     std::to_string(c.steps_done) + ", beyond this run's " + std::to_string(m.steps) +
+                                     " steps; raise --steps");
+  }
+  m.first_step = static_cast<std::int64_t>(m.rt.load_checkpoint(checkpoint).steps_done);
+  m.initialised = true;
+  return m.first_step;
+}
+
+run_result trainer::run(const run_options& options)
+{
+  impl& m = *impl_;
+  m.initialise_once();
+  const auto& on_log = options.on_log;
+  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): f32 array
+  auto* host_losses = reinterpret_cast<float*>(m.losses_home.data());
+  const auto copy_losses = [&](std::int64_t first, std::int64_t end) {
+    const std::size_t off = static_cast<std::size_t>(first) * sizeof(float);
+    const std::size_t n = static_cast<std::size_t>(end - first) * sizeof(float);
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a float's place in bytes
+    const auto* at = reinterpret_cast<std::byte*>(m.losses + first);
+    const auto from = static_cast<std::size_t>(at - m.workspace.data());
+    taskswap::copy_async(m.losses_home.span().subspan(off, n), m.workspace.span().subspan(from, n), m.compute);
+  };
+  // Loss lines lag one interval: the copy of an interval is read when the next one is queued.
+  struct pending {
+    std::int64_t first;
+    std::int64_t end;
+    taskswap::event done;
+    std::size_t reduced_bytes = 0;  // allreduced over the interval (with several ranks)
+  };
+  std::optional<pending> waiting;
+  const auto print = [&](const pending& p) {
+    p.done.synchronize();
+    std::vector<double> sum(static_cast<std::size_t>(m.model.tasks), 0.0);
+    std::vector<int> count(static_cast<std::size_t>(m.model.tasks), 0);
+    for (std::int64_t s = p.first; s < p.end; ++s) {
+      const auto t = static_cast<std::size_t>(task_of_step(m.model, m.rank(), s));
+      sum[t] += host_losses[s];
+      ++count[t];
+    }
+    std::ostringstream line;
+    line << "step " << p.end << ": mean loss ";
+    double all = 0;
+    for (std::size_t t = 0; t < sum.size(); ++t) { all += sum[t]; }
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.4f", all / static_cast<double>(p.end - p.first));
+    line << buf << " over " << (p.end - p.first) << " steps;";
+    int shown = 0;
+    for (std::size_t t = 0; t < sum.size() && shown < 6; ++t) {
+      if (count[t] == 0) { continue; }
+      std::snprintf(buf, sizeof buf, " task/%zu %.4f", t, sum[t] / count[t]);
+      line << buf;
+      ++shown;
+    }
+    if (m.world() > 1) {
+      std::snprintf(buf, sizeof buf, "; reduced %.1f KiB/step",
+                    static_cast<double>(p.reduced_bytes) / 1024.0 / static_cast<double>(p.end - p.first));
+      line << buf;
+    }
+    if (on_log) { on_log(line.str()); }
+  };
+
+  const std::int64_t begin = m.first_step;
+  std::int64_t end_at =
+    options.stop_after >= 0 ? std::clamp<std::int64_t>(options.stop_after, begin, m.steps) : m.steps;
+  const auto save = [&](std::int64_t done) {
+    m.rt.save_checkpoint(options.checkpoint, {{"model.seed", std::to_string(m.model.seed)},
+                                              {"model.tasks", std::to_string(m.model.tasks)},
+                                              {"steps_done", std::to_string(done)}});
+  };
+  m.planned_until = std::max(m.planned_until, begin);
+  run_result r;
+  const taskswap::disk_stats disk_before = m.rt.stats().disk;  // the initial values' writes are the set-up's
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+  std::size_t interval_reduced = 0;
+  for (std::int64_t s = begin; s < end_at; ++s) {
+    if (on_log && s == m.model.freeze_trunk_after && m.model.trunk_frozen(s)) {
+      on_log("step " + std::to_string(s) + ": the trunk is frozen from here on; the task adapters keep training");
+    }
+    m.plan_ahead(s);
+    m.train_step(s);
+    interval_reduced += m.last_stats.reduced_bytes;
+    if (s == begin) {
+      m.compute.synchronize();
+      start = std::chrono::steady_clock::now();
+    }
+    if (!options.checkpoint.empty() && options.checkpoint_every > 0 && (s + 1) % options.checkpoint_every == 0 &&
+        s + 1 < end_at) {
+      try {
+        save(s + 1);
+      } catch (const taskswap::checkpoint_error& e) {  // the previous checkpoint is still there: go on
+        if (on_log) { on_log(std::string("checkpoint at step ") + std::to_string(s + 1) + " failed: " + e.what()); }
+      }
+    }
+    if (options.stop_code) {  // every rank asks at every boundary: they stop at the same one
+      const auto asked = std::chrono::steady_clock::now();
+      r.stopped_by = m.rt.agree_stop(options.stop_code());
+      if (s != begin) {
+        r.stop_agreement_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count();
+      }
+      if (r.stopped_by != 0) { end_at = s + 1; }
+    }
+    const int every = m.model.log_every;
+    if (every > 0 && on_log && ((s + 1) % every == 0 || s + 1 == end_at)) {
+      const std::int64_t first = std::max(begin, s + 1 - ((s + 1) % every == 0 ? every : (s + 1) % every));
+      copy_losses(first, s + 1);
+      pending p{first, s + 1, taskswap::event(m.dev), interval_reduced};
+      interval_reduced = 0;
+      p.done.record(m.compute);
+      if (waiting) { print(*waiting); }
+      waiting = std::move(p);
+    }
+  }
+  m.compute.synchronize();
+  const auto end = std::chrono::steady_clock::now();
+  if (waiting) { print(*waiting); }
+  r.seconds = std::chrono::duration<double>(end - start).count();
+  r.timed_steps = std::max<std::int64_t>(0, end_at - begin - 1);
+  r.steps_done = end_at;
+  r.first_step = begin;
+  const taskswap::disk_stats disk_after = m.rt.stats().disk;
+  r.disk_read_in_steps = disk_after.read_bytes - disk_before.read_bytes;
+  r.disk_written_in_steps = disk_after.written_bytes - disk_before.written_bytes;
+  if (!options.checkpoint.empty()) {
+    save(end_at);
+  } else {
+    m.rt.flush();
+  }
+  r.tasks.resize(static_cast<std::size_t>(m.model.tasks));
+  if (end_at == begin) { return r; }
+  copy_losses(begin, end_at);
+  m.compute.synchronize();
+  for (std::int64_t s = begin; s < end_at; ++s) {
+    task_losses& t = r.tasks[static_cast<std::size_t>(task_of_step(m.model, m.rank(), s))];
+    t.all.push_back(host_losses[s]);
+    ++t.steps;
+  }
+  for (task_losses& t : r.tasks) {
+    if (t.all.empty()) { continue; }
+    const std::size_t k = std::max<std::size_t>(1, std::min<std::size_t>(3, t.all.size() / 2));
+    double first = 0;
+    double last = 0;
+    for (std::size_t i = 0; i < k; ++i) {
+      first += t.all[i];
+      last += t.all[t.all.size() - 1 - i];
+    }
+    t.first = static_cast<float>(first / static_cast<double>(k));
+    t.last = static_cast<float>(last / static_cast<double>(k));
+  }
+  const taskswap::runtime_stats stats = m.rt.stats();
+  r.total = stats.total;
+  if (m.rt.guards_steps()) { r.scaler = m.rt.scaler_state(); }
+  r.disk = m.rt.stats().disk;
+  for (const taskswap::step_stats& st : stats.steps) {  // the steps after the warm-up (the last 4096)
+    if (st.step <= static_cast<std::uint64_t>(begin)) { continue; }
+    r.timed.h2d_bytes += st.h2d_bytes;
+    r.timed.d2h_bytes += st.d2h_bytes;
+    r.timed.swap_ins += st.swap_ins;
+    r.timed.write_backs += st.write_backs;
+    r.timed.hits += st.hits;
+    r.timed.misses += st.misses;
+    r.timed.stall_ms += st.stall_ms;
+    r.timed.reduced_bytes += st.reduced_bytes;
+    r.timed.evictions += st.evictions;
+    r.timed.unplanned += st.unplanned;
+    r.timed.peak_device_bytes = std::max(r.timed.peak_device_bytes, st.peak_device_bytes);
+  }
+  return r;
+}
+
+void trainer::save_parameters(const std::filesystem::path& file)
+{
+  impl& m = *impl_;
+  m.initialise_once();
+  m.rt.flush();
+  const std::filesystem::path tmp = file.string() + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) { throw std::runtime_error("cannot write '" + tmp.string() + "'; check the directory"); }
+    for (std::size_t u = 0; u < m.rt.unit_count(); ++u) {
+      const taskswap::home_view h = m.rt.home({static_cast<std::uint32_t>(u)});
+      const std::string name(m.rt.name(h.id));
+      out << name << '\n';
+      const auto write = [&](const taskswap::slab_view& s) {
+        out.write(static_cast<const char*>(s.data), static_cast<std::streamsize>(s.bytes()));
+      };
+      write(h.params);
+      if (h.master.data != h.params.data) { write(h.master); }  // f32: the params are the master
+      write(h.m);
+      write(h.v);
+      // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): raw bytes
+      out.write(reinterpret_cast<const char*>(&h.step), sizeof h.step);
+    }
+    if (!out.flush()) { throw std::runtime_error("writing '" + tmp.string() + "' failed"); }
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, file, ec);
+  if (ec) {
+    throw std::runtime_error("cannot rename '" + tmp.string() + "' to '" + file.string() + "': " + ec.message());
+  }
+}
+
+}  // namespace multitask
