@@ -39,8 +39,6 @@
 namespace taskswap {
 namespace {
 
-using detail::checkpoint_format;
-using detail::manifest_file;
 using detail::message;
 
 constexpr std::string_view data_file = "data.bin";

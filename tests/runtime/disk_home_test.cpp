@@ -267,7 +267,7 @@ TEST_F(disk_home_test, after_a_fault_the_checkpoint_saved_before_it_resumes_bitw
       }
       EXPECT_NE(what.find(run.string()), std::string::npos) << what;
       EXPECT_NE(what.find("unit 'task/"), std::string::npos) << what;
-      const std::string says = fault == "EIO"       ? "Input/output error"
+      const std::string says = fault == "EIO"         ? "Input/output error"
                                : fault == "ENOSPC"    ? "No space left on device"
                                : fault == "truncated" ? "the file ends before them (a short read"
                                                       : "was deleted while the run used it";
