@@ -149,30 +149,58 @@ std::string ms_text(double ms)
 
 double percent(double a, double b) { return b == 0 ? 0 : (a - b) / b * 100.0; }
 
-}  // namespace
+// The timed runs, the fastest of the rounds each: both arms at the batch both fit (`common`),
+// taskswap also at its own largest.
+struct timings {
+  std::int64_t common = 0;
+  std::optional<multitask::run_result> resident;
+  std::optional<multitask::run_result> same;  // taskswap at `common`
+  std::optional<multitask::run_result> largest;  // taskswap at its largest batch
+  [[nodiscard]] double ratio() const { return resident && same ? same->step_ms() / resident->step_ms() : 0.0; }
+};
 
-int run_headroom(const headroom_args& args)
-{
+// A streamed trunk: the deepest each arm trains at the configuration's batch, and the planner's.
+struct trunk_depths {
+  std::int64_t resident = 0;
+  std::int64_t streamed = 0;
+  std::int64_t predicted = 0;
+  std::int64_t probes = 0;
+};
+
+// Everything the report prints.
+struct headroom_report {
   std::string name;
-  const multitask::configuration cfg = load_or_default(args.config, name);
-  if (cfg.runtime.device.backend == backend_kind::cuda && cuda_device_count() <= cfg.runtime.device.index) {
-    throw invalid_argument(name + " names CUDA device " + std::to_string(cfg.runtime.device.index) + " but " +
-                           std::to_string(cuda_device_count()) +
-                           " are usable here; run on a GPU machine, or use [device] backend = \"emulated\"");
+  std::string device;
+  std::size_t memory = 0;
+  int timed = 0;
+  plan_report predicted;
+  arm resident;
+  arm swapped;
+  timings t;
+  std::optional<trunk_depths> depth;
+  [[nodiscard]] double error() const
+  {
+    return percent(static_cast<double>(*predicted.max_batch), static_cast<double>(swapped.max_batch));
   }
-  const std::size_t memory = device_memory_for(cfg, args.device_memory);
-  if (memory == 0) {
-    throw invalid_argument(
-      "no CUDA device is usable here; run on a GPU machine, or use [device] backend = \"emulated\"");
-  }
-  const auto units = multitask::model_units(cfg.model);
-  const int timed = std::max(args.timed_steps, 2);
+};
 
-  // The planner's prediction: the batch beside the budget (the workspace of the probes), and the
-  // traffic of the timed runs' schedule without its first step, as the runs measure it.
+double per_step(const multitask::run_result& r, std::size_t bytes)
+{
+  return static_cast<double>(bytes) / static_cast<double>(std::max<std::int64_t>(1, r.timed_steps));
+}
+
+double stall_percent(const multitask::run_result& r)
+{
+  return r.seconds > 0 ? r.timed.stall_ms / (r.seconds * 1e3) * 100.0 : 0.0;
+}
+
+// The planner's prediction: the batch beside the budget (the workspace of the probes), and the
+// traffic of the timed runs' schedule without its first step, as the runs measure it.
+plan_report predict(const multitask::configuration& cfg, const std::string& name, int timed, std::size_t memory)
+{
   plan_input in = model_plan_input(cfg, timed, memory);
   in.warmup_steps = 1;
-  const plan_report predicted = make_plan(in);
+  plan_report predicted = make_plan(in);
   if (*predicted.max_batch < 1) {
     throw config_error(name + ": a budget of " + bytes_text(static_cast<double>(predicted.budget)) +
                        " leaves no room for a batch on a device of " + bytes_text(static_cast<double>(memory)) +
@@ -182,18 +210,13 @@ int run_headroom(const headroom_args& args)
                        bytes_text(static_cast<double>(predicted.peak_device_bytes)) + ")" +
                        (cfg.runtime.device.backend == backend_kind::emulated ? " or raise [device] memory" : ""));
   }
+  return predicted;
+}
 
-  headroom_search search(args, cfg, memory);
-  arm resident{.name = "all-resident", .options = multitask::all_resident(cfg.runtime, units)};
-  arm swapped{.name = "taskswap", .options = cfg.runtime};
-  search.search(resident);
-  search.search(swapped);
-
-  // Timing, alternating the arms round by round; the fastest run of each counts. Both at the
-  // all-resident batch (the cost of swapping the same work), taskswap also at its own.
-  std::optional<multitask::run_result> res_time;
-  std::optional<multitask::run_result> swap_same;
-  std::optional<multitask::run_result> swap_max;
+// Timing, alternating the arms round by round; the fastest run of each counts.
+timings time_arms(const headroom_args& args, headroom_search& search, const arm& resident, const arm& swapped,
+                  int timed)
+{
   const auto keep_fastest = [](std::optional<multitask::run_result>& best, std::optional<multitask::run_result> r) {
     if (!r) {
       throw out_of_memory("a batch that fitted in the search did not fit when timed; the device's free memory changed",
@@ -201,147 +224,178 @@ int run_headroom(const headroom_args& args)
     }
     if (!best || r->step_ms() < best->step_ms()) { best = std::move(r); }
   };
+  timings t;
   // The batch both fit: the all-resident one, unless a budget larger than the model leaves taskswap less.
-  const std::int64_t common = std::min(resident.max_batch, swapped.max_batch);
+  t.common = std::min(resident.max_batch, swapped.max_batch);
   for (int round = 0; round < args.rounds; ++round) {
     const std::string of = " (round " + std::to_string(round + 1) + " of " + std::to_string(args.rounds) + ")…";
-    if (common > 0) {
-      search.progress("timing both at batch " + std::to_string(common) + of);
-      keep_fastest(res_time, search.try_batch(resident.options, common, timed));
-      keep_fastest(swap_same, search.try_batch(swapped.options, common, timed));
+    if (t.common > 0) {
+      search.progress("timing both at batch " + std::to_string(t.common) + of);
+      keep_fastest(t.resident, search.try_batch(resident.options, t.common, timed));
+      keep_fastest(t.same, search.try_batch(swapped.options, t.common, timed));
     }
     search.progress("timing taskswap at batch " + std::to_string(swapped.max_batch) + of);
-    keep_fastest(swap_max, search.try_batch(swapped.options, swapped.max_batch, timed,
-                                            round + 1 == args.rounds ? args.trace : std::string()));
+    keep_fastest(t.largest, search.try_batch(swapped.options, swapped.max_batch, timed,
+                                             round + 1 == args.rounds ? args.trace : std::string()));
   }
-  // A streamed trunk: the deepest each trains at the configuration's batch, and the planner's.
-  struct trunk_depths {
-    std::int64_t resident = 0;
-    std::int64_t streamed = 0;
-    std::int64_t predicted = 0;
-    std::int64_t probes = 0;
-  };
-  std::optional<trunk_depths> depth;
-  if (multitask::trunk_streams(cfg.model, cfg.runtime)) {
-    trunk_depths d;
-    d.resident = search.deepest_trunk(true, d.probes);
-    d.streamed = search.deepest_trunk(false, d.probes);
-    d.predicted = headroom_search::largest(
-      1, 1 << 16,
-      [&](std::int64_t layers) {
-        multitask::configuration c = cfg;
-        c.model.trunk_layers = static_cast<int>(layers);
-        try {
-          const plan_report p = make_plan(model_plan_input(c, timed, memory));
-          return p.max_batch.value_or(0) >= c.model.batch;
-        } catch (const config_error&) {
-          return false;
-        }
-      },
-      0, "a trunk of layers");
-    depth = d;
-  }
-  search.progress_done();
+  return t;
+}
 
-  const double ratio = res_time && swap_same ? swap_same->step_ms() / res_time->step_ms() : 0.0;
-  const auto per_step = [](const multitask::run_result& r, std::size_t bytes) {
-    return static_cast<double>(bytes) / static_cast<double>(std::max<std::int64_t>(1, r.timed_steps));
-  };
-  const auto stall = [](const multitask::run_result& r) {
-    return r.seconds > 0 ? r.timed.stall_ms / (r.seconds * 1e3) * 100.0 : 0.0;
-  };
+trunk_depths measure_depths(headroom_search& search, const multitask::configuration& cfg, int timed, std::size_t memory)
+{
+  trunk_depths d;
+  d.resident = search.deepest_trunk(true, d.probes);
+  d.streamed = search.deepest_trunk(false, d.probes);
+  d.predicted = headroom_search::largest(
+    1, 1 << 16,
+    [&](std::int64_t layers) {
+      multitask::configuration c = cfg;
+      c.model.trunk_layers = static_cast<int>(layers);
+      try {
+        const plan_report p = make_plan(model_plan_input(c, timed, memory));
+        return p.max_batch.value_or(0) >= c.model.batch;
+      } catch (const config_error&) {
+        return false;
+      }
+    },
+    0, "a trunk of layers");
+  return d;
+}
+
+void print_table(const headroom_report& r)
+{
   const auto b = [](double v) { return bytes_text(v); };
-  const double error = percent(static_cast<double>(*predicted.max_batch), static_cast<double>(swapped.max_batch));
-  const std::string device_name = cfg.runtime.device.backend == backend_kind::emulated
-                                    ? "the emulated device"
-                                    : cuda_device(cfg.runtime.device.index).name();
+  const timings& t = r.t;
+  std::printf("  %-28s %14s %14s %20s\n", "", "all-resident", "taskswap", "planner (taskswap)");
+  std::printf("  %-28s %14s %14s %20s\n", "budget", b(static_cast<double>(r.resident.options.device.budget)).c_str(),
+              b(static_cast<double>(r.swapped.options.device.budget)).c_str(),
+              b(static_cast<double>(r.predicted.budget)).c_str());
+  std::printf("  %-28s %14lld %14lld %20lld\n", "largest batch", static_cast<long long>(r.resident.max_batch),
+              static_cast<long long>(r.swapped.max_batch), static_cast<long long>(*r.predicted.max_batch));
+  if (t.resident && t.same) {
+    std::printf("  %-28s %14s %14s %20s\n", ("step time, batch " + std::to_string(t.common)).c_str(),
+                ms_text(t.resident->step_ms()).c_str(), ms_text(t.same->step_ms()).c_str(), "");
+  }
+  std::printf("  %-28s %14s %14s %20s\n", ("step time, batch " + std::to_string(r.swapped.max_batch)).c_str(), "-",
+              ms_text(t.largest->step_ms()).c_str(), "");
+  std::printf("  %-28s %13.1f%% %13.1f%% %20s\n", "stall (largest batch)",
+              t.resident ? stall_percent(*t.resident) : 0.0, stall_percent(*t.largest), "");
+  std::printf("  %-28s %14s %14s %20s\n", "h2d per step",
+              t.resident ? b(per_step(*t.resident, t.resident->timed.h2d_bytes)).c_str() : "-",
+              b(per_step(*t.largest, t.largest->timed.h2d_bytes)).c_str(), b(r.predicted.h2d_bytes_per_step).c_str());
+  std::printf("  %-28s %14s %14s %20s\n", "d2h per step",
+              t.resident ? b(per_step(*t.resident, t.resident->timed.d2h_bytes)).c_str() : "-",
+              b(per_step(*t.largest, t.largest->timed.d2h_bytes)).c_str(), b(r.predicted.d2h_bytes_per_step).c_str());
+  if (r.predicted.link_bytes_per_second > 0) {
+    std::printf("  %-28s %14s %14s %20s\n", "transfer time per step", "", "",
+                ms_text(r.predicted.transfer_ms_per_step).c_str());
+  }
+}
 
-  std::printf("taskswap headroom, %s: %s, %s of device memory for the budget and the activations\n", name.c_str(),
-              device_name.c_str(), b(static_cast<double>(memory)).c_str());
+void print_report(const headroom_report& r, const multitask::configuration& cfg, const headroom_args& args)
+{
+  const auto b = [](double v) { return bytes_text(v); };
+  std::printf("taskswap headroom, %s: %s, %s of device memory for the budget and the activations\n", r.name.c_str(),
+              r.device.c_str(), b(static_cast<double>(r.memory)).c_str());
   std::printf("  model: %d tasks, %d trunk layers, width %d, adapters %d→%d→%d, %s; %s of activations per sample\n\n",
               cfg.model.tasks, cfg.model.trunk_layers, cfg.model.width, cfg.model.width, cfg.model.adapter_hidden,
               cfg.model.outputs, std::string(to_string(cfg.model.compute)).c_str(),
-              b(static_cast<double>(predicted.bytes_per_sample)).c_str());
-  std::printf("  %-28s %14s %14s %20s\n", "", "all-resident", "taskswap", "planner (taskswap)");
-  std::printf("  %-28s %14s %14s %20s\n", "budget", b(static_cast<double>(resident.options.device.budget)).c_str(),
-              b(static_cast<double>(swapped.options.device.budget)).c_str(),
-              b(static_cast<double>(predicted.budget)).c_str());
-  std::printf("  %-28s %14lld %14lld %20lld\n", "largest batch", static_cast<long long>(resident.max_batch),
-              static_cast<long long>(swapped.max_batch), static_cast<long long>(*predicted.max_batch));
-  if (res_time && swap_same) {
-    std::printf("  %-28s %14s %14s %20s\n", ("step time, batch " + std::to_string(common)).c_str(),
-                ms_text(res_time->step_ms()).c_str(), ms_text(swap_same->step_ms()).c_str(), "");
-  }
-  std::printf("  %-28s %14s %14s %20s\n", ("step time, batch " + std::to_string(swapped.max_batch)).c_str(), "-",
-              ms_text(swap_max->step_ms()).c_str(), "");
-  std::printf("  %-28s %13.1f%% %13.1f%% %20s\n", "stall (largest batch)", res_time ? stall(*res_time) : 0.0,
-              stall(*swap_max), "");
-  std::printf("  %-28s %14s %14s %20s\n", "h2d per step",
-              res_time ? b(per_step(*res_time, res_time->timed.h2d_bytes)).c_str() : "-",
-              b(per_step(*swap_max, swap_max->timed.h2d_bytes)).c_str(), b(predicted.h2d_bytes_per_step).c_str());
-  std::printf("  %-28s %14s %14s %20s\n", "d2h per step",
-              res_time ? b(per_step(*res_time, res_time->timed.d2h_bytes)).c_str() : "-",
-              b(per_step(*swap_max, swap_max->timed.d2h_bytes)).c_str(), b(predicted.d2h_bytes_per_step).c_str());
-  if (predicted.link_bytes_per_second > 0) {
-    std::printf("  %-28s %14s %14s %20s\n", "transfer time per step", "", "",
-                ms_text(predicted.transfer_ms_per_step).c_str());
-  }
-  std::printf(
-    "\n  taskswap trains a %.2fx larger batch (%lld vs %lld); at the same batch its step takes %.3fx "
-    "as long; the planner's batch is %+.2f %% off the measured one\n",
-    resident.max_batch > 0 ? static_cast<double>(swapped.max_batch) / static_cast<double>(resident.max_batch) : 0.0,
-    static_cast<long long>(swapped.max_batch), static_cast<long long>(resident.max_batch), ratio, error);
-  if (swapped.max_batch <= resident.max_batch) {
+              b(static_cast<double>(r.predicted.bytes_per_sample)).c_str());
+  print_table(r);
+  const std::int64_t res = r.resident.max_batch;
+  const std::int64_t swp = r.swapped.max_batch;
+  std::printf("\n  taskswap trains a %.2fx larger batch (%lld vs %lld); at the same batch its step takes %.3fx "
+              "as long; the planner's batch is %+.2f %% off the measured one\n",
+              res > 0 ? static_cast<double>(swp) / static_cast<double>(res) : 0.0, static_cast<long long>(swp),
+              static_cast<long long>(res), r.t.ratio(), r.error());
+  if (swp <= res) {
     std::printf(
       "  the budget (%s) leaves taskswap no larger batch: this plan peaks at %s; lower [device] budget toward it\n",
-      b(static_cast<double>(predicted.budget)).c_str(), b(static_cast<double>(predicted.peak_device_bytes)).c_str());
+      b(static_cast<double>(r.predicted.budget)).c_str(),
+      b(static_cast<double>(r.predicted.peak_device_bytes)).c_str());
   }
-  if (depth) {
+  if (r.depth) {
+    const trunk_depths& d = *r.depth;
     std::printf("\n  %-28s %14lld %14lld %20lld\n", ("deepest trunk, batch " + std::to_string(cfg.model.batch)).c_str(),
-                static_cast<long long>(depth->resident), static_cast<long long>(depth->streamed),
-                static_cast<long long>(depth->predicted));
+                static_cast<long long>(d.resident), static_cast<long long>(d.streamed),
+                static_cast<long long>(d.predicted));
     std::printf("  streaming trains a %.2fx deeper trunk (%lld vs %lld layers) in the same device memory; the "
                 "planner's depth is %+.2f %% off the measured one (%lld probes)\n",
-                depth->resident > 0 ? static_cast<double>(depth->streamed) / static_cast<double>(depth->resident) : 0.0,
-                static_cast<long long>(depth->streamed), static_cast<long long>(depth->resident),
-                percent(static_cast<double>(depth->predicted), static_cast<double>(depth->streamed)),
-                static_cast<long long>(depth->probes));
+                d.resident > 0 ? static_cast<double>(d.streamed) / static_cast<double>(d.resident) : 0.0,
+                static_cast<long long>(d.streamed), static_cast<long long>(d.resident),
+                percent(static_cast<double>(d.predicted), static_cast<double>(d.streamed)),
+                static_cast<long long>(d.probes));
   }
   std::printf("  (%lld + %lld probes of %d steps; timed runs of %d steps, the fastest of %d rounds)\n",
-              static_cast<long long>(resident.probes), static_cast<long long>(swapped.probes), args.probe_steps, timed,
-              args.rounds);
+              static_cast<long long>(r.resident.probes), static_cast<long long>(r.swapped.probes), args.probe_steps,
+              r.timed, args.rounds);
+}
 
-  if (!args.json.empty()) {
-    nlohmann::json j{{"config", name},
-                     {"device", device_name},
-                     {"device_memory", memory},
-                     {"max_batch_resident", resident.max_batch},
-                     {"max_batch_taskswap", swapped.max_batch},
-                     {"predicted_max_batch_taskswap", *predicted.max_batch},
-                     {"predicted_max_batch_resident", *predicted.max_batch_all_resident},
-                     {"prediction_error_percent", error},
-                     {"step_time_ratio", ratio},
-                     {"step_ms_resident", res_time ? res_time->step_ms() : 0.0},
-                     {"step_ms_taskswap_same_batch", swap_same ? swap_same->step_ms() : 0.0},
-                     {"step_ms_taskswap_max_batch", swap_max->step_ms()},
-                     {"stall_percent_taskswap", stall(*swap_max)},
-                     {"h2d_bytes_per_step", per_step(*swap_max, swap_max->timed.h2d_bytes)},
-                     {"d2h_bytes_per_step", per_step(*swap_max, swap_max->timed.d2h_bytes)},
-                     {"predicted_h2d_bytes_per_step", predicted.h2d_bytes_per_step},
-                     {"predicted_d2h_bytes_per_step", predicted.d2h_bytes_per_step},
-                     {"budget_resident", resident.options.device.budget},
-                     {"budget_taskswap", swapped.options.device.budget},
-                     {"probes", resident.probes + swapped.probes},
-                     {"probe_steps", args.probe_steps},
-                     {"timed_steps", timed},
-                     {"rounds", args.rounds}};
-    if (depth) {
-      j["max_trunk_layers_resident"] = depth->resident;
-      j["max_trunk_layers_streamed"] = depth->streamed;
-      j["predicted_max_trunk_layers_streamed"] = depth->predicted;
-    }
-    write_json(j, args.json);
+void write_report(const headroom_report& r, const headroom_args& args)
+{
+  const timings& t = r.t;
+  nlohmann::json j{{"config", r.name},
+                   {"device", r.device},
+                   {"device_memory", r.memory},
+                   {"max_batch_resident", r.resident.max_batch},
+                   {"max_batch_taskswap", r.swapped.max_batch},
+                   {"predicted_max_batch_taskswap", *r.predicted.max_batch},
+                   {"predicted_max_batch_resident", *r.predicted.max_batch_all_resident},
+                   {"prediction_error_percent", r.error()},
+                   {"step_time_ratio", t.ratio()},
+                   {"step_ms_resident", t.resident ? t.resident->step_ms() : 0.0},
+                   {"step_ms_taskswap_same_batch", t.same ? t.same->step_ms() : 0.0},
+                   {"step_ms_taskswap_max_batch", t.largest->step_ms()},
+                   {"stall_percent_taskswap", stall_percent(*t.largest)},
+                   {"h2d_bytes_per_step", per_step(*t.largest, t.largest->timed.h2d_bytes)},
+                   {"d2h_bytes_per_step", per_step(*t.largest, t.largest->timed.d2h_bytes)},
+                   {"predicted_h2d_bytes_per_step", r.predicted.h2d_bytes_per_step},
+                   {"predicted_d2h_bytes_per_step", r.predicted.d2h_bytes_per_step},
+                   {"budget_resident", r.resident.options.device.budget},
+                   {"budget_taskswap", r.swapped.options.device.budget},
+                   {"probes", r.resident.probes + r.swapped.probes},
+                   {"probe_steps", args.probe_steps},
+                   {"timed_steps", r.timed},
+                   {"rounds", args.rounds}};
+  if (r.depth) {
+    j["max_trunk_layers_resident"] = r.depth->resident;
+    j["max_trunk_layers_streamed"] = r.depth->streamed;
+    j["predicted_max_trunk_layers_streamed"] = r.depth->predicted;
   }
+  write_json(j, args.json);
+}
+
+}  // namespace
+
+int run_headroom(const headroom_args& args)
+{
+  headroom_report r;
+  const multitask::configuration cfg = load_or_default(args.config, r.name);
+  if (cfg.runtime.device.backend == backend_kind::cuda && cuda_device_count() <= cfg.runtime.device.index) {
+    throw invalid_argument(r.name + " names CUDA device " + std::to_string(cfg.runtime.device.index) + " but " +
+                           std::to_string(cuda_device_count()) +
+                           " are usable here; run on a GPU machine, or use [device] backend = \"emulated\"");
+  }
+  r.memory = device_memory_for(cfg, args.device_memory);
+  if (r.memory == 0) {
+    throw invalid_argument(
+      "no CUDA device is usable here; run on a GPU machine, or use [device] backend = \"emulated\"");
+  }
+  r.timed = std::max(args.timed_steps, 2);
+  r.predicted = predict(cfg, r.name, r.timed, r.memory);
+  headroom_search search(args, cfg, r.memory);
+  r.resident = {.name = "all-resident",
+                .options = multitask::all_resident(cfg.runtime, multitask::model_units(cfg.model))};
+  r.swapped = {.name = "taskswap", .options = cfg.runtime};
+  search.search(r.resident);
+  search.search(r.swapped);
+  r.t = time_arms(args, search, r.resident, r.swapped, r.timed);
+  if (multitask::trunk_streams(cfg.model, cfg.runtime)) { r.depth = measure_depths(search, cfg, r.timed, r.memory); }
+  search.progress_done();
+  r.device = cfg.runtime.device.backend == backend_kind::emulated ? "the emulated device"
+                                                                  : cuda_device(cfg.runtime.device.index).name();
+  print_report(r, cfg, args);
+  if (!args.json.empty()) { write_report(r, args); }
   return 0;
 }
 
