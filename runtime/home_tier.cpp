@@ -55,6 +55,9 @@ std::string home_tier_names()
 
 void add_home_tier(const home_tier& tier)
 {
+  TASKSWAP_EXPECTS(tier.store_bytes && tier.open_store && tier.pinned_bytes && tier.place && tier.stage_in &&
+                     tier.write_back && tier.host_block && tier.ready && tier.used,
+                   message("the home tier \"", tier.name, "\" leaves a slot empty; fill every one"));
   const std::scoped_lock lock(home_tiers_mutex());
   for (const home_tier* t : home_tiers()) {
     TASKSWAP_EXPECTS(t->name != tier.name, message("a home tier named \"", tier.name, "\" exists already"));

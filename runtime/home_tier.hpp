@@ -75,10 +75,11 @@ struct home_tier {
   std::string_view name;  // as [[units]] home = "..." names it
   bool cached = false;  // its homes are read through the host cache (see the Note)
   /// The pinned host memory (of store.arena) the tier's shared parts take, once (0: none).
+  /// @throws config_error when the configuration lacks what the tier needs (before any is taken)
   std::size_t (*store_bytes)(const storage_options& storage);
   /// Makes the tier's shared parts in `store`, whose arena has what store_bytes() asked (called
   /// once, before any place(), when a unit uses the tier).
-  /// @throws config_error when the configuration lacks what the tier needs, storage_error
+  /// @throws storage_error
   void (*open_store)(home_store& store, const device& dev, const storage_options& storage);
   /// The pinned host memory (of store.arena) a home of `bytes` takes in this tier.
   std::size_t (*pinned_bytes)(std::size_t bytes);

@@ -17,9 +17,9 @@ constexpr std::size_t page = 4096;
 std::size_t disk_pinned_bytes(std::size_t /*bytes*/) { return 0; }  // the host cache is sized once
 
 // The host cache, and a page for its alignment.
-std::size_t disk_store_bytes(const storage_options& storage) { return round_up(storage.host_cache, page) + page; }
-
-void disk_open_store(home_store& store, const device& dev, const storage_options& storage)
+// The host cache, and a page for its alignment; refuses a [storage] table without what the tier
+// needs before any memory is taken.
+std::size_t disk_store_bytes(const storage_options& storage)
 {
   if (storage.path.empty() || storage.host_cache == 0) {
     throw config_error(message("units have home = \"disk\" but [storage] ",
@@ -28,6 +28,11 @@ void disk_open_store(home_store& store, const device& dev, const storage_options
                                "host memory that caches them, e.g. [storage] path = \"/nvme/taskswap\", "
                                "host_cache = \"64 GiB\""));
   }
+  return round_up(storage.host_cache, page) + page;
+}
+
+void disk_open_store(home_store& store, const device& dev, const storage_options& storage)
+{
   store.files.emplace(
     unit_file_options{.directory = storage.path,
                       .queue_depth = storage.queue_depth,

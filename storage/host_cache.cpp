@@ -32,7 +32,8 @@ struct cache_entry {
   bool io_write = false;
   bool evicting = false;  // its block is freed once its write is done
   bool behind = false;  // its file is older than a superseded block let go: only a whole overwrite brings it back
-  bool catching_up = false;  // behind, with a whole overwrite queued: caught up once the block's work is done
+  bool overwriting = false;  // behind, and its block taken for a whole overwrite not yet queued (used())
+  bool catching_up = false;  // behind, with that overwrite queued: caught up once the block's work is done
   std::vector<std::pair<void*, event>> busy;  // per stream, after the work that uses the block
   std::uint64_t last_used = 0;
   std::size_t live_at = 0;  // its index in impl::live, while it has a block
@@ -312,9 +313,6 @@ std::span<std::byte> host_cache::block(entry_id e, bool overwrite)
   TASKSWAP_EXPECTS(e < m.entries.size(), message("host cache entry ", e, " was not added"));
   cache_entry& c = m.entries[e];
   c.last_used = ++m.tick;
-  // The caller writes all of it now; until that work is done (a device failure may drop it) the
-  // entry stays behind.
-  c.catching_up = c.catching_up || (c.behind && overwrite);
   if (c.offset) {
     c.evicting = false;  // wanted again: an eviction's write in flight keeps the block
     if (c.io && !c.io_write && !m.files.done(*c.io)) {
@@ -324,12 +322,15 @@ std::span<std::byte> host_cache::block(entry_id e, bool overwrite)
       ++m.stats.hits;  // (a write in flight only reads the block)
       if (c.io && !c.io_write) { (void)m.finish_io(c, false); }
     }
-    return m.span_of(c);
+  } else {
+    const std::size_t at = *m.room(e, false);
+    ++m.stats.misses;
+    m.fill(c, at, overwrite);
+    (void)m.finish_io(c, true);
   }
-  const std::size_t at = *m.room(e, false);
-  ++m.stats.misses;
-  m.fill(c, at, overwrite);
-  (void)m.finish_io(c, true);
+  // The caller writes all of it now; until that work is queued (used()) and done (a device
+  // failure may drop it) the entry stays behind.
+  c.overwriting = c.behind && overwrite;  // (a later block() for anything else forgets it)
   return m.span_of(c);
 }
 
@@ -379,6 +380,10 @@ void host_cache::used(entry_id e, const stream_view* s, bool wrote)
   TASKSWAP_EXPECTS(c.offset && (!c.io || c.io_write), message("host cache: '", c.unit, "' is used while not cached"));
   c.evicting = false;  // in use: it stays
   c.dirty = c.dirty || wrote;
+  if (wrote && c.overwriting) {  // the overwrite is queued (or, on the host, done)
+    c.overwriting = false;
+    c.catching_up = true;
+  }
   if (s == nullptr) {  // the host did it: done
     if (c.busy.empty()) { m.settled(c); }
     return;
@@ -434,12 +439,24 @@ void host_cache::discard(entry_id e)
   if (c.offset) { m.free_block(c, false); }
   c.dirty = false;
   c.behind = false;  // the caller's file is the home now
+  c.overwriting = false;
   c.catching_up = false;
   c.fresh = false;
   c.synced = true;  // the caller syncs what it writes
 }
 
-bool host_cache::behind(entry_id e) const { return impl_->entries.at(e).behind; }
+bool host_cache::behind(entry_id e)
+{
+  cache_entry& c = impl_->entries.at(e);
+  if (c.behind && c.catching_up) {
+    try {
+      (void)impl_->idle(c);  // the overwrite's work done: caught up
+    } catch (const std::exception&) {
+      // A device that failed cannot say whether the overwrite ran: still behind.
+    }
+  }
+  return c.behind;
+}
 
 const std::filesystem::path& host_cache::file(entry_id e) const { return impl_->files.path(impl_->entries.at(e).file); }
 std::size_t host_cache::capacity() const noexcept { return impl_->memory.size(); }

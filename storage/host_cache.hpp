@@ -141,8 +141,8 @@ class host_cache {
   void discard(entry_id e);
 
   /// Whether the entry's file is older than a superseded block let go (until a whole overwrite is
-  /// done).
-  [[nodiscard]] bool behind(entry_id e) const;
+  /// done: asks the overwrite's events, never waits; a device that failed leaves it behind).
+  [[nodiscard]] bool behind(entry_id e);
   [[nodiscard]] const std::filesystem::path& file(entry_id e) const;
   [[nodiscard]] std::size_t capacity() const noexcept;
   /// The bytes the entry's block takes of the cache (its file's, in whole pages).

@@ -155,16 +155,32 @@ def test_what_a_mixed_task_step_cannot_route_is_refused_and_changes_nothing():
     model = peft_model(use_dora=True)
     rt = tt.Runtime(options=config("4 MiB"), comm="none")
     adapters = tpeft.register(rt, model, base="one", base_residency="pinned")
+    active = [list(m.active_adapters) for m in model.modules() if hasattr(m, "lora_variant")]
     with pytest.raises(taskswap.InvalidArgument, match="LoRA variant"):
-        with adapters.step({"t0": [0, 1], "t1": [2]}):
-            pass
-    assert all("forward" not in m.__dict__ for m in model.modules())  # the layers' own forwards again
+        adapters.step({"t0": [0, 1], "t1": [2]})
+    assert all("forward" not in m.__dict__ for m in model.modules())  # the layers' own forwards
+    assert [list(m.active_adapters) for m in model.modules() if hasattr(m, "lora_variant")] == active  # unchanged
     with pytest.raises(taskswap.InvalidArgument, match="routed to both"):
         adapters.step({"t0": [0, 1], "t1": [1]})
     with pytest.raises(taskswap.InvalidArgument, match="row indices"):
         adapters.step({"t0": [[0, 1]]})
     with pytest.raises(taskswap.InvalidArgument, match="has no adapter 't9'"):
         adapters.step({"t9": [0]})
+    rt.close()
+    # A row beyond the batch, and a layer whose input's first dimension is not the batch's: refused
+    # inside the forward (before any device sees an index), and the forwards come back.
+    model = peft_model()
+    rt = tt.Runtime(options=config("4 MiB"), comm="none")
+    adapters = tpeft.register(rt, model, base="one", base_residency="pinned")
+    x, y = batch(0)
+    for rows, inputs in (({"t0": [0, ROWS]}, x), ({"t0": [0, 1]}, x[:1])):
+        with pytest.raises(taskswap.InvalidArgument, match="first dimension"):
+            with adapters.step(rows):
+                model(inputs)
+        assert all("forward" not in m.__dict__ for m in model.modules())
+    with adapters.step({"t0": [0, 1], "t1": []}):  # t1 has no rows: not trained in this step
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    assert rt.last_step is not None
     rt.close()
 
 

@@ -94,7 +94,7 @@ class Adapters:
                            for m in self._tuners)
                       and len(self._tuners) == len(_adapter_holders(model)))
         self._active: tuple[str, ...] | None = None
-        self._routed: list[torch.nn.Module] = []  # the layers whose forward a mixed-task step routes
+        self._routed: list = []  # the layers a mixed-task step routes, with the forward each had before
 
     def __getitem__(self, name: str) -> Unit:
         unit = self.units.get(name)
@@ -161,22 +161,25 @@ class Adapters:
         (a sequence or 1-D tensor of row indices along the inputs' first dimension, or a boolean
         mask) go through their own adapter in every adapted layer, in training and in evaluation,
         forward and backward, over one pass of the base; each adapter's gradients come from its
-        rows alone, and rows no adapter names go through the base alone. The loss and its
-        normalisation are the trainer's. Each adapter's dropout applies to its rows. Only
+        rows alone, rows no adapter names go through the base alone, and an adapter given no rows
+        is not trained in the step. Every adapted layer must see the batch along its inputs' first
+        dimension (a row beyond it is refused). The loss and its normalisation are the trainer's. Each adapter's dropout applies to its rows. Only
         un-merged LoRA ``Linear`` layers without a variant (DoRA, ...) are routed; anything else
         an adapter of the step reaches is refused, saying what to change. ``with`` gives the step
         scope."""
         if isinstance(names, Mapping):
             routing = _routing(names)
             uses = self.uses(list(routing), *extra)
+            layers = self._routable(routing)  # refused before anything changes
             self.activate(list(routing))
-            return _RoutedStep(self, routing, self.rt.step(*uses, micro_batches=micro_batches))
+            return _RoutedStep(self, layers, self.rt.step(*uses, micro_batches=micro_batches))
         uses = self.uses(names, *extra)
         self.activate(names)
         return self.rt.step(*uses, micro_batches=micro_batches)
 
-    def _route(self, routing: dict[str, torch.Tensor]) -> None:
-        """Points every adapted layer's forward at the routed one (refused: nothing changed)."""
+    def _routable(self, routing: dict[str, torch.Tensor]) -> list[tuple[torch.nn.Module, list]]:
+        """The layers a mixed-task step routes, each with its adapters' rows; refuses what it cannot
+        route, saying what to change."""
         layers = []
         for _, m in _adapter_holders(self.model):
             keys = _adapter_keys(m)
@@ -197,13 +200,23 @@ class Adapters:
                     f"taskswap: adapter '{variant[0]}' is a LoRA variant ({type(m.lora_variant[variant[0]]).__name__}, "
                     "as DoRA is) that a mixed-task step does not route; train it one task per step")
             layers.append((m, [(n, rows) for n, rows in routing.items() if n in m.lora_A]))
+        return layers
+
+    def _route(self, layers: list[tuple[torch.nn.Module, list]]) -> None:
+        """Points every routed layer's forward at the routed one."""
+        rows = 1 + max(int(r.max()) for _, routes in layers for _, r in routes) if layers else 0
+        batch: dict[str, int] = {}  # the first dimension the first routed layer saw
+        self._routed = []
         for m, routes in layers:
-            m.forward = functools.partial(_routed_forward, m, routes)
-        self._routed = [m for m, _ in layers]
+            self._routed.append((m, m.__dict__.get("forward")))
+            m.forward = functools.partial(_routed_forward, m, routes, rows, batch)
 
     def _unroute(self) -> None:
-        for m in getattr(self, "_routed", []):
-            m.__dict__.pop("forward", None)  # the class's forward again
+        for m, previous in self._routed:
+            if previous is None:
+                m.__dict__.pop("forward", None)  # the class's forward again
+            else:
+                m.forward = previous
         self._routed = []
 
 
@@ -218,9 +231,8 @@ def _adapter_keys(m: torch.nn.Module) -> set[str]:
 
 
 def _routing(rows_of: Mapping[str, object]) -> dict[str, torch.Tensor]:
-    """A mixed-task step's rows per adapter, as 1-D int64 tensors of distinct row indices."""
-    if not rows_of:
-        raise _core.InvalidArgument("taskswap: a mixed-task step names at least one adapter and its rows")
+    """A mixed-task step's rows per adapter, as 1-D int64 tensors of distinct row indices; an
+    adapter with no rows takes no part (it is not trained in the step)."""
     routing: dict[str, torch.Tensor] = {}
     seen: dict[int, str] = {}
     for name, rows in rows_of.items():
@@ -239,25 +251,38 @@ def _routing(rows_of: Mapping[str, object]) -> dict[str, torch.Tensor]:
                 raise _core.InvalidArgument(f"taskswap: row {r} is routed to both '{seen[r]}' and '{name}'; each row "
                                             "goes through one adapter")
             seen[r] = name
-        routing[name] = t
+        if t.numel():
+            routing[name] = t
+    if not routing:
+        raise _core.InvalidArgument("taskswap: a mixed-task step names at least one adapter and its rows")
     return routing
 
 
-def _routed_forward(layer: torch.nn.Module, routes: list[tuple[str, torch.Tensor]], x: torch.Tensor, *args,
-                    **kwargs) -> torch.Tensor:
+def _routed_forward(layer: torch.nn.Module, routes: list[tuple[str, torch.Tensor]], rows: int, batch: dict[str, int],
+                    x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A LoRA Linear layer's forward in a mixed-task step: the base over every row, then each
-    adapter's low-rank update over its own rows (gathered, computed, added back)."""
+    adapter's low-rank update over its own rows (gathered, computed, added back). `rows`: one more
+    than the largest row routed; `batch`: the first dimension the step's first routed layer saw,
+    which every routed layer must see too (rows index it)."""
+    if "adapter_names" in kwargs:
+        raise _core.InvalidArgument("taskswap: a mixed-task step routes the rows itself; drop adapter_names")
+    if layer.disable_adapters:  # inside model.disable_adapter(): the base alone, as PEFT's forward
+        return layer.base_layer(x, *args, **kwargs)
+    first = batch.setdefault("rows", x.shape[0])
+    if x.shape[0] != first or first < rows:
+        raise _core.InvalidArgument(
+            f"taskswap: a mixed-task step routes rows along the inputs' first dimension, {first} at the first "
+            f"adapted layer, up to row {rows - 1}; this layer's input has {x.shape[0]} along it. Give the rows of "
+            "a batch whose first dimension every adapted layer keeps (batch first)")
     result = layer.base_layer(x, *args, **kwargs)
     dtype = result.dtype
-    for name, rows in routes:
-        if rows.numel() == 0:
-            continue
-        if rows.device != x.device:
-            rows = rows.to(x.device, non_blocking=True)
+    for name, index in routes:
+        if index.device != x.device:
+            index = index.to(x.device, non_blocking=True)
         lora_a = layer.lora_A[name]
-        part = layer._cast_input_dtype(x.index_select(0, rows), lora_a.weight.dtype)
+        part = layer._cast_input_dtype(x.index_select(0, index), lora_a.weight.dtype)
         update = layer.lora_B[name](lora_a(layer.lora_dropout[name](part))) * layer.scaling[name]
-        result = result.index_add(0, rows, update.to(dtype))
+        result = result.index_add(0, index, update.to(dtype))
     return result
 
 
@@ -265,15 +290,15 @@ class _RoutedStep:
     """A mixed-task step (Adapters.step with a mapping): the routed forwards for the step scope's
     life, then the layers' own again."""
 
-    __slots__ = ("adapters", "routing", "scope")
+    __slots__ = ("adapters", "layers", "scope")
 
-    def __init__(self, adapters: Adapters, routing: dict[str, torch.Tensor], scope: _StepScope):
+    def __init__(self, adapters: Adapters, layers: list, scope: _StepScope):
         self.adapters = adapters
-        self.routing = routing
+        self.layers = layers
         self.scope = scope
 
     def __enter__(self) -> _StepScope:
-        self.adapters._route(self.routing)
+        self.adapters._route(self.layers)
         try:
             return self.scope.__enter__()
         except BaseException:
