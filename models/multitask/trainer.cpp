@@ -276,6 +276,110 @@ struct trainer::impl {
     last_stats = rt.end_step();
   }
 
+  // A run's interval of steps whose losses were copied home (a log line lags one interval: its
+  // copy is read when the next one is queued).
+  struct loss_interval {
+    std::int64_t first;
+    std::int64_t end;
+    taskswap::event done;
+    std::size_t reduced_bytes = 0;  // allreduced over the interval (with several ranks)
+  };
+
+  // The losses of steps [first, end) copied to losses_home on the compute stream.
+  void copy_losses(std::int64_t first, std::int64_t end)
+  {
+    const std::size_t off = static_cast<std::size_t>(first) * sizeof(float);
+    const std::size_t n = static_cast<std::size_t>(end - first) * sizeof(float);
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a float's place in bytes
+    const auto* at = reinterpret_cast<std::byte*>(losses + first);
+    const auto from = static_cast<std::size_t>(at - workspace.data());
+    taskswap::copy_async(losses_home.span().subspan(off, n), workspace.span().subspan(from, n), compute);
+  }
+
+  [[nodiscard]] const float* host_losses() const
+  {
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): f32 array
+    return reinterpret_cast<const float*>(losses_home.data());
+  }
+
+  // The log line of an interval: the mean loss, the first tasks' means, the bytes reduced.
+  [[nodiscard]] std::string interval_line(const loss_interval& p) const
+  {
+    p.done.synchronize();
+    std::vector<double> sum(static_cast<std::size_t>(model.tasks), 0.0);
+    std::vector<int> count(static_cast<std::size_t>(model.tasks), 0);
+    for (std::int64_t s = p.first; s < p.end; ++s) {
+      const auto t = static_cast<std::size_t>(task_of_step(model, rank(), s));
+      sum[t] += host_losses()[s];
+      ++count[t];
+    }
+    std::ostringstream line;
+    line << "step " << p.end << ": mean loss ";
+    double all = 0;
+    for (std::size_t t = 0; t < sum.size(); ++t) { all += sum[t]; }
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%.4f", all / static_cast<double>(p.end - p.first));
+    line << buf << " over " << (p.end - p.first) << " steps;";
+    int shown = 0;
+    for (std::size_t t = 0; t < sum.size() && shown < 6; ++t) {
+      if (count[t] == 0) { continue; }
+      std::snprintf(buf, sizeof buf, " task/%zu %.4f", t, sum[t] / count[t]);
+      line << buf;
+      ++shown;
+    }
+    if (world() > 1) {
+      std::snprintf(buf, sizeof buf, "; reduced %.1f KiB/step",
+                    static_cast<double>(p.reduced_bytes) / 1024.0 / static_cast<double>(p.end - p.first));
+      line << buf;
+    }
+    return line.str();
+  }
+
+  // After the run's steps [begin, end_at): each task's losses (the mean of its first and last
+  // three), the totals, and the traffic of the steps after the first.
+  void summarise(run_result& r, std::int64_t begin, std::int64_t end_at)
+  {
+    r.tasks.resize(static_cast<std::size_t>(model.tasks));
+    if (end_at == begin) { return; }
+    copy_losses(begin, end_at);
+    compute.synchronize();
+    for (std::int64_t s = begin; s < end_at; ++s) {
+      task_losses& t = r.tasks[static_cast<std::size_t>(task_of_step(model, rank(), s))];
+      t.all.push_back(host_losses()[s]);
+      ++t.steps;
+    }
+    for (task_losses& t : r.tasks) {
+      if (t.all.empty()) { continue; }
+      const std::size_t k = std::max<std::size_t>(1, std::min<std::size_t>(3, t.all.size() / 2));
+      double first = 0;
+      double last = 0;
+      for (std::size_t i = 0; i < k; ++i) {
+        first += t.all[i];
+        last += t.all[t.all.size() - 1 - i];
+      }
+      t.first = static_cast<float>(first / static_cast<double>(k));
+      t.last = static_cast<float>(last / static_cast<double>(k));
+    }
+    const taskswap::runtime_stats stats = rt.stats();
+    r.total = stats.total;
+    if (rt.guards_steps()) { r.scaler = rt.scaler_state(); }
+    r.disk = stats.disk;
+    for (const taskswap::step_stats& st : stats.steps) {  // the steps after the warm-up (the last 4096)
+      if (st.step <= static_cast<std::uint64_t>(begin)) { continue; }
+      r.timed.h2d_bytes += st.h2d_bytes;
+      r.timed.d2h_bytes += st.d2h_bytes;
+      r.timed.swap_ins += st.swap_ins;
+      r.timed.write_backs += st.write_backs;
+      r.timed.hits += st.hits;
+      r.timed.misses += st.misses;
+      r.timed.stall_ms += st.stall_ms;
+      r.timed.reduced_bytes += st.reduced_bytes;
+      r.timed.evictions += st.evictions;
+      r.timed.unplanned += st.unplanned;
+      r.timed.peak_device_bytes = std::max(r.timed.peak_device_bytes, st.peak_device_bytes);
+    }
+  }
+
   void finish(taskswap::unit_id u)
   {
     rt.grads_ready(u, compute);
@@ -385,55 +489,6 @@ run_result trainer::run(const run_options& options)
   impl& m = *impl_;
   m.initialise_once();
   const auto& on_log = options.on_log;
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): f32 array
-  auto* host_losses = reinterpret_cast<float*>(m.losses_home.data());
-  const auto copy_losses = [&](std::int64_t first, std::int64_t end) {
-    const std::size_t off = static_cast<std::size_t>(first) * sizeof(float);
-    const std::size_t n = static_cast<std::size_t>(end - first) * sizeof(float);
-    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a float's place in bytes
-    const auto* at = reinterpret_cast<std::byte*>(m.losses + first);
-    const auto from = static_cast<std::size_t>(at - m.workspace.data());
-    taskswap::copy_async(m.losses_home.span().subspan(off, n), m.workspace.span().subspan(from, n), m.compute);
-  };
-  // Loss lines lag one interval: the copy of an interval is read when the next one is queued.
-  struct pending {
-    std::int64_t first;
-    std::int64_t end;
-    taskswap::event done;
-    std::size_t reduced_bytes = 0;  // allreduced over the interval (with several ranks)
-  };
-  std::optional<pending> waiting;
-  const auto print = [&](const pending& p) {
-    p.done.synchronize();
-    std::vector<double> sum(static_cast<std::size_t>(m.model.tasks), 0.0);
-    std::vector<int> count(static_cast<std::size_t>(m.model.tasks), 0);
-    for (std::int64_t s = p.first; s < p.end; ++s) {
-      const auto t = static_cast<std::size_t>(task_of_step(m.model, m.rank(), s));
-      sum[t] += host_losses[s];
-      ++count[t];
-    }
-    std::ostringstream line;
-    line << "step " << p.end << ": mean loss ";
-    double all = 0;
-    for (std::size_t t = 0; t < sum.size(); ++t) { all += sum[t]; }
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.4f", all / static_cast<double>(p.end - p.first));
-    line << buf << " over " << (p.end - p.first) << " steps;";
-    int shown = 0;
-    for (std::size_t t = 0; t < sum.size() && shown < 6; ++t) {
-      if (count[t] == 0) { continue; }
-      std::snprintf(buf, sizeof buf, " task/%zu %.4f", t, sum[t] / count[t]);
-      line << buf;
-      ++shown;
-    }
-    if (m.world() > 1) {
-      std::snprintf(buf, sizeof buf, "; reduced %.1f KiB/step",
-                    static_cast<double>(p.reduced_bytes) / 1024.0 / static_cast<double>(p.end - p.first));
-      line << buf;
-    }
-    if (on_log) { on_log(line.str()); }
-  };
-
   const std::int64_t begin = m.first_step;
   std::int64_t end_at =
     options.stop_after >= 0 ? std::clamp<std::int64_t>(options.stop_after, begin, m.steps) : m.steps;
@@ -447,6 +502,7 @@ run_result trainer::run(const run_options& options)
   const taskswap::disk_stats disk_before = m.rt.stats().disk;  // the initial values' writes are the set-up's
   std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
   std::size_t interval_reduced = 0;
+  std::optional<impl::loss_interval> waiting;
   for (std::int64_t s = begin; s < end_at; ++s) {
     if (on_log && s == m.model.freeze_trunk_after && m.model.trunk_frozen(s)) {
       on_log("step " + std::to_string(s) + ": the trunk is frozen from here on; the task adapters keep training");
@@ -477,17 +533,17 @@ run_result trainer::run(const run_options& options)
     const int every = m.model.log_every;
     if (every > 0 && on_log && ((s + 1) % every == 0 || s + 1 == end_at)) {
       const std::int64_t first = std::max(begin, s + 1 - ((s + 1) % every == 0 ? every : (s + 1) % every));
-      copy_losses(first, s + 1);
-      pending p{first, s + 1, taskswap::event(m.dev), interval_reduced};
+      m.copy_losses(first, s + 1);
+      impl::loss_interval p{first, s + 1, taskswap::event(m.dev), interval_reduced};
       interval_reduced = 0;
       p.done.record(m.compute);
-      if (waiting) { print(*waiting); }
+      if (waiting) { on_log(m.interval_line(*waiting)); }
       waiting = std::move(p);
     }
   }
   m.compute.synchronize();
   const auto end = std::chrono::steady_clock::now();
-  if (waiting) { print(*waiting); }
+  if (waiting) { on_log(m.interval_line(*waiting)); }
   r.seconds = std::chrono::duration<double>(end - start).count();
   r.timed_steps = std::max<std::int64_t>(0, end_at - begin - 1);
   r.steps_done = end_at;
@@ -500,45 +556,7 @@ run_result trainer::run(const run_options& options)
   } else {
     m.rt.flush();
   }
-  r.tasks.resize(static_cast<std::size_t>(m.model.tasks));
-  if (end_at == begin) { return r; }
-  copy_losses(begin, end_at);
-  m.compute.synchronize();
-  for (std::int64_t s = begin; s < end_at; ++s) {
-    task_losses& t = r.tasks[static_cast<std::size_t>(task_of_step(m.model, m.rank(), s))];
-    t.all.push_back(host_losses[s]);
-    ++t.steps;
-  }
-  for (task_losses& t : r.tasks) {
-    if (t.all.empty()) { continue; }
-    const std::size_t k = std::max<std::size_t>(1, std::min<std::size_t>(3, t.all.size() / 2));
-    double first = 0;
-    double last = 0;
-    for (std::size_t i = 0; i < k; ++i) {
-      first += t.all[i];
-      last += t.all[t.all.size() - 1 - i];
-    }
-    t.first = static_cast<float>(first / static_cast<double>(k));
-    t.last = static_cast<float>(last / static_cast<double>(k));
-  }
-  const taskswap::runtime_stats stats = m.rt.stats();
-  r.total = stats.total;
-  if (m.rt.guards_steps()) { r.scaler = m.rt.scaler_state(); }
-  r.disk = m.rt.stats().disk;
-  for (const taskswap::step_stats& st : stats.steps) {  // the steps after the warm-up (the last 4096)
-    if (st.step <= static_cast<std::uint64_t>(begin)) { continue; }
-    r.timed.h2d_bytes += st.h2d_bytes;
-    r.timed.d2h_bytes += st.d2h_bytes;
-    r.timed.swap_ins += st.swap_ins;
-    r.timed.write_backs += st.write_backs;
-    r.timed.hits += st.hits;
-    r.timed.misses += st.misses;
-    r.timed.stall_ms += st.stall_ms;
-    r.timed.reduced_bytes += st.reduced_bytes;
-    r.timed.evictions += st.evictions;
-    r.timed.unplanned += st.unplanned;
-    r.timed.peak_device_bytes = std::max(r.timed.peak_device_bytes, st.peak_device_bytes);
-  }
+  m.summarise(r, begin, end_at);
   return r;
 }
 
