@@ -106,13 +106,11 @@ std::string batch_text(const std::optional<std::int64_t>& b, bool memory_known)
 
 }  // namespace
 
-int run_plan(const plan_args& args)
+namespace {
+
+// The link's and the drive's rates the plan's times use: given, measured, or unknown.
+void set_rates(const plan_args& args, const multitask::configuration& cfg, const std::string& name, plan_input& in)
 {
-  std::string name;
-  const multitask::configuration cfg = load_or_default(args.config, name);
-  const int steps = args.steps > 0 ? args.steps : cfg.model.steps;
-  plan_input in = model_plan_input(cfg, steps, device_memory_for(cfg, args.device_memory));
-  if (args.bytes_per_sample) { in.bytes_per_sample = *args.bytes_per_sample; }
   if (args.link_rate) {
     in.link_bytes_per_second = parse_rate(*args.link_rate);
     in.link_source = "--link-rate";
@@ -151,8 +149,43 @@ int run_plan(const plan_args& args)
     in.disk_write_bytes_per_second = d.write;
     in.disk_source = "measured in " + dir.string() + (d.direct ? "" : ", buffered: no O_DIRECT there");
   }
-  const plan_report r = make_plan(in);
+}
 
+// The disk homes' part of the printed plan.
+void print_disk(const plan_report& r)
+{
+  const auto b = [](double v) { return bytes_text(v); };
+  std::printf("  %-34s %zu units, %s in unit files\n", "disk homes", r.disk_units,
+              b(static_cast<double>(r.disk_bytes)).c_str());
+  std::printf("  %-34s %s (one step keeps at most %s of disk homes in use at once)\n", "host cache",
+              b(static_cast<double>(r.host_cache_bytes)).c_str(),
+              b(static_cast<double>(r.host_cache_step_bytes)).c_str());
+  std::printf("  %-34s %s read, %s written\n", "disk per step", b(r.disk_read_bytes_per_step).c_str(),
+              b(r.disk_write_bytes_per_step).c_str());
+  if (r.disk_ms_per_step > 0) {
+    std::printf("  %-34s %.3f ms at %.2f GB/s read, %.2f GB/s write (%s)\n", "disk time per step", r.disk_ms_per_step,
+                r.disk_read_bytes_per_second / 1e9, r.disk_write_bytes_per_second / 1e9, r.disk_source.c_str());
+    // The drive's reads and writes overlap the step's compute and copies: it keeps up with steps
+    // at least that long.
+    std::printf("  %-34s with steps of %.3f ms or more", "the drive keeps up", r.disk_ms_per_step);
+    if (r.transfer_ms_per_step > 0) {
+      std::printf(" (%.2fx the host-device transfer time per step)", r.disk_ms_per_step / r.transfer_ms_per_step);
+    }
+    std::printf("\n");
+  } else {
+    std::printf("  %-34s unknown (give --measure-disk, or --disk-read-rate and --disk-write-rate)\n",
+                "disk time per step");
+  }
+  if (r.host_cache_step_bytes > r.host_cache_bytes) {
+    std::printf("  note: one step keeps %s of disk homes in use at once, more than the %s host cache: it reads "
+                "some again within the step; raise [storage] host_cache\n",
+                b(static_cast<double>(r.host_cache_step_bytes)).c_str(),
+                b(static_cast<double>(r.host_cache_bytes)).c_str());
+  }
+}
+
+void print_plan(const plan_report& r, const std::string& name)
+{
   const auto b = [](double v) { return bytes_text(v); };
   std::printf("taskswap plan %s: %zu units (%zu pinned), %zu steps of the sample model's schedule\n", name.c_str(),
               r.units, r.pinned_units, r.steps);
@@ -164,35 +197,7 @@ int run_plan(const plan_args& args)
               b(static_cast<double>(r.rounding_bytes)).c_str(), b(static_cast<double>(r.granule)).c_str());
   std::printf("  %-34s %s\n", "all units resident would need", b(static_cast<double>(r.all_resident_bytes)).c_str());
   std::printf("  %-34s %s\n", "pinned host bytes (home arena)", b(static_cast<double>(r.pinned_host_bytes)).c_str());
-  if (r.disk_units > 0) {
-    std::printf("  %-34s %zu units, %s in unit files\n", "disk homes", r.disk_units,
-                b(static_cast<double>(r.disk_bytes)).c_str());
-    std::printf("  %-34s %s (one step keeps at most %s of disk homes in use at once)\n", "host cache",
-                b(static_cast<double>(r.host_cache_bytes)).c_str(),
-                b(static_cast<double>(r.host_cache_step_bytes)).c_str());
-    std::printf("  %-34s %s read, %s written\n", "disk per step", b(r.disk_read_bytes_per_step).c_str(),
-                b(r.disk_write_bytes_per_step).c_str());
-    if (r.disk_ms_per_step > 0) {
-      std::printf("  %-34s %.3f ms at %.2f GB/s read, %.2f GB/s write (%s)\n", "disk time per step", r.disk_ms_per_step,
-                  r.disk_read_bytes_per_second / 1e9, r.disk_write_bytes_per_second / 1e9, r.disk_source.c_str());
-      // The drive's reads and writes overlap the step's compute and copies: it keeps up with steps
-      // at least that long.
-      std::printf("  %-34s with steps of %.3f ms or more", "the drive keeps up", r.disk_ms_per_step);
-      if (r.transfer_ms_per_step > 0) {
-        std::printf(" (%.2fx the host-device transfer time per step)", r.disk_ms_per_step / r.transfer_ms_per_step);
-      }
-      std::printf("\n");
-    } else {
-      std::printf("  %-34s unknown (give --measure-disk, or --disk-read-rate and --disk-write-rate)\n",
-                  "disk time per step");
-    }
-    if (r.host_cache_step_bytes > r.host_cache_bytes) {
-      std::printf("  note: one step keeps %s of disk homes in use at once, more than the %s host cache: it reads "
-                  "some again within the step; raise [storage] host_cache\n",
-                  b(static_cast<double>(r.host_cache_step_bytes)).c_str(),
-                  b(static_cast<double>(r.host_cache_bytes)).c_str());
-    }
-  }
+  if (r.disk_units > 0) { print_disk(r); }
   std::printf("  %-34s %s h2d, %s d2h, %.2f swap-ins\n", "moved per step", b(r.h2d_bytes_per_step).c_str(),
               b(r.d2h_bytes_per_step).c_str(), r.swap_ins_per_step);
   if (r.link_bytes_per_second > 0) {
@@ -212,42 +217,59 @@ int run_plan(const plan_args& args)
                 b(static_cast<double>(r.peak_device_bytes)).c_str(),
                 b(static_cast<double>(r.budget - r.peak_device_bytes)).c_str());
   }
-  if (!args.json.empty()) {
-    nlohmann::json j{{"config", name},
-                     {"units", r.units},
-                     {"pinned_units", r.pinned_units},
-                     {"steps", r.steps},
-                     {"budget", r.budget},
-                     {"peak_device_bytes", r.peak_device_bytes},
-                     {"pinned_device_bytes", r.pinned_device_bytes},
-                     {"granule", r.granule},
-                     {"rounding_bytes", r.rounding_bytes},
-                     {"all_resident_bytes", r.all_resident_bytes},
-                     {"pinned_host_bytes", r.pinned_host_bytes},
-                     {"h2d_bytes_per_step", r.h2d_bytes_per_step},
-                     {"d2h_bytes_per_step", r.d2h_bytes_per_step},
-                     {"swap_ins_per_step", r.swap_ins_per_step},
-                     {"link_bytes_per_second", r.link_bytes_per_second},
-                     {"link_source", r.link_source},
-                     {"transfer_ms_per_step", r.transfer_ms_per_step},
-                     {"disk_units", r.disk_units},
-                     {"disk_bytes", r.disk_bytes},
-                     {"host_cache_bytes", r.host_cache_bytes},
-                     {"host_cache_step_bytes", r.host_cache_step_bytes},
-                     {"disk_read_bytes_per_step", r.disk_read_bytes_per_step},
-                     {"disk_write_bytes_per_step", r.disk_write_bytes_per_step},
-                     {"disk_read_bytes_per_second", r.disk_read_bytes_per_second},
-                     {"disk_write_bytes_per_second", r.disk_write_bytes_per_second},
-                     {"disk_ms_per_step", r.disk_ms_per_step},
-                     {"disk_source", r.disk_source},
-                     {"device_memory", r.device_memory},
-                     {"fixed_bytes", r.fixed_bytes},
-                     {"bytes_per_sample", r.bytes_per_sample},
-                     {"max_batch", r.max_batch ? nlohmann::json(*r.max_batch) : nlohmann::json(nullptr)},
-                     {"max_batch_all_resident",
-                      r.max_batch_all_resident ? nlohmann::json(*r.max_batch_all_resident) : nlohmann::json(nullptr)}};
-    write_json(j, args.json);
-  }
+}
+
+void write_plan_json(const plan_report& r, const std::string& name, const std::string& path)
+{
+  nlohmann::json j{{"config", name},
+                   {"units", r.units},
+                   {"pinned_units", r.pinned_units},
+                   {"steps", r.steps},
+                   {"budget", r.budget},
+                   {"peak_device_bytes", r.peak_device_bytes},
+                   {"pinned_device_bytes", r.pinned_device_bytes},
+                   {"granule", r.granule},
+                   {"rounding_bytes", r.rounding_bytes},
+                   {"all_resident_bytes", r.all_resident_bytes},
+                   {"pinned_host_bytes", r.pinned_host_bytes},
+                   {"h2d_bytes_per_step", r.h2d_bytes_per_step},
+                   {"d2h_bytes_per_step", r.d2h_bytes_per_step},
+                   {"swap_ins_per_step", r.swap_ins_per_step},
+                   {"link_bytes_per_second", r.link_bytes_per_second},
+                   {"link_source", r.link_source},
+                   {"transfer_ms_per_step", r.transfer_ms_per_step},
+                   {"disk_units", r.disk_units},
+                   {"disk_bytes", r.disk_bytes},
+                   {"host_cache_bytes", r.host_cache_bytes},
+                   {"host_cache_step_bytes", r.host_cache_step_bytes},
+                   {"disk_read_bytes_per_step", r.disk_read_bytes_per_step},
+                   {"disk_write_bytes_per_step", r.disk_write_bytes_per_step},
+                   {"disk_read_bytes_per_second", r.disk_read_bytes_per_second},
+                   {"disk_write_bytes_per_second", r.disk_write_bytes_per_second},
+                   {"disk_ms_per_step", r.disk_ms_per_step},
+                   {"disk_source", r.disk_source},
+                   {"device_memory", r.device_memory},
+                   {"fixed_bytes", r.fixed_bytes},
+                   {"bytes_per_sample", r.bytes_per_sample},
+                   {"max_batch", r.max_batch ? nlohmann::json(*r.max_batch) : nlohmann::json(nullptr)},
+                   {"max_batch_all_resident",
+                    r.max_batch_all_resident ? nlohmann::json(*r.max_batch_all_resident) : nlohmann::json(nullptr)}};
+  write_json(j, path);
+}
+
+}  // namespace
+
+int run_plan(const plan_args& args)
+{
+  std::string name;
+  const multitask::configuration cfg = load_or_default(args.config, name);
+  const int steps = args.steps > 0 ? args.steps : cfg.model.steps;
+  plan_input in = model_plan_input(cfg, steps, device_memory_for(cfg, args.device_memory));
+  if (args.bytes_per_sample) { in.bytes_per_sample = *args.bytes_per_sample; }
+  set_rates(args, cfg, name, in);
+  const plan_report r = make_plan(in);
+  print_plan(r, name);
+  if (!args.json.empty()) { write_plan_json(r, name, args.json); }
   return 0;
 }
 
