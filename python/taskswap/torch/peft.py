@@ -163,10 +163,10 @@ class Adapters:
         forward and backward, over one pass of the base; each adapter's gradients come from its
         rows alone, rows no adapter names go through the base alone, and an adapter given no rows
         is not trained in the step. Every adapted layer must see the batch along its inputs' first
-        dimension (a row beyond it is refused). The loss and its normalisation are the trainer's. Each adapter's dropout applies to its rows. Only
-        un-merged LoRA ``Linear`` layers without a variant (DoRA, ...) are routed; anything else
-        an adapter of the step reaches is refused, saying what to change. ``with`` gives the step
-        scope."""
+        dimension (a row beyond it is refused). The loss and its normalisation are the
+        trainer's. Each adapter's dropout applies to its rows. Only un-merged LoRA ``Linear``
+        layers without a variant (DoRA, ...) are routed; anything else an adapter of the step
+        reaches is refused, saying what to change. ``with`` gives the step scope."""
         if isinstance(names, Mapping):
             routing = _routing(names)
             uses = self.uses(list(routing), *extra)
