@@ -41,6 +41,53 @@ std::string resume_command(int argc, char** argv, const std::string& dir)
   return command + " --resume " + dir;
 }
 
+// The run's summary: traffic, the disk homes', the guarded steps', each task's first and last losses.
+void print_summary(const multitask::run_result& r, std::size_t budget)
+{
+  std::printf("summary: %.2f ms/step; swap-ins %zu, write-backs %zu, h2d %s, d2h %s, stall %.1f ms; reduced %s; "
+              "device peak %zu bytes of a %zu-byte budget\n",
+              r.step_ms(), r.total.swap_ins, r.total.write_backs, mib(r.total.h2d_bytes).c_str(),
+              mib(r.total.d2h_bytes).c_str(), r.total.stall_ms, mib(r.total.reduced_bytes).c_str(),
+              r.total.peak_device_bytes, budget);
+  if (r.disk.host_cache_bytes != 0) {
+    std::printf("  disk homes: %s read (%llu reads started ahead), %llu writes (%s) through a %s host cache (%llu "
+                "hits, %llu misses); waited for the drive %.1f ms\n",
+                mib(r.disk.read_bytes).c_str(), static_cast<unsigned long long>(r.disk.prefetches),
+                static_cast<unsigned long long>(r.disk.written_back), mib(r.disk.written_bytes).c_str(),
+                mib(r.disk.host_cache_bytes).c_str(), static_cast<unsigned long long>(r.disk.hits),
+                static_cast<unsigned long long>(r.disk.misses), r.disk.wait_ms);
+    const double done = static_cast<double>(std::max<std::int64_t>(1, r.steps_done - r.first_step));
+    std::printf("  disk per step: %.1f KiB read, %.1f KiB written (the steps alone; taskswap plan predicts them)\n",
+                static_cast<double>(r.disk_read_in_steps) / 1024.0 / done,
+                static_cast<double>(r.disk_written_in_steps) / 1024.0 / done);
+  }
+  if (r.scaler) {
+    std::printf("  guarded steps: loss scale %g, %lld of %lld steps skipped (a gradient not finite), last global "
+                "gradient norm %.4g\n",
+                static_cast<double>(r.scaler->scale), static_cast<long long>(r.scaler->skipped_steps),
+                static_cast<long long>(r.scaler->steps), static_cast<double>(r.scaler->last_norm));
+  }
+  if (r.timed_steps > 0) {
+    const double us = r.stop_agreement_seconds * 1e6 / static_cast<double>(r.timed_steps);
+    std::printf("  stop agreement: %.1f us/step (%.2f%% of a step)\n", us, us / (r.step_ms() * 10.0));
+  }
+  std::printf("  %-8s %6s %10s %10s   (mean loss of each task's first and last 3 steps)\n", "task", "steps", "first",
+              "last");
+  int fell = 0;
+  int trained = 0;
+  for (std::size_t i = 0; i < r.tasks.size(); ++i) {
+    const multitask::task_losses& l = r.tasks[i];
+    if (l.steps == 0) { continue; }
+    ++trained;
+    if (l.last < l.first) { ++fell; }
+    if (trained <= 12) {
+      std::printf("  task/%-3zu %6lld %10.4f %10.4f\n", i, static_cast<long long>(l.steps), l.first, l.last);
+    }
+  }
+  if (trained > 12) { std::printf("  (%d more tasks)\n", trained - 12); }
+  std::printf("loss fell on %d of %d tasks trained on rank 0\n", fell, trained);
+}
+
 int train(int argc, char** argv)
 {
   CLI::App app{"Trains the taskswap sample multi-task model"};
@@ -141,50 +188,7 @@ int train(int argc, char** argv)
     return 0;
   }
   if (!save.empty()) { t.save_parameters(t.world() > 1 ? save + ".rank" + std::to_string(t.rank()) : save); }
-  if (lead) {
-    std::printf("summary: %.2f ms/step; swap-ins %zu, write-backs %zu, h2d %s, d2h %s, stall %.1f ms; reduced %s; "
-                "device peak %zu bytes of a %zu-byte budget\n",
-                r.step_ms(), r.total.swap_ins, r.total.write_backs, mib(r.total.h2d_bytes).c_str(),
-                mib(r.total.d2h_bytes).c_str(), r.total.stall_ms, mib(r.total.reduced_bytes).c_str(),
-                r.total.peak_device_bytes, options.device.budget);
-    if (r.disk.host_cache_bytes != 0) {
-      std::printf("  disk homes: %s read (%llu reads started ahead), %llu writes (%s) through a %s host cache (%llu "
-                  "hits, %llu misses); waited for the drive %.1f ms\n",
-                  mib(r.disk.read_bytes).c_str(), static_cast<unsigned long long>(r.disk.prefetches),
-                  static_cast<unsigned long long>(r.disk.written_back), mib(r.disk.written_bytes).c_str(),
-                  mib(r.disk.host_cache_bytes).c_str(), static_cast<unsigned long long>(r.disk.hits),
-                  static_cast<unsigned long long>(r.disk.misses), r.disk.wait_ms);
-      const double done = static_cast<double>(std::max<std::int64_t>(1, r.steps_done - r.first_step));
-      std::printf("  disk per step: %.1f KiB read, %.1f KiB written (the steps alone; taskswap plan predicts them)\n",
-                  static_cast<double>(r.disk_read_in_steps) / 1024.0 / done,
-                  static_cast<double>(r.disk_written_in_steps) / 1024.0 / done);
-    }
-    if (r.scaler) {
-      std::printf("  guarded steps: loss scale %g, %lld of %lld steps skipped (a gradient not finite), last global "
-                  "gradient norm %.4g\n",
-                  static_cast<double>(r.scaler->scale), static_cast<long long>(r.scaler->skipped_steps),
-                  static_cast<long long>(r.scaler->steps), static_cast<double>(r.scaler->last_norm));
-    }
-    if (r.timed_steps > 0) {
-      const double us = r.stop_agreement_seconds * 1e6 / static_cast<double>(r.timed_steps);
-      std::printf("  stop agreement: %.1f us/step (%.2f%% of a step)\n", us, us / (r.step_ms() * 10.0));
-    }
-    std::printf("  %-8s %6s %10s %10s   (mean loss of each task's first and last 3 steps)\n", "task", "steps", "first",
-                "last");
-    int fell = 0;
-    int trained = 0;
-    for (std::size_t i = 0; i < r.tasks.size(); ++i) {
-      const multitask::task_losses& l = r.tasks[i];
-      if (l.steps == 0) { continue; }
-      ++trained;
-      if (l.last < l.first) { ++fell; }
-      if (trained <= 12) {
-        std::printf("  task/%-3zu %6lld %10.4f %10.4f\n", i, static_cast<long long>(l.steps), l.first, l.last);
-      }
-    }
-    if (trained > 12) { std::printf("  (%d more tasks)\n", trained - 12); }
-    std::printf("loss fell on %d of %d tasks trained on rank 0\n", fell, trained);
-  }
+  if (lead) { print_summary(r, options.device.budget); }
   return 0;
 }
 
