@@ -29,6 +29,15 @@ using detail::checkpoint_format;
 using detail::manifest_file;
 using detail::message;
 
+// Whether a key of the trainer's entries is printable text: TOML's writer leaves some control
+// characters (a trailing tab) outside the key's quotes, and the key would read back otherwise.
+bool printable_key(std::string_view key)
+{
+  return std::none_of(key.begin(), key.end(), [](char c) {
+    return static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) == 0x7f;
+  });
+}
+
 constexpr std::uintmax_t max_manifest_bytes = std::uintmax_t{256} << 20U;  // 2 MiB per 10,000 units: room to spare
 
 std::string hex_float(double v)
@@ -303,6 +312,9 @@ checkpoint_manifest parse_checkpoint_manifest(std::string_view text, std::string
     for (const auto& [key, value] : *t) {
       const auto v = value.value_exact<std::string>();
       if (!v) { r.fail(&value, message(" user.", key.str(), ": give a string")); }
+      if (!printable_key(key.str())) {
+        r.fail(&value, " user: a key holds a control character; keys are printable text");
+      }
       m.user.emplace(std::string(key.str()), *v);
     }
   }
@@ -373,7 +385,13 @@ std::string manifest_text(const checkpoint_manifest& m)
     units.push_back(std::move(t));
   }
   toml::table user;
-  for (const auto& [k, v] : m.user) { user.insert(k, v); }
+  for (const auto& [k, v] : m.user) {
+    if (!printable_key(k)) {
+      throw checkpoint_error(message("checkpoint: the trainer's entry key '", k,
+                                     "' holds a control character; give keys of printable text"));
+    }
+    user.insert(k, v);
+  }
   const bool own_files =
     std::any_of(m.units.begin(), m.units.end(), [](const checkpoint_unit& u) { return !u.file.empty(); });
   toml::table root{{"format", std::string(checkpoint_format)},
