@@ -592,6 +592,21 @@ TEST_F(disk_home_test, a_home_whose_device_copy_serves_its_next_use_is_let_go_fi
   EXPECT_EQ(host_state, disk_state);
 }
 
+// The bytes one home's block takes in the host cache under `o` (a runtime that touches the
+// first unit's home once); the storage directory is removed after.
+std::size_t one_home_block(const runtime_options& o, const std::vector<unit_spec>& u, const fs::path& dir)
+{
+  std::size_t block = 0;
+  {
+    const device dev = emulated_device({.memory_bytes = std::size_t{4} << 20U, .link = {}});
+    runtime probe(dev, o, u);
+    (void)probe.home(unit_id{0});
+    block = probe.stats().disk.cached_bytes;
+  }
+  fs::remove_all(dir);
+  return block;
+}
+
 // A home read for a swap-in stays in the cache while the device makes the unit's room: the
 // write-backs of the device's victims take the blocks of other homes, not its own (before, the
 // acquire had taken the unit's use from the plan, its block looked never used again, and a
@@ -611,13 +626,7 @@ TEST_F(disk_home_test, a_home_read_for_a_swap_in_stays_while_the_device_makes_it
   o.storage = {.path = dir_, .host_cache = std::size_t{1} << 20U, .queue_depth = 4, .block = 64 * 1024, .lookahead = 0};
   const device dev = emulated_device({.memory_bytes = std::size_t{4} << 20U, .link = {}});
   const stream s(dev);
-  std::size_t block = 0;  // one home's block in the cache
-  {
-    runtime probe(dev, o, u);
-    (void)probe.home(unit_id{0});
-    block = probe.stats().disk.cached_bytes;
-  }
-  fs::remove_all(dir_);
+  const std::size_t block = one_home_block(o, u, dir_);
   ASSERT_GT(block, 0U);
   o.storage.host_cache = 3 * block + block / 2;  // three homes
   runtime rt(dev, o, u);
@@ -651,16 +660,8 @@ TEST_F(disk_home_test, after_a_failure_a_home_older_than_its_device_copy_is_refu
   tasks.residency = residency::on_demand;
   tasks.home = "disk";
   o.units.push_back(tasks);
-  o.storage = {.path = dir_, .host_cache = 0, .queue_depth = 4, .block = 64 * 1024, .lookahead = 0};
-  std::size_t block = 0;  // one home's block in the cache
-  {
-    o.storage.host_cache = std::size_t{1} << 20U;
-    const device probe_dev = emulated_device({.memory_bytes = std::size_t{4} << 20U, .link = {}});
-    runtime probe(probe_dev, o, u);
-    (void)probe.home(unit_id{0});
-    block = probe.stats().disk.cached_bytes;
-  }
-  fs::remove_all(dir_);
+  o.storage = {.path = dir_, .host_cache = std::size_t{1} << 20U, .queue_depth = 4, .block = 64 * 1024, .lookahead = 0};
+  const std::size_t block = one_home_block(o, u, dir_);
   ASSERT_GT(block, 0U);
   o.storage.host_cache = 3 * block + block / 2;  // three homes
   // Copies 1 and 2 bring v and w in; the third, c's swap-in, fails.
