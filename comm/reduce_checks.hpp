@@ -20,6 +20,8 @@ inline void check_reduce_item(const reduce_item& it, const device& dev, std::str
   TASKSWAP_EXPECTS(it.data.owner() == &dev.backend(),
                    message(backend, " allreduce of ", what, ": the buffer is not on the communicator's device (",
                            dev.name(), "); ", hint));
+  TASKSWAP_EXPECTS(is_floating(it.type), message(backend, " allreduce of ", what,
+                                                 ": u8 is raw bytes (a frozen unit's); reduce f32, bf16 or f16"));
   TASKSWAP_EXPECTS(it.data.size() % size_of(it.type) == 0,
                    message(backend, " allreduce of ", what, ": ", it.data.size(), " bytes is not a whole number of ",
                            to_string(it.type), " elements"));

@@ -134,6 +134,8 @@ void cpu_adamw_step(const adamw_slabs& slabs, const adamw_scalars& scalars, host
   if (slabs.count == 0) { return; }
   TASKSWAP_EXPECTS(slabs.master != nullptr && slabs.m != nullptr && slabs.v != nullptr && slabs.grad != nullptr,
                    message("AdamW on ", slabs.count, " elements needs master, m, v and gradient slabs"));
+  TASKSWAP_EXPECTS(is_floating(slabs.grad_type) && is_floating(slabs.param_type),
+                   "AdamW: the gradients and parameters are f32, bf16 or f16 (u8 is a frozen unit's raw bytes)");
   TASKSWAP_EXPECTS(slabs.params == nullptr || slabs.param_type != dtype::f32,
                    "AdamW: an f32 compute dtype updates the master in place; pass no params copy");
   TASKSWAP_EXPECTS(supports(isa), message("AdamW: this CPU lacks the ", to_string(isa), " instruction set"));

@@ -94,6 +94,8 @@ void cpu_adamw::step(const adamw_tensors& t, const adamw_options& hyper, std::in
                                    t.v.size(), "; give each as many"));
   if (n == 0) { return; }
   TASKSWAP_EXPECTS(t.grad != nullptr, "cpu_adamw: no gradients; point grad at master.size() values of grad_type");
+  TASKSWAP_EXPECTS(is_floating(t.grad_type) && is_floating(t.param_type),
+                   "cpu_adamw: grad_type and param_type are f32, bf16 or f16 (u8 is a frozen unit's raw bytes)");
   TASKSWAP_EXPECTS(t.params == nullptr || t.param_type != dtype::f32,
                    "cpu_adamw: an f32 params copy would be the master itself; pass params = nullptr for f32 training");
   const std::size_t g = size_of(t.grad_type);

@@ -156,6 +156,7 @@ void adamw_range_of(const adamw_slabs& s, const adamw_scalars& k, std::size_t be
     case dtype::f32: adamw_for_grad<V, dtype::f32, Scaled>(s, k, begin, end, grouped); break;
     case dtype::bf16: adamw_for_grad<V, dtype::bf16, Scaled>(s, k, begin, end, grouped); break;
     case dtype::f16: adamw_for_grad<V, dtype::f16, Scaled>(s, k, begin, end, grouped); break;
+    case dtype::u8: break;  // refused before any pass
   }
 }
 

@@ -271,6 +271,7 @@ void launch_adamw_any(const adamw_slabs& slabs, const adamw_scalars& k, const ad
     case dtype::f32: launch_adamw_grad<dtype::f32, Guarded>(slabs, k, device_k, guard, device_index, s); return;
     case dtype::bf16: launch_adamw_grad<dtype::bf16, Guarded>(slabs, k, device_k, guard, device_index, s); return;
     case dtype::f16: launch_adamw_grad<dtype::f16, Guarded>(slabs, k, device_k, guard, device_index, s); return;
+    case dtype::u8: return;  // refused by adamw_async
   }
 }
 

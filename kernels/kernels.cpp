@@ -22,6 +22,7 @@ void expect_aligned(const void* p, dtype type, const char* what)
   // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): alignment check
   const auto address = reinterpret_cast<std::uintptr_t>(p);
   TASKSWAP_EXPECTS(p != nullptr, message(what, ": null pointer"));
+  TASKSWAP_EXPECTS(is_floating(type), message(what, ": u8 is raw bytes (a frozen unit's), never computed on"));
   TASKSWAP_EXPECTS(address % size_of(type) == 0,
                    message(what, ": ", to_string(type), " slab at ", p, " is not ", size_of(type), "-byte aligned"));
 }
@@ -106,6 +107,7 @@ void host_square_sum(const void* grad, dtype type, std::size_t count, step_guard
       case dtype::f32: add_to_lanes<dtype::f32>(grad, base, n, unscale, lanes); break;
       case dtype::bf16: add_to_lanes<dtype::bf16>(grad, base, n, unscale, lanes); break;
       case dtype::f16: add_to_lanes<dtype::f16>(grad, base, n, unscale, lanes); break;
+      case dtype::u8: break;  // refused by expect_aligned
     }
   }
   // Each block's threads by a tree, then the blocks' sums by the same tree.

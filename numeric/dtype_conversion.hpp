@@ -69,6 +69,7 @@ TASKSWAP_HOST_DEVICE static inline float widen_element(const void* slab, dtype t
     case dtype::f32: return static_cast<const float*>(slab)[i];
     case dtype::bf16: return bf16_to_float(static_cast<const std::uint16_t*>(slab)[i]);
     case dtype::f16: return f16_to_float(static_cast<const std::uint16_t*>(slab)[i]);
+    case dtype::u8: break;  // raw bytes (a frozen unit's) are never widened
   }
   return 0.0F;
 }
@@ -80,6 +81,7 @@ TASKSWAP_HOST_DEVICE static inline void narrow_element(void* slab, dtype type, s
     case dtype::f32: static_cast<float*>(slab)[i] = canonical(x); return;
     case dtype::bf16: static_cast<std::uint16_t*>(slab)[i] = float_to_bf16(x); return;
     case dtype::f16: static_cast<std::uint16_t*>(slab)[i] = float_to_f16(x); return;
+    case dtype::u8: return;  // raw bytes (a frozen unit's) are never narrowed
   }
 }
 

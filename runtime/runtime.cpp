@@ -62,9 +62,11 @@ tensor_view unit_view::grad_tensor(std::size_t i) const
 
 void tensor_view::check_element(std::size_t size, bool floating) const
 {
-  const bool fits = type == dtype::f32 ? size == 4 && floating : size == 2 && !floating;
+  const bool fits = size == size_of(type) && floating == (type == dtype::f32);
   TASKSWAP_EXPECTS(fits, detail::message("tensor_view::data<T>(): the tensor is ", to_string(type), "; use ",
-                                         type == dtype::f32 ? "float" : "std::uint16_t (its bits)"));
+                                         type == dtype::f32   ? "float"
+                                         : type == dtype::u8 ? "std::uint8_t (its bytes)"
+                                                             : "std::uint16_t (its bits)"));
 }
 
 step_plan::step_plan(std::initializer_list<unit_id> acquisitions)

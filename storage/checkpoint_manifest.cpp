@@ -152,7 +152,8 @@ dtype read_dtype(reader& r, std::string_view key)
   if (s == "f32") { return dtype::f32; }
   if (s == "bf16") { return dtype::bf16; }
   if (s == "f16") { return dtype::f16; }
-  r.fail(nullptr, message(" ", key, ": \"", s, "\" is not f32, bf16 or f16"));
+  if (s == "u8") { return dtype::u8; }
+  r.fail(nullptr, message(" ", key, ": \"", s, "\" is not f32, bf16, f16 or u8"));
 }
 
 checkpoint_slab read_slab(reader& parent, std::string_view key)

@@ -150,7 +150,7 @@ struct tensor_spec {
 struct unit_spec {
   std::string name;
   std::vector<tensor_spec> tensors;
-  dtype compute = dtype::f32;  ///< parameters on the device
+  dtype compute = dtype::f32;  ///< parameters on the device; u8 (raw bytes) for a frozen unit only
   std::optional<dtype> grad{};  ///< gradients; default: the compute dtype
   std::optional<unit_policy> policy{};  ///< overrides the options' defaults and rules
   /// false: a unit that is never trained (a frozen base model). It has its parameter slab alone,
@@ -190,7 +190,8 @@ struct tensor_view {
   dtype type = dtype::f32;
   std::span<const std::size_t> shape;  ///< as registered
   std::size_t count = 0;  ///< elements
-  /// @brief Its first element as `T`: float for f32, std::uint16_t (the bits) for bf16 and f16.
+  /// @brief Its first element as `T`: float for f32, std::uint16_t (the bits) for bf16 and f16,
+  /// std::uint8_t for u8.
   /// A device address: dereference it in device code only (host code on the emulated device).
   /// @throws invalid_argument when `T` does not match the dtype
   template <typename T>

@@ -161,7 +161,8 @@ void bind_enums(nb::module_& m)
   nb::enum_<dtype>(m, "DType", "Element types of a unit's slabs.")
     .value("f32", dtype::f32)
     .value("bf16", dtype::bf16)
-    .value("f16", dtype::f16);
+    .value("f16", dtype::f16)
+    .value("u8", dtype::u8);
   nb::enum_<residency>(m, "Residency", "Where a unit lives between uses.")
     .value("pinned", residency::pinned)
     .value("prefetch", residency::prefetch)

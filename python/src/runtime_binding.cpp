@@ -63,6 +63,7 @@ nb::dlpack::dtype dlpack_of(dtype t)
     case dtype::f32: return nb::dtype<float>();
     case dtype::bf16: return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
     case dtype::f16: return {static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+    case dtype::u8: return nb::dtype<std::uint8_t>();
   }
   return nb::dtype<float>();
 }

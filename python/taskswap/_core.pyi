@@ -32,6 +32,8 @@ class DType(enum.Enum):
 
     f16 = 2
 
+    u8 = 3
+
 class Residency(enum.Enum):
     """Where a unit lives between uses."""
 

@@ -68,6 +68,7 @@ struct unit_state {
       case dtype::f32: return grad32[i];
       case dtype::bf16: return detail::bf16_to_float(grad16[i]);
       case dtype::f16: return detail::f16_to_float(grad16[i]);
+      case dtype::u8: break;  // not a gradient type
     }
     return 0;
   }

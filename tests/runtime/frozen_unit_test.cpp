@@ -184,5 +184,64 @@ TEST(frozen_unit, checkpoints_hold_its_parameters_and_a_unit_registered_otherwis
   std::filesystem::remove_all(dir);
 }
 
+// A frozen unit of raw bytes (dtype::u8) stands for tensors of any element type: int8 weights
+// of an odd size and a float scale, each given as [shape..., bytes per element].
+TEST(frozen_unit, of_raw_bytes_moves_them_unread_at_their_alignments_and_is_refused_trained)
+{
+  unit_spec raw;
+  raw.name = "quantized";
+  raw.tensors = {{"qweight", {33, 17, 1}}, {"scale", {33, 4}}};
+  raw.compute = dtype::u8;
+  raw.policy = unit_policy{residency::on_demand, 0, optimizer_placement::device};
+  raw.trainable = false;
+  // 561 bytes, up to 576 (64-byte tensor alignment), 132 bytes of scale: 708, up to 768 (the slab's 256)
+  EXPECT_EQ(footprint(raw, optimizer_placement::device).param_bytes, 768U);
+  unit_spec trained = raw;
+  trained.trainable = true;
+  expect_error_mentioning<config_error>([&] { (void)footprint(trained, optimizer_placement::device); },
+                                        "raw bytes (u8) are for a frozen unit");
+
+  const device dev = emulated_device({.memory_bytes = 4 * MiB});
+  const std::filesystem::path dir =
+    std::filesystem::temp_directory_path() / ("taskswap-raw-unit-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  const std::vector<unit_spec> units{raw, base_unit("other", 64, dtype::f32, residency::on_demand)};
+  std::vector<std::byte> written(561 + 132);
+  std::mt19937 gen(11);
+  for (std::byte& b : written) { b = static_cast<std::byte>(gen() & 0xFFU); }
+  {
+    runtime rt(dev, budget(17000), units);  // room for one of the two at a time
+    const home_view h = rt.home(unit_id{0});
+    ASSERT_EQ(h.params.type, dtype::u8);
+    auto* home = static_cast<std::byte*>(h.params.data);
+    std::memcpy(home, written.data(), 561);
+    std::memcpy(home + 576, written.data() + 561, 132);
+    stream s(dev);
+    for (int k = 0; k < 2; ++k) {  // the second time both come back: neither stays (on demand)
+      const unit_view v = rt.acquire(unit_id{0}, s, unit_use::frozen);
+      const std::vector<std::byte> got = device_params(dev, v, s);
+      EXPECT_EQ(std::memcmp(got.data(), written.data(), 561), 0);
+      EXPECT_EQ(std::memcmp(got.data() + 576, written.data() + 561, 132), 0);
+      EXPECT_EQ(v.tensors[1].offset, 576U) << "each tensor at a 64-byte boundary";
+      const tensor_view scale = v.param_tensor(1);
+      EXPECT_NE(scale.data<std::uint8_t>(), nullptr);
+      expect_error_mentioning<invalid_argument>([&] { (void)scale.data<float>(); }, "std::uint8_t");
+      rt.release(unit_id{0}, s);
+      (void)rt.acquire(unit_id{1}, s, unit_use::frozen);
+      rt.release(unit_id{1}, s);
+      const step_stats st = rt.end_step();
+      if (k == 1) { EXPECT_EQ(st.h2d_bytes, 768U + footprint(units[1], optimizer_placement::device).param_bytes); }
+    }
+    rt.save_checkpoint(dir);
+  }
+  EXPECT_EQ(read_checkpoint_manifest(dir).units[0].compute, dtype::u8);
+  runtime rt(dev, budget(64 * KiB), units);
+  (void)rt.load_checkpoint(dir);
+  const auto* home = static_cast<const std::byte*>(rt.home(unit_id{0}).params.data);
+  EXPECT_EQ(std::memcmp(home, written.data(), 561), 0);
+  EXPECT_EQ(std::memcmp(home + 576, written.data() + 561, 132), 0);
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace taskswap::test
