@@ -52,14 +52,49 @@ import taskswap.torch.peft as tpeft  # noqa: E402
 PLAN_AHEAD = 64  # steps planned at a time
 
 
+class Int8Linear(torch.nn.Linear):
+    """A frozen linear layer of int8 weights with a float scale per output row (weight-only
+    quantization, as torchao's int8 weight-only does it), dequantized in forward. Its tensors
+    are plain tensors (an int8 parameter, a scale buffer), so a taskswap unit holds and streams
+    them; PEFT's LoRA wraps it as it wraps nn.Linear."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        torch.nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        w = linear.weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+        self.weight = torch.nn.Parameter(q, requires_grad=False)
+        self.register_buffer("scale", scale.to(linear.weight.dtype))
+        self.bias = None if linear.bias is None else torch.nn.Parameter(linear.bias.detach(), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight.to(x.dtype) * self.scale.to(x.dtype)[:, None]
+        return torch.nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+
+
+def quantize_int8(layers: torch.nn.Module) -> None:
+    """Every nn.Linear inside ``layers`` becomes an Int8Linear, in place."""
+    for module in list(layers.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) is torch.nn.Linear:
+                setattr(module, name, Int8Linear(child))
+
+
 def build_model(m: dict, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """The base model and its task adapters, the same for every run with the same [model] table."""
+    """The base model and its task adapters, the same for every run with the same [model] table.
+    ``[model] base_weights = "int8"``: the decoder layers' linear weights are int8 with a float scale."""
     torch.manual_seed(m["seed"])
     config = LlamaConfig(vocab_size=m["vocab"], hidden_size=m["hidden"], intermediate_size=m["intermediate"],
                          num_hidden_layers=m["layers"], num_attention_heads=m["heads"],
                          num_key_value_heads=m["kv_heads"], max_position_embeddings=2 * m["sequence"],
                          tie_word_embeddings=False, attn_implementation="eager")
     base = LlamaForCausalLM(config).to(dtype)
+    weights = m.get("base_weights", "float")
+    if weights not in ("float", "int8"):
+        raise ValueError(f"[model] base_weights is \"float\" or \"int8\", not {weights!r}")
+    if weights == "int8":
+        quantize_int8(base.model.layers)
     lora = LoraConfig(r=m["rank"], lora_alpha=2 * m["rank"], target_modules=m["targets"], lora_dropout=0.0)
     model = get_peft_model(base, lora, adapter_name="task0")
     for t in range(1, m["tasks"]):

@@ -24,7 +24,10 @@ class _Registration:
         ``params`` is a module (its ``named_parameters()``, shared ones once, and its floating-point
         buffers of the parameters' dtype, which travel with the unit as state tensors), a dict
         ``{name: nn.Parameter}`` or an iterable of ``(name, nn.Parameter)`` pairs (any names, the
-        parameters of any modules). The parameters share one dtype (float32, bfloat16, float16).
+        parameters of any modules). A trained unit's parameters share one dtype (float32, bfloat16,
+        float16); a unit with ``trainable=False`` may hold tensors of any dtypes (int8 weights with a
+        float scale, fp8), and then all its module's buffers travel with it. Tensor subclasses
+        (torchao's, bitsandbytes') are refused: their inner tensors cannot be aliased.
 
         ``trainable``: True trains every parameter (each gets ``requires_grad`` in a step that
         trains the unit); False registers a unit that is never trained (a frozen base): it costs
@@ -147,15 +150,27 @@ class _Registration:
             if other is not None:
                 raise _core.ConfigError(f"taskswap: '{e.name}' of '{name}' is already in unit '{other}'; a parameter "
                                         "or buffer belongs to one unit")
+        for e in params + buffers:
+            if type(e.tensor) not in (torch.Tensor, torch.nn.Parameter):
+                raise _core.ConfigError(
+                    f"taskswap: '{e.name}' of '{name}' is a {type(e.tensor).__name__}, a tensor subclass (as torchao's "
+                    "and bitsandbytes' quantized weights are); taskswap points plain tensors at its memory and "
+                    "cannot alias a subclass's inner tensors. Keep the quantized data and its scales as plain "
+                    "tensors (parameters or buffers) and dequantize in forward (docs/python.md, quantized bases)")
         dtypes = {e.tensor.dtype for e in params}
-        if len(dtypes) != 1 or next(iter(dtypes)) not in _DTYPES:
-            raise _core.ConfigError(
-                f"taskswap: the parameters of '{name}' are {sorted(map(str, dtypes))}; a unit's parameters share "
-                "one dtype of float32, bfloat16 or float16 (register differently typed parts as separate units)")
-        dtype = next(iter(dtypes))
-        # Buffers of another dtype (BatchNorm's integer num_batches_tracked) stay where torch has them.
-        buffers = [e for e in buffers if e.tensor.dtype == dtype]
         trains = [e.tensor.requires_grad for e in params]
+        floating = len(dtypes) == 1 and next(iter(dtypes)) in _DTYPES
+        if not floating:
+            if trainable or (trainable is None and any(trains)):
+                raise _core.ConfigError(
+                    f"taskswap: the parameters of '{name}' are {sorted(map(str, dtypes))}; a trained unit's "
+                    "parameters share one dtype of float32, bfloat16 or float16 (register differently typed parts "
+                    "as separate units; a unit with trainable=False may hold tensors of any dtypes)")
+            trainable = False
+        else:
+            # Buffers of another dtype (BatchNorm's integer num_batches_tracked) stay where torch
+            # has them; a packed frozen unit carries every buffer.
+            buffers = [e for e in buffers if e.tensor.dtype == next(iter(dtypes))]
         if trainable is None:
             if all(trains) or not any(trains):
                 trainable = all(trains)

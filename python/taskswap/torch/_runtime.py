@@ -182,8 +182,8 @@ class Runtime(_Registration, _State):
         kinds = ["params"] if u.dtype == torch.float32 or not u.trainable else ["params", "master"]
         with torch.no_grad():
             for kind in kinds:
-                for home, e in zip(core.home(uid, kind), u._entries):
-                    home.copy_(e.tensor.detach().reshape(home.shape))
+                for home, e in zip(u._shaped(core.home(uid, kind)), u._entries):
+                    home.copy_(e.tensor.detach())
 
     def _placeholder(self, dtype: torch.dtype) -> torch.Tensor:
         t = self._placeholders.get(dtype)
@@ -215,13 +215,13 @@ class Runtime(_Registration, _State):
             for h in u._hook_handles:
                 h.remove()
             u._hook_handles = []
-            home = self._core.home(u.id, "params") if give_back else [None] * len(u._entries)
+            home = u._shaped(self._core.home(u.id, "params")) if give_back else [None] * len(u._entries)
             for e, h in zip(u._entries, home):
                 e.original = e.original_grad = None
                 if give_back:
                     if not e.state:
                         e.tensor.grad = None
-                    e.tensor.data = h.reshape(e.shape).to(e.device, copy=True)
+                    e.tensor.data = h.to(e.device, copy=True)
                     if not e.state and e.tensor.requires_grad != e.requires_grad:
                         e.tensor.requires_grad_(e.requires_grad)
             u._views, u._grad_views, u._param_addr, u._grad_addr = [], [], None, None

@@ -23,8 +23,8 @@ class _State:
         core.flush()
         out = {}
         for u in self.units:
-            for e, t in zip(u._entries, core.home(u.id, "params")):
-                out[f"{u.name}.{e.name}"] = t.clone().view(e.shape)
+            for e, t in zip(u._entries, u._shaped(core.home(u.id, "params"))):
+                out[f"{u.name}.{e.name}"] = t.clone()
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -57,8 +57,8 @@ class _State:
             for u in self.units:
                 kinds = ["params"] if u.dtype == torch.float32 or not u.trainable else ["params", "master"]
                 for kind in kinds:
-                    for home, e in zip(self._core.home(u.id, kind), u._entries):
-                        home.copy_(state[f"{u.name}.{e.name}"].reshape(home.shape))
+                    for home, e in zip(u._shaped(self._core.home(u.id, kind)), u._entries):
+                        home.copy_(state[f"{u.name}.{e.name}"])
 
     def save_checkpoint(self, path: str | os.PathLike, user: dict[str, str] | None = None) -> None:
         """Writes every unit's home state (parameters, master, moments, steps) and the plan

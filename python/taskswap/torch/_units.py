@@ -47,7 +47,7 @@ class _Entry:
     `attr` say where the model holds it (``owner._parameters[attr]`` or ``owner._buffers[attr]``),
     when known, so that a model changed after registration is noticed."""
 
-    __slots__ = ("name", "tensor", "owner", "attr", "state", "shape", "requires_grad", "device", "original",
+    __slots__ = ("name", "tensor", "owner", "attr", "state", "shape", "dtype", "requires_grad", "device", "original",
                  "original_grad")
 
     def __init__(self, name: str, tensor: torch.Tensor, owner: torch.nn.Module | None, attr: str | None,
@@ -58,6 +58,7 @@ class _Entry:
         self.attr = attr
         self.state = state
         self.shape = tuple(tensor.shape)  # a 0-d tensor is a tensor of [1] in the unit
+        self.dtype = tensor.dtype
         self.requires_grad = tensor.requires_grad  # as registered: given back at close()
         self.device = tensor.device
         # Its values (and gradient) from start() until the call that started the runtime succeeded.
@@ -132,7 +133,11 @@ class Unit:
         self._holders = [(e.owner._buffers if e.state else e.owner._parameters, e.attr, e.tensor) for e in self._owned]
         self.params: list[tuple[str, torch.nn.Parameter]] = [(e.name, e.tensor) for e in params]
         self.buffers: list[tuple[str, torch.Tensor]] = [(e.name, e.tensor) for e in buffers]
-        self.dtype = params[0].tensor.dtype
+        # A trained unit's parameters share one float dtype. A frozen unit of other or mixed
+        # dtypes (int8 weights with a float scale) is packed: the runtime holds each tensor as
+        # raw bytes at a 64-byte boundary, and its views are those bytes read as the tensor's dtype.
+        self._packed = len({e.dtype for e in self._entries}) > 1 or params[0].dtype not in _DTYPES
+        self.dtype = None if self._packed else params[0].dtype
         self._no_decay = [bool(no_weight_decay(e.name, e.tensor)) for e in params]
         self.id: int | None = None
         self._param_addr = None
@@ -171,12 +176,19 @@ class Unit:
     def spec(self) -> _core.UnitSpec:
         """The unit's spec as the runtime registers it (for taskswap.footprint and planning)."""
         n = len(self._params)
+        if self._packed:  # each tensor as [shape..., bytes per element] of raw bytes
+            tensors = [_core.TensorSpec(e.name, [*(e.shape or (1,)), e.dtype.itemsize], state=e.state)
+                       for e in self._entries]
+            return _core.UnitSpec(self.name, tensors, _core.DType.u8, trainable=False)
         tensors = [_core.TensorSpec(e.name, list(e.shape) or [1], nd)
                    for e, nd in zip(self._entries[:n], self._no_decay)]
         tensors += [_core.TensorSpec(e.name, list(e.shape) or [1], state=True) for e in self._entries[n:]]
         return _core.UnitSpec(self.name, tensors, _DTYPES[self.dtype], trainable=self.trainable)
 
     def _shaped(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The runtime's tensors of this unit (device views or home copies) as the model's tensors."""
+        if self._packed:
+            return [t.view(e.dtype).view(e.shape) for t, e in zip(tensors, self._entries)]
         return [t.view(e.shape) for t, e in zip(tensors, self._entries)]
 
     def _check_model(self) -> None:

@@ -321,8 +321,8 @@ def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | N
     ``adapters``: the adapters to register (default: all the model has). ``base``:
     ``"per_layer"`` (a unit per decoder layer, ``base_prefix + index``, and one for the rest,
     ``base_prefix + "rest"``), ``"one"`` (one unit, ``base_prefix + "all"``) or None (the base is
-    not registered: it stays where torch has it). Units whose parameters differ in dtype are split
-    by dtype (a ``.float32`` suffix). ``base_residency`` and ``adapter_settings`` (residency,
+    not registered: it stays where torch has it). A base unit may hold tensors of any dtypes
+    (quantized weights with float scales): frozen units are packed. ``base_residency`` and ``adapter_settings`` (residency,
     lookahead, optimizer, lr_scale, weight_decay, no_weight_decay) are passed to ``register``;
     left out, the config's rules decide. ``stream`` (with ``base="per_layer"``): the decoder layers'
     base units stream within each step, as ``Runtime.register_layers`` does (a base larger than the
@@ -367,18 +367,9 @@ def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | N
             rest_b = [e for e in buffers if id(e.tensor) not in placed]
             if rest_p:
                 groups.append((f"{base_prefix}rest", rest_p, rest_b, None))
-    # A unit's parameters share one dtype: split a group whose parameters do not.
-    split: list[tuple[str, list[_Entry], list[_Entry], torch.nn.Module | None]] = []
-    for gname, gp, gb, layer in groups:
-        if not gp:
-            continue
-        by_dtype: dict[torch.dtype, list[_Entry]] = defaultdict(list)
-        for e in gp:
-            by_dtype[e.tensor.dtype].append(e)
-        main = max(by_dtype, key=lambda d: sum(e.tensor.numel() for e in by_dtype[d]))
-        for dtype, entries in by_dtype.items():
-            suffix = "" if dtype == main else f".{str(dtype).removeprefix('torch.')}"
-            split.append((gname + suffix, entries, [b for b in gb if b.tensor.dtype == dtype], layer))
+    # A group whose tensors differ in dtype (int8 weights and their float scales, bf16 weights
+    # and f32 norms) is one frozen unit all the same: the runtime packs it.
+    split = [g for g in groups if g[1]]
 
     made: list[Unit] = []
     try:
