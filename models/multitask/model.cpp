@@ -23,6 +23,7 @@ using detail::alignment;
 using detail::buffer_sizes;
 using detail::buffers_of;
 using detail::key_of;
+using detail::key_more_tasks;
 using detail::key_sampler;
 using detail::round_up;
 
@@ -61,12 +62,13 @@ model_config read_model(const toml::table& root, std::string_view source)
     int* value;
     int least;
   };
-  const std::array<int_key, 10> ints{{{"tasks", &m.tasks, 1},
+  const std::array<int_key, 11> ints{{{"tasks", &m.tasks, 1},
                                       {"trunk_layers", &m.trunk_layers, 1},
                                       {"width", &m.width, 1},
                                       {"adapter_hidden", &m.adapter_hidden, 1},
                                       {"outputs", &m.outputs, 1},
                                       {"batch", &m.batch, 1},
+                                      {"tasks_per_step", &m.tasks_per_step, 1},
                                       {"steps", &m.steps, 1},
                                       {"log_every", &m.log_every, 0},
                                       {"plan_window", &m.plan_window, 1},
@@ -96,8 +98,8 @@ model_config read_model(const toml::table& root, std::string_view source)
     const auto* ik = std::find_if(ints.begin(), ints.end(), [&](const int_key& i) { return i.name == k; });
     if (ik == ints.end()) {
       throw config_error(at(source, value) + ": [model] has no key '" + std::string(k) +
-                         "'; the keys are tasks, trunk_layers, width, adapter_hidden, outputs, dtype, batch, steps, "
-                         "seed, log_every, plan_window, freeze_trunk_after");
+                         "'; the keys are tasks, trunk_layers, width, adapter_hidden, outputs, dtype, batch, "
+                         "tasks_per_step, steps, seed, log_every, plan_window, freeze_trunk_after");
     }
     const auto v = value.value<std::int64_t>();
     constexpr std::int64_t most = std::int64_t{1} << 30;
@@ -108,6 +110,12 @@ model_config read_model(const toml::table& root, std::string_view source)
       throw config_error(where + ": " + std::to_string(*v) + " is too large; give at most " + std::to_string(most));
     }
     *ik->value = static_cast<int>(*v);
+  }
+  if (m.tasks_per_step > m.tasks || m.tasks_per_step > m.batch) {
+    throw config_error(std::string(source) + ": [model] tasks_per_step = " + std::to_string(m.tasks_per_step) +
+                       " is more than the " + (m.tasks_per_step > m.tasks ? "tasks" : "batch") + " (" +
+                       std::to_string(std::min(m.tasks, m.batch)) + "); give at most that (each task of a step "
+                       "takes rows of the batch)");
   }
   return m;
 }
@@ -176,6 +184,19 @@ int task_of_step(const model_config& m, int rank, std::int64_t step)
     static_cast<std::uint64_t>(m.tasks));
 }
 
+std::vector<int> tasks_of_step(const model_config& m, int rank, std::int64_t step)
+{
+  std::vector<int> out{task_of_step(m, rank, step)};
+  for (std::uint64_t draw = 0; out.size() < static_cast<std::size_t>(m.tasks_per_step); ++draw) {
+    const auto t = static_cast<int>(
+      key_of(m.seed, key_more_tasks, static_cast<std::uint64_t>(rank),
+             static_cast<std::uint64_t>(step) * 0x10000U + draw) %
+      static_cast<std::uint64_t>(m.tasks));
+    if (std::find(out.begin(), out.end(), t) == out.end()) { out.push_back(t); }
+  }
+  return out;
+}
+
 int plan_margin(const model_config& m, const taskswap::runtime_options& options)
 {
   int lookahead = 0;
@@ -194,19 +215,19 @@ bool trunk_streams(const model_config& m, const taskswap::runtime_options& optio
 }
 
 taskswap::step_plan step_plan_of(const model_config& m, std::span<const taskswap::unit_id> trunk,
-                                 taskswap::unit_id adapter, std::int64_t step, bool streamed)
+                                 std::span<const taskswap::unit_id> adapters, std::int64_t step, bool streamed)
 {
   taskswap::step_plan p;
   const bool frozen = m.trunk_frozen(step);
   if (!streamed) {
     for (taskswap::unit_id u : trunk) { p.acquire(u, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train); }
-    p.acquire(adapter);
+    for (taskswap::unit_id a : adapters) { p.acquire(a); }
     return p;
   }
   for (taskswap::unit_id u : trunk) { p.acquire(u, taskswap::unit_use::frozen).release(u); }
-  p.acquire(adapter);
+  for (taskswap::unit_id a : adapters) { p.acquire(a); }
   if (!frozen) {
-    p.release(adapter);
+    for (taskswap::unit_id a : adapters) { p.release(a); }
     for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { p.acquire(*it).release(*it); }
   }
   return p;
@@ -226,7 +247,8 @@ buffer_sizes detail::buffers_of(const model_config& m, int steps)
   b.per_sample.push_back(std::max(d, h));  // backward, ping
   b.per_sample.push_back(std::max(d, h));  // backward, pong
   b.fixed.push_back(d * o);  // the teacher of the step
-  b.fixed.push_back(std::max<std::size_t>(static_cast<std::size_t>(steps), 64));  // losses (at least 256 bytes)
+  // losses, one per task of each step (at least 256 bytes)
+  b.fixed.push_back(std::max<std::size_t>(static_cast<std::size_t>(steps) * static_cast<std::size_t>(m.tasks_per_step), 64));
   b.fixed.push_back(scratch_floats(std::max({d, h, o})));  // the reductions' partial sums
   if (m.compute != dtype::f32) {
     const std::size_t largest = std::max({d * d, d * h, h * o});

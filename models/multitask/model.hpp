@@ -32,6 +32,10 @@ struct model_config {
   int outputs = 32;  ///< regression targets per sample
   taskswap::dtype compute = taskswap::dtype::f32;  ///< f32 or bf16 parameters; activations are f32
   int batch = 256;
+  /// Tasks trained in each step over one pass of the trunk: the batch's rows are split among
+  /// them (task j of k takes rows [j·batch/k, (j+1)·batch/k)), each through its own adapter, and
+  /// the step's loss is the sum of the tasks' mean losses. 1..tasks, at most the batch.
+  int tasks_per_step = 1;
   int steps = 200;
   std::uint64_t seed = 1;
   int log_every = 50;  ///< steps between loss lines (0: none)
@@ -65,6 +69,14 @@ struct configuration {
 
 /// The task each step of `rank` trains: a counter-based sample, so any window can be produced alone.
 [[nodiscard]] int task_of_step(const model_config& m, int rank, std::int64_t step);
+/// The tasks_per_step distinct tasks of a step, in the order its rows take them: task_of_step's
+/// first, then further counter-based draws.
+[[nodiscard]] std::vector<int> tasks_of_step(const model_config& m, int rank, std::int64_t step);
+/// The first of the rows of part `j` of `parts` in a batch of `rows` (j = parts: the end).
+[[nodiscard]] constexpr int rows_begin(int rows, int parts, int j) noexcept
+{
+  return static_cast<int>(static_cast<std::int64_t>(rows) * j / parts);
+}
 
 /// Device bytes the trainer allocates beside the runtime's budget for a batch and a number of
 /// steps: fixed + batch × per_sample (each buffer rounded to 256 bytes, counted in `fixed`).
@@ -121,11 +133,13 @@ struct run_result {
 [[nodiscard]] bool trunk_streams(const model_config& m, const taskswap::runtime_options& options);
 
 /// Step `step`'s plan as the trainer makes its calls: the trunk (`trunk`, forward order) and the
-/// step's adapter. Held: the trunk, then the adapter, all to the step's end. Streamed: each layer
-/// for its forward (its parameters alone) and released; the adapter; then, unless the trunk is
-/// frozen at this step, the adapter released and each layer, last first, for its backward.
+/// step's adapters (in its tasks' order). Held: the trunk, then the adapters, all to the step's
+/// end. Streamed: each layer for its forward (its parameters alone) and released; the adapters;
+/// then, unless the trunk is frozen at this step, the adapters released and each layer, last
+/// first, for its backward.
 [[nodiscard]] taskswap::step_plan step_plan_of(const model_config& m, std::span<const taskswap::unit_id> trunk,
-                                               taskswap::unit_id adapter, std::int64_t step, bool streamed);
+                                               std::span<const taskswap::unit_id> adapters, std::int64_t step,
+                                               bool streamed);
 
 /// What run() does besides training.
 struct run_options {

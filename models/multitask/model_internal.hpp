@@ -22,7 +22,7 @@ inline constexpr std::size_t alignment = 256;  // of every workspace buffer
   return mix(seed ^ mix(a ^ mix(b ^ mix(c))));
 }
 
-enum : std::uint64_t { key_input = 1, key_teacher = 2, key_init = 3, key_sampler = 4 };
+enum : std::uint64_t { key_input = 1, key_teacher = 2, key_init = 3, key_sampler = 4, key_more_tasks = 5 };
 
 /// The buffers of one batch: activations (per sample) first, then the fixed ones.
 struct buffer_sizes {
@@ -31,5 +31,8 @@ struct buffer_sizes {
 };
 
 [[nodiscard]] buffer_sizes buffers_of(const model_config& m, int steps);
+
+/// Every unit's initial values in its home master copy (init.cpp).
+void initialise_homes(taskswap::runtime& rt, const model_config& m);
 
 }  // namespace multitask::detail

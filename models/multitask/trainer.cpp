@@ -24,7 +24,6 @@ namespace {
 using detail::alignment;
 using detail::buffer_sizes;
 using detail::buffers_of;
-using detail::key_init;
 using detail::key_input;
 using detail::key_of;
 using detail::key_teacher;
@@ -47,8 +46,17 @@ struct trainer::impl {
         rt(dev, options, model_units(m), comm),
         kernels(make_ops(dev, compute)),
         workspace(dev, workspace_bytes()),
-        losses_home(dev, static_cast<std::size_t>(steps) * sizeof(float))
+        losses_home(dev, static_cast<std::size_t>(steps) * per_step() * sizeof(float))
   {
+    if (m.tasks_per_step < 1 || m.tasks_per_step > m.tasks) {
+      throw taskswap::invalid_argument("tasks_per_step = " + std::to_string(m.tasks_per_step) + ": give 1 to the " +
+                                       std::to_string(m.tasks) + " tasks of the model");
+    }
+    if (batch < m.tasks_per_step) {
+      throw taskswap::invalid_argument("a batch of " + std::to_string(batch) + " rows cannot be split among " +
+                                       std::to_string(m.tasks_per_step) +
+                                       " tasks per step; give a batch of at least [model] tasks_per_step");
+    }
     margin = plan_margin(model, options);
     if (options.scaler.enabled) { loss_scale = rt.loss_scale(); }
     for (int l = 0; l < model.trunk_layers; ++l) { trunk.push_back(rt.find("trunk/" + std::to_string(l))); }
@@ -105,60 +113,8 @@ struct trainer::impl {
   void initialise_once()
   {
     if (initialised) { return; }
-    initialise();
+    detail::initialise_homes(rt, model);
     initialised = true;
-  }
-
-  // He-uniform weights from the seed, zero biases and output layers, written to every unit's master before the first plan.
-  void initialise()
-  {
-    // Units on all the host's threads (a GPU configuration holds hundreds of millions of weights).
-    const std::size_t n = rt.unit_count();
-    // A cached home's view (a disk home's) lasts until the next call to the runtime: those units one at a time.
-    for (std::size_t u = 0; u < n; ++u) {
-      if (taskswap::home_is_cached(rt.policy({static_cast<std::uint32_t>(u)}))) {
-        initialise_unit(rt.home({static_cast<std::uint32_t>(u)}), u);
-      }
-    }
-    std::vector<taskswap::home_view> homes;
-    std::vector<std::size_t> in_memory;
-    for (std::size_t u = 0; u < n; ++u) {
-      if (!taskswap::home_is_cached(rt.policy({static_cast<std::uint32_t>(u)}))) {
-        homes.push_back(rt.home({static_cast<std::uint32_t>(u)}));
-        in_memory.push_back(u);
-      }
-    }
-    const std::size_t workers = std::clamp<std::size_t>(std::thread::hardware_concurrency(), 1, 64);
-    std::atomic<std::size_t> next{0};
-    const auto work = [&] {
-      for (std::size_t i = next++; i < homes.size(); i = next++) { initialise_unit(homes[i], in_memory[i]); }
-    };
-    std::vector<std::jthread> threads;
-    for (std::size_t w = 1; w < workers; ++w) { threads.emplace_back(work); }
-    work();
-  }
-
-  void initialise_unit(const taskswap::home_view& home, std::size_t u) const
-  {
-    {
-      auto* master = static_cast<float*>(home.master.data);
-      for (std::size_t ti = 0; ti < home.tensors.size(); ++ti) {
-        const taskswap::tensor_info& t = home.tensors[ti];
-        float* w = master + t.offset;
-        if (t.shape.size() == 1 || t.name == "w2") {  // biases, and each adapter's output layer, start at zero
-          std::fill(w, w + t.count, 0.0F);
-          continue;
-        }
-        // He's bound; a trunk layer's, over the square root of the depth: each residual branch
-        // then adds about 1/depth of the signal's power, so the trunk's output stays near its input's.
-        float bound = std::sqrt(6.0F / static_cast<float>(t.shape[0]));
-        if (u < static_cast<std::size_t>(model.trunk_layers)) {
-          bound /= std::sqrt(static_cast<float>(model.trunk_layers));
-        }
-        const std::uint64_t key = key_of(model.seed, key_init, u, ti);
-        for (std::size_t i = 0; i < t.count; ++i) { w[i] = bound * uniform(key, i); }
-      }
-    }
   }
 
   // The f32 view of tensor `i` of `v`: the parameters themselves, or a widened copy.
@@ -178,42 +134,48 @@ struct trainer::impl {
     if (model.compute != dtype::f32) { kernels->narrow(v.grad(i), model.compute, wide, v.tensors[i].count); }
   }
 
-  // Forward and backward of one step; returns nothing, the loss lands in losses[step]. A streamed
-  // trunk acquires each layer for its forward (parameters alone) and releases it, and again for
-  // its backward, stepped and released at once; the adapter comes in after the trunk's forward.
-  // The arithmetic is the same either way, so a streamed run equals a held one bit for bit.
+  // Forward and backward of one step; returns nothing, the losses land in losses[step·k + j]
+  // for its k tasks. A streamed trunk acquires each layer for its forward (parameters alone) and
+  // releases it, and again for its backward, stepped and released at once; the adapters come in
+  // after the trunk's forward. The arithmetic is the same either way, so a streamed run equals a
+  // held one bit for bit. Task j of the step takes rows [rows_begin(j), rows_begin(j + 1)).
   void train_step(std::int64_t step)
   {
-    const int task = task_of_step(model, rank(), step);
+    const std::vector<int> task = tasks_of_step(model, rank(), step);
+    const int k = model.tasks_per_step;
     const int b = batch;
     const int d = model.width;
-    const int hd = model.adapter_hidden;
-    const int o = model.outputs;
     const int layers = model.trunk_layers;
     const auto act = [this](int l) { return h[static_cast<std::size_t>(l)]; };
     const bool frozen = model.trunk_frozen(step);
-    const taskswap::unit_id adapter = tasks[static_cast<std::size_t>(task)];
+    std::vector<taskswap::unit_id> adapter;
+    for (const int t : task) { adapter.push_back(tasks[static_cast<std::size_t>(t)]); }
     std::vector<taskswap::unit_view> tv(trunk.size());
-    taskswap::unit_view av;
+    std::vector<taskswap::unit_view> av(adapter.size());
     if (!streamed) {
       for (std::size_t l = 0; l < trunk.size(); ++l) {
         tv[l] = rt.acquire(trunk[l], compute, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train);
       }
-      av = rt.acquire(adapter, compute);
+      for (std::size_t j = 0; j < adapter.size(); ++j) { av[j] = rt.acquire(adapter[j], compute); }
     }
 
-    // The batch and its targets: x random, y = x · A_task.
+    // The batch and its targets: x random, y = x · A_task for each task's rows.
     kernels->random_uniform(
       act(0), static_cast<std::size_t>(b) * static_cast<std::size_t>(d),
       key_of(model.seed, key_input, static_cast<std::uint64_t>(rank()), static_cast<std::uint64_t>(step)), 1.0F);
     // The teacher: a part every task shares (what the trunk can learn once) plus the task's own.
-    const std::size_t teacher_size = static_cast<std::size_t>(d) * static_cast<std::size_t>(o);
+    const std::size_t teacher_size = static_cast<std::size_t>(d) * static_cast<std::size_t>(model.outputs);
     const float scale = std::sqrt(3.0F / static_cast<float>(d));
     kernels->random_uniform(teacher, teacher_size, key_of(model.seed, key_teacher, 0, 0), scale);
-    kernels->gemm(false, false, b, o, d, 1.0F, act(0), teacher, 0.0F, target);
-    kernels->random_uniform(teacher, teacher_size, key_of(model.seed, key_teacher, 1, static_cast<std::uint64_t>(task)),
-                            0.5F * scale);
-    kernels->gemm(false, false, b, o, d, 1.0F, act(0), teacher, 1.0F, target);
+    kernels->gemm(false, false, b, model.outputs, d, 1.0F, act(0), teacher, 0.0F, target);
+    for (int j = 0; j < k; ++j) {
+      kernels->random_uniform(teacher, teacher_size,
+                              key_of(model.seed, key_teacher, 1, static_cast<std::uint64_t>(task[static_cast<std::size_t>(j)])),
+                              0.5F * scale);
+      const int r0 = rows_begin(b, k, j);
+      kernels->gemm(false, false, rows_begin(b, k, j + 1) - r0, model.outputs, d, 1.0F, act(0) + row(r0, d), teacher,
+                    1.0F, target + row(r0, model.outputs));
+    }
 
     // Forward.
     for (int l = 0; l < layers; ++l) {
@@ -227,34 +189,18 @@ struct trainer::impl {
       kernels->add(act(l + 1), act(l), r, static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
       if (streamed) { rt.release(u, compute); }
     }
-    if (streamed) { av = rt.acquire(adapter, compute); }
-    kernels->gemm(false, false, b, hd, d, 1.0F, act(layers), weight(av, 0, wide_weight), 0.0F, hidden);
-    kernels->bias_activation(hidden, weight(av, 1, wide_bias), b, hd, true);
-    kernels->gemm(false, false, b, o, hd, 1.0F, hidden, weight(av, 2, wide_weight), 0.0F, y);
-    kernels->bias_activation(y, weight(av, 3, wide_bias), b, o, false);
-    kernels->mse(y, target, b, o, losses + step, scratch, loss_scale);
-
-    // Backward through the adapter (y now holds dLoss/dy).
-    kernels->gemm(true, false, hd, o, b, 1.0F, hidden, y, 0.0F, grad_target(av, 2, wide_grad));
-    store_grad(av, 2, wide_grad);
-    kernels->column_sums(grad_target(av, 3, wide_bias_grad), y, b, o, scratch);
-    store_grad(av, 3, wide_bias_grad);
-    kernels->gemm(false, true, b, hd, o, 1.0F, y, weight(av, 2, wide_weight), 0.0F, back[0]);
-    kernels->relu_backward(back[0], back[0], hidden, static_cast<std::size_t>(b) * static_cast<std::size_t>(hd));
-    kernels->gemm(true, false, d, hd, b, 1.0F, act(layers), back[0], 0.0F, grad_target(av, 0, wide_grad));
-    store_grad(av, 0, wide_grad);
-    kernels->column_sums(grad_target(av, 1, wide_bias_grad), back[0], b, hd, scratch);
-    store_grad(av, 1, wide_bias_grad);
-    if (frozen) {  // the trunk takes no gradient: backward ends at the adapter
-      finish(av.id);
+    for (std::size_t j = 0; j < adapter.size(); ++j) {
+      if (streamed) { av[j] = rt.acquire(adapter[j], compute); }
+      const int r0 = rows_begin(b, k, static_cast<int>(j));
+      adapter_pass(av[j], r0, rows_begin(b, k, static_cast<int>(j) + 1) - r0, step * k + static_cast<int>(j), frozen);
+    }
+    if (frozen) {  // the trunk takes no gradient: backward ends at the adapters
       if (!streamed) {
         for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { rt.release(*it, compute); }
       }
       last_stats = rt.end_step();
       return;
     }
-    kernels->gemm(false, true, b, d, hd, 1.0F, back[0], weight(av, 0, wide_weight), 0.0F, back[1]);
-    finish(av.id);
 
     // Backward through the trunk, last layer first; each layer's update overlaps the rest. dh
     // holds dLoss/dh_{l+1}; the branch's gradient dr = dh masked by r_l > 0; then dh += dr W_l^T
@@ -276,6 +222,45 @@ struct trainer::impl {
     last_stats = rt.end_step();
   }
 
+  // The offset of row `r` of a row-major array of `width` columns.
+  static std::size_t row(int r, int width) { return static_cast<std::size_t>(r) * static_cast<std::size_t>(width); }
+
+  // One adapter over `n` rows from `r0`: forward, its loss (into losses[at]), its backward and
+  // update; unless the trunk is frozen, dLoss/dh_L of those rows into back[1]'s.
+  void adapter_pass(const taskswap::unit_view& av, int r0, int n, std::int64_t at, bool frozen)
+  {
+    const int d = model.width;
+    const int hd = model.adapter_hidden;
+    const int o = model.outputs;
+    const float* x = h[static_cast<std::size_t>(model.trunk_layers)] + row(r0, d);
+    float* hid = hidden + row(r0, hd);
+    float* out = y + row(r0, o);
+    float* dhid = back[0] + row(r0, std::max(d, hd));
+    kernels->gemm(false, false, n, hd, d, 1.0F, x, weight(av, 0, wide_weight), 0.0F, hid);
+    kernels->bias_activation(hid, weight(av, 1, wide_bias), n, hd, true);
+    kernels->gemm(false, false, n, o, hd, 1.0F, hid, weight(av, 2, wide_weight), 0.0F, out);
+    kernels->bias_activation(out, weight(av, 3, wide_bias), n, o, false);
+    kernels->mse(out, target + row(r0, o), n, o, losses + at, scratch, loss_scale);
+
+    // Backward through the adapter (out now holds dLoss/dy).
+    kernels->gemm(true, false, hd, o, n, 1.0F, hid, out, 0.0F, grad_target(av, 2, wide_grad));
+    store_grad(av, 2, wide_grad);
+    kernels->column_sums(grad_target(av, 3, wide_bias_grad), out, n, o, scratch);
+    store_grad(av, 3, wide_bias_grad);
+    kernels->gemm(false, true, n, hd, o, 1.0F, out, weight(av, 2, wide_weight), 0.0F, dhid);
+    kernels->relu_backward(dhid, dhid, hid, static_cast<std::size_t>(n) * static_cast<std::size_t>(hd));
+    kernels->gemm(true, false, d, hd, n, 1.0F, x, dhid, 0.0F, grad_target(av, 0, wide_grad));
+    store_grad(av, 0, wide_grad);
+    kernels->column_sums(grad_target(av, 1, wide_bias_grad), dhid, n, hd, scratch);
+    store_grad(av, 1, wide_bias_grad);
+    if (!frozen) {
+      kernels->gemm(false, true, n, d, hd, 1.0F, dhid, weight(av, 0, wide_weight), 0.0F, back[1] + row(r0, d));
+    }
+    finish(av.id);
+  }
+
+  [[nodiscard]] std::size_t per_step() const noexcept { return static_cast<std::size_t>(model.tasks_per_step); }
+
   // A run's interval of steps whose losses were copied home (a log line lags one interval: its
   // copy is read when the next one is queued).
   struct loss_interval {
@@ -285,13 +270,13 @@ struct trainer::impl {
     std::size_t reduced_bytes = 0;  // allreduced over the interval (with several ranks)
   };
 
-  // The losses of steps [first, end) copied to losses_home on the compute stream.
+  // The losses of steps [first, end) (each of its tasks') copied to losses_home on the compute stream.
   void copy_losses(std::int64_t first, std::int64_t end)
   {
-    const std::size_t off = static_cast<std::size_t>(first) * sizeof(float);
-    const std::size_t n = static_cast<std::size_t>(end - first) * sizeof(float);
+    const std::size_t off = static_cast<std::size_t>(first) * per_step() * sizeof(float);
+    const std::size_t n = static_cast<std::size_t>(end - first) * per_step() * sizeof(float);
     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a float's place in bytes
-    const auto* at = reinterpret_cast<std::byte*>(losses + first);
+    const auto* at = reinterpret_cast<std::byte*>(losses + static_cast<std::size_t>(first) * per_step());
     const auto from = static_cast<std::size_t>(at - workspace.data());
     taskswap::copy_async(losses_home.span().subspan(off, n), workspace.span().subspan(from, n), compute);
   }
@@ -309,16 +294,18 @@ struct trainer::impl {
     std::vector<double> sum(static_cast<std::size_t>(model.tasks), 0.0);
     std::vector<int> count(static_cast<std::size_t>(model.tasks), 0);
     for (std::int64_t s = p.first; s < p.end; ++s) {
-      const auto t = static_cast<std::size_t>(task_of_step(model, rank(), s));
-      sum[t] += host_losses()[s];
-      ++count[t];
+      const std::vector<int> task = tasks_of_step(model, rank(), s);
+      for (std::size_t j = 0; j < task.size(); ++j) {
+        sum[static_cast<std::size_t>(task[j])] += host_losses()[static_cast<std::size_t>(s) * per_step() + j];
+        ++count[static_cast<std::size_t>(task[j])];
+      }
     }
     std::ostringstream line;
     line << "step " << p.end << ": mean loss ";
     double all = 0;
     for (std::size_t t = 0; t < sum.size(); ++t) { all += sum[t]; }
     char buf[64];
-    std::snprintf(buf, sizeof buf, "%.4f", all / static_cast<double>(p.end - p.first));
+    std::snprintf(buf, sizeof buf, "%.4f", all / static_cast<double>(p.end - p.first) / static_cast<double>(per_step()));
     line << buf << " over " << (p.end - p.first) << " steps;";
     int shown = 0;
     for (std::size_t t = 0; t < sum.size() && shown < 6; ++t) {
@@ -344,9 +331,12 @@ struct trainer::impl {
     copy_losses(begin, end_at);
     compute.synchronize();
     for (std::int64_t s = begin; s < end_at; ++s) {
-      task_losses& t = r.tasks[static_cast<std::size_t>(task_of_step(model, rank(), s))];
-      t.all.push_back(host_losses()[s]);
-      ++t.steps;
+      const std::vector<int> task = tasks_of_step(model, rank(), s);
+      for (std::size_t j = 0; j < task.size(); ++j) {
+        task_losses& t = r.tasks[static_cast<std::size_t>(task[j])];
+        t.all.push_back(host_losses()[static_cast<std::size_t>(s) * per_step() + j]);
+        ++t.steps;
+      }
     }
     for (task_losses& t : r.tasks) {
       if (t.all.empty()) { continue; }
@@ -401,8 +391,9 @@ struct trainer::impl {
     planned_until = end;
     std::vector<taskswap::step_plan> plans;
     for (std::int64_t s = first; s < end; ++s) {
-      plans.push_back(
-        step_plan_of(model, trunk, tasks[static_cast<std::size_t>(task_of_step(model, rank(), s))], s, streamed));
+      std::vector<taskswap::unit_id> adapters;
+      for (const int t : tasks_of_step(model, rank(), s)) { adapters.push_back(tasks[static_cast<std::size_t>(t)]); }
+      plans.push_back(step_plan_of(model, trunk, adapters, s, streamed));
     }
     rt.plan(plans);
   }

@@ -97,10 +97,15 @@ int train(int argc, char** argv)
   int steps = 0;
   int batch = 0;
   int freeze_trunk_after = -1;
+  int tasks_per_step = 0;
   app.add_option("config", config_file, "configuration (TOML: runtime sections and [model])")->required();
   app.add_flag("--all-resident", resident, "every unit pinned on the device, budget = their bytes (the baseline)");
   app.add_option("--steps", steps, "override [model] steps")->check(CLI::PositiveNumber);
   app.add_option("--batch", batch, "override [model] batch")->check(CLI::PositiveNumber);
+  app
+    .add_option("--tasks-per-step", tasks_per_step,
+                "override [model] tasks_per_step: tasks trained in each step, the batch's rows split among them")
+    ->check(CLI::PositiveNumber);
   app
     .add_option("--freeze-trunk-after", freeze_trunk_after,
                 "override [model] freeze_trunk_after: from this step on the trunk is used frozen and only the task "
@@ -128,6 +133,7 @@ int train(int argc, char** argv)
   if (steps > 0) { cfg.model.steps = steps; }
   if (batch > 0) { cfg.model.batch = batch; }
   if (freeze_trunk_after >= 0) { cfg.model.freeze_trunk_after = freeze_trunk_after; }
+  if (tasks_per_step > 0) { cfg.model.tasks_per_step = tasks_per_step; }
   const auto units = multitask::model_units(cfg.model);
   taskswap::runtime_options options = resident ? multitask::all_resident(cfg.runtime, units) : cfg.runtime;
   if (options.device.backend == taskswap::backend_kind::emulated) {

@@ -95,6 +95,38 @@ TEST(multitask_model, the_sampler_is_deterministic_and_reaches_every_task_on_eve
   EXPECT_LT(same, 100) << "ranks sample their own tasks";
 }
 
+TEST(multitask_model, a_mixed_step_trains_distinct_tasks_over_rows_split_evenly_and_plans_every_adapter)
+{
+  multitask::model_config m;
+  m.tasks = 6;
+  m.tasks_per_step = 4;
+  std::set<int> seen;
+  for (std::int64_t s = 0; s < 200; ++s) {
+    const std::vector<int> t = multitask::tasks_of_step(m, 0, s);
+    ASSERT_EQ(t.size(), 4U);
+    EXPECT_EQ(t.front(), multitask::task_of_step(m, 0, s)) << "the first is the one-task sampler's";
+    EXPECT_EQ(std::set<int>(t.begin(), t.end()).size(), 4U) << "distinct";
+    seen.insert(t.begin(), t.end());
+  }
+  EXPECT_EQ(seen.size(), 6U);
+  // 10 rows among 4 tasks: 2, 3, 2, 3, covering [0, 10) without overlap.
+  EXPECT_EQ((std::vector<int>{multitask::rows_begin(10, 4, 0), multitask::rows_begin(10, 4, 1),
+                              multitask::rows_begin(10, 4, 2), multitask::rows_begin(10, 4, 3),
+                              multitask::rows_begin(10, 4, 4)}),
+            (std::vector<int>{0, 2, 5, 7, 10}));
+  const std::vector<taskswap::unit_id> trunk{{0}, {1}};
+  const std::vector<taskswap::unit_id> adapters{{5}, {3}};
+  const taskswap::step_plan held = multitask::step_plan_of(m, trunk, adapters, 0, false);
+  ASSERT_EQ(held.entries().size(), 4U);
+  EXPECT_EQ(held.entries()[2].unit.value, 5U);
+  EXPECT_EQ(held.entries()[3].unit.value, 3U);
+  const taskswap::step_plan streamed = multitask::step_plan_of(m, trunk, adapters, 0, true);
+  // forward: acquire+release per layer; the 2 adapters; their releases; backward per layer
+  ASSERT_EQ(streamed.entries().size(), 4U + 2U + 2U + 4U);
+  expect_error_mentioning<taskswap::config_error>([] { (void)parse("[model]\ntasks = 3\ntasks_per_step = 4\n"); },
+                                                  "tasks_per_step = 4 is more than the tasks (3)");
+}
+
 TEST(multitask_model, all_resident_pins_every_unit_with_exactly_their_bytes)
 {
   const auto c = parse("[model]\ntasks = 4\n");

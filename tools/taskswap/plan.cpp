@@ -45,7 +45,7 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
     std::vector<std::size_t> step;
     std::vector<std::size_t> frozen;  // the trunk, from [model] freeze_trunk_after on
     for (std::size_t l = 0; l < trunk; ++l) { (cfg.model.trunk_frozen(s) ? frozen : step).push_back(l); }
-    step.push_back(trunk + static_cast<std::size_t>(multitask::task_of_step(cfg.model, 0, s)));
+    for (const int t : multitask::tasks_of_step(cfg.model, 0, s)) { step.push_back(trunk + static_cast<std::size_t>(t)); }
     in.steps.push_back(std::move(step));
     in.frozen.push_back(std::move(frozen));
   }
@@ -54,9 +54,11 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
     std::vector<unit_id> layers;
     for (std::size_t l = 0; l < trunk; ++l) { layers.push_back(unit_id{static_cast<std::uint32_t>(l)}); }
     for (int s = 0; s < steps; ++s) {
-      const auto adapter =
-        static_cast<std::uint32_t>(trunk + static_cast<std::size_t>(multitask::task_of_step(cfg.model, 0, s)));
-      in.ordered.push_back(multitask::step_plan_of(cfg.model, layers, unit_id{adapter}, s, true));
+      std::vector<unit_id> adapters;
+      for (const int t : multitask::tasks_of_step(cfg.model, 0, s)) {
+        adapters.push_back(unit_id{static_cast<std::uint32_t>(trunk + static_cast<std::size_t>(t))});
+      }
+      in.ordered.push_back(multitask::step_plan_of(cfg.model, layers, adapters, s, true));
     }
   }
   in.plan_window = static_cast<std::size_t>(cfg.model.plan_window);
