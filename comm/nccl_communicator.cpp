@@ -48,8 +48,8 @@ ncclDataType_t nccl_type(dtype t)
   switch (t) {
     case dtype::bf16: return ncclBfloat16;
     case dtype::f16: return ncclFloat16;
-    case dtype::f32: break;
-    case dtype::u8: break;  // refused by check_reduce_item
+    case dtype::f32:
+    case dtype::u8: break;  // u8 is refused by check_reduce_item
   }
   return ncclFloat32;
 }

@@ -149,6 +149,7 @@ struct trainer::impl {
     const auto act = [this](int l) { return h[static_cast<std::size_t>(l)]; };
     const bool frozen = model.trunk_frozen(step);
     std::vector<taskswap::unit_id> adapter;
+    adapter.reserve(task.size());
     for (const int t : task) { adapter.push_back(tasks[static_cast<std::size_t>(t)]); }
     std::vector<taskswap::unit_view> tv(trunk.size());
     std::vector<taskswap::unit_view> av(adapter.size());

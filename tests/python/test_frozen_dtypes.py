@@ -77,8 +77,8 @@ def test_a_frozen_unit_of_mixed_dtypes_is_the_same_tensors_in_every_step_and_aft
         moved += rt.last_step.h2d_bytes
     assert moved >= 4 * (33 * 17 + 32 * 32 * 4), moved  # every step brought its units in
     state = rt.state_dict()
-    for i, m in enumerate(mods):
-        for n, (dtype, shape, data) in before[i].items():
+    for i, kept in enumerate(before):
+        for n, (dtype, shape, data) in kept.items():
             t = state[f"q{i}.{n}"]
             assert (t.dtype, tuple(t.shape)) == (dtype, shape) and torch.equal(t.reshape(-1).view(torch.uint8), data)
     rt.close()

@@ -322,8 +322,9 @@ def register(rt: Runtime, model: torch.nn.Module, *, adapters: Sequence[str] | N
     ``"per_layer"`` (a unit per decoder layer, ``base_prefix + index``, and one for the rest,
     ``base_prefix + "rest"``), ``"one"`` (one unit, ``base_prefix + "all"``) or None (the base is
     not registered: it stays where torch has it). A base unit may hold tensors of any dtypes
-    (quantized weights with float scales): frozen units are packed. ``base_residency`` and ``adapter_settings`` (residency,
-    lookahead, optimizer, lr_scale, weight_decay, no_weight_decay) are passed to ``register``;
+    (quantized weights with float scales): frozen units are packed. ``base_residency`` and
+    ``adapter_settings`` (residency, lookahead, optimizer, lr_scale, weight_decay, no_weight_decay)
+    are passed to ``register``;
     left out, the config's rules decide. ``stream`` (with ``base="per_layer"``): the decoder layers'
     base units stream within each step, as ``Runtime.register_layers`` does (a base larger than the
     device trains); ``uses`` then leaves them out. Refused, it registers nothing."""
