@@ -22,6 +22,7 @@
 #include <bit>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <system_error>
 #include <unordered_map>
@@ -437,27 +438,20 @@ unit_files::~unit_files()
 
 std::string unit_files::file_name(std::string_view unit, std::uint64_t identity)
 {
-  static constexpr char hex[] = "0123456789abcdef";
   std::string out;
-  for (const char c : unit) {
+  char text[24];
+  for (const char c : unit) {  // letters, digits, '_' and '-' as they are; any other byte as %hh
     const auto b = static_cast<unsigned char>(c);
-    if ((b >= 'a' && b <= 'z') || (b >= 'A' && b <= 'Z') || (b >= '0' && b <= '9') || b == '_' || b == '-') {
-      out += c;
-    } else {
-      out += '%';
-      out += hex[b >> 4U];
-      out += hex[b & 15U];
-    }
+    const bool plain =
+      (b >= 'a' && b <= 'z') || (b >= 'A' && b <= 'Z') || (b >= '0' && b <= '9') || b == '_' || b == '-';
+    std::snprintf(text, sizeof text, "%%%02x", static_cast<unsigned>(b));
+    out += plain ? std::string_view(&c, 1) : std::string_view(text);
   }
-  out += '.';
-  for (int shift = 60; shift >= 0; shift -= 4) { out += hex[(identity >> static_cast<unsigned>(shift)) & 15U]; }
-  return out + ".unit";
+  std::snprintf(text, sizeof text, ".%016llx.unit", static_cast<unsigned long long>(identity));
+  return out + text;
 }
 
-// Note [Open files]: each unit file stays open for the run (its transfers name the descriptor), so
-// 10,000 disk homes are 10,000 descriptors, where many systems' soft limit is 1,024 (kept low for
-// select(); the hard limit is far higher). When an open finds the limit reached, the soft limit is
-// raised to the hard one, once, and said; past the hard limit the error says what to raise.
+// Note [Open files] (unit_files.hpp)
 bool unit_files::raise_open_file_limit()
 {
   rlimit limit{};

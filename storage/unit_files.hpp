@@ -129,6 +129,11 @@ class unit_files {
   [[nodiscard]] unit_file_stats stats() const noexcept;
 
  private:
+  // Note [Open files]: each unit file stays open for the run (its transfers name the
+  // descriptor), so 10,000 disk homes are 10,000 descriptors, where many systems' soft limit is
+  // 1,024 (kept low for select(); the hard limit is far higher). When an open finds the limit
+  // reached, the soft limit is raised to the hard one, once, and said; past the hard limit the
+  // error says what to raise.
   bool raise_open_file_limit();
   struct impl;
   std::unique_ptr<impl> impl_;
