@@ -201,6 +201,28 @@ traffic replay_steps(const plan_input& in, const std::vector<planned_unit>& unit
   return step_replay(in, units, model, room, cache).run();
 }
 
+namespace {
+
+// The acquisitions of plan_input::ordered, numbered in call order across steps: each unit's
+// positions, and the step of each position.
+struct use_positions {
+  std::vector<std::vector<std::size_t>> of_unit;
+  std::vector<std::size_t> step_of;
+
+  use_positions(const plan_input& in, std::size_t units) : of_unit(units)
+  {
+    for (std::size_t s = 0; s < in.ordered.size(); ++s) {
+      for (const step_plan::entry& e : in.ordered[s].entries()) {
+        if (!e.acquire) { continue; }
+        of_unit.at(e.unit.value).push_back(step_of.size());
+        step_of.push_back(s);
+      }
+    }
+  }
+};
+
+}  // namespace
+
 // The replay of steps given as the trainer's calls in order (plan_input::ordered): the runtime's
 // victim rule over the positions of the uses within and across steps (the runtime's positions),
 // the units held at the time never victims, a trained use written back when evicted after its update. Traffic counts in
@@ -208,15 +230,8 @@ traffic replay_steps(const plan_input& in, const std::vector<planned_unit>& unit
 traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& units,
                        const detail::residency_model& model, std::size_t room, cache_replay& cache)
 {
-  std::vector<std::vector<std::size_t>> positions(units.size());  // of each unit's acquisitions
-  std::vector<std::size_t> step_of;  // the step of each position
-  for (std::size_t s = 0; s < in.ordered.size(); ++s) {
-    for (const step_plan::entry& e : in.ordered[s].entries()) {
-      if (!e.acquire) { continue; }
-      positions.at(e.unit.value).push_back(step_of.size());
-      step_of.push_back(s);
-    }
-  }
+  const use_positions uses(in, units.size());
+  const std::vector<std::size_t>& step_of = uses.step_of;
   struct slot {
     bool dirty = false;
     bool params_only = false;
@@ -238,7 +253,7 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
     return sl.params_only ? units[u].fp.frozen_device_bytes : units[u].fp.device_bytes;
   };
   const auto next_use = [&](std::size_t u, std::size_t after, std::size_t s) {
-    const auto& q = positions[u];
+    const auto& q = uses.of_unit[u];
     const auto it = std::upper_bound(q.begin(), q.end(), after);
     return it == q.end() || step_of[*it] >= plan_horizon(in, s) ? never : *it;
   };
