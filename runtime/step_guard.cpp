@@ -19,6 +19,8 @@
 
 #include "runtime/runtime_impl.hpp"
 
+#include <taskswap/config.hpp>
+
 #include "kernels/kernels.hpp"
 #include "numeric/align.hpp"
 
@@ -70,6 +72,20 @@ std::size_t step_guard_device_bytes(std::size_t units) noexcept
 }
 
 std::size_t runtime::impl::guard_device_bytes(std::size_t units) noexcept { return step_guard_device_bytes(units); }
+
+std::size_t all_pinned_budget(const runtime_options& options, std::span<const unit_spec> units)
+{
+  std::size_t packed = 0;  // as the plan check counts pinned units: each at a 256-byte offset
+  for (const unit_spec& u : units) {
+    packed += round_up(footprint(u, policy_for(u, options).optimizer).device_bytes, 256);
+  }
+  const std::size_t granule = make_device(options.device).granularity();
+  std::size_t budget = round_up(packed, granule);
+  if (options.scaler.enabled || options.optimizer.clip > 0) {
+    budget += round_up(step_guard_device_bytes(units.size()), granule);
+  }
+  return budget;
+}
 
 std::size_t runtime::impl::guard_host_bytes(std::size_t units) noexcept
 {

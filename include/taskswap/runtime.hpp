@@ -297,6 +297,13 @@ struct unit_footprint {
 /// scratch and a step count per unit. 0 is not returned: call it only for guarded options.
 [[nodiscard]] std::size_t step_guard_device_bytes(std::size_t units) noexcept;
 
+/// @brief The budget that holds every one of `units` pinned under `options` (an all-resident
+/// baseline), as the runtime places pinned units: their device bytes (each under its policy's
+/// placement) packed at 256-byte offsets, in whole granules of the configured device, and the
+/// guarded step's bytes in whole granules of their own where loss scaling or clipping is on.
+/// @throws config_error as footprint(); device errors where the configured device cannot be made
+[[nodiscard]] std::size_t all_pinned_budget(const runtime_options& options, std::span<const unit_spec> units);
+
 /// @brief The policy the runtime gives `spec` under `options`: its own policy if it has one,
 /// else the defaults with every matching [[units]] rule applied in order.
 [[nodiscard]] unit_policy policy_for(const unit_spec& spec, const runtime_options& options);

@@ -279,17 +279,7 @@ taskswap::runtime_options all_resident(const taskswap::runtime_options& options,
   o.defaults = {
     .residency = taskswap::residency::pinned, .lookahead = 0, .optimizer = taskswap::optimizer_placement::device};
   o.units.clear();
-  // Every unit pinned: packed one after another (256-byte aligned), in whole granules of the pool.
-  std::size_t packed = 0;
-  for (const taskswap::unit_spec& u : units) {
-    packed += round_up(taskswap::footprint(u, taskswap::optimizer_placement::device).device_bytes, 256);
-  }
-  const std::size_t granule = taskswap::make_device(o.device).granularity();
-  o.device.budget = round_up(packed, granule);
-  // Loss scaling and clipping keep their state beside the units, in whole granules.
-  if (o.scaler.enabled || o.optimizer.clip > 0) {
-    o.device.budget += round_up(taskswap::step_guard_device_bytes(units.size()), granule);
-  }
+  o.device.budget = taskswap::all_pinned_budget(o, units);
   return o;
 }
 

@@ -354,6 +354,11 @@ void bind_options(nb::module_& m)
   m.def("policy_for", &policy_for, "spec"_a, "options"_a,
         "The policy the runtime gives a unit: its own, else the defaults with matching rules applied.");
   m.def("footprint", &footprint, "spec"_a, "placement"_a, "A unit's footprint under a placement.");
+  m.def(
+    "all_pinned_budget",
+    [](const runtime_options& options, const std::vector<unit_spec>& units) { return all_pinned_budget(options, units); },
+    "options"_a, "units"_a,
+    "The budget that holds every unit pinned (an all-resident baseline), as the runtime packs pinned units.");
   m.def("step_guard_device_bytes", &step_guard_device_bytes, "units"_a,
         "The device bytes guarded steps (loss scaling or clipping) take of the budget for this many units, "
         "before granule rounding.");

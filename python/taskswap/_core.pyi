@@ -580,6 +580,11 @@ def policy_for(spec: UnitSpec, options: Options) -> UnitPolicy:
 def footprint(spec: UnitSpec, placement: OptimizerPlacement) -> UnitFootprint:
     """A unit's footprint under a placement."""
 
+def all_pinned_budget(options: Options, units: Sequence[UnitSpec]) -> int:
+    """
+    The budget that holds every unit pinned (an all-resident baseline), as the runtime packs pinned units.
+    """
+
 def step_guard_device_bytes(units: int) -> int:
     """
     The device bytes guarded steps (loss scaling or clipping) take of the budget for this many units, before granule rounding.

@@ -205,17 +205,8 @@ class _Registration:
         return self._by_name[name]
 
     def all_pinned_budget(self) -> int:
-        """A budget that holds every registered unit pinned (an all-resident baseline): each unit's
-        device bytes rounded up to whole granules of the configured device (2 MiB on CUDA), so at
-        most a granule per unit above what the runtime's packing needs, and the guarded step's
-        bytes where loss scaling or clipping is on."""
-        granule = _core.make_device(self.options.device).granularity
-
-        def whole(n: int) -> int:
-            return -(-n // granule) * granule
-
-        total = sum(whole(_core.footprint(u.spec(), _core.policy_for(u.spec(), self.options).optimizer).device_bytes)
-                    for u in self.units)
-        if self.options.scaler.enabled or self.options.optimizer.clip > 0:
-            total += whole(_core.step_guard_device_bytes(len(self.units)))
-        return total
+        """A budget that holds every registered unit pinned (an all-resident baseline), as the
+        runtime packs pinned units (``taskswap.all_pinned_budget``): their device bytes at 256-byte
+        offsets in whole granules of the configured device, and the guarded step's where loss
+        scaling or clipping is on."""
+        return _core.all_pinned_budget(self.options, [u.spec() for u in self.units])
