@@ -4,7 +4,7 @@
 // host_adamw/<layout>/<params>/<threads>/<grad dtype>: one AdamW step over `params` parameters
 //   (fp32 master and moments; fp32 gradients, or bf16 gradients with a bf16 parameter copy
 //   written in the same pass: 28 bytes per parameter either way), on one of two layouts:
-//     unit    the runtime's own: the home block of one unit of that size as runtime/unit_layout
+//     unit    the runtime's own: the home block of one unit of that size as runtime/units/unit_layout
 //             places it in the pinned arena (slabs of 8 MiB and more staggered);
 //     packed  the arrays back to back, exactly one array apart (the layout before the stagger,
 //             and what a trainer gets cutting them from one block, e.g. 256 MiB apart at 64 Mi
@@ -41,7 +41,7 @@
 #include "host/cpu_adamw.hpp"
 #include "host/host_task_arena.hpp"
 #include "kernels/kernels.hpp"
-#include "runtime/unit_layout.hpp"
+#include "runtime/units/unit_layout.hpp"
 
 #include <taskswap/taskswap.hpp>
 

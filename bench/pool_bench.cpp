@@ -5,7 +5,7 @@
 // (1 KiB to 1 MiB) take turns in a budget that holds about a quarter of them, round robin with a
 // seeded shuffle: each turn evicts the least recently placed units until the next one fits, then
 // places it. Timed: the host time per placement, evictions included.
-//   - new: the granule pool (runtime/device_pool): a unit fits when the free granules hold it.
+//   - new: the granule pool (runtime/pool/device_pool): a unit fits when the free granules hold it.
 //   - old: best-fit ranges over one allocation (device/best_fit_ranges, the pool before DESIGN
 //     invariant 8): a unit fits when one free block holds it, so split room costs evictions the
 //     sum would not need (counted: extra_evictions_old).
@@ -25,7 +25,7 @@
 
 #include "device/backend.hpp"
 #include "device/best_fit_ranges.hpp"
-#include "runtime/device_pool.hpp"
+#include "runtime/pool/device_pool.hpp"
 
 #include <taskswap/taskswap.hpp>
 

@@ -5,7 +5,7 @@
 #include <taskswap/config.hpp>
 
 #include "device/message.hpp"
-#include "runtime/home_tier.hpp"
+#include "runtime/homes/home_tier.hpp"
 #include "host/cpu_adamw.hpp"
 
 #include <toml++/toml.h>

@@ -2,20 +2,20 @@
 #pragma once
 
 // The runtime's state (runtime::impl), shared by the files that implement it. Who does what:
-//   residency_model.cpp     the residency rules the planner shares: budget arithmetic, checks, Belady
-//   registry.cpp            policies from the rules, registration and its budget checks, homes, start
-//   lifetime.cpp            construction (pool, trace, reducer), waiting for the streams, teardown
-//   swap_engine.cpp         residency (detail::swap_engine): fill, write-back, evict, make room, prefetch
-//   step_ledger.cpp         the counters stats() reports, stall timers (detail::step_ledger)
-//   plan_check.cpp          the plan: per-step budget check, agreement with the other ranks
-//   step_protocol.cpp       acquire, grads_ready, step, release, skip, end_step
-//   step_reduction.cpp      the step with a communicator: updates the runtime owns, deferrals
-//   step_round.hpp          the current step's deferred updates' bookkeeping (detail::step_round)
-//   host_optimizer.cpp      host placement: gradients home, the CPU AdamW, parameters back up
-//   step_stats.cpp          runtime::stats (the ledger's counters with the pool's figures), trace tracks
-//   step_guard.cpp          guarded steps: loss scaling and clipping over the step, updates at end_step
-//   runtime_checkpoint.cpp  checkpoint sources, save and load (agreed by the ranks)
-//   runtime.cpp             the public methods, forwarding here through guarded()
+//   residency/residency_model.cpp  the residency rules the planner shares: budget arithmetic, checks, Belady
+//   units/registry.cpp             policies from the rules, registration and its budget checks, homes, start
+//   lifetime.cpp                   construction (pool, trace, reducer), waiting for the streams, teardown
+//   swap/swap_engine.cpp           residency (detail::swap_engine): fill, write-back, evict, make room, prefetch
+//   swap/step_ledger.cpp           the counters stats() reports, stall timers (detail::step_ledger)
+//   residency/plan_check.cpp       the plan: per-step budget check, agreement with the other ranks
+//   step/step_protocol.cpp         acquire, grads_ready, step, release, skip, end_step
+//   step/step_reduction.cpp        the step with a communicator: updates the runtime owns, deferrals
+//   step/step_round.hpp            the current step's deferred updates' bookkeeping (detail::step_round)
+//   step/host_optimizer.cpp        host placement: gradients home, the CPU AdamW, parameters back up
+//   step/step_stats.cpp            runtime::stats (the ledger's counters with the pool's figures), trace tracks
+//   step/step_guard.cpp            guarded steps: loss scaling and clipping over the step, updates at end_step
+//   homes/runtime_checkpoint.cpp   checkpoint sources, save and load (agreed by the ranks)
+//   runtime.cpp                    the public methods, forwarding here through guarded()
 //
 // Streams: the trainer's compute stream(s); `h2d_` for swap-ins and parameter uploads; `d2h_` for
 // write-backs and, for host placement, gradients coming home; `host_opt_` whose host functions
@@ -41,14 +41,14 @@
 #include "host/step_guard.hpp"
 #include "host/host_task_arena.hpp"
 #include "storage/checkpoint.hpp"
-#include "runtime/device_pool.hpp"
-#include "runtime/plan_queue.hpp"
-#include "runtime/residency_model.hpp"
-#include "runtime/step_ledger.hpp"
-#include "runtime/step_round.hpp"
-#include "runtime/swap_engine.hpp"
+#include "runtime/pool/device_pool.hpp"
+#include "runtime/residency/plan_queue.hpp"
+#include "runtime/residency/residency_model.hpp"
+#include "runtime/swap/step_ledger.hpp"
+#include "runtime/step/step_round.hpp"
+#include "runtime/swap/swap_engine.hpp"
 #include "runtime/trace.hpp"
-#include "runtime/unit_record.hpp"
+#include "runtime/swap/unit_record.hpp"
 
 #include <taskswap/comm.hpp>
 #include <taskswap/host.hpp>
@@ -99,7 +99,7 @@ struct runtime::impl {
   void start();
   void derive_params();
 
-  // The residency model's arithmetic (runtime/residency_model.hpp).
+  // The residency model's arithmetic (runtime/residency/residency_model.hpp).
   [[nodiscard]] std::size_t taken(std::size_t bytes) const noexcept { return model_->taken(bytes); }
   [[nodiscard]] std::size_t charged(const unit_record& r, std::size_t bytes) const noexcept
   {

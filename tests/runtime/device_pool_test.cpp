@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 #include "device/backend.hpp"
-#include "runtime/device_pool.hpp"
+#include "runtime/pool/device_pool.hpp"
 #include "expect_error.hpp"
 #include "test_scale.hpp"
 #include "test_seed.hpp"

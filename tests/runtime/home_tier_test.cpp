@@ -4,7 +4,7 @@
 // every call counted), adds it with add_home_tier(), and trains units homed there. Every home
 // copy goes through the tier, and the result is the one of the same loop with host homes.
 
-#include "runtime/home_tier.hpp"
+#include "runtime/homes/home_tier.hpp"
 #include "runtime/training_loop.hpp"
 
 #include <taskswap/taskswap.hpp>

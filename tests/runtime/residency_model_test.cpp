@@ -4,7 +4,7 @@
 
 #include "comm/reducer.hpp"
 #include "expect_error.hpp"
-#include "runtime/residency_model.hpp"
+#include "runtime/residency/residency_model.hpp"
 
 #include <gtest/gtest.h>
 

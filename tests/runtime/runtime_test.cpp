@@ -2,11 +2,11 @@
 // The runtime's protocol, plan, eviction rule, stats and trace on the emulated backend.
 
 #include "expect_error.hpp"
-#include "runtime/plan_queue.hpp"
+#include "runtime/residency/plan_queue.hpp"
 #include "host/cpu_adamw.hpp"
 #include "host/stream_stagger.hpp"
 #include "numeric/dtype_conversion.hpp"
-#include "runtime/unit_layout.hpp"
+#include "runtime/units/unit_layout.hpp"
 #include "test_scale.hpp"
 
 #include <taskswap/taskswap.hpp>

@@ -1,6 +1,6 @@
 // SPDX-License-Identifier: Apache-2.0
 // A swap-in that takes its victim's extents while the victim's write-back still reads them
-// (Note [Handoff], runtime/swap_engine.cpp): neither unit's bytes are lost, against AdamW in
+// (Note [Handoff], runtime/swap/swap_engine.cpp): neither unit's bytes are lost, against AdamW in
 // double precision.
 
 #include <taskswap/taskswap.hpp>

@@ -3,7 +3,7 @@
 // with the moves this file lists independently (docs/runtime.md's table), the phases each step
 // path reaches, the way back to idle, and the consistency rules.
 
-#include "runtime/unit_state.hpp"
+#include "runtime/units/unit_state.hpp"
 
 #include <taskswap/error.hpp>
 

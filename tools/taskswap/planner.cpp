@@ -3,7 +3,7 @@
 
 #include "planner_replay.hpp"
 
-#include "runtime/residency_model.hpp"
+#include "runtime/residency/residency_model.hpp"
 
 #include <fnmatch.h>
 

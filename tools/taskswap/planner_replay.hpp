@@ -7,7 +7,7 @@
 
 #include "planner.hpp"
 
-#include "runtime/residency_model.hpp"
+#include "runtime/residency/residency_model.hpp"
 #include "storage/host_cache.hpp"
 
 #include <algorithm>

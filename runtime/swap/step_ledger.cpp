@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// The runtime's counters and stall timers (runtime/step_ledger.hpp).
+// The runtime's counters and stall timers (runtime/swap/step_ledger.hpp).
 
-#include "runtime/step_ledger.hpp"
+#include "runtime/swap/step_ledger.hpp"
 
 #include "device/expects.hpp"
 #include "device/message.hpp"

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "runtime/unit_layout.hpp"
+#include "runtime/units/unit_layout.hpp"
 
 #include "device/message.hpp"
 #include "host/stream_stagger.hpp"

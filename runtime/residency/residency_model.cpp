@@ -1,12 +1,12 @@
 // SPDX-License-Identifier: Apache-2.0
-// The residency model: Note [One residency model] in runtime/residency_model.hpp.
+// The residency model: Note [One residency model] in runtime/residency/residency_model.hpp.
 
-#include "runtime/residency_model.hpp"
+#include "runtime/residency/residency_model.hpp"
 
 #include "comm/reducer.hpp"
 #include "device/expects.hpp"
 #include "device/message.hpp"
-#include "runtime/unit_layout.hpp"
+#include "runtime/units/unit_layout.hpp"
 
 #include <algorithm>
 #include <utility>

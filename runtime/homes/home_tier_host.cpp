@@ -1,9 +1,9 @@
 // SPDX-License-Identifier: Apache-2.0
 // The host home tier: every home copy in the pinned, NUMA-local arena (Note [Home tiers]).
 
-#include "runtime/home_tier.hpp"
+#include "runtime/homes/home_tier.hpp"
 
-#include "runtime/unit_layout.hpp"
+#include "runtime/units/unit_layout.hpp"
 
 namespace taskswap::detail {
 

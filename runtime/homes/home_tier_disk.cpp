@@ -3,7 +3,7 @@
 // [Home tiers], Note [Host cache], Note [Unit files]). A copy to or from the device goes through
 // the unit's cache block, read from its file first on a miss.
 
-#include "runtime/home_tier.hpp"
+#include "runtime/homes/home_tier.hpp"
 
 #include "device/message.hpp"
 #include "numeric/align.hpp"

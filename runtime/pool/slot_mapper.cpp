@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "runtime/slot_mapper.hpp"
+#include "runtime/pool/slot_mapper.hpp"
 
 #include "device/backend.hpp"
 #include "device/message.hpp"

@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
-// The table of home tiers: Note [Home tiers] in runtime/home_tier.hpp.
+// The table of home tiers: Note [Home tiers] in runtime/homes/home_tier.hpp.
 
-#include "runtime/home_tier.hpp"
+#include "runtime/homes/home_tier.hpp"
 
 #include "device/expects.hpp"
 #include "device/message.hpp"

@@ -2,7 +2,7 @@
 // The device pool's extents (Note [Extents] in device_pool.cpp): the physical handles, who holds
 // each, where each is mapped, and the jobs that map, unmap and reshape them on the mapping thread.
 
-#include "runtime/device_pool.hpp"
+#include "runtime/pool/device_pool.hpp"
 
 #include "device/backend.hpp"
 #include "device/expects.hpp"

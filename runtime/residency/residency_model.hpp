@@ -33,7 +33,7 @@ namespace taskswap::detail {
 }
 
 /// The packing rule: a slot of at most half a granule (256-byte aligned) takes a place in a
-/// granule shared by its size class (runtime/device_pool.hpp).
+/// granule shared by its size class (runtime/pool/device_pool.hpp).
 [[nodiscard]] constexpr bool packs(std::size_t bytes, std::size_t granule) noexcept
 {
   return (bytes + 255) / 256 * 256 * 2 <= granule;

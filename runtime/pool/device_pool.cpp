@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "runtime/device_pool.hpp"
+#include "runtime/pool/device_pool.hpp"
 
 #include "device/backend.hpp"
 #include "device/expects.hpp"

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// runtime::stats (its counters are the step ledger's, runtime/step_ledger.hpp) and trace tracks.
+// runtime::stats (its counters are the step ledger's, runtime/swap/step_ledger.hpp) and trace tracks.
 
 #include "runtime/runtime_impl.hpp"
 

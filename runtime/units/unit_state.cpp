@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Names of the unit states and their moves (Note [Unit states]).
 
-#include "runtime/unit_state.hpp"
+#include "runtime/units/unit_state.hpp"
 
 #include "device/message.hpp"
 

@@ -32,8 +32,8 @@
 //
 // Not thread-safe: one thread (the runtime's caller) uses it. docs/runtime.md gives the design.
 
-#include "runtime/residency_model.hpp"
-#include "runtime/slot_mapper.hpp"
+#include "runtime/residency/residency_model.hpp"
+#include "runtime/pool/slot_mapper.hpp"
 
 #include <taskswap/device.hpp>
 

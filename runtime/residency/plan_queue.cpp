@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-#include "runtime/plan_queue.hpp"
+#include "runtime/residency/plan_queue.hpp"
 
 #include <algorithm>
 #include <cstddef>

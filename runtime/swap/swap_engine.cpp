@@ -1,7 +1,7 @@
 // SPDX-License-Identifier: Apache-2.0
 // Residency: filling and writing back slots, eviction by Belady's rule, making room, prefetch.
 
-#include "runtime/swap_engine.hpp"
+#include "runtime/swap/swap_engine.hpp"
 
 #include "device/message.hpp"
 

@@ -4,9 +4,9 @@
 // A registered unit as the runtime tracks it: its layout, home block and slot, its residency
 // state, and the events that order its swaps, updates and releases across streams.
 
-#include "runtime/home_tier.hpp"
-#include "runtime/unit_layout.hpp"
-#include "runtime/unit_state.hpp"
+#include "runtime/homes/home_tier.hpp"
+#include "runtime/units/unit_layout.hpp"
+#include "runtime/units/unit_state.hpp"
 
 #include <taskswap/device.hpp>
 #include <taskswap/runtime.hpp>

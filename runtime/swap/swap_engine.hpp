@@ -9,12 +9,12 @@
 // step protocol (runtime::impl) calls it; it calls back nothing. A swap-in whose slot the pool's
 // mapping thread is still mapping has its copy queued later (settle, issue_ready_fills).
 
-#include "runtime/device_pool.hpp"
-#include "runtime/plan_queue.hpp"
-#include "runtime/residency_model.hpp"
-#include "runtime/step_ledger.hpp"
+#include "runtime/pool/device_pool.hpp"
+#include "runtime/residency/plan_queue.hpp"
+#include "runtime/residency/residency_model.hpp"
+#include "runtime/swap/step_ledger.hpp"
 #include "runtime/trace.hpp"
-#include "runtime/unit_record.hpp"
+#include "runtime/swap/unit_record.hpp"
 
 #include <taskswap/device.hpp>
 
