@@ -64,7 +64,7 @@ void tensor_view::check_element(std::size_t size, bool floating) const
 {
   const bool fits = size == size_of(type) && floating == (type == dtype::f32);
   TASKSWAP_EXPECTS(fits, detail::message("tensor_view::data<T>(): the tensor is ", to_string(type), "; use ",
-                                         type == dtype::f32   ? "float"
+                                         type == dtype::f32  ? "float"
                                          : type == dtype::u8 ? "std::uint8_t (its bytes)"
                                                              : "std::uint16_t (its bits)"));
 }
@@ -262,7 +262,7 @@ const float* runtime::loss_scale() const
 {
   TASKSWAP_EXPECTS(impl_->guard_ && impl_->options_.scaler.enabled,
                    "loss_scale: no loss scaler is enabled; set [scaler] enabled = true");
-  return &impl_->guard_->state->scale;
+  return &impl_->guard_->state()->scale;
 }
 
 loss_scaler_state runtime::scaler_state()

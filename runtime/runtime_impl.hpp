@@ -45,6 +45,7 @@
 #include "runtime/residency/plan_queue.hpp"
 #include "runtime/residency/residency_model.hpp"
 #include "runtime/swap/step_ledger.hpp"
+#include "runtime/step/guard_memory.hpp"
 #include "runtime/step/step_round.hpp"
 #include "runtime/swap/swap_engine.hpp"
 #include "runtime/trace.hpp"
@@ -207,9 +208,6 @@ struct runtime::impl {
   // Guarded steps: loss scaling and clipping (step_guard.cpp)
   static void check_scaler(const runtime_options& options);
   [[nodiscard]] static bool guards(const runtime_options& options) noexcept;
-  [[nodiscard]] static std::size_t guard_device_bytes(std::size_t units) noexcept;
-  [[nodiscard]] static std::size_t guard_host_bytes(std::size_t units) noexcept;
-  void make_guard(std::span<std::byte> host);
   void upload_guard();
   void download_guard();
   void read_guard_steps();
@@ -315,25 +313,8 @@ struct runtime::impl {
   detail::step_round round_;
   std::optional<detail::reducer> reducer_;
 
-  // Guarded steps (step_guard.cpp): device memory taken from the budget, pinned host memory from
-  // the arena. Device: the state, the block sums, two AdamW scalars, a step count per unit.
-  // Host: the state's copy, per unit the CPU's step count (host placement) and the device's
-  // count read back, and per unit a copy of the state for the CPU AdamW.
-  struct guard_memory {
-    device_buffer memory;
-    event done;  // the last guarded step's work on aux (the scale is current after it)
-    detail::step_guard* state = nullptr;
-    double* block_sums = nullptr;
-    detail::adamw_scalars* scalars = nullptr;
-    std::int64_t* steps = nullptr;
-    detail::step_guard* host_state = nullptr;
-    std::int64_t* host_steps = nullptr;
-    std::int64_t* device_steps = nullptr;
-    detail::step_guard* unit_guards = nullptr;
-    bool wait_done = false;  // `done` was recorded: a stream that reads the state waits for it
-    bool downloaded = false;  // copies home are enqueued: read_guard_steps after the wait
-  };
-  std::optional<guard_memory> guard_;
+  // Guarded steps (step_guard.cpp): their memory, device and host (detail::guard_memory).
+  std::optional<detail::guard_memory> guard_;
 };
 
 }  // namespace taskswap

@@ -19,10 +19,7 @@ namespace taskswap {
 enum class dtype : std::uint8_t { f32, bf16, f16, u8 };
 
 /// @brief Bytes per element.
-[[nodiscard]] constexpr std::size_t size_of(dtype t) noexcept
-{
-  return t == dtype::f32 ? 4 : t == dtype::u8 ? 1 : 2;
-}
+[[nodiscard]] constexpr std::size_t size_of(dtype t) noexcept { return t == dtype::f32 ? 4 : t == dtype::u8 ? 1 : 2; }
 
 /// @brief Whether a unit of this type can be trained (f32, bf16, f16).
 [[nodiscard]] constexpr bool is_floating(dtype t) noexcept { return t != dtype::u8; }

@@ -27,7 +27,9 @@ void initialise_unit(const model_config& model, const taskswap::home_view& home,
     // He's bound; a trunk layer's, over the square root of the depth: each residual branch
     // then adds about 1/depth of the signal's power, so the trunk's output stays near its input's.
     float bound = std::sqrt(6.0F / static_cast<float>(t.shape[0]));
-    if (u < static_cast<std::size_t>(model.trunk_layers)) { bound /= std::sqrt(static_cast<float>(model.trunk_layers)); }
+    if (u < static_cast<std::size_t>(model.trunk_layers)) {
+      bound /= std::sqrt(static_cast<float>(model.trunk_layers));
+    }
     const std::uint64_t key = key_of(model.seed, key_init, u, ti);
     for (std::size_t i = 0; i < t.count; ++i) { w[i] = bound * uniform(key, i); }
   }

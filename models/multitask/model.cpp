@@ -22,8 +22,8 @@ namespace multitask {
 using detail::alignment;
 using detail::buffer_sizes;
 using detail::buffers_of;
-using detail::key_of;
 using detail::key_more_tasks;
+using detail::key_of;
 using detail::key_sampler;
 using detail::round_up;
 
@@ -114,7 +114,8 @@ model_config read_model(const toml::table& root, std::string_view source)
   if (m.tasks_per_step > m.tasks || m.tasks_per_step > m.batch) {
     throw config_error(std::string(source) + ": [model] tasks_per_step = " + std::to_string(m.tasks_per_step) +
                        " is more than the " + (m.tasks_per_step > m.tasks ? "tasks" : "batch") + " (" +
-                       std::to_string(std::min(m.tasks, m.batch)) + "); give at most that (each task of a step "
+                       std::to_string(std::min(m.tasks, m.batch)) +
+                       "); give at most that (each task of a step "
                        "takes rows of the batch)");
   }
   return m;
@@ -188,10 +189,9 @@ std::vector<int> tasks_of_step(const model_config& m, int rank, std::int64_t ste
 {
   std::vector<int> out{task_of_step(m, rank, step)};
   for (std::uint64_t draw = 0; out.size() < static_cast<std::size_t>(m.tasks_per_step); ++draw) {
-    const auto t = static_cast<int>(
-      key_of(m.seed, key_more_tasks, static_cast<std::uint64_t>(rank),
-             static_cast<std::uint64_t>(step) * 0x10000U + draw) %
-      static_cast<std::uint64_t>(m.tasks));
+    const auto t = static_cast<int>(key_of(m.seed, key_more_tasks, static_cast<std::uint64_t>(rank),
+                                           static_cast<std::uint64_t>(step) * 0x10000U + draw) %
+                                    static_cast<std::uint64_t>(m.tasks));
     if (std::find(out.begin(), out.end(), t) == out.end()) { out.push_back(t); }
   }
   return out;
@@ -248,7 +248,8 @@ buffer_sizes detail::buffers_of(const model_config& m, int steps)
   b.per_sample.push_back(std::max(d, h));  // backward, pong
   b.fixed.push_back(d * o);  // the teacher of the step
   // losses, one per task of each step (at least 256 bytes)
-  b.fixed.push_back(std::max<std::size_t>(static_cast<std::size_t>(steps) * static_cast<std::size_t>(m.tasks_per_step), 64));
+  b.fixed.push_back(
+    std::max<std::size_t>(static_cast<std::size_t>(steps) * static_cast<std::size_t>(m.tasks_per_step), 64));
   b.fixed.push_back(scratch_floats(std::max({d, h, o})));  // the reductions' partial sums
   if (m.compute != dtype::f32) {
     const std::size_t largest = std::max({d * d, d * h, h * o});

@@ -170,9 +170,10 @@ struct trainer::impl {
     kernels->random_uniform(teacher, teacher_size, key_of(model.seed, key_teacher, 0, 0), scale);
     kernels->gemm(false, false, b, model.outputs, d, 1.0F, act(0), teacher, 0.0F, target);
     for (int j = 0; j < k; ++j) {
-      kernels->random_uniform(teacher, teacher_size,
-                              key_of(model.seed, key_teacher, 1, static_cast<std::uint64_t>(task[static_cast<std::size_t>(j)])),
-                              0.5F * scale);
+      kernels->random_uniform(
+        teacher, teacher_size,
+        key_of(model.seed, key_teacher, 1, static_cast<std::uint64_t>(task[static_cast<std::size_t>(j)])),
+        0.5F * scale);
       const int r0 = rows_begin(b, k, j);
       kernels->gemm(false, false, rows_begin(b, k, j + 1) - r0, model.outputs, d, 1.0F, act(0) + row(r0, d), teacher,
                     1.0F, target + row(r0, model.outputs));
@@ -306,7 +307,8 @@ struct trainer::impl {
     double all = 0;
     for (std::size_t t = 0; t < sum.size(); ++t) { all += sum[t]; }
     char buf[64];
-    std::snprintf(buf, sizeof buf, "%.4f", all / static_cast<double>(p.end - p.first) / static_cast<double>(per_step()));
+    std::snprintf(buf, sizeof buf, "%.4f",
+                  all / static_cast<double>(p.end - p.first) / static_cast<double>(per_step()));
     line << buf << " over " << (p.end - p.first) << " steps;";
     int shown = 0;
     for (std::size_t t = 0; t < sum.size() && shown < 6; ++t) {

@@ -356,7 +356,9 @@ void bind_options(nb::module_& m)
   m.def("footprint", &footprint, "spec"_a, "placement"_a, "A unit's footprint under a placement.");
   m.def(
     "all_pinned_budget",
-    [](const runtime_options& options, const std::vector<unit_spec>& units) { return all_pinned_budget(options, units); },
+    [](const runtime_options& options, const std::vector<unit_spec>& units) {
+      return all_pinned_budget(options, units);
+    },
     "options"_a, "units"_a,
     "The budget that holds every unit pinned (an all-resident baseline), as the runtime packs pinned units.");
   m.def("step_guard_device_bytes", &step_guard_device_bytes, "units"_a,

@@ -105,7 +105,7 @@ checkpoint_manifest runtime::impl::describe(std::span<const detail::checkpoint_s
   manifest.optimizer = options_.optimizer;
   manifest.user = user;
   if (guard_ && options_.scaler.enabled) {  // current: save_checkpoint flushed, which read it back
-    manifest.scaler = checkpoint_scaler{guard_->host_state->scale, guard_->host_state->growth_tracker};
+    manifest.scaler = checkpoint_scaler{guard_->host_state().scale, guard_->host_state().growth_tracker};
   }
   return manifest;
 }
@@ -186,8 +186,8 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
                              "' has no [optimizer] clip; keeping this runtime's clip = ", configured_clip));
   }
   if (guard_ && options_.scaler.enabled && manifest.scaler) {  // goes to the device at start
-    guard_->host_state->scale = static_cast<float>(manifest.scaler->scale);
-    guard_->host_state->growth_tracker = static_cast<std::int32_t>(manifest.scaler->growth_tracker);
+    guard_->host_state().scale = static_cast<float>(manifest.scaler->scale);
+    guard_->host_state().growth_tracker = static_cast<std::int32_t>(manifest.scaler->growth_tracker);
   }
   return manifest;
 }

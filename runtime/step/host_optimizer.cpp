@@ -47,8 +47,8 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   detail::step_guard* factors = nullptr;
   std::int64_t* step = nullptr;
   if (guarded) {  // the finished step's factors, copied home on `s` (guarded_update)
-    factors = guard_->unit_guards + r.index;
-    step = guard_->host_steps + r.index;
+    factors = guard_->unit_guard(r.index);
+    step = guard_->host_step(r.index);
   }
   ensure(r.grads_copied, device_).record(d2h_);
   if (trace_) { trace_->close(span, d2h_); }

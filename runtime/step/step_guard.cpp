@@ -33,15 +33,6 @@ using detail::ensure;
 using detail::message;
 using detail::round_up;
 
-namespace {
-
-constexpr std::size_t guard_state_bytes = 256;
-constexpr std::size_t block_sums_bytes = detail::square_sum_blocks * sizeof(double);
-constexpr std::size_t scalars_bytes = 256;  // two adamw_scalars
-constexpr std::size_t steps_offset = guard_state_bytes + block_sums_bytes + scalars_bytes;
-
-}  // namespace
-
 void runtime::impl::check_scaler(const runtime_options& options)
 {
   const loss_scaler_options& s = options.scaler;
@@ -66,13 +57,6 @@ bool runtime::impl::guards(const runtime_options& options) noexcept
   return options.scaler.enabled || options.optimizer.clip > 0;
 }
 
-std::size_t step_guard_device_bytes(std::size_t units) noexcept
-{
-  return guard_state_bytes + block_sums_bytes + scalars_bytes + round_up(units * sizeof(std::int64_t), 256);
-}
-
-std::size_t runtime::impl::guard_device_bytes(std::size_t units) noexcept { return step_guard_device_bytes(units); }
-
 std::size_t all_pinned_budget(const runtime_options& options, std::span<const unit_spec> units)
 {
   std::size_t packed = 0;  // as the plan check counts pinned units: each at a 256-byte offset
@@ -87,83 +71,27 @@ std::size_t all_pinned_budget(const runtime_options& options, std::span<const un
   return budget;
 }
 
-std::size_t runtime::impl::guard_host_bytes(std::size_t units) noexcept
-{
-  return guard_state_bytes + round_up(2 * units * sizeof(std::int64_t), 256) + units * sizeof(detail::step_guard);
-}
-
-void runtime::impl::make_guard(std::span<std::byte> host)
-{
-  guard_memory g{.memory = device_buffer(device_, guard_device_bytes(units_.size())), .done = event(device_)};
-  std::byte* d = static_cast<std::byte*>(g.memory.data());
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the layout above
-  g.state = reinterpret_cast<detail::step_guard*>(d);
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-  g.block_sums = reinterpret_cast<double*>(d + guard_state_bytes);
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-  g.scalars = reinterpret_cast<detail::adamw_scalars*>(d + guard_state_bytes + block_sums_bytes);
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-  g.steps = reinterpret_cast<std::int64_t*>(d + steps_offset);
-  std::byte* h = host.data();
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the layout of guard_host_bytes
-  g.host_state = reinterpret_cast<detail::step_guard*>(h);
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-  g.host_steps = reinterpret_cast<std::int64_t*>(h + guard_state_bytes);
-  g.device_steps = g.host_steps + units_.size();
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-  g.unit_guards = reinterpret_cast<detail::step_guard*>(h + guard_state_bytes +
-                                                        round_up(2 * units_.size() * sizeof(std::int64_t), 256));
-  *g.host_state = detail::step_guard{};
-  g.host_state->scale = static_cast<float>(options_.scaler.enabled ? options_.scaler.init_scale : 1.0);
-  guard_.emplace(std::move(g));
-}
-
 // At start: the scale (and tracker) and every unit's step count go to the device.
 void runtime::impl::upload_guard()
 {
-  guard_memory& g = *guard_;
-  for (const unit_record& r : units_) {
-    g.host_steps[r.index] = r.step;
-    g.device_steps[r.index] = r.step;
-  }
-  const std::size_t n = units_.size() * sizeof(std::int64_t);
-  copy_async(g.memory.span(steps_offset, n),
-             // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-             std::span<const std::byte>(reinterpret_cast<const std::byte*>(g.device_steps), n), h2d_);
-  copy_async(g.memory.span(0, sizeof(detail::step_guard)),
-             // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-             std::span<const std::byte>(reinterpret_cast<const std::byte*>(g.host_state), sizeof(detail::step_guard)),
-             h2d_);
-  g.done.record(h2d_);
-  g.wait_done = true;
+  std::vector<std::int64_t> steps;
+  steps.reserve(units_.size());
+  for (const unit_record& r : units_) { steps.push_back(r.step); }
+  guard_->upload(steps, h2d_);
 }
 
 // Enqueues the copies of the state and the device step counts home; read them after wait_streams.
 void runtime::impl::download_guard()
 {
-  guard_memory& g = *guard_;
-  if (!started_) { return; }  // nothing went up yet: the host copies are current
-  if (!g.done.query()) { g.done.wait(d2h_); }
-  const std::size_t n = units_.size() * sizeof(std::int64_t);
-  const guard_memory& c = g;
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-  copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.host_state), sizeof(detail::step_guard)),
-             c.memory.span(0, sizeof(detail::step_guard)), d2h_);
-  // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-  copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.device_steps), n), c.memory.span(steps_offset, n),
-             d2h_);
-  g.downloaded = true;
+  if (started_) { guard_->download(d2h_); }  // before start nothing went up: the host copies are current
 }
 
 // After wait_streams: the units' step counts from where each placement keeps them.
 void runtime::impl::read_guard_steps()
 {
-  guard_memory& g = *guard_;
-  if (!g.downloaded) { return; }
-  g.downloaded = false;
-  for (unit_record& r : units_) {
-    r.step = r.policy.optimizer == optimizer_placement::host ? g.host_steps[r.index] : g.device_steps[r.index];
-  }
+  guard_->read_steps([&](std::size_t i, std::int64_t host, std::int64_t device) {
+    units_[i].step = units_[i].policy.optimizer == optimizer_placement::host ? host : device;
+  });
 }
 
 // A trained unit's step() in a guarded step: its update waits for end_step.
@@ -188,9 +116,9 @@ void runtime::impl::defer_release(unit_record& r, stream_view s)
 
 void runtime::impl::finish_guarded_step()
 {
-  guard_memory& g = *guard_;
+  detail::guard_memory& g = *guard_;
   stream& aux = *aux_;
-  if (g.wait_done && !g.done.query()) { g.done.wait(aux); }
+  g.wait_for_last(aux);
   const std::span<const std::uint32_t> deferred = round_.deferred();
   for (const std::uint32_t u : deferred) {
     unit_record& r = units_[u];
@@ -204,8 +132,8 @@ void runtime::impl::finish_guarded_step()
       TASKSWAP_EXPECTS(reduced != nullptr, message("end_step: the reduction of '", r.name, "' was not launched"));
       if (!reduced->query()) { reduced->wait(aux); }
     }
-    detail::square_sum_async(r.slot->data() + r.grads_at(), r.layout.grad, r.layout.trainable, g.state, g.block_sums,
-                             aux);
+    detail::square_sum_async(r.slot->data() + r.grads_at(), r.layout.grad, r.layout.trainable, g.state(),
+                             g.block_sums(), aux);
   }
   const adamw_options& optimizer = round_.optimizer(options_.optimizer);
   const detail::guard_settings settings{.clip = static_cast<float>(optimizer.clip),
@@ -213,7 +141,7 @@ void runtime::impl::finish_guarded_step()
                                         .growth_factor = static_cast<float>(options_.scaler.growth_factor),
                                         .backoff_factor = static_cast<float>(options_.scaler.backoff_factor),
                                         .growth_interval = static_cast<std::int32_t>(options_.scaler.growth_interval)};
-  detail::finish_guard_async(g.state, settings, aux);
+  detail::finish_guard_async(g.state(), settings, aux);
   for (const std::uint32_t u : deferred) {
     unit_record& r = units_[u];
     guarded_update(r, optimizer);
@@ -222,14 +150,13 @@ void runtime::impl::finish_guarded_step()
     release(r, aux, detail::phase_move::update_and_release);
   }
   round_.clear_deferred();
-  g.done.record(aux);
-  g.wait_done = true;
+  g.record_done(aux);
 }
 
 // One unit's update in a guarded step, on aux after the step was finished there.
 void runtime::impl::guarded_update(unit_record& r, const adamw_options& optimizer)
 {
-  guard_memory& g = *guard_;
+  detail::guard_memory& g = *guard_;
   stream& aux = *aux_;
   adamw_options decay = optimizer;
   decay.lr *= r.policy.lr_scale;
@@ -240,18 +167,17 @@ void runtime::impl::guarded_update(unit_record& r, const adamw_options& optimize
     // The step's factors come home on aux itself, right after the finish and before a later
     // step's finish can change them, once the unit's previous CPU step has read its copy.
     if (r.host_updated && r.host_updated->recorded() && !r.host_updated->query()) { r.host_updated->wait(aux); }
-    const guard_memory& c = g;
-    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast)
-    copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.unit_guards + r.index), sizeof(detail::step_guard)),
-               c.memory.span(0, sizeof(detail::step_guard)), aux);
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the factors' bytes
+    copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.unit_guard(r.index)), sizeof(detail::step_guard)),
+               g.state_bytes(), aux);
     host_step(r, update_scalars{}, aux, guarded_host_update{decay, plain});
     return;
   }
-  detail::prepare_guarded_async(decay, plain, g.steps + r.index, g.state, g.scalars, aux);
+  detail::prepare_guarded_async(decay, plain, g.device_step(r.index), g.state(), g.scalars(), aux);
   const detail::unit_layout& l = r.layout;
   const detail::adamw_slabs whole = l.slabs_at(r.slot->data(), l.device_grads);
   for (const detail::adamw_run& run : l.runs) {
-    detail::adamw_async(l.run_slabs(whole, run), g.scalars + (run.decay ? 0 : 1), g.state, aux);
+    detail::adamw_async(l.run_slabs(whole, run), g.scalars() + (run.decay ? 0 : 1), g.state(), aux);
   }
   fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, aux);
   go(r, detail::coherence_move::step_on_device);
@@ -263,7 +189,7 @@ loss_scaler_state runtime::impl::scaler_state()
   download_guard();
   wait_streams("scaler_state");
   read_guard_steps();
-  const detail::step_guard& s = *guard_->host_state;
+  const detail::step_guard& s = guard_->host_state();
   return {.scale = s.scale,
           .growth_tracker = s.growth_tracker,
           .skipped_steps = s.skipped_steps,

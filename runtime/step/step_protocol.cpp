@@ -38,7 +38,7 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
   start();
   begin_step();
   // After a guarded step the trainer's loss kernel reads the scale that step set.
-  if (guard_ && guard_->wait_done && !guard_->done.query()) { guard_->done.wait(s); }
+  if (guard_) { guard_->wait_for_last(s); }
   const bool frozen = use == unit_use::frozen;
   std::optional<detail::planned_acquisition> planned = plan_.peek(u);
   if (planned && (planned->use != detail::planned_use::train) != frozen) {

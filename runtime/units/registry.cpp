@@ -105,7 +105,7 @@ void runtime::impl::register_units(const runtime_options& options, const std::ve
     }
   }
   model_.emplace(options.device.budget, device_.backend().vm_granularity(),
-                 guards(options) ? guard_device_bytes(specs.size()) : 0, std::move(modelled));
+                 guards(options) ? detail::guard_memory::device_bytes(specs.size()) : 0, std::move(modelled));
   for (unit_record& r : units_) { r.packed = model_->packed(r.index); }
 }
 
@@ -120,7 +120,7 @@ void runtime::impl::place_homes()
     total += r.home.tier->pinned_bytes(r.layout.home_bytes);
     any_host = any_host || (r.policy.optimizer == optimizer_placement::host && !r.layout.frozen);
   }
-  const std::size_t guard_host = guards(options_) ? guard_host_bytes(units_.size()) : 0;
+  const std::size_t guard_host = guards(options_) ? detail::guard_memory::host_bytes(units_.size()) : 0;
   detail::setup_homes(homes_, device_, total + guard_host, options_.host, options_.storage, used);
   for (unit_record& r : units_) {
     r.home.tier->place(homes_, r.home, {.unit = r.name, .identity = identity_of(r), .bytes = r.layout.home_bytes});
@@ -164,7 +164,10 @@ void runtime::impl::place_homes()
     });
   }
   if (any_host) { cpu_.emplace(static_cast<int>(homes_.arena->numa_node()), options_.host.optimizer_threads); }
-  if (guard_host != 0) { make_guard(homes_.arena->allocate(guard_host, detail::slab_alignment)); }
+  if (guard_host != 0) {
+    guard_.emplace(device_, units_.size(), homes_.arena->allocate(guard_host, detail::slab_alignment),
+                   static_cast<float>(options_.scaler.enabled ? options_.scaler.init_scale : 1.0));
+  }
   // Pinned units are packed together; every other unit has a slot of its own, mapped when resident.
   for (unit_record& r : units_) {
     if (r.pinned()) {

@@ -35,7 +35,8 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
     throw config_error(message("unit '", spec.name, "' has no tensors; register at least one"));
   }
   if (spec.trainable && !(is_floating(spec.compute) && is_floating(spec.grad.value_or(spec.compute)))) {
-    throw config_error(message("unit '", spec.name, "': a trained unit's parameters and gradients are f32, bf16 or "
+    throw config_error(message("unit '", spec.name,
+                               "': a trained unit's parameters and gradients are f32, bf16 or "
                                "f16; raw bytes (u8) are for a frozen unit: set trainable false"));
   }
   unit_layout l;

@@ -110,10 +110,10 @@ TEST(multitask_model, a_mixed_step_trains_distinct_tasks_over_rows_split_evenly_
   }
   EXPECT_EQ(seen.size(), 6U);
   // 10 rows among 4 tasks: 2, 3, 2, 3, covering [0, 10) without overlap.
-  EXPECT_EQ((std::vector<int>{multitask::rows_begin(10, 4, 0), multitask::rows_begin(10, 4, 1),
-                              multitask::rows_begin(10, 4, 2), multitask::rows_begin(10, 4, 3),
-                              multitask::rows_begin(10, 4, 4)}),
-            (std::vector<int>{0, 2, 5, 7, 10}));
+  EXPECT_EQ(
+    (std::vector<int>{multitask::rows_begin(10, 4, 0), multitask::rows_begin(10, 4, 1), multitask::rows_begin(10, 4, 2),
+                      multitask::rows_begin(10, 4, 3), multitask::rows_begin(10, 4, 4)}),
+    (std::vector<int>{0, 2, 5, 7, 10}));
   const std::vector<taskswap::unit_id> trunk{{0}, {1}};
   const std::vector<taskswap::unit_id> adapters{{5}, {3}};
   const taskswap::step_plan held = multitask::step_plan_of(m, trunk, adapters, 0, false);

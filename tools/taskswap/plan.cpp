@@ -45,7 +45,9 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
     std::vector<std::size_t> step;
     std::vector<std::size_t> frozen;  // the trunk, from [model] freeze_trunk_after on
     for (std::size_t l = 0; l < trunk; ++l) { (cfg.model.trunk_frozen(s) ? frozen : step).push_back(l); }
-    for (const int t : multitask::tasks_of_step(cfg.model, 0, s)) { step.push_back(trunk + static_cast<std::size_t>(t)); }
+    for (const int t : multitask::tasks_of_step(cfg.model, 0, s)) {
+      step.push_back(trunk + static_cast<std::size_t>(t));
+    }
     in.steps.push_back(std::move(step));
     in.frozen.push_back(std::move(frozen));
   }
