@@ -29,7 +29,7 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
       ledger_(dev, specs.size())
 {
   const char* check = std::getenv("TASKSWAP_CHECK_STATES");  // NOLINT(concurrency-mt-unsafe): read once, here
-  check_states_ = check != nullptr && std::string_view(check) == "1";
+  life_.check_states = check != nullptr && std::string_view(check) == "1";
   check_scaler(options);
   if (!comm) { comm = make_communicator(dev, options.comm); }
   if (comm && comm->size() > 1 && !options_.storage.path.empty()) {
@@ -41,9 +41,9 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
   place_homes();
   if (options_.trace) {
     trace_.emplace(device_, h2d_.view());
-    h2d_track_ = trace_->track("h2d (swap-in)");
-    d2h_track_ = trace_->track("d2h (write-back)");
-    host_track_ = trace_->track("host optimizer");
+    tracks_.h2d = trace_->track("h2d (swap-in)");
+    tracks_.d2h = trace_->track("d2h (write-back)");
+    tracks_.host = trace_->track("host optimizer");
   }
   if (guard_) { aux_.emplace(dev); }  // where guarded steps are finished and their units updated
   if (comm) {
@@ -77,8 +77,8 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
                                            .h2d = h2d_,
                                            .d2h = d2h_,
                                            .trace = trace_ ? &*trace_ : nullptr,
-                                           .h2d_track = h2d_track_,
-                                           .d2h_track = d2h_track_,
+                                           .h2d_track = tracks_.h2d,
+                                           .d2h_track = tracks_.d2h,
                                            .path = path()});
 }
 
@@ -87,13 +87,13 @@ runtime::impl::~impl()
   // Keep the home copies current (unless something failed: then nothing more is written home)
   // and let no copy outlive the memory it touches. Whatever goes wrong is reported in one line at
   // the end: after a failure the trainer has seen its text already, and every unit would repeat it.
-  const bool failed = failed_ || (reducer_ && reducer_->comm().failed());
+  const bool failed = life_.failed || (reducer_ && reducer_->comm().failed());
   std::size_t dirty = 0;
   for (const unit_record& r : units_) { dirty += r.dirty() ? 1U : 0U; }
   // The failure the trainer has seen (the runtime's first, or the communicator's): not repeated.
   std::string seen;
   try {
-    if (failed_) { std::rethrow_exception(failed_); }
+    if (life_.failed) { std::rethrow_exception(life_.failed); }
     if (reducer_) { reducer_->comm().check(); }
   } catch (const std::exception& f) {
     seen = f.what();
@@ -107,7 +107,7 @@ runtime::impl::~impl()
     }
   };
   try {
-    if (held_count_ == 0 && started_ && !failed) {
+    if (held_count_ == 0 && life_.started && !failed) {
       for (unit_record& r : units_) {
         if (r.dirty()) { swap_->write_back(r); }
       }

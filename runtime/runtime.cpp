@@ -123,7 +123,7 @@ home_view runtime::home(unit_id u)
   // Not guarded: after a failure the home copies stay readable. A disk home's failed read leaves
   // it absent from the cache, and a victim's failed write leaves that block dirty: nothing is lost.
   detail::unit_record& r = impl_->record(u);
-  if (impl_->failed_ && r.home.cache != nullptr && r.home.cache->behind(r.home.entry)) {
+  if (impl_->life_.failed && r.home.cache != nullptr && r.home.cache->behind(r.home.entry)) {
     throw storage_error(message("the home of unit '", r.name, "' in '", r.home.cache->file(r.home.entry).string(),
                                 "' is older than its last write-back: its newest bytes were in the device copy, "
                                 "which the failure lost; resume from the last checkpoint"));
@@ -134,7 +134,7 @@ home_view runtime::home(unit_id u)
   v.tensors = l.tensors;
   std::byte* home = r.home_block();
   r.home_used(nullptr, true);  // the trainer may write it (a disk home's cache block is then dirty)
-  r.home_written = r.home_written || !impl_->started_;
+  r.home_written = r.home_written || !impl_->life_.started;
   v.params = {home + l.params, l.compute, l.count};
   const std::size_t state = l.frozen ? 0 : l.count;  // a unit never trained has no optimizer state
   v.master = {home + l.master, dtype::f32, state};
@@ -193,11 +193,11 @@ void runtime::skip(std::span<const unit_id> units)
 {
   impl_->guarded([&] {
     std::vector<detail::step_phase> before;
-    if (impl_->check_states_) {
+    if (impl_->life_.check_states) {
       for (const unit_id u : units) { before.push_back(impl_->phase_before(u)); }
     }
     const std::vector<bool> reduced = impl_->trainer_skip(units);
-    if (!impl_->check_states_) { return; }
+    if (!impl_->life_.check_states) { return; }
     const std::uint32_t moves = detail::skip_moves(impl_->path());
     for (std::size_t i = 0; i < units.size(); ++i) {
       const auto earlier = units.begin() + static_cast<std::ptrdiff_t>(i);

@@ -48,6 +48,7 @@
 #include "runtime/step/guard_memory.hpp"
 #include "runtime/step/step_round.hpp"
 #include "runtime/swap/swap_engine.hpp"
+#include "runtime/runtime_life.hpp"
 #include "runtime/trace.hpp"
 #include "runtime/swap/unit_record.hpp"
 
@@ -65,6 +66,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace taskswap {
@@ -203,7 +205,6 @@ struct runtime::impl {
   [[nodiscard]] detail::step_phase phase_before(unit_id u) const;
   void check_unit(unit_id u, detail::step_phase before, std::uint32_t moves, const char* call) const;
   void check_units(const char* call, bool step_ended) const;
-  bool check_states_ = false;
 
   // Guarded steps: loss scaling and clipping (step_guard.cpp)
   static void check_scaler(const runtime_options& options);
@@ -222,40 +223,17 @@ struct runtime::impl {
   [[nodiscard]] checkpoint_manifest describe(std::span<const detail::checkpoint_source> sources,
                                              const std::map<std::string, std::string>& user);
 
-  // Failures. After the device failed, a wait timed out, a collective failed or a unit file could
-  // not be read or written, every later call throws that first error again, and the runtime
-  // writes nothing home any more: a unit on the device may hold work that never finished, or an
-  // update from gradients that never arrived; a disk home may be half read.
+  // Failures (runtime_life::guarded): every public call runs through it.
   template <typename Body>
   decltype(auto) guarded(Body&& body)
   {
-    if (failed_) { std::rethrow_exception(failed_); }
-    try {
-      return body();
-    } catch (const device_error&) {
-      failed_ = std::current_exception();
-      throw;
-    } catch (const timeout_error&) {
-      failed_ = std::current_exception();
-      throw;
-    } catch (const comm_error&) {
-      failed_ = std::current_exception();
-      throw;
-    } catch (const cuda_error&) {  // a sticky CUDA error surfaces as the first call's failure
-      failed_ = std::current_exception();
-      throw;
-    } catch (const storage_error&) {
-      failed_ = std::current_exception();
-      throw;
-    }
+    return life_.guarded(std::forward<Body>(body));
   }
   // Waits (bounded by the timeout) until the runtime's streams have done their work (lifetime.cpp).
   void wait_streams(std::string_view what);
   // A wait ran out of [runtime] timeout: the device drops its queued work and timeout_error(why)
   // is thrown (lifetime.cpp).
   [[noreturn]] void stalled(const std::string& why);
-  std::exception_ptr failed_;
-  bool load_failed_ = false;  // failed_ is a load that overwrote part of the home copies
 
   // Stats (step_stats.cpp; the counters are the ledger's)
   void resolve_stalls(bool wait) { ledger_.resolve_stalls(wait, options_.timeout); }
@@ -278,6 +256,7 @@ struct runtime::impl {
 
   device device_;
   runtime_options options_;
+  detail::runtime_life life_;  // started, derived, synced, failed (runtime_life.hpp)
   std::deque<unit_record> units_;  // stable addresses: events are referenced from pending waits
   std::unordered_map<std::string, std::uint32_t> by_name_;
   std::optional<detail::residency_model> model_;  // the budget's rules, the plan check, Belady
@@ -294,18 +273,11 @@ struct runtime::impl {
   std::size_t held_count_ = 0;  // units the trainer holds and those held for an update (not a deferred release)
   std::uint64_t tick_ = 0;
   std::uint64_t planned_steps_ = 0;  // steps appended to the plan, over all time
-  bool started_ = false;
-  bool warned_host_cache_ = false;  // check_host_cache() has warned
-  bool derived_ = false;  // derive_params() ran (the host homes are derived)
-  bool replicas_synced_ = false;  // with a communicator: at the first plan()
 
   detail::step_ledger ledger_;  // every counter stats() reports, and the stall timers
   std::optional<detail::swap_engine> swap_;  // residency: made last in the constructor, on the parts above
 
-  int h2d_track_ = 0;
-  int d2h_track_ = 0;
-  int host_track_ = 0;
-  std::unordered_map<void*, int> compute_tracks_;
+  detail::runtime_tracks tracks_;  // the trace's tracks, with a trace
 
   // With a communicator: the reducer; with one or guarded steps, the stream on which the runtime
   // applies the updates it owns, and the current step's deferred updates (detail::step_round).

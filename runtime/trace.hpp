@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 namespace taskswap::detail {
@@ -66,6 +67,15 @@ class trace_recorder {
   std::vector<host_span_record> host_spans_;
   std::vector<counter_record> counters_;
   std::size_t dropped_ = 0;
+};
+
+/// The runtime's tracks in its trace: one per copy stream, one for the host optimizer, and one
+/// per compute stream, in the order the streams are first seen.
+struct runtime_tracks {
+  int h2d = 0;
+  int d2h = 0;
+  int host = 0;
+  std::unordered_map<void*, int> compute;
 };
 
 }  // namespace taskswap::detail

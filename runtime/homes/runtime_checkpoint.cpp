@@ -112,8 +112,8 @@ checkpoint_manifest runtime::impl::describe(std::span<const detail::checkpoint_s
 
 checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& dir)
 {
-  if (failed_ && !load_failed_) { std::rethrow_exception(failed_); }  // after a failed load: load again
-  TASKSWAP_EXPECTS(!started_,
+  if (life_.failed && !life_.load_failed) { std::rethrow_exception(life_.failed); }  // after a failed load: load again
+  TASKSWAP_EXPECTS(!life_.started,
                    message("load_checkpoint('", dir.string(),
                            "'): call it before the first plan, acquire or flush, as initial values are written"));
   const std::vector<detail::checkpoint_source> sources = checkpoint_sources();
@@ -164,12 +164,12 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
     failure = message(e.what(), " (load again before training: this runtime refuses every call until then)");
   }
   if (!failure.empty()) {
-    failed_ = std::make_exception_ptr(checkpoint_error(failure));
-    load_failed_ = true;
+    life_.failed = std::make_exception_ptr(checkpoint_error(failure));
+    life_.load_failed = true;
   }
   agree(failure, "reads");
-  failed_ = nullptr;
-  load_failed_ = false;
+  life_.failed = nullptr;
+  life_.load_failed = false;
   for (std::size_t i = 0; i < units_.size(); ++i) {
     units_[i].step = manifest.units[where[i]].step;
     units_[i].home_written = false;  // a checkpoint's params are derived from its master already

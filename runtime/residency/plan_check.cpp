@@ -52,7 +52,7 @@ void runtime::impl::check_step(const step_plan& step, std::uint64_t step_number)
 void runtime::impl::check_host_cache(std::span<const step_plan> steps, std::uint64_t first,
                                      std::span<const std::vector<std::uint32_t>> frozen_reduced)
 {
-  if (!homes_.cache || warned_host_cache_) { return; }
+  if (!homes_.cache || life_.warned_host_cache) { return; }
   const detail::host_cache& cache = *homes_.cache;
   const auto block = [&](std::uint32_t u) {
     return units_.at(u).home.cache == nullptr ? std::size_t{0} : cache.block_bytes(units_[u].home.entry);
@@ -68,7 +68,7 @@ void runtime::impl::check_host_cache(std::span<const step_plan> steps, std::uint
     const detail::homes_in_use in_use =
       detail::count_homes_in_use(steps[k], block, stays, guard_.has_value() || reducer_.has_value());
     if (in_use.bytes > cache.capacity()) {
-      warned_host_cache_ = true;
+      life_.warned_host_cache = true;
       detail::log(log_level::warning,
                   message("plan step ", first + k, " keeps ", bytes_text(in_use.bytes),
                           " of disk homes in use at once (", in_use.staying,

@@ -18,7 +18,7 @@ void runtime::impl::upload_params(unit_record& r)
   swap_->flush_h2d_waits();
   r.released.wait(h2d_);
   r.host_updated->wait(h2d_);
-  const std::size_t span = trace_ ? trace_->open(h2d_track_, "params " + r.name, h2d_) : 0;
+  const std::size_t span = trace_ ? trace_->open(tracks_.h2d, "params " + r.name, h2d_) : 0;
   r.stage_in(0, r.slot->subspan(0, l.travel_bytes), h2d_);
   r.arrived.record(h2d_);
   if (trace_) { trace_->close(span, h2d_); }
@@ -36,7 +36,7 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   r.grads_done->wait(d2h_);
   if (r.host_updated && r.host_updated->recorded()) { r.host_updated->wait(d2h_); }
   const std::size_t grad_bytes = l.device_grad_bytes();
-  const std::size_t span = trace_ ? trace_->open(d2h_track_, "grads " + r.name, d2h_) : 0;
+  const std::size_t span = trace_ ? trace_->open(tracks_.d2h, "grads " + r.name, d2h_) : 0;
   r.write_home(l.home_grads, const_device_span(r.slot->subspan(r.grads_at(), grad_bytes)), d2h_);
   fill_async(r.slot->subspan(r.grads_at(), grad_bytes), std::byte{0}, d2h_);
   if (const std::size_t state = l.state_tensor_bytes();
@@ -62,7 +62,7 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   const bool grouped = detail::grouped_stores(whole);
   detail::host_task_arena* cpu = &*cpu_;
   detail::trace_recorder* trace = trace_ ? &*trace_ : nullptr;
-  launch_host_func(host_opt_, [runs = std::move(runs), scalars, guarded, factors, step, cpu, trace, track = host_track_,
+  launch_host_func(host_opt_, [runs = std::move(runs), scalars, guarded, factors, step, cpu, trace, track = tracks_.host,
                                name = r.name, grouped] {
     update_scalars k = scalars;
     if (guarded) {

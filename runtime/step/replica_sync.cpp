@@ -24,13 +24,13 @@ std::size_t state_bytes_of(const detail::unit_layout& l) { return l.v + l.state_
 
 void runtime::impl::sync_replicas()
 {
-  if (!reducer_ || replicas_synced_) { return; }
+  if (!reducer_ || life_.replicas_synced) { return; }
   if (options_.comm.initial == initial_sync::verify) {
     verify_replicas();
   } else {
     broadcast_replicas();
   }
-  replicas_synced_ = true;
+  life_.replicas_synced = true;
 }
 
 // Each rank puts a checksum of every unit's state (and its step count) in its own row; the sum
@@ -133,8 +133,8 @@ void runtime::impl::broadcast_replicas()
   for (std::size_t u = 0; u < units_.size(); ++u) { steps[u] = root ? units_[u].step : 0; }
   red.sum(steps, "the first plan: rank 0's step counts");
   for (std::size_t u = 0; u < units_.size(); ++u) { units_[u].step = steps[u]; }
-  if (started_ && guard_) { upload_guard(); }  // the step counts went to the device before they were rank 0's
-  if (started_) {  // a flush() before the first plan brought the pinned units in already
+  if (life_.started && guard_) { upload_guard(); }  // the step counts went to the device before they were rank 0's
+  if (life_.started) {  // a flush() before the first plan brought the pinned units in already
     for (unit_record& r : units_) {
       if (r.pinned() && (!root || &r == borrowed)) { swap_->fill_slot(r); }
     }

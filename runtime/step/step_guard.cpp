@@ -83,7 +83,7 @@ void runtime::impl::upload_guard()
 // Enqueues the copies of the state and the device step counts home; read them after wait_streams.
 void runtime::impl::download_guard()
 {
-  if (started_) { guard_->download(d2h_); }  // before start nothing went up: the host copies are current
+  if (life_.started) { guard_->download(d2h_); }  // before start nothing went up: the host copies are current
 }
 
 // After wait_streams: the units' step counts from where each placement keeps them.

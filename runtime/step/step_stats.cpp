@@ -11,8 +11,8 @@ using detail::state_of;
 
 int runtime::impl::compute_track(stream_view s)
 {
-  const auto [it, inserted] = compute_tracks_.try_emplace(s.native_handle(), 0);
-  if (inserted) { it->second = trace_->track("compute " + std::to_string(compute_tracks_.size())); }
+  const auto [it, inserted] = tracks_.compute.try_emplace(s.native_handle(), 0);
+  if (inserted) { it->second = trace_->track("compute " + std::to_string(tracks_.compute.size())); }
   return it->second;
 }
 

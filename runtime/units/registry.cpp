@@ -197,8 +197,8 @@ std::uint64_t runtime::impl::identity_of(const unit_record& r)
 // Runs before the first plan or acquire, so the trainer can initialise the home copies first.
 void runtime::impl::start()
 {
-  if (started_) { return; }
-  started_ = true;
+  if (life_.started) { return; }
+  life_.started = true;
   derive_params();
   for (unit_record& r : units_) {
     if (r.pinned()) { swap_->fill_slot(r); }
@@ -216,7 +216,7 @@ void runtime::impl::derive_params()
 {
   for (unit_record& r : units_) {
     const detail::unit_layout& l = r.layout;
-    if (l.compute == dtype::f32 || l.frozen || !(r.home_written || (r.home.cache == nullptr && !derived_))) {
+    if (l.compute == dtype::f32 || l.frozen || !(r.home_written || (r.home.cache == nullptr && !life_.derived))) {
       continue;
     }
     std::byte* home = r.home_block();
@@ -224,7 +224,7 @@ void runtime::impl::derive_params()
     r.home_used(nullptr, true);
     r.home_written = false;
   }
-  derived_ = true;
+  life_.derived = true;
 }
 
 }  // namespace taskswap

@@ -13,13 +13,13 @@ using detail::to_string;
 
 detail::step_phase runtime::impl::phase_before(unit_id u) const
 {
-  if (!check_states_ || u.value >= units_.size()) { return step_phase::idle; }
+  if (!life_.check_states || u.value >= units_.size()) { return step_phase::idle; }
   return units_[u.value].phase();
 }
 
 void runtime::impl::check_unit(unit_id u, step_phase before, std::uint32_t moves, const char* call) const
 {
-  if (!check_states_) { return; }
+  if (!life_.check_states) { return; }
   const unit_record& r = units_[u.value];
   const step_phase now = r.phase();
   const bool unchanged_allowed = moves == 0;  // grads_ready moves nothing
@@ -34,7 +34,7 @@ void runtime::impl::check_unit(unit_id u, step_phase before, std::uint32_t moves
 
 void runtime::impl::check_units(const char* call, bool step_ended) const
 {
-  if (!check_states_) { return; }
+  if (!life_.check_states) { return; }
   for (const unit_record& r : units_) {
     const detail::unit_states& s = r.st;
     const std::string_view wrong =
