@@ -62,8 +62,8 @@ void runtime::impl::host_step(unit_record& r, const update_scalars& scalars, str
   const bool grouped = detail::grouped_stores(whole);
   detail::host_task_arena* cpu = &*cpu_;
   detail::trace_recorder* trace = trace_ ? &*trace_ : nullptr;
-  launch_host_func(host_opt_, [runs = std::move(runs), scalars, guarded, factors, step, cpu, trace, track = tracks_.host,
-                               name = r.name, grouped] {
+  launch_host_func(host_opt_, [runs = std::move(runs), scalars, guarded, factors, step, cpu, trace,
+                               track = tracks_.host, name = r.name, grouped] {
     update_scalars k = scalars;
     if (guarded) {
       detail::adamw_scalars both[2];
