@@ -187,6 +187,10 @@ int task_of_step(const model_config& m, int rank, std::int64_t step)
 
 std::vector<int> tasks_of_step(const model_config& m, int rank, std::int64_t step)
 {
+  if (m.tasks_per_step < 1 || m.tasks_per_step > m.tasks) {
+    throw taskswap::config_error("[model] tasks_per_step = " + std::to_string(m.tasks_per_step) + ": give 1 to the " +
+                                 std::to_string(m.tasks) + " tasks of the model");
+  }
   std::vector<int> out{task_of_step(m, rank, step)};
   for (std::uint64_t draw = 0; out.size() < static_cast<std::size_t>(m.tasks_per_step); ++draw) {
     const auto t = static_cast<int>(key_of(m.seed, key_more_tasks, static_cast<std::uint64_t>(rank),
@@ -225,9 +229,8 @@ taskswap::step_plan step_plan_of(const model_config& m, std::span<const taskswap
     return p;
   }
   for (taskswap::unit_id u : trunk) { p.acquire(u, taskswap::unit_use::frozen).release(u); }
-  for (taskswap::unit_id a : adapters) { p.acquire(a); }
+  for (taskswap::unit_id a : adapters) { p.acquire(a).release(a); }  // each stepped before the next comes
   if (!frozen) {
-    for (taskswap::unit_id a : adapters) { p.release(a); }
     for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { p.acquire(*it).release(*it); }
   }
   return p;

@@ -134,9 +134,9 @@ struct run_result {
 
 /// Step `step`'s plan as the trainer makes its calls: the trunk (`trunk`, forward order) and the
 /// step's adapters (in its tasks' order). Held: the trunk, then the adapters, all to the step's
-/// end. Streamed: each layer for its forward (its parameters alone) and released; the adapters;
-/// then, unless the trunk is frozen at this step, the adapters released and each layer, last
-/// first, for its backward.
+/// end. Streamed: each layer for its forward (its parameters alone) and released; each adapter,
+/// released (stepped) before the next; then, unless the trunk is frozen at this step, each layer,
+/// last first, for its backward.
 [[nodiscard]] taskswap::step_plan step_plan_of(const model_config& m, std::span<const taskswap::unit_id> trunk,
                                                std::span<const taskswap::unit_id> adapters, std::int64_t step,
                                                bool streamed);

@@ -468,6 +468,12 @@ std::int64_t trainer::resume(const std::filesystem::path& checkpoint)
                                      entry("model.seed") + ", this run has " + std::to_string(m.model.seed) +
                                      "; resume with the same seed (the task schedule depends on it)");
   }
+  const std::string k = entry("model.tasks_per_step");
+  if (k != std::to_string(m.model.tasks_per_step) && !(k == "(none)" && m.model.tasks_per_step == 1)) {
+    throw taskswap::checkpoint_error(
+      "checkpoint '" + checkpoint.string() + "' was trained with [model] tasks_per_step = " + k + ", this run has " +
+      std::to_string(m.model.tasks_per_step) + "; resume with the same (the task schedule depends on it)");
+  }
   if (static_cast<std::int64_t>(c.steps_done) > m.steps) {
     throw taskswap::checkpoint_error("checkpoint '" + checkpoint.string() + "' is at step " +
                                      std::to_string(c.steps_done) + ", beyond this run's " + std::to_string(m.steps) +
@@ -489,6 +495,7 @@ run_result trainer::run(const run_options& options)
   const auto save = [&](std::int64_t done) {
     m.rt.save_checkpoint(options.checkpoint, {{"model.seed", std::to_string(m.model.seed)},
                                               {"model.tasks", std::to_string(m.model.tasks)},
+                                              {"model.tasks_per_step", std::to_string(m.model.tasks_per_step)},
                                               {"steps_done", std::to_string(done)}});
   };
   m.planned_until = std::max(m.planned_until, begin);

@@ -96,8 +96,18 @@ def train(*, streamed: bool, trained_layers: bool = True, dtype: torch.dtype = t
     # Streamed: room for two layers beside the heads (the backward holds a layer and the one above
     # it), in whole granules of the device (256 bytes on the emulated one, 2 MiB on CUDA).
     granule = taskswap._core.make_device(rt.options.device).granularity
-    if budget is None:
-        budget = rt.all_pinned_budget() - (0 if not streamed else (LAYERS - 2) * (-(-per_layer // granule) * granule))
+
+    def whole(n: int) -> int:
+        return -(-n // granule) * granule
+
+    if budget is None and not streamed:
+        budget = rt.all_pinned_budget()
+    elif budget is None:  # each unit that is not pinned is charged whole granules
+        core = taskswap._core
+        budget = sum(whole(core.footprint(h.spec(), core.policy_for(h.spec(), rt.options).optimizer).device_bytes)
+                     for h in heads) + 2 * whole(per_layer)
+        if rt.options.scaler.enabled or rt.options.optimizer.clip > 0:
+            budget += whole(core.step_guard_device_bytes(len(rt.units)))
     rt.options.device.budget = budget
     if bucket_cap is not None:
         rt.options.comm.bucket_cap = bucket_cap

@@ -121,8 +121,12 @@ TEST(multitask_model, a_mixed_step_trains_distinct_tasks_over_rows_split_evenly_
   EXPECT_EQ(held.entries()[2].unit.value, 5U);
   EXPECT_EQ(held.entries()[3].unit.value, 3U);
   const taskswap::step_plan streamed = multitask::step_plan_of(m, trunk, adapters, 0, true);
-  // forward: acquire+release per layer; the 2 adapters; their releases; backward per layer
+  // forward: acquire+release per layer; each adapter acquired and released (stepped) before the
+  // next, as the trainer holds one at a time; backward per layer
   ASSERT_EQ(streamed.entries().size(), 4U + 2U + 2U + 4U);
+  const auto e = streamed.entries();
+  EXPECT_TRUE(e[4].acquire && e[4].unit.value == 5U && !e[5].acquire && e[5].unit.value == 5U);
+  EXPECT_TRUE(e[6].acquire && e[6].unit.value == 3U && !e[7].acquire && e[7].unit.value == 3U);
   expect_error_mentioning<taskswap::config_error>([] { (void)parse("[model]\ntasks = 3\ntasks_per_step = 4\n"); },
                                                   "tasks_per_step = 4 is more than the tasks (3)");
 }

@@ -42,6 +42,10 @@ class headroom_search {
   std::optional<multitask::run_result> try_model(const runtime_options& options, multitask::model_config m,
                                                  std::int64_t batch, int steps, const std::string& trace = {})
   {
+    if (batch < m.tasks_per_step) {  // each task of a step takes rows of the batch
+      last_oom_ = "a batch of " + std::to_string(batch) + " is below [model] tasks_per_step";
+      return std::nullopt;
+    }
     runtime_options o = options;
     o.trace = !trace.empty();
     if (o.device.backend == backend_kind::emulated) { o.device.emulated.memory_bytes = memory_; }

@@ -21,12 +21,12 @@ class _Registration:
                  no_weight_decay: Iterable[str] | Callable[[str, torch.nn.Parameter], bool] | None = None) -> Unit:
         """Registers a set of parameters as the unit ``name``.
 
-        ``params`` is a module (its ``named_parameters()``, shared ones once, and its floating-point
-        buffers of the parameters' dtype, which travel with the unit as state tensors), a dict
+        ``params`` is a module (its ``named_parameters()``, shared ones once, and its buffers, which
+        travel with the unit as state tensors: in a trained unit those of the parameters' dtype), a dict
         ``{name: nn.Parameter}`` or an iterable of ``(name, nn.Parameter)`` pairs (any names, the
         parameters of any modules). A trained unit's parameters share one dtype (float32, bfloat16,
         float16); a unit with ``trainable=False`` may hold tensors of any dtypes (int8 weights with a
-        float scale, fp8), and then all its module's buffers travel with it. Tensor subclasses
+        float scale, fp8), packed where they differ. Tensor subclasses
         (torchao's, bitsandbytes') are refused: their inner tensors cannot be aliased.
 
         ``trainable``: True trains every parameter (each gets ``requires_grad`` in a step that
@@ -167,10 +167,6 @@ class _Registration:
                     "parameters share one dtype of float32, bfloat16 or float16 (register differently typed parts "
                     "as separate units; a unit with trainable=False may hold tensors of any dtypes)")
             trainable = False
-        else:
-            # Buffers of another dtype (BatchNorm's integer num_batches_tracked) stay where torch
-            # has them; a packed frozen unit carries every buffer.
-            buffers = [e for e in buffers if e.tensor.dtype == next(iter(dtypes))]
         if trainable is None:
             if all(trains) or not any(trains):
                 trainable = all(trains)
@@ -180,6 +176,10 @@ class _Registration:
                     f"taskswap: '{name}' mixes parameters that require gradients with some that do not ({fixed[:5]}); "
                     "pass trainable=True (all are trained) or trainable=False (a frozen unit), or register the "
                     "frozen ones as a unit of their own")
+        if trainable:
+            # Buffers of another dtype (BatchNorm's integer num_batches_tracked) stay where torch
+            # has them; a frozen unit carries every buffer (packed where their dtypes differ).
+            buffers = [e for e in buffers if e.tensor.dtype == next(iter(dtypes))]
         if no_weight_decay is None:
             predicate = lambda n, p: False  # noqa: E731
         elif callable(no_weight_decay):

@@ -176,8 +176,9 @@ class Unit:
     def spec(self) -> _core.UnitSpec:
         """The unit's spec as the runtime registers it (for taskswap.footprint and planning)."""
         n = len(self._params)
-        if self._packed:  # each tensor as [shape..., bytes per element] of raw bytes
-            tensors = [_core.TensorSpec(e.name, [*(e.shape or (1,)), e.dtype.itemsize], state=e.state)
+        if self._packed:  # each tensor as [shape..., bytes per element] of raw bytes, its dtype in its name
+            tensors = [_core.TensorSpec(f"{e.name}:{str(e.dtype).removeprefix('torch.')}",
+                                        [*(e.shape or (1,)), e.dtype.itemsize], state=e.state)
                        for e in self._entries]
             return _core.UnitSpec(self.name, tensors, _core.DType.u8, trainable=False)
         tensors = [_core.TensorSpec(e.name, list(e.shape) or [1], nd)
