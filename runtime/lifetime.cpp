@@ -20,32 +20,26 @@ using detail::message;
 
 runtime::impl::impl(const device& dev, const runtime_options& options, const std::vector<unit_spec>& specs,
                     std::shared_ptr<communicator> comm)
-    : device_(dev),
-      options_(options),
-      h2d_(dev),
-      d2h_(dev),
-      host_opt_(dev),
-      plan_(specs.size()),
-      ledger_(dev, specs.size())
+    : device_(dev), options_(options), residency_(specs.size()), streams_(dev), ledger_(dev, specs.size())
 {
   const char* check = std::getenv("TASKSWAP_CHECK_STATES");  // NOLINT(concurrency-mt-unsafe): read once, here
-  life_.check_states = check != nullptr && std::string_view(check) == "1";
-  check_scaler(options);
+  units_.check_states(check != nullptr && std::string_view(check) == "1");
+  detail::guarded_step::check_scaler(options);
   if (!comm) { comm = make_communicator(dev, options.comm); }
   if (comm && comm->size() > 1 && !options_.storage.path.empty()) {
     // Every rank keeps its own replica of the disk homes: rank r's unit files are under rank<r>/.
     options_.storage.path /= message("rank", comm->rank());
   }
   register_units(options, specs);
-  pool_.emplace(dev, options.device.budget - model_->guard_bytes(), options.timeout);
+  memory_.pool.emplace(dev, options.device.budget - residency_.model->guard_bytes(), options.timeout);
   place_homes();
   if (options_.trace) {
-    trace_.emplace(device_, h2d_.view());
-    tracks_.h2d = trace_->track("h2d (swap-in)");
-    tracks_.d2h = trace_->track("d2h (write-back)");
-    tracks_.host = trace_->track("host optimizer");
+    trace_.recorder.emplace(device_, streams_.h2d.view());
+    trace_.h2d = trace_.recorder->track("h2d (swap-in)");
+    trace_.d2h = trace_.recorder->track("d2h (write-back)");
+    trace_.host = trace_.recorder->track("host optimizer");
   }
-  if (guard_) { aux_.emplace(dev); }  // where guarded steps are finished and their units updated
+  if (guard_) { streams_.aux.emplace(dev); }  // where guarded steps are finished and their units updated
   if (comm) {
     std::vector<detail::reducer_unit> units;
     units.reserve(units_.size());
@@ -65,20 +59,20 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
         digest, message(std::hexfloat, r.policy.lr_scale, "/", r.policy.weight_decay ? *r.policy.weight_decay : -1.0));
       units.push_back({r.name, l.reduce_bytes(), l.grad, digest, l.state_tensor_bytes()});
     }
-    if (!aux_) { aux_.emplace(dev); }
-    reducer_.emplace(dev, std::move(comm), options.comm, std::move(units));
+    if (!streams_.aux) { streams_.aux.emplace(dev); }
+    reduced_.emplace(dev, std::move(comm), options.comm, std::move(units));
   }
   swap_.emplace(detail::swap_engine::parts{.dev = device_,
-                                           .units = units_,
-                                           .plan = plan_,
-                                           .model = *model_,
-                                           .pool = *pool_,
+                                           .units = units_.records(),
+                                           .plan = residency_.plan,
+                                           .model = *residency_.model,
+                                           .pool = *memory_.pool,
                                            .ledger = ledger_,
-                                           .h2d = h2d_,
-                                           .d2h = d2h_,
-                                           .trace = trace_ ? &*trace_ : nullptr,
-                                           .h2d_track = tracks_.h2d,
-                                           .d2h_track = tracks_.d2h,
+                                           .h2d = streams_.h2d,
+                                           .d2h = streams_.d2h,
+                                           .trace = trace_.recorder ? &*trace_.recorder : nullptr,
+                                           .h2d_track = trace_.h2d,
+                                           .d2h_track = trace_.d2h,
                                            .path = path()});
 }
 
@@ -87,14 +81,14 @@ runtime::impl::~impl()
   // Keep the home copies current (unless something failed: then nothing more is written home)
   // and let no copy outlive the memory it touches. Whatever goes wrong is reported in one line at
   // the end: after a failure the trainer has seen its text already, and every unit would repeat it.
-  const bool failed = life_.failed || (reducer_ && reducer_->comm().failed());
+  const bool failed = life_.failed || (reduced_ && reduced_->reduction().comm().failed());
   std::size_t dirty = 0;
   for (const unit_record& r : units_) { dirty += r.dirty() ? 1U : 0U; }
   // The failure the trainer has seen (the runtime's first, or the communicator's): not repeated.
   std::string seen;
   try {
     if (life_.failed) { std::rethrow_exception(life_.failed); }
-    if (reducer_) { reducer_->comm().check(); }
+    if (reduced_) { reduced_->reduction().comm().check(); }
   } catch (const std::exception& f) {
     seen = f.what();
   } catch (...) {}
@@ -107,7 +101,7 @@ runtime::impl::~impl()
     }
   };
   try {
-    if (held_count_ == 0 && life_.started && !failed) {
+    if (units_.held() == 0 && life_.started && !failed) {
       for (unit_record& r : units_) {
         if (r.dirty()) { swap_->write_back(r); }
       }
@@ -140,8 +134,8 @@ runtime::impl::~impl()
   }
   // The pool waits for the device and unmaps: what it finds is reported here, once, with the rest
   // (a faulted device's error is the failure the trainer has seen).
-  if (pool_) {
-    for (const std::string& p : pool_->close()) { note(p); }
+  if (memory_.pool) {
+    for (const std::string& p : memory_.pool->close()) { note(p); }
   }
   try {  // a destructor never throws: not even a log handler's exception or bad_alloc
     if (failed || !problems.empty()) {
@@ -169,10 +163,11 @@ void runtime::impl::stalled(const std::string& why)
 void runtime::impl::wait_streams(std::string_view what)
 {
   const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-  const std::array<std::pair<stream*, const char*>, 4> streams{{{aux_ ? &*aux_ : nullptr, "aux (updates)"},
-                                                                {&h2d_, "h2d (swap-in)"},
-                                                                {&d2h_, "d2h (write-back)"},
-                                                                {&host_opt_, "host optimizer"}}};
+  const std::array<std::pair<stream*, const char*>, 4> streams{
+    {{streams_.aux ? &*streams_.aux : nullptr, "aux (updates)"},
+     {&streams_.h2d, "h2d (swap-in)"},
+     {&streams_.d2h, "d2h (write-back)"},
+     {&streams_.host_opt, "host optimizer"}}};
   std::exception_ptr first;  // every stream is waited for; the first failure is thrown at the end
   for (const auto& [s, name] : streams) {
     if (s == nullptr) { continue; }
@@ -202,9 +197,10 @@ void runtime::impl::wait_streams(std::string_view what)
 
 void runtime::impl::write_trace(const std::filesystem::path& file)
 {
-  TASKSWAP_EXPECTS(trace_.has_value(), "write_trace: the trace is off; set trace = true in the runtime options");
+  TASKSWAP_EXPECTS(trace_.recorder.has_value(),
+                   "write_trace: the trace is off; set trace = true in the runtime options");
   wait_streams("write_trace");
-  trace_->write(file);
+  trace_.recorder->write(file);
 }
 
 }  // namespace taskswap

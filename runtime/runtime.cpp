@@ -106,23 +106,23 @@ runtime& runtime::operator=(runtime&&) noexcept = default;
 
 unit_id runtime::find(std::string_view name) const
 {
-  const auto it = impl_->by_name_.find(std::string(name));
-  TASKSWAP_EXPECTS(it != impl_->by_name_.end(), message("no unit is named '", name, "'"));
-  return unit_id{it->second};
+  const std::optional<std::uint32_t> found = impl_->units_.find(name);
+  TASKSWAP_EXPECTS(found.has_value(), message("no unit is named '", name, "'"));
+  return unit_id{*found};
 }
 
 std::size_t runtime::unit_count() const noexcept { return impl_->units_.size(); }
-std::string_view runtime::name(unit_id u) const { return impl_->record(u).name; }
-const unit_policy& runtime::policy(unit_id u) const { return impl_->record(u).policy; }
-std::size_t runtime::device_bytes(unit_id u) const { return impl_->record(u).layout.device_bytes; }
+std::string_view runtime::name(unit_id u) const { return impl_->units_.at(u).name; }
+const unit_policy& runtime::policy(unit_id u) const { return impl_->units_.at(u).policy; }
+std::size_t runtime::device_bytes(unit_id u) const { return impl_->units_.at(u).layout.device_bytes; }
 
-unit_state runtime::state(unit_id u) const { return detail::state_of(impl_->record(u)); }
+unit_state runtime::state(unit_id u) const { return detail::state_of(impl_->units_.at(u)); }
 
 home_view runtime::home(unit_id u)
 {
   // Not guarded: after a failure the home copies stay readable. A disk home's failed read leaves
   // it absent from the cache, and a victim's failed write leaves that block dirty: nothing is lost.
-  detail::unit_record& r = impl_->record(u);
+  detail::unit_record& r = impl_->units_.at(u);
   if (impl_->life_.failed && r.home.cache != nullptr && r.home.cache->behind(r.home.entry)) {
     throw storage_error(message("the home of unit '", r.name, "' in '", r.home.cache->file(r.home.entry).string(),
                                 "' is older than its last write-back: its newest bytes were in the device copy, "
@@ -148,16 +148,16 @@ void runtime::plan(std::span<const step_plan> steps)
 {
   impl_->guarded([&] {
     impl_->plan(steps);
-    impl_->check_units("plan", false);
+    impl_->units_.check_all("plan", false, impl_->path());
   });
 }
 
 unit_view runtime::acquire(unit_id u, stream_view s, unit_use use)
 {
   return impl_->guarded([&] {
-    const detail::step_phase before = impl_->phase_before(u);
+    const detail::step_phase before = impl_->units_.phase_before(u);
     unit_view v = impl_->trainer_acquire(u, s, use);
-    impl_->check_unit(u, before, detail::acquire_moves, "acquire");
+    impl_->units_.check_unit(u, before, detail::acquire_moves, "acquire", impl_->path());
     return v;
   });
 }
@@ -165,27 +165,27 @@ unit_view runtime::acquire(unit_id u, stream_view s, unit_use use)
 void runtime::grads_ready(unit_id u, stream_view s)
 {
   impl_->guarded([&] {
-    const detail::step_phase before = impl_->phase_before(u);
+    const detail::step_phase before = impl_->units_.phase_before(u);
     impl_->trainer_grads_ready(u, s);
-    impl_->check_unit(u, before, 0, "grads_ready");
+    impl_->units_.check_unit(u, before, 0, "grads_ready", impl_->path());
   });
 }
 
 void runtime::step(unit_id u, stream_view s)
 {
   impl_->guarded([&] {
-    const detail::step_phase before = impl_->phase_before(u);
+    const detail::step_phase before = impl_->units_.phase_before(u);
     impl_->trainer_step(u, s);
-    impl_->check_unit(u, before, detail::step_moves, "step");
+    impl_->units_.check_unit(u, before, detail::step_moves, "step", impl_->path());
   });
 }
 
 void runtime::release(unit_id u, stream_view s)
 {
   impl_->guarded([&] {
-    const detail::step_phase before = impl_->phase_before(u);
+    const detail::step_phase before = impl_->units_.phase_before(u);
     impl_->trainer_release(u, s);
-    impl_->check_unit(u, before, detail::release_moves(impl_->path()), "release");
+    impl_->units_.check_unit(u, before, detail::release_moves(impl_->path()), "release", impl_->path());
   });
 }
 
@@ -193,17 +193,17 @@ void runtime::skip(std::span<const unit_id> units)
 {
   impl_->guarded([&] {
     std::vector<detail::step_phase> before;
-    if (impl_->life_.check_states) {
-      for (const unit_id u : units) { before.push_back(impl_->phase_before(u)); }
+    if (impl_->units_.checks_states()) {
+      for (const unit_id u : units) { before.push_back(impl_->units_.phase_before(u)); }
     }
     const std::vector<bool> reduced = impl_->trainer_skip(units);
-    if (!impl_->life_.check_states) { return; }
+    if (!impl_->units_.checks_states()) { return; }
     const std::uint32_t moves = detail::skip_moves(impl_->path());
     for (std::size_t i = 0; i < units.size(); ++i) {
       const auto earlier = units.begin() + static_cast<std::ptrdiff_t>(i);
       if (std::find(units.begin(), earlier, units[i]) != earlier) { continue; }  // named twice: checked once
       // A unit with nothing to reduce stays as it was; one to reduce has left idle.
-      impl_->check_unit(units[i], before[i], reduced[i] ? moves : 0, "skip");
+      impl_->units_.check_unit(units[i], before[i], reduced[i] ? moves : 0, "skip", impl_->path());
     }
   });
 }
@@ -212,7 +212,7 @@ step_stats runtime::end_step()
 {
   return impl_->guarded([&] {
     step_stats done = impl_->end_step();
-    impl_->check_units("end_step", true);
+    impl_->units_.check_all("end_step", true, impl_->path());
     return done;
   });
 }
@@ -221,7 +221,7 @@ int runtime::agree_stop(int local)
 {
   return impl_->guarded([&] {
     impl_->check_comm();  // a failed gradient collective is the failure to report, as on every call
-    return impl_->reducer_ ? impl_->reducer_->stop_vote(local) : local;
+    return impl_->reduced_ ? impl_->reduced_->reduction().stop_vote(local) : local;
   });
 }
 
@@ -229,7 +229,7 @@ void runtime::flush()
 {
   impl_->guarded([&] {
     impl_->flush();
-    impl_->check_units("flush", false);
+    impl_->units_.check_all("flush", false, impl_->path());
   });
 }
 
@@ -270,9 +270,9 @@ loss_scaler_state runtime::scaler_state()
   return impl_->guarded([&] { return impl_->scaler_state(); });
 }
 
-int runtime::rank() const noexcept { return impl_->reducer_ ? impl_->reducer_->rank() : 0; }
+int runtime::rank() const noexcept { return impl_->reduced_ ? impl_->reduced_->reduction().rank() : 0; }
 
-int runtime::world_size() const noexcept { return impl_->reducer_ ? impl_->reducer_->world() : 1; }
+int runtime::world_size() const noexcept { return impl_->reduced_ ? impl_->reduced_->reduction().world() : 1; }
 
 runtime_stats runtime::stats() const { return impl_->stats(); }
 

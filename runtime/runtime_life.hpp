@@ -20,7 +20,6 @@ struct runtime_life {
   bool derived = false;  // derive_params() ran: the host homes' parameters follow their masters
   bool replicas_synced = false;  // with a communicator: the replicas were made equal
   bool warned_host_cache = false;  // check_host_cache() warned, once per runtime
-  bool check_states = false;  // TASKSWAP_CHECK_STATES=1: every step call checks the unit states
   std::exception_ptr failed;  // the first failure; every later call throws it again
   bool load_failed = false;  // `failed` is a load that overwrote part of the home copies
 

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -69,9 +70,10 @@ class trace_recorder {
   std::size_t dropped_ = 0;
 };
 
-/// The runtime's tracks in its trace: one per copy stream, one for the host optimizer, and one
-/// per compute stream, in the order the streams are first seen.
-struct runtime_tracks {
+/// The runtime's trace ([runtime] trace): its recorder, and its tracks, one per copy stream, one
+/// for the host optimizer, and one per compute stream, in the order the streams are first seen.
+struct runtime_trace {
+  std::optional<trace_recorder> recorder;  // none without a trace
   int h2d = 0;
   int d2h = 0;
   int host = 0;

@@ -566,8 +566,10 @@ class runtime {
 
   [[nodiscard]] const device& get_device() const noexcept;
 
- private:
+  /// The implementation, opaque here (named so that the library's own files can work on it).
   struct impl;
+
+ private:
   std::unique_ptr<impl> impl_;
 };
 

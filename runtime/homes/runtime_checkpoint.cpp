@@ -10,10 +10,13 @@ namespace taskswap {
 
 using detail::message;
 
-std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
+namespace {
+
+// The home slabs (or, for disk homes, the unit files) a checkpoint copies.
+std::vector<detail::checkpoint_source> checkpoint_sources(detail::unit_table& units)
 {
   std::vector<detail::checkpoint_source> out;
-  for (unit_record& r : units_) {
+  for (detail::unit_record& r : units) {
     const detail::unit_layout& l = r.layout;
     const std::size_t f32_bytes = l.state_bytes;
     detail::checkpoint_source c;
@@ -36,18 +39,34 @@ std::vector<detail::checkpoint_source> runtime::impl::checkpoint_sources()
   return out;
 }
 
+// The manifest of a checkpoint of `sources`: the runtime's step, its optimizer and scaler, `user`.
+checkpoint_manifest describe(const runtime::impl& rt, std::span<const detail::checkpoint_source> sources,
+                             const std::map<std::string, std::string>& user)
+{
+  checkpoint_manifest manifest = detail::describe_checkpoint(sources);
+  manifest.steps_done = rt.ledger_.step();
+  manifest.optimizer = rt.options_.optimizer;
+  manifest.user = user;
+  if (rt.guard_ && rt.options_.scaler.enabled) {  // current: save_checkpoint flushed, which read it back
+    manifest.scaler = checkpoint_scaler{rt.guard_->host_state().scale, rt.guard_->host_state().growth_tracker};
+  }
+  return manifest;
+}
+
+}  // namespace
+
 void runtime::impl::save_checkpoint(const std::filesystem::path& dir, const std::map<std::string, std::string>& user)
 {
-  if (!reducer_) {
+  if (!reduced_) {
     flush();  // the home copies current; refuses held units
-    const std::vector<detail::checkpoint_source> sources = checkpoint_sources();
-    detail::write_checkpoint(dir, describe(sources, user), sources);
+    const std::vector<detail::checkpoint_source> sources = checkpoint_sources(units_);
+    detail::write_checkpoint(dir, describe(*this, sources, user), sources);
     return;
   }
   // Every rank holds a replica. Each rank puts a digest of its position and checksums (or -1
   // when it could not get that far) in its own slot; rank 0 writes only when all slots agree,
   // and a second collective tells every rank how that went. No rank throws between the two.
-  detail::reducer& red = *reducer_;
+  detail::reducer& red = reduced_->reduction();
   const auto world = static_cast<std::size_t>(red.world());
   const auto rank = static_cast<std::size_t>(red.rank());
   std::string failure;
@@ -56,8 +75,8 @@ void runtime::impl::save_checkpoint(const std::filesystem::path& dir, const std:
   std::vector<std::int64_t> digests(world, 0);
   try {
     guarded([&] { flush(); });  // as the public flush: a device failure is kept
-    sources = checkpoint_sources();
-    manifest = describe(sources, user);
+    sources = checkpoint_sources(units_);
+    manifest = describe(*this, sources, user);
     manifest.world = red.world();
     std::uint32_t digest = detail::crc32c(std::as_bytes(std::span(&manifest.steps_done, 1)));
     for (const checkpoint_unit& u : manifest.units) {
@@ -97,33 +116,20 @@ void runtime::impl::save_checkpoint(const std::filesystem::path& dir, const std:
   }
 }
 
-checkpoint_manifest runtime::impl::describe(std::span<const detail::checkpoint_source> sources,
-                                            const std::map<std::string, std::string>& user)
-{
-  checkpoint_manifest manifest = detail::describe_checkpoint(sources);
-  manifest.steps_done = ledger_.step();
-  manifest.optimizer = options_.optimizer;
-  manifest.user = user;
-  if (guard_ && options_.scaler.enabled) {  // current: save_checkpoint flushed, which read it back
-    manifest.scaler = checkpoint_scaler{guard_->host_state().scale, guard_->host_state().growth_tracker};
-  }
-  return manifest;
-}
-
 checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& dir)
 {
   if (life_.failed && !life_.load_failed) { std::rethrow_exception(life_.failed); }  // after a failed load: load again
   TASKSWAP_EXPECTS(!life_.started,
                    message("load_checkpoint('", dir.string(),
                            "'): call it before the first plan, acquire or flush, as initial values are written"));
-  const std::vector<detail::checkpoint_source> sources = checkpoint_sources();
+  const std::vector<detail::checkpoint_source> sources = checkpoint_sources(units_);
   // With a communicator: every rank loads, or none does; each learns which ranks could not.
   const auto agree = [&](const std::string& failure, std::string_view stage) {
-    if (!reducer_) {
+    if (!reduced_) {
       if (!failure.empty()) { throw checkpoint_error(failure); }
       return;
     }
-    detail::reducer& red = *reducer_;
+    detail::reducer& red = reduced_->reduction();
     std::vector<std::int64_t> failed(static_cast<std::size_t>(red.world()), 0);
     failed[static_cast<std::size_t>(red.rank())] = failure.empty() ? 0 : 1;
     red.sum(failed, message("checkpoint '", dir.string(), "': the ranks' ", stage));
@@ -174,7 +180,6 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
     units_[i].step = manifest.units[where[i]].step;
     units_[i].home_written = false;  // a checkpoint's params are derived from its master already
   }
-  planned_steps_ = manifest.steps_done;
   ledger_.restart_at(manifest.steps_done);
   const double configured_clip = options_.optimizer.clip;
   options_.optimizer = manifest.optimizer;

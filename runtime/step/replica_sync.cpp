@@ -20,30 +20,16 @@ namespace {
 // never the home gradients of host placement.
 std::size_t state_bytes_of(const detail::unit_layout& l) { return l.v + l.state_bytes; }
 
-}  // namespace
-
-void runtime::impl::sync_replicas()
-{
-  if (!reducer_ || life_.replicas_synced) { return; }
-  if (options_.comm.initial == initial_sync::verify) {
-    verify_replicas();
-  } else {
-    broadcast_replicas();
-  }
-  life_.replicas_synced = true;
-}
-
 // Each rank puts a checksum of every unit's state (and its step count) in its own row; the sum
 // gives every rank every row, and every rank refuses with the same text.
-void runtime::impl::verify_replicas()
+void verify_replicas(detail::reducer& red, detail::unit_table& units)
 {
-  detail::reducer& red = *reducer_;
   const auto world = static_cast<std::size_t>(red.world());
   const auto rank = static_cast<std::size_t>(red.rank());
-  const std::size_t n = units_.size();
+  const std::size_t n = units.size();
   std::vector<std::int64_t> sums(world * n, 0);
   for (std::size_t u = 0; u < n; ++u) {
-    const unit_record& r = units_[u];
+    const detail::unit_record& r = units[u];
     const detail::unit_layout& l = r.layout;
     const std::byte* home = r.home_block();
     std::uint32_t crc = detail::crc32c(std::as_bytes(std::span(&r.step, 1)));
@@ -69,7 +55,7 @@ void runtime::impl::verify_replicas()
     }
     if (ranks.empty()) { continue; }
     if (++units_differing <= 8) {
-      differ += message(differ.empty() ? "" : "; ", "'", units_[u].name, "' on rank(s) ", ranks);
+      differ += message(differ.empty() ? "" : "; ", "'", units[u].name, "' on rank(s) ", ranks);
     }
   }
   if (units_differing == 0) { return; }
@@ -84,15 +70,15 @@ void runtime::impl::verify_replicas()
 // unit by unit, in pieces; the ranks' step counts by a sum of rank 0's alone. The staging range
 // is free room of the pool or, where the pinned units take (nearly) all of it, the largest pinned
 // unit's slot, which is filled from its home copy afterwards (start() does that, or a refill).
-void runtime::impl::broadcast_replicas()
+void broadcast_replicas(runtime::impl& rt)
 {
-  detail::reducer& red = *reducer_;
+  detail::reducer& red = rt.reduced_->reduction();
   const bool root = red.rank() == 0;
   std::size_t largest = 0;
-  for (const unit_record& r : units_) { largest = std::max(largest, state_bytes_of(r.layout)); }
-  const std::size_t free = pool_->free();
-  unit_record* borrowed = nullptr;
-  for (unit_record& r : units_) {
+  for (const detail::unit_record& r : rt.units_) { largest = std::max(largest, state_bytes_of(r.layout)); }
+  const std::size_t free = rt.memory_.pool->free();
+  detail::unit_record* borrowed = nullptr;
+  for (detail::unit_record& r : rt.units_) {
     if (r.pinned() && r.slot && (borrowed == nullptr || r.slot->size() > borrowed->slot->size())) { borrowed = &r; }
   }
   std::optional<device_span> own;
@@ -100,45 +86,61 @@ void runtime::impl::broadcast_replicas()
   if (free > 0 && (borrowed == nullptr || free >= std::min(largest, borrowed->slot->size()))) {
     // At least a granule (free room is whole granules), so the staging range is never a packed
     // place among units' places: its removal below unmaps nothing another slot shares.
-    const std::size_t bytes = std::max(std::min({largest, std::size_t{64} << 20, free}), model_->granule());
-    own_slot = pool_->add_slot(bytes);
+    const std::size_t bytes =
+      std::max(std::min({largest, std::size_t{64} << 20, free}), rt.residency_.model->granule());
+    own_slot = rt.memory_.pool->add_slot(bytes);
     // A new slot has had no users.
-    const detail::device_pool::mapping m =
-      pool_->map(*own_slot, bytes, 0, [](detail::device_pool::slot_id, stream_view) { return std::string(); });
-    pool_->wait(m.ready);
+    const detail::device_pool::mapping m = rt.memory_.pool->map(
+      *own_slot, bytes, 0, [](detail::device_pool::slot_id, stream_view) { return std::string(); });
+    rt.memory_.pool->wait(m.ready);
     own = m.range;
   }
   TASKSWAP_EXPECTS(own || borrowed != nullptr,
-                   message("[comm] initial = \"broadcast\": no room in the ", bytes_text(options_.device.budget),
+                   message("[comm] initial = \"broadcast\": no room in the ", bytes_text(rt.options_.device.budget),
                            " budget to stage the broadcast; raise [device] budget"));
   const device_span staging = own ? *own : *borrowed->slot;
   if (own) { borrowed = nullptr; }
   // After a failure below an own range is not given back: queued copies may still use it, and
   // the runtime refuses every call after a failed collective anyway.
-  swap_->flush_h2d_waits();
-  for (unit_record& r : units_) {
+  rt.swap_->flush_h2d_waits();
+  for (detail::unit_record& r : rt.units_) {
     const std::size_t bytes = state_bytes_of(r.layout);
     for (std::size_t at = 0; at < bytes; at += staging.size()) {
       const std::size_t piece = std::min(staging.size(), bytes - at);
       const device_span s = staging.subspan(0, piece);
-      if (root) { r.stage_in(at, s, h2d_); }
-      red.comm().broadcast(s, 0, h2d_, message("the initial replica of '", r.name, "'"));
-      if (!root) { r.write_home(at, const_device_span(s), h2d_); }
+      if (root) { r.stage_in(at, s, rt.streams_.h2d); }
+      red.comm().broadcast(s, 0, rt.streams_.h2d, message("the initial replica of '", r.name, "'"));
+      if (!root) { r.write_home(at, const_device_span(s), rt.streams_.h2d); }
     }
   }
-  wait_streams("the initial broadcast");
-  if (own_slot) { pool_->remove_slot(*own_slot); }  // the streams are done with it
+  rt.wait_streams("the initial broadcast");
+  if (own_slot) { rt.memory_.pool->remove_slot(*own_slot); }  // the streams are done with it
   red.comm().check();
-  std::vector<std::int64_t> steps(units_.size(), 0);
-  for (std::size_t u = 0; u < units_.size(); ++u) { steps[u] = root ? units_[u].step : 0; }
+  std::vector<std::int64_t> steps(rt.units_.size(), 0);
+  for (std::size_t u = 0; u < rt.units_.size(); ++u) { steps[u] = root ? rt.units_[u].step : 0; }
   red.sum(steps, "the first plan: rank 0's step counts");
-  for (std::size_t u = 0; u < units_.size(); ++u) { units_[u].step = steps[u]; }
-  if (life_.started && guard_) { upload_guard(); }  // the step counts went to the device before they were rank 0's
-  if (life_.started) {  // a flush() before the first plan brought the pinned units in already
-    for (unit_record& r : units_) {
-      if (r.pinned() && (!root || &r == borrowed)) { swap_->fill_slot(r); }
+  for (std::size_t u = 0; u < rt.units_.size(); ++u) { rt.units_[u].step = steps[u]; }
+  if (rt.life_.started && rt.guard_) {
+    rt.guard_->upload(rt.units_, rt.streams_.h2d);
+  }  // the step counts went to the device before they were rank 0's
+  if (rt.life_.started) {  // a flush() before the first plan brought the pinned units in already
+    for (detail::unit_record& r : rt.units_) {
+      if (r.pinned() && (!root || &r == borrowed)) { rt.swap_->fill_slot(r); }
     }
   }
+}
+
+}  // namespace
+
+void runtime::impl::sync_replicas()
+{
+  if (!reduced_ || life_.replicas_synced) { return; }
+  if (options_.comm.initial == initial_sync::verify) {
+    verify_replicas(reduced_->reduction(), units_);
+  } else {
+    broadcast_replicas(*this);
+  }
+  life_.replicas_synced = true;
 }
 
 }  // namespace taskswap

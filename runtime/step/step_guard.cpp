@@ -33,30 +33,6 @@ using detail::ensure;
 using detail::message;
 using detail::round_up;
 
-void runtime::impl::check_scaler(const runtime_options& options)
-{
-  const loss_scaler_options& s = options.scaler;
-  if (!s.enabled) { return; }
-  const auto fail = [&](const char* key, const char* want) {
-    throw config_error(message(options.source, ": [scaler] ", key, ": ", want));
-  };
-  if (!(s.init_scale > 0 && std::isfinite(s.init_scale) && s.init_scale <= 3.0e38)) {
-    fail("init_scale", "must be a positive float, e.g. init_scale = 65536.0");
-  }
-  if (!(s.growth_factor > 1 && std::isfinite(s.growth_factor))) {
-    fail("growth_factor", "must be more than 1, e.g. 2.0");
-  }
-  if (!(s.backoff_factor > 0 && s.backoff_factor < 1)) { fail("backoff_factor", "must be in (0, 1), e.g. 0.5"); }
-  if (!(s.growth_interval >= 1 && s.growth_interval <= 2'000'000'000)) {
-    fail("growth_interval", "must be 1 or more, e.g. growth_interval = 2000");
-  }
-}
-
-bool runtime::impl::guards(const runtime_options& options) noexcept
-{
-  return options.scaler.enabled || options.optimizer.clip > 0;
-}
-
 std::size_t all_pinned_budget(const runtime_options& options, std::span<const unit_spec> units)
 {
   std::size_t packed = 0;  // as the plan check counts pinned units: each at a 256-byte offset
@@ -65,45 +41,20 @@ std::size_t all_pinned_budget(const runtime_options& options, std::span<const un
   }
   const std::size_t granule = make_device(options.device).granularity();
   std::size_t budget = round_up(packed, granule);
-  if (options.scaler.enabled || options.optimizer.clip > 0) {
-    budget += round_up(step_guard_device_bytes(units.size()), granule);
-  }
+  if (detail::guarded_step::guards(options)) { budget += round_up(step_guard_device_bytes(units.size()), granule); }
   return budget;
-}
-
-// At start: the scale (and tracker) and every unit's step count go to the device.
-void runtime::impl::upload_guard()
-{
-  std::vector<std::int64_t> steps;
-  steps.reserve(units_.size());
-  for (const unit_record& r : units_) { steps.push_back(r.step); }
-  guard_->upload(steps, h2d_);
-}
-
-// Enqueues the copies of the state and the device step counts home; read them after wait_streams.
-void runtime::impl::download_guard()
-{
-  if (life_.started) { guard_->download(d2h_); }  // before start nothing went up: the host copies are current
-}
-
-// After wait_streams: the units' step counts from where each placement keeps them.
-void runtime::impl::read_guard_steps()
-{
-  guard_->read_steps([&](std::size_t i, std::int64_t host, std::int64_t device) {
-    units_[i].step = units_[i].policy.optimizer == optimizer_placement::host ? host : device;
-  });
 }
 
 // A trained unit's step() in a guarded step: its update waits for end_step.
 void runtime::impl::defer_update(unit_record& r, stream_view s)
 {
   // Gradients completed on another stream (grads_ready's): the step point follows them.
-  if (!reducer_ && r.grads_ready_event && r.grads_ready_event->recorded() && !r.grads_ready_event->query()) {
+  if (!reduced_ && r.grads_ready_event && r.grads_ready_event->recorded() && !r.grads_ready_event->query()) {
     r.grads_ready_event->wait(s);
   }
   ensure(r.step_point, device_).record(s);
   go(r, detail::phase_move::defer_to_end_step);
-  round_.defer(r.index);
+  guard_->defer(r.index);
 }
 
 // The trainer lets go of a unit whose update waits for end_step: it keeps its room until then.
@@ -111,15 +62,15 @@ void runtime::impl::defer_release(unit_record& r, stream_view s)
 {
   ensure(r.trainer_released, device_).record(s);
   go(r, detail::phase_move::defer_release);
-  --held_count_;
+  units_.count_let_go();
 }
 
 void runtime::impl::finish_guarded_step()
 {
-  detail::guard_memory& g = *guard_;
-  stream& aux = *aux_;
+  detail::guarded_step& g = *guard_;
+  stream& aux = *streams_.aux;
   g.wait_for_last(aux);
-  const std::span<const std::uint32_t> deferred = round_.deferred();
+  const std::span<const std::uint32_t> deferred = g.deferred();
   for (const std::uint32_t u : deferred) {
     unit_record& r = units_[u];
     if (r.step_point && r.step_point->recorded() && !r.step_point->query()) { r.step_point->wait(aux); }
@@ -127,15 +78,15 @@ void runtime::impl::finish_guarded_step()
     if (r.phase() == detail::step_phase::release_deferred && !r.trainer_released->query()) {
       r.trainer_released->wait(aux);
     }
-    if (reducer_) {
-      const event* reduced = reducer_->reduced(u);
+    if (reduced_) {
+      const event* reduced = reduced_->reduction().reduced(u);
       TASKSWAP_EXPECTS(reduced != nullptr, message("end_step: the reduction of '", r.name, "' was not launched"));
       if (!reduced->query()) { reduced->wait(aux); }
     }
     detail::square_sum_async(r.slot->data() + r.grads_at(), r.layout.grad, r.layout.trainable, g.state(),
                              g.block_sums(), aux);
   }
-  const adamw_options& optimizer = round_.optimizer(options_.optimizer);
+  const adamw_options& optimizer = step_optimizer();
   const detail::guard_settings settings{.clip = static_cast<float>(optimizer.clip),
                                         .scaler = options_.scaler.enabled,
                                         .growth_factor = static_cast<float>(options_.scaler.growth_factor),
@@ -149,15 +100,15 @@ void runtime::impl::finish_guarded_step()
     // trainer's release above.
     release(r, aux, detail::phase_move::update_and_release);
   }
-  round_.clear_deferred();
+  g.clear_deferred();
   g.record_done(aux);
 }
 
 // One unit's update in a guarded step, on aux after the step was finished there.
 void runtime::impl::guarded_update(unit_record& r, const adamw_options& optimizer)
 {
-  detail::guard_memory& g = *guard_;
-  stream& aux = *aux_;
+  detail::guarded_step& g = *guard_;
+  stream& aux = *streams_.aux;
   adamw_options decay = optimizer;
   decay.lr *= r.policy.lr_scale;
   if (r.policy.weight_decay) { decay.weight_decay = *r.policy.weight_decay; }
@@ -170,7 +121,7 @@ void runtime::impl::guarded_update(unit_record& r, const adamw_options& optimize
     // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): the factors' bytes
     copy_async(std::span<std::byte>(reinterpret_cast<std::byte*>(g.unit_guard(r.index)), sizeof(detail::step_guard)),
                g.state_bytes(), aux);
-    host_step(r, update_scalars{}, aux, guarded_host_update{decay, plain});
+    host_step(r, detail::update_scalars{}, aux, detail::guarded_host_update{decay, plain});
     return;
   }
   detail::prepare_guarded_async(decay, plain, g.device_step(r.index), g.state(), g.scalars(), aux);
@@ -186,9 +137,9 @@ void runtime::impl::guarded_update(unit_record& r, const adamw_options& optimize
 loss_scaler_state runtime::impl::scaler_state()
 {
   TASKSWAP_EXPECTS(guard_.has_value(), "scaler_state: steps are not guarded; enable [scaler] or set [optimizer] clip");
-  download_guard();
+  if (life_.started) { guard_->download(streams_.d2h); }  // before start the host copies are current
   wait_streams("scaler_state");
-  read_guard_steps();
+  guard_->read_steps(units_);
   const detail::step_guard& s = guard_->host_state();
   return {.scale = s.scale,
           .growth_tracker = s.growth_tracker,

@@ -20,7 +20,7 @@ using detail::step_phase;
 
 unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
 {
-  unit_record& r = record(u);
+  unit_record& r = units_.at(u);
   TASKSWAP_EXPECTS(r.phase() != step_phase::release_deferred && r.phase() != step_phase::updated,
                    message("acquire('", r.name, "'): the unit was ",
                            r.phase() == step_phase::updated
@@ -40,16 +40,16 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
   // After a guarded step the trainer's loss kernel reads the scale that step set.
   if (guard_) { guard_->wait_for_last(s); }
   const bool frozen = use == unit_use::frozen;
-  std::optional<detail::planned_acquisition> planned = plan_.peek(u);
+  std::optional<detail::planned_acquisition> planned = residency_.plan.peek(u);
   if (planned && (planned->use != detail::planned_use::train) != frozen) {
     // With a communicator the ranks agreed on the planned use; without one the plan is a
     // forecast, and an acquisition it did not foresee is unplanned. Its planned entry is used up
     // all the same, so that prefetch and eviction do not wait for a use that has happened.
-    TASKSWAP_EXPECTS(!reducer_, message("acquire('", r.name, "', ", to_string(use), "): step ", ledger_.step(),
+    TASKSWAP_EXPECTS(!reduced_, message("acquire('", r.name, "', ", to_string(use), "): step ", ledger_.step(),
                                         " planned it ", frozen ? "trained" : "frozen",
                                         "; with a communicator acquire it as the plan says, or plan it ",
                                         frozen ? "frozen" : "trained"));
-    (void)plan_.match(u);
+    (void)residency_.plan.match(u);
     planned.reset();
   }
   const bool reduced = planned && planned->use == detail::planned_use::frozen_reduced;
@@ -81,9 +81,9 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
 {
   const unit_id u{r.index};
   const bool whole = m != phase_move::acquire_frozen;
-  const std::optional<detail::planned_acquisition> planned = as_planned ? plan_.match(u) : std::nullopt;
+  const std::optional<detail::planned_acquisition> planned = as_planned ? residency_.plan.match(u) : std::nullopt;
   if (!planned) {
-    TASKSWAP_EXPECTS(!reducer_,
+    TASKSWAP_EXPECTS(!reduced_,
                      message("acquire('", r.name, "'): step ", ledger_.step(),
                              " did not plan it. With a communicator every acquisition must be planned "
                              "(runtime::plan), since the ranks agree on each step's units when it is planned"));
@@ -95,20 +95,22 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
     ledger_.miss();
     if (!swap_->swap_in(r, planned ? planned->position : 0, detail::swap_engine::room_for::acquire, whole)) {
       const std::size_t budget = options_.device.budget;
-      const std::size_t needed = charged(r, whole ? r.layout.device_bytes : r.layout.params_bytes);
+      const std::size_t needed =
+        residency_.model->charged(r.index, whole ? r.layout.device_bytes : r.layout.params_bytes);
       throw out_of_memory(
-        message("acquire('", r.name, "') needs ", bytes_text(needed), " of device memory", granule_note(), "; ",
-                held_count_, " units held now take ", bytes_text(held_bytes()), " and the pinned units ",
-                bytes_text(model_->pinned_bytes()), " of the ", bytes_text(model_->capacity()),
+        message("acquire('", r.name, "') needs ", bytes_text(needed), " of device memory",
+                residency_.model->granule_note(), "; ", units_.held(), " units held now take ",
+                bytes_text(units_.held_bytes()), " and the pinned units ", bytes_text(residency_.model->pinned_bytes()),
+                " of the ", bytes_text(residency_.model->capacity()),
                 " budget; release units earlier or plan the step so the runtime checks it ahead"),
-        needed, pool_->free(), budget);
+        needed, memory_.pool->free(), budget);
     }
   }
   swap_->settle(r);  // a swap-in whose slot was being mapped has its copy queued before the wait below
   go(r, m);
-  ++held_count_;
-  r.held_bytes = r.pinned() ? 0 : charged(r, r.slot->size());
-  if (reducer_) { round_.touched(r.index); }
+  units_.count_hold();
+  r.held_bytes = r.pinned() ? 0 : residency_.model->charged(r.index, r.slot->size());
+  if (reduced_) { reduced_->touched(r.index); }
   // The previous use ended on another stream (the trainer's, or aux after an update): wait for it.
   if (r.released_on != nullptr && r.released_on != s.native_handle()) {
     if (!r.released.query()) { r.released.wait(s); }
@@ -117,80 +119,37 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
   if (!r.arrived.query()) {
     ledger_.wait_timed(r.arrived, s, options_.measure_stall);
   }  // a finished swap-in needs no wait
-  if (trace_) { r.trace_span = trace_->open(compute_track(s), r.name, s); }
+  if (trace_.recorder) { r.trace_span = trace_.recorder->open(compute_track(s), r.name, s); }
   prefetch();
 }
 
 void runtime::impl::trainer_grads_ready(unit_id u, stream_view s)
 {
   check_comm();
-  unit_record& r = held_record(u, "grads_ready");
+  unit_record& r = units_.held_by_trainer(u, "grads_ready");
   TASKSWAP_EXPECTS(!r.st.frozen_use(), message("grads_ready('", r.name,
                                                "'): the unit is used frozen in this step and has no "
                                                "gradients; plan and acquire it with unit_use::train to train it"));
-  if (reducer_) {
+  if (reduced_) {
     mark_ready(r, s);
     return;
   }
   ensure(r.grads_ready_event, device_).record(s);
 }
 
-void runtime::impl::trainer_step(unit_id u, stream_view s)
+void runtime::impl::check_comm() const
 {
-  check_comm();
-  unit_record& r = held_record(u, "step");
-  TASKSWAP_EXPECTS(!r.st.frozen_use(), message("step('", r.name,
-                                               "'): the unit is used frozen in this step and is not "
-                                               "stepped; plan and acquire it with unit_use::train to train it"));
-  switch (path()) {
-    case detail::step_path::local: step_local(r, s); return;
-    case detail::step_path::local_guarded:
-    case detail::step_path::reduced_guarded: step_guarded(r, s); return;
-    case detail::step_path::reduced: step_reduced(r, s); return;
-  }
+  if (reduced_) { reduced_->reduction().comm().check(); }
 }
 
-// Without a communicator, unguarded: the update runs on the trainer's stream now (after the
-// gradients' stream, if grads_ready named another).
-void runtime::impl::step_local(unit_record& r, stream_view s)
+const adamw_options& runtime::impl::step_optimizer() const noexcept
 {
-  if (r.grads_ready_event && r.grads_ready_event->recorded()) { r.grads_ready_event->wait(s); }
-  apply_step(r, s);
-  go(r, phase_move::step_local);
-}
-
-// Guarded (loss scaling or clipping): the update waits for end_step, where the step's norm and
-// scale are known; with a communicator, after the unit's reduction.
-void runtime::impl::step_guarded(unit_record& r, stream_view s)
-{
-  TASKSWAP_EXPECTS(r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced,
-                   message("step('", r.name, "'): the unit was stepped already in this step"));
-  if (reducer_) { mark_ready(r, s); }  // a step implies the gradients are complete
-  defer_update(r, s);
-}
-
-// With a communicator, unguarded: the update after the work on `s` and the unit's reduction. On
-// `s` when the reduction has ended; else on aux, so that the trainer's stream goes on (the next
-// layer's backward) while the reduction runs: now when it is launched, or once it is (on_launched).
-void runtime::impl::step_reduced(unit_record& r, stream_view s)
-{
-  TASKSWAP_EXPECTS(r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced,
-                   message("step('", r.name, "'): the unit was stepped already in this step"));
-  mark_ready(r, s);  // a step implies the gradients are complete
-  const event* reduced = reducer_->reduced(r.index);
-  if (reduced != nullptr && reduced->query()) {
-    go(r, phase_move::step_now);
-    apply_step(r, s);
-    return;
-  }
-  ensure(r.step_point, device_).record(s);
-  go(r, phase_move::defer_to_reduction);
-  if (reduced != nullptr) { update_on_aux(r); }
+  return reduced_ ? reduced_->optimizer(options_.optimizer) : options_.optimizer;
 }
 
 // The unit's group: the optimizer's settings with its learning-rate scale and weight decay, and
 // the same without weight decay for its no-decay tensors.
-runtime::impl::update_scalars runtime::impl::scalars_for(const unit_record& r, const adamw_options& optimizer) const
+detail::update_scalars runtime::impl::scalars_for(const unit_record& r, const adamw_options& optimizer) const
 {
   adamw_options o = optimizer;
   o.lr *= r.policy.lr_scale;
@@ -205,7 +164,7 @@ void runtime::impl::apply_step(unit_record& r, stream_view s)
   ++r.step;
   // With a communicator every update of a step uses the settings the step began with, whichever
   // rank's call order enqueues it: replicas stay identical when set_optimizer changes them.
-  const update_scalars scalars = scalars_for(r, round_.optimizer(options_.optimizer));
+  const detail::update_scalars scalars = scalars_for(r, step_optimizer());
   if (r.policy.optimizer == optimizer_placement::host) {
     host_step(r, scalars, s);
     return;
@@ -219,107 +178,22 @@ void runtime::impl::apply_step(unit_record& r, stream_view s)
   go(r, coherence_move::step_on_device);
 }
 
-void runtime::impl::trainer_release(unit_id u, stream_view s)
-{
-  check_comm();
-  unit_record& r = held_record(u, "release");
-  switch (path()) {
-    case detail::step_path::local: release_local(r, s); return;
-    case detail::step_path::local_guarded: release_local_guarded(r, s); return;
-    case detail::step_path::reduced: release_reduced(r, s); return;
-    case detail::step_path::reduced_guarded: release_reduced_guarded(r, s); return;
-  }
-}
-
-void runtime::impl::zero_grads(unit_record& r, stream_view s)
-{
-  const detail::unit_layout& l = r.layout;
-  fill_async(r.slot->subspan(l.device_grads, l.device_grad_bytes()), std::byte{0}, s);
-}
-
-// Without a communicator, unguarded: a trained use given up without a step leaves zero gradients.
-void runtime::impl::release_local(unit_record& r, stream_view s)
-{
-  if (r.phase() == step_phase::train) { zero_grads(r, s); }
-  release(r, s, phase_move::release);
-}
-
-// Guarded, without a communicator: a stepped unit's update, then its release, wait for end_step.
-void runtime::impl::release_local_guarded(unit_record& r, stream_view s)
-{
-  if (r.phase() == step_phase::step_deferred) {
-    defer_release(r, s);
-    return;
-  }
-  if (r.phase() == step_phase::train) { zero_grads(r, s); }
-  release(r, s, phase_move::release);
-}
-
-// A trained use released without step() (with a communicator, the runtime steps it); a frozen
-// use that other ranks train takes their update at its release by design, and says nothing.
-void runtime::impl::warn_unstepped(const unit_record& r)
-{
-  if (r.phase() != step_phase::train) { return; }
-  detail::log_once("release without step", log_level::warning,
-                   message("release('", r.name,
-                           "'): the unit was not stepped; with a communicator the runtime "
-                           "steps it so that every rank applies the same update. Call step() before release()"));
-}
-
-// With a communicator every rank applies the same update: a trained use (or a frozen use other
-// ranks train) not stepped yet is stepped here.
-void runtime::impl::release_reduced(unit_record& r, stream_view s)
-{
-  // Nothing to reduce: no rank trains it, or this is a forward before its trained use.
-  if (r.phase() == step_phase::frozen) {
-    release(r, s, phase_move::release);
-    return;
-  }
-  if (r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced) {
-    warn_unstepped(r);
-    step_reduced(r, s);
-  }
-  switch (r.phase()) {
-    case step_phase::step_deferred: defer_release(r, s); return;  // the release follows the update on aux
-    case step_phase::updated_on_aux:
-      ensure(r.trainer_released, device_).record(s);
-      r.trainer_released->wait(*aux_);
-      release(r, *aux_, phase_move::release_after_update);
-      return;
-    default: release(r, s, phase_move::release_after_update); return;
-  }
-}
-
-// Guarded, with a communicator: as release_reduced, and the update waits for end_step.
-void runtime::impl::release_reduced_guarded(unit_record& r, stream_view s)
-{
-  if (r.phase() == step_phase::frozen) {
-    release(r, s, phase_move::release);
-    return;
-  }
-  if (r.phase() == step_phase::train || r.phase() == step_phase::frozen_reduced) {
-    warn_unstepped(r);
-    step_guarded(r, s);
-  }
-  defer_release(r, s);
-}
-
 void runtime::impl::release(unit_record& r, stream_view s, phase_move m)
 {
   const unit_id u{r.index};
   const bool counted = r.phase() != step_phase::release_deferred;  // a deferred release left the count earlier
   r.released.record(s);
   r.released_on = s.native_handle();
-  if (trace_) { trace_->close(r.trace_span, s); }
+  if (trace_.recorder) { trace_.recorder->close(r.trace_span, s); }
   go(r, m);
-  if (counted) { --held_count_; }
+  if (counted) { units_.count_let_go(); }
   r.held_bytes = 0;
-  r.last_release = ++tick_;
+  units_.stamp_release(r);
   if (r.st.coh == detail::coherence::home_newer) {
     // Upload the new parameters if the unit stays or is needed soon; otherwise free its room.
-    const std::uint64_t next = plan_.next_use(u);
-    const bool soon =
-      next != detail::never && plan_.step_distance(next) <= static_cast<std::size_t>(std::max(r.policy.lookahead, 0));
+    const std::uint64_t next = residency_.plan.next_use(u);
+    const bool soon = next != detail::never &&
+                      residency_.plan.step_distance(next) <= static_cast<std::size_t>(std::max(r.policy.lookahead, 0));
     if (!r.grads_only() && (r.pinned() || soon)) {
       upload_params(r);
     } else {
@@ -338,8 +212,8 @@ std::vector<bool> runtime::impl::trainer_skip(std::span<const unit_id> units)
 {
   check_comm();
   for (const unit_id u : units) {  // all checked before any is changed
-    const unit_record& r = record(u);
-    TASKSWAP_EXPECTS(!r.held() || !plan_.peek(u),
+    const unit_record& r = units_.at(u);
+    TASKSWAP_EXPECTS(!r.held() || !residency_.plan.peek(u),
                      message("skip('", r.name,
                              "'): the unit is held; release it first (skip drops the acquisitions of it still ahead "
                              "in the step)"));
@@ -353,50 +227,41 @@ std::vector<bool> runtime::impl::trainer_skip(std::span<const unit_id> units)
   std::vector<bool> reduced(units.size(), false);
   for (const std::size_t k : by_order) {
     const unit_id u = units[k];
-    unit_record& r = record(u);
-    if (!plan_.peek(u)) { continue; }  // nothing ahead (or named twice)
-    if (reducer_) {
+    unit_record& r = units_.at(u);
+    if (!residency_.plan.peek(u)) { continue; }  // nothing ahead (or named twice)
+    if (reduced_) {
       start();
       begin_step();  // the step's reduction begins at its first acquire, or here
-      reduced[k] = reducer_->active(r.index) && !reducer_->is_ready(r.index);
+      reduced[k] = reduced_->reduction().active(r.index) && !reduced_->reduction().is_ready(r.index);
     }
-    plan_.drop(u, reduced[k]);  // a use to reduce keeps its first entry, for the hold to take
+    residency_.plan.drop(u, reduced[k]);  // a use to reduce keeps its first entry, for the hold to take
     if (reduced[k]) { hold_for_update(r); }
   }
   prefetch();
   return reduced;
 }
 
-std::size_t runtime::impl::held_bytes() const noexcept
-{
-  std::size_t bytes = 0;
-  for (const unit_record& r : units_) {
-    if (r.held() && r.phase() != step_phase::release_deferred) { bytes += r.held_bytes; }
-  }
-  return bytes;
-}
-
 step_stats runtime::impl::end_step()
 {
   check_comm();
-  if (reducer_) {
+  if (reduced_) {
     begin_step();  // a rank that trained nothing in the step still takes its updates
-    if (round_.begun()) { complete_step(); }
+    if (reduced_->begun()) { complete_step(); }
   }
-  if (held_count_ != 0) {
+  if (units_.held() != 0) {
     for (const unit_record& r : units_) {
       TASKSWAP_EXPECTS(!r.held() || r.st.runtime_holds(),
                        message("end_step: unit '", r.name, "' is still held; release it before the step ends"));
     }
   }
-  if (guard_ && round_.any_deferred()) { finish_guarded_step(); }
-  if (reducer_ && round_.begun()) {
-    reducer_->end();
-    ledger_.reduced(reducer_->step_bytes(), reducer_->all_bytes());
-    for (const std::uint32_t u : round_.end()) { go(units_[u], phase_move::end_step_reset); }
+  if (guard_ && guard_->any_deferred()) { finish_guarded_step(); }
+  if (reduced_ && reduced_->begun()) {
+    reduced_->reduction().end();
+    ledger_.reduced(reduced_->reduction().step_bytes(), reduced_->reduction().all_bytes());
+    for (const std::uint32_t u : reduced_->end()) { go(units_[u], phase_move::end_step_reset); }
   }
-  plan_.end_step();
-  const step_stats done = ledger_.close(pool_->stats().used);
+  residency_.plan.end_step();
+  const step_stats done = ledger_.close(memory_.pool->stats().used);
   prefetch();
   return done;
 }
@@ -410,17 +275,17 @@ step_stats runtime::impl::end_step()
 // placement's update does: its gradients come home and the CPU AdamW steps the home there.
 void runtime::impl::prefetch()
 {
-  if (homes_.cache) {
-    detail::host_cache& cache = *homes_.cache;
+  if (memory_.homes.cache) {
+    detail::host_cache& cache = *memory_.homes.cache;
     cache.pump();
-    plan_.for_each_upcoming(static_cast<std::size_t>(std::max(options_.storage.lookahead, 0)),
-                            [&](unit_id u, detail::planned_acquisition a, std::size_t) {
-                              const unit_record& r = units_[u.value];
-                              const bool served =
-                                r.resident_for(a.whole()) && (a.use == detail::planned_use::frozen ||
-                                                              r.policy.optimizer != optimizer_placement::host);
-                              return r.home.cache == nullptr || served || cache.prefetch(r.home.entry);
-                            });
+    residency_.plan.for_each_upcoming(
+      static_cast<std::size_t>(std::max(options_.storage.lookahead, 0)),
+      [&](unit_id u, detail::planned_acquisition a, std::size_t) {
+        const unit_record& r = units_[u.value];
+        const bool served = r.resident_for(a.whole()) &&
+                            (a.use == detail::planned_use::frozen || r.policy.optimizer != optimizer_placement::host);
+        return r.home.cache == nullptr || served || cache.prefetch(r.home.entry);
+      });
   }
   swap_->prefetch();
 }
@@ -437,11 +302,11 @@ void runtime::impl::flush()
   for (unit_record& r : units_) {
     if (r.dirty()) { swap_->write_back(r); }
   }
-  if (guard_) { download_guard(); }
+  if (guard_ && life_.started) { guard_->download(streams_.d2h); }
   wait_streams("flush");
-  if (homes_.cache) { homes_.cache->flush(); }  // the unit files become the disk homes
-  if (guard_) { read_guard_steps(); }
-  resolve_stalls(true);
+  if (memory_.homes.cache) { memory_.homes.cache->flush(); }  // the unit files become the disk homes
+  if (guard_) { guard_->read_steps(units_); }
+  ledger_.resolve_stalls(true, options_.timeout);
   check_comm();
 }
 

@@ -19,10 +19,10 @@ using detail::step_phase;
 // acquired on aux with zero gradients, ready for their buckets.
 void runtime::impl::begin_step()
 {
-  if (!reducer_) { return; }
-  const detail::agreed_step* step = round_.begin(options_.optimizer);
+  if (!reduced_) { return; }
+  const detail::agreed_step* step = reduced_->begin(options_.optimizer);
   if (step == nullptr) { return; }
-  reducer_->begin(step->agreement, ledger_.step());
+  reduced_->reduction().begin(step->agreement, ledger_.step());
   for (const std::uint32_t u : step->update_only) { hold_for_update(units_[u]); }
 }
 
@@ -35,40 +35,41 @@ void runtime::impl::hold_for_update(unit_record& r)
   if (r.policy.optimizer == optimizer_placement::host && !r.resident() && r.layout.state_tensor_bytes() == 0) {
     hold_gradients_only(r);
   } else {
-    acquire(r, *aux_, phase_move::hold_for_update);
-    fill_async(r.slot->subspan(r.grads_at(), r.layout.device_grad_bytes()), std::byte{0}, *aux_);
+    acquire(r, *streams_.aux, phase_move::hold_for_update);
+    fill_async(r.slot->subspan(r.grads_at(), r.layout.device_grad_bytes()), std::byte{0}, *streams_.aux);
   }
-  if (guard_) { round_.defer(r.index); }  // its update runs with the step's others
-  mark_ready(r, *aux_);
+  if (guard_) { guard_->defer(r.index); }  // its update runs with the step's others
+  mark_ready(r, *streams_.aux);
 }
 
 void runtime::impl::hold_gradients_only(unit_record& r)
 {
-  const std::optional<detail::planned_acquisition> planned = plan_.match(unit_id{r.index});
+  const std::optional<detail::planned_acquisition> planned = residency_.plan.match(unit_id{r.index});
   const std::size_t bytes = r.layout.device_grad_bytes();
-  if (!swap_->swap_in_grads(r, planned ? planned->position : 0, *aux_)) {
+  if (!swap_->swap_in_grads(r, planned ? planned->position : 0, *streams_.aux)) {
     throw out_of_memory(
-      message("step ", ledger_.step(), ": the zeroed gradient slab of '", r.name, "' (", bytes_text(charged(r, bytes)),
-              "), which other ranks train, does not fit in the ", bytes_text(options_.device.budget),
-              " budget beside the units held; raise [device] budget"),
-      bytes, pool_->free(), options_.device.budget);
+      message("step ", ledger_.step(), ": the zeroed gradient slab of '", r.name, "' (",
+              bytes_text(residency_.model->charged(r.index, bytes)), "), which other ranks train, does not fit in the ",
+              bytes_text(options_.device.budget), " budget beside the units held; raise [device] budget"),
+      bytes, memory_.pool->free(), options_.device.budget);
   }
   go(r, phase_move::hold_for_update);
-  ++held_count_;
-  r.held_bytes = charged(r, bytes);
-  round_.touched(r.index);
+  units_.count_hold();
+  r.held_bytes = residency_.model->charged(r.index, bytes);
+  reduced_->touched(r.index);
 }
 
 void runtime::impl::mark_ready(unit_record& r, stream_view s)
 {
-  if (reducer_->is_ready(r.index)) { return; }  // the reduction waits for the first ready point
+  if (reduced_->reduction().is_ready(r.index)) { return; }  // the reduction waits for the first ready point
   ensure(r.grads_ready_event, device_).record(s);
   // One contiguous range: the trainable tensors and the gaps between them; the slab's tail padding
   // and the state tensors' gradient elements are not sent. The state tensors are broadcast.
   const detail::unit_layout& l = r.layout;
   const device_span state =
     l.state_tensor_bytes() == 0 ? device_span{} : r.slot->subspan(l.state_at(), l.state_tensor_bytes());
-  on_launched(reducer_->ready(r.index, r.slot->subspan(r.grads_at(), l.reduce_bytes()), *r.grads_ready_event, state));
+  on_launched(
+    reduced_->reduction().ready(r.index, r.slot->subspan(r.grads_at(), l.reduce_bytes()), *r.grads_ready_event, state));
 }
 
 void runtime::impl::on_launched(const std::vector<std::uint32_t>& units)
@@ -87,10 +88,10 @@ void runtime::impl::on_launched(const std::vector<std::uint32_t>& units)
 // this runtime holds): on aux, after the trainer's stream reached step() and the reduction.
 void runtime::impl::update_on_aux(unit_record& r)
 {
-  stream& aux = *aux_;
+  stream& aux = *streams_.aux;
   const step_phase p = r.phase();
   if (p != step_phase::update_only && !r.step_point->query()) { r.step_point->wait(aux); }
-  const event* reduced = reducer_->reduced(r.index);
+  const event* reduced = reduced_->reduction().reduced(r.index);
   if (!reduced->query()) { reduced->wait(aux); }
   apply_step(r, aux);
   if (p == step_phase::step_deferred) {  // the trainer still holds it
@@ -105,7 +106,7 @@ void runtime::impl::update_on_aux(unit_record& r)
 // zeros and take the update, as units only other ranks trained do.
 void runtime::impl::complete_step()
 {
-  for (const std::uint32_t u : reducer_->not_ready()) {
+  for (const std::uint32_t u : reduced_->reduction().not_ready()) {
     unit_record& r = units_[u];
     if (r.held()) { continue; }  // the trainer still holds it: end_step reports that
     hold_for_update(r);

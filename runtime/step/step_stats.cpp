@@ -11,27 +11,27 @@ using detail::state_of;
 
 int runtime::impl::compute_track(stream_view s)
 {
-  const auto [it, inserted] = tracks_.compute.try_emplace(s.native_handle(), 0);
-  if (inserted) { it->second = trace_->track("compute " + std::to_string(tracks_.compute.size())); }
+  const auto [it, inserted] = trace_.compute.try_emplace(s.native_handle(), 0);
+  if (inserted) { it->second = trace_.recorder->track("compute " + std::to_string(trace_.compute.size())); }
   return it->second;
 }
 
 runtime_stats runtime::impl::stats()
 {
-  resolve_stalls(false);
+  ledger_.resolve_stalls(false, options_.timeout);
   runtime_stats s;
-  const detail::device_pool_stats pool = pool_->stats();
+  const detail::device_pool_stats pool = memory_.pool->stats();
   s.budget = pool.budget;
-  s.pinned_device_bytes = model_->pinned_bytes();
+  s.pinned_device_bytes = residency_.model->pinned_bytes();
   s.device_bytes_in_use = pool.used;
   s.device_granule = pool.granule;
   s.device_rounding_bytes = pool.used - pool.requested;
-  const pinned_arena_stats arena = homes_.arena->stats();
+  const pinned_arena_stats arena = memory_.homes.arena->stats();
   s.home_bytes = arena.used;
   s.host_bytes_pinned = arena.pinned;
-  if (homes_.cache) {
-    const detail::host_cache_stats c = homes_.cache->stats();
-    s.disk = {.host_cache_bytes = homes_.cache->capacity(),
+  if (memory_.homes.cache) {
+    const detail::host_cache_stats c = memory_.homes.cache->stats();
+    s.disk = {.host_cache_bytes = memory_.homes.cache->capacity(),
               .cached_bytes = c.used_bytes,
               .hits = c.hits,
               .misses = c.misses,
@@ -41,7 +41,7 @@ runtime_stats runtime::impl::stats()
               .wait_ms = c.wait_seconds * 1e3,
               .read_bytes = c.bytes_read,
               .written_bytes = c.bytes_written,
-              .requests = homes_.files->stats().requests};
+              .requests = memory_.homes.files->stats().requests};
   }
   s.units.reserve(units_.size());
   for (const unit_record& r : units_) {

@@ -36,6 +36,21 @@ unit_policy resolve_policy(const unit_spec& spec, const runtime_options& options
   return p;
 }
 
+// What the unit holds, for its disk file's name (Note [Unit files]): a file written by a model
+// whose unit differs in any tensor, dtype or size is never read as this one.
+std::uint64_t identity_of(const detail::unit_record& r)
+{
+  const detail::unit_layout& l = r.layout;
+  std::string text = detail::message(to_string(l.compute), "/", to_string(l.grad), l.frozen ? "/frozen" : "/trained",
+                                     "/", l.home_bytes, ";");
+  for (const tensor_info& t : l.tensors) {
+    text += detail::message(t.name, "[");
+    for (const std::size_t d : t.shape) { text += detail::message(d, ","); }
+    text += detail::message("]", t.no_weight_decay ? "n" : "", t.state ? "s" : "", ";");
+  }
+  return detail::home_identity(text);
+}
+
 }  // namespace
 
 unit_policy policy_for(const unit_spec& spec, const runtime_options& options)
@@ -82,12 +97,7 @@ void runtime::impl::register_units(const runtime_options& options, const std::ve
     } catch (const config_error& e) {
       throw config_error(message("unit '", spec.name, "': ", e.what()));
     }
-    if (!by_name_.emplace(spec.name, static_cast<std::uint32_t>(units_.size())).second) {
-      throw config_error(message("unit '", spec.name, "' is registered twice; unit names must be unique"));
-    }
-    units_.emplace_back(device_, static_cast<std::uint32_t>(units_.size()), spec.name, policy,
-                        detail::make_unit_layout(spec, policy.optimizer));
-    const unit_record& r = units_.back();
+    const unit_record& r = units_.add(device_, spec.name, policy, detail::make_unit_layout(spec, policy.optimizer));
     modelled.push_back({.name = r.name,
                         .device_bytes = r.layout.device_bytes,
                         .params_bytes = r.layout.params_bytes,
@@ -104,9 +114,10 @@ void runtime::impl::register_units(const runtime_options& options, const std::ve
                                  rule.match, "\" matches no registered unit; fix the pattern or remove the rule"));
     }
   }
-  model_.emplace(options.device.budget, device_.backend().vm_granularity(),
-                 guards(options) ? detail::guard_memory::device_bytes(specs.size()) : 0, std::move(modelled));
-  for (unit_record& r : units_) { r.packed = model_->packed(r.index); }
+  residency_.model.emplace(options.device.budget, device_.backend().vm_granularity(),
+                           detail::guarded_step::guards(options) ? detail::guarded_step::device_bytes(specs.size()) : 0,
+                           std::move(modelled));
+  for (unit_record& r : units_) { r.packed = residency_.model->packed(r.index); }
 }
 
 void runtime::impl::place_homes()
@@ -120,12 +131,14 @@ void runtime::impl::place_homes()
     total += r.home.tier->pinned_bytes(r.layout.home_bytes);
     any_host = any_host || (r.policy.optimizer == optimizer_placement::host && !r.layout.frozen);
   }
-  const std::size_t guard_host = guards(options_) ? detail::guard_memory::host_bytes(units_.size()) : 0;
-  detail::setup_homes(homes_, device_, total + guard_host, options_.host, options_.storage, used);
+  const std::size_t guard_host =
+    detail::guarded_step::guards(options_) ? detail::guarded_step::host_bytes(units_.size()) : 0;
+  detail::setup_homes(memory_.homes, device_, total + guard_host, options_.host, options_.storage, used);
   for (unit_record& r : units_) {
-    r.home.tier->place(homes_, r.home, {.unit = r.name, .identity = identity_of(r), .bytes = r.layout.home_bytes});
+    r.home.tier->place(memory_.homes, r.home,
+                       {.unit = r.name, .identity = identity_of(r), .bytes = r.layout.home_bytes});
   }
-  if (homes_.cache) {
+  if (memory_.homes.cache) {
     // The host cache evicts by the plan, as the device does: an entry is a unit's home.
     std::vector<std::uint32_t> unit_of(units_.size());
     for (const unit_record& r : units_) {
@@ -143,55 +156,42 @@ void runtime::impl::place_homes()
     // bytes than ranking such a block just before never, out of a read ahead's reach.
     // A write-back of the unit's device copy replaces its home whole.
     const auto writes_home_whole = [](const unit_record& r) { return r.layout.writeback_bytes >= r.layout.home_bytes; };
-    homes_.cache->next_use([this, unit_of, writes_home_whole](detail::host_cache::entry_id e) -> std::uint64_t {
+    memory_.homes.cache->next_use([this, unit_of, writes_home_whole](detail::host_cache::entry_id e) -> std::uint64_t {
       const unit_record& r = units_[unit_of[e]];
       if (r.incoming || (r.held() && !r.st.frozen_use() && r.policy.optimizer == optimizer_placement::host)) {
         return 0;
       }
-      const std::uint64_t next = plan_.next_use(unit_id{r.index});
+      const std::uint64_t next = residency_.plan.next_use(unit_id{r.index});
       const bool device_update = r.policy.optimizer != optimizer_placement::host && writes_home_whole(r);
-      if (next == detail::never ||
-          (!r.held() && device_update && r.resident_for(true) && plan_.use_at(next) != detail::planned_use::frozen)) {
+      if (next == detail::never || (!r.held() && device_update && r.resident_for(true) &&
+                                    residency_.plan.use_at(next) != detail::planned_use::frozen)) {
         return detail::host_cache::never;
       }
       return next;
     });
     // A device copy with an update not written home replaces the whole home when it is written
     // back: the block's older bytes need not reach the file first.
-    homes_.cache->superseded([this, unit_of, writes_home_whole](detail::host_cache::entry_id e) {
+    memory_.homes.cache->superseded([this, unit_of, writes_home_whole](detail::host_cache::entry_id e) {
       const unit_record& r = units_[unit_of[e]];
       return r.dirty() && writes_home_whole(r);
     });
   }
-  if (any_host) { cpu_.emplace(static_cast<int>(homes_.arena->numa_node()), options_.host.optimizer_threads); }
+  if (any_host) {
+    streams_.cpu.emplace(static_cast<int>(memory_.homes.arena->numa_node()), options_.host.optimizer_threads);
+  }
   if (guard_host != 0) {
-    guard_.emplace(device_, units_.size(), homes_.arena->allocate(guard_host, detail::slab_alignment),
+    guard_.emplace(device_, units_.size(), memory_.homes.arena->allocate(guard_host, detail::slab_alignment),
                    static_cast<float>(options_.scaler.enabled ? options_.scaler.init_scale : 1.0));
   }
   // Pinned units are packed together; every other unit has a slot of its own, mapped when resident.
   for (unit_record& r : units_) {
     if (r.pinned()) {
-      r.slot = pool_->place_pinned(r.layout.device_bytes);
+      r.slot = memory_.pool->place_pinned(r.layout.device_bytes);
       go(r, detail::slot_move::place_pinned);
     } else {
-      r.pool_slot = pool_->add_slot(r.layout.device_bytes);
+      r.pool_slot = memory_.pool->add_slot(r.layout.device_bytes);
     }
   }
-}
-
-// What the unit holds, for its disk file's name (Note [Unit files]): a file written by a model
-// whose unit differs in any tensor, dtype or size is never read as this one.
-std::uint64_t runtime::impl::identity_of(const unit_record& r)
-{
-  const detail::unit_layout& l = r.layout;
-  std::string text = detail::message(to_string(l.compute), "/", to_string(l.grad), l.frozen ? "/frozen" : "/trained",
-                                     "/", l.home_bytes, ";");
-  for (const tensor_info& t : l.tensors) {
-    text += detail::message(t.name, "[");
-    for (const std::size_t d : t.shape) { text += detail::message(d, ","); }
-    text += detail::message("]", t.no_weight_decay ? "n" : "", t.state ? "s" : "", ";");
-  }
-  return detail::home_identity(text);
 }
 
 // Runs before the first plan or acquire, so the trainer can initialise the home copies first.
@@ -203,7 +203,7 @@ void runtime::impl::start()
   for (unit_record& r : units_) {
     if (r.pinned()) { swap_->fill_slot(r); }
   }
-  if (guard_) { upload_guard(); }
+  if (guard_) { guard_->upload(units_, streams_.h2d); }
 }
 
 // The master is a bf16/f16 unit's source of truth: its params are derived from it before the

@@ -133,7 +133,7 @@ TEST(unit_state, each_path_reaches_its_phases_and_every_one_leads_back_to_idle)
   }
 }
 
-// What the runtime's check (unit_state_check.cpp) allows each public call to do to the unit it names.
+// What the runtime's check (swap/unit_table.cpp) allows each public call to do to the unit it names.
 TEST(unit_state, each_call_makes_only_its_own_moves)
 {
   using sp = step_phase;

@@ -1,19 +1,17 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The current step's bookkeeping for the updates that do not run at step(): with a communicator,
-// the steps the ranks agreed (front: the current one), whether the current one has begun, the
-// optimizer settings it began with and the units it touched; on the guarded paths, the units
-// whose updates wait for end_step. The step protocol decides what to do with them; this owns them.
+// A reduced step's state (with a communicator): the reducer, the steps the ranks agreed (front:
+// the current one), whether the current one has begun, the optimizer settings it began with and
+// the units it touched. The step protocol decides what to do with them (step_reduction.cpp); this
+// owns them.
 
 #include "comm/reducer.hpp"
 
 #include <taskswap/runtime.hpp>
 
-#include <algorithm>
 #include <cstdint>
 #include <deque>
-#include <span>
 #include <utility>
 #include <vector>
 
@@ -25,8 +23,16 @@ struct agreed_step {
   std::vector<std::uint32_t> update_only;  // active elsewhere, not acquired here
 };
 
-class step_round {
+class reduced_step {
  public:
+  template <typename... ReducerArgs>
+  explicit reduced_step(ReducerArgs&&... args) : reducer_(std::forward<ReducerArgs>(args)...)
+  {}
+
+  /// The gradients' buckets and their collectives.
+  [[nodiscard]] reducer& reduction() noexcept { return reducer_; }
+  [[nodiscard]] const reducer& reduction() const noexcept { return reducer_; }
+
   /// Appends a step the ranks agreed (plan_together, in plan order).
   void agree(agreed_step step) { agreed_.push_back(std::move(step)); }
 
@@ -56,24 +62,12 @@ class step_round {
     return std::exchange(touched_, {});
   }
 
-  /// A guarded step's update that waits for end_step.
-  void defer(std::uint32_t unit) { deferred_.push_back(unit); }
-  [[nodiscard]] bool any_deferred() const noexcept { return !deferred_.empty(); }
-  /// The deferred units, each once, in unit order (the order the finish sums them in).
-  [[nodiscard]] std::span<const std::uint32_t> deferred()
-  {
-    std::sort(deferred_.begin(), deferred_.end());
-    deferred_.erase(std::unique(deferred_.begin(), deferred_.end()), deferred_.end());
-    return deferred_;
-  }
-  void clear_deferred() noexcept { deferred_.clear(); }
-
  private:
+  reducer reducer_;
   std::deque<agreed_step> agreed_;
   bool begun_ = false;
   adamw_options optimizer_{};
   std::vector<std::uint32_t> touched_;
-  std::vector<std::uint32_t> deferred_;
 };
 
 }  // namespace taskswap::detail

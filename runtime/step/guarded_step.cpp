@@ -1,12 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
-// The guarded step's memory and its copies (guard_memory.hpp).
+// A guarded step's state: its memory, its copies, its deferred updates (guarded_step.hpp).
 
-#include "runtime/step/guard_memory.hpp"
+#include "runtime/step/guarded_step.hpp"
 
 #include "kernels/kernels.hpp"
 #include "numeric/align.hpp"
 
 #include <taskswap/runtime.hpp>
+
+#include <algorithm>
+#include <cmath>
 
 namespace taskswap {
 
@@ -36,14 +39,33 @@ std::size_t step_guard_device_bytes(std::size_t units) noexcept
 
 namespace detail {
 
-std::size_t guard_memory::device_bytes(std::size_t units) noexcept { return step_guard_device_bytes(units); }
+void guarded_step::check_scaler(const runtime_options& options)
+{
+  const loss_scaler_options& s = options.scaler;
+  if (!s.enabled) { return; }
+  const auto fail = [&](const char* key, const char* want) {
+    throw config_error(message(options.source, ": [scaler] ", key, ": ", want));
+  };
+  if (!(s.init_scale > 0 && std::isfinite(s.init_scale) && s.init_scale <= 3.0e38)) {
+    fail("init_scale", "must be a positive float, e.g. init_scale = 65536.0");
+  }
+  if (!(s.growth_factor > 1 && std::isfinite(s.growth_factor))) {
+    fail("growth_factor", "must be more than 1, e.g. 2.0");
+  }
+  if (!(s.backoff_factor > 0 && s.backoff_factor < 1)) { fail("backoff_factor", "must be in (0, 1), e.g. 0.5"); }
+  if (!(s.growth_interval >= 1 && s.growth_interval <= 2'000'000'000)) {
+    fail("growth_interval", "must be 1 or more, e.g. growth_interval = 2000");
+  }
+}
 
-std::size_t guard_memory::host_bytes(std::size_t units) noexcept
+std::size_t guarded_step::device_bytes(std::size_t units) noexcept { return step_guard_device_bytes(units); }
+
+std::size_t guarded_step::host_bytes(std::size_t units) noexcept
 {
   return guard_state_bytes + round_up(2 * units * sizeof(std::int64_t), 256) + units * sizeof(step_guard);
 }
 
-guard_memory::guard_memory(const device& dev, std::size_t units, std::span<std::byte> host, float scale)
+guarded_step::guarded_step(const device& dev, std::size_t units, std::span<std::byte> host, float scale)
     : units_(units), memory_(dev, device_bytes(units)), done_(dev)
 {
   std::byte* d = static_cast<std::byte*>(memory_.data());
@@ -60,9 +82,9 @@ guard_memory::guard_memory(const device& dev, std::size_t units, std::span<std::
   host_state_->scale = scale;
 }
 
-void guard_memory::upload(std::span<const std::int64_t> steps, stream_view s)
+void guarded_step::upload(const unit_table& units, stream_view s)
 {
-  for (std::size_t i = 0; i < units_; ++i) { host_steps_[i] = device_steps_[i] = steps[i]; }
+  for (std::size_t i = 0; i < units_; ++i) { host_steps_[i] = device_steps_[i] = units[i].step; }
   const std::size_t n = units_ * sizeof(std::int64_t);
   copy_async(memory_.span(steps_offset, n), bytes_of(static_cast<const void*>(device_steps_), n), s);
   copy_async(memory_.span(0, sizeof(step_guard)), bytes_of(static_cast<const void*>(host_state_), sizeof(step_guard)),
@@ -70,7 +92,7 @@ void guard_memory::upload(std::span<const std::int64_t> steps, stream_view s)
   record_done(s);
 }
 
-void guard_memory::download(stream_view s)
+void guarded_step::download(stream_view s)
 {
   if (!done_.query()) { done_.wait(s); }
   const std::size_t n = units_ * sizeof(std::int64_t);
@@ -80,7 +102,23 @@ void guard_memory::download(stream_view s)
   downloaded_ = true;
 }
 
-const_device_span guard_memory::state_bytes() const { return memory_.span(0, sizeof(step_guard)); }
+void guarded_step::read_steps(unit_table& units)
+{
+  if (!downloaded_) { return; }
+  downloaded_ = false;
+  for (std::size_t i = 0; i < units_; ++i) {
+    units[i].step = units[i].policy.optimizer == optimizer_placement::host ? host_steps_[i] : device_steps_[i];
+  }
+}
+
+const_device_span guarded_step::state_bytes() const { return memory_.span(0, sizeof(step_guard)); }
+
+std::span<const std::uint32_t> guarded_step::deferred()
+{
+  std::sort(deferred_.begin(), deferred_.end());
+  deferred_.erase(std::unique(deferred_.begin(), deferred_.end()), deferred_.end());
+  return deferred_;
+}
 
 }  // namespace detail
 }  // namespace taskswap

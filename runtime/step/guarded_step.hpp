@@ -1,47 +1,50 @@
 // SPDX-License-Identifier: Apache-2.0
 #pragma once
 
-// The guarded step's memory (loss scaling, clipping: step_guard.cpp) and its copies between the
-// device and home. Device (taken from the budget): the state, the square sums' block sums, two
-// AdamW scalars, a step count per unit. Host (pinned, from the arena): the state's copy, per unit
-// the CPU's step count (host placement) and the device's count read back, and per unit a copy of
-// the state for the CPU AdamW.
+// A guarded step's state (loss scaling, clipping: step_guard.cpp): its memory, its copies between
+// the device and home, and the updates that wait for end_step. Device (taken from the budget):
+// the state, the square sums' block sums, two AdamW scalars, a step count per unit. Host (pinned,
+// from the arena): the state's copy, per unit the CPU's step count (host placement) and the
+// device's count read back, and per unit a copy of the state for the CPU AdamW.
 
 #include "host/adamw_formula.hpp"
 #include "host/step_guard.hpp"
+#include "runtime/swap/unit_table.hpp"
 
 #include <taskswap/device.hpp>
+#include <taskswap/runtime.hpp>
 
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <vector>
 
 namespace taskswap::detail {
 
-class guard_memory {
+class guarded_step {
  public:
+  /// Whether `options` guard the steps: loss scaling, or clipping.
+  [[nodiscard]] static bool guards(const runtime_options& options) noexcept
+  {
+    return options.scaler.enabled || options.optimizer.clip > 0;
+  }
+  /// Refuses a [scaler] section out of range (config_error, naming the key and a value to use).
+  static void check_scaler(const runtime_options& options);
   /// Device bytes for `units` units (step_guard_device_bytes) and host bytes (of `host` below).
   [[nodiscard]] static std::size_t device_bytes(std::size_t units) noexcept;
   [[nodiscard]] static std::size_t host_bytes(std::size_t units) noexcept;
 
   /// `host`: host_bytes(units) pinned bytes. The state starts at `scale`, nothing skipped.
-  guard_memory(const device& dev, std::size_t units, std::span<std::byte> host, float scale);
+  guarded_step(const device& dev, std::size_t units, std::span<std::byte> host, float scale);
 
-  /// The scale (and tracker) and each unit's step count (`steps`, in unit order) to the device on `s`.
-  void upload(std::span<const std::int64_t> steps, stream_view s);
+  /// The scale (and tracker) and each unit's step count to the device on `s`.
+  void upload(const unit_table& units, stream_view s);
   /// Enqueues the copies of the state and the device's step counts home on `s`, after the last
   /// guarded work; read them with read_steps() once `s` is done.
   void download(stream_view s);
-  /// After a download and its stream's work: unit i's step count, the CPU's (`host[i]`) or the
-  /// device's. Returns false (and calls nothing) without a download since the last read.
-  template <typename Each>
-  bool read_steps(Each each)
-  {
-    if (!downloaded_) { return false; }
-    downloaded_ = false;
-    for (std::size_t i = 0; i < units_; ++i) { each(i, host_steps_[i], device_steps_[i]); }
-    return true;
-  }
+  /// After a download and its stream's work: each unit's step count from where its placement
+  /// keeps it (the CPU's or the device's). Changes nothing without a download since the last read.
+  void read_steps(unit_table& units);
   /// Makes `s` wait for the last guarded work (the scale is current after it).
   void wait_for_last(stream_view s) const
   {
@@ -66,6 +69,13 @@ class guard_memory {
   /// The device state's bytes (what a CPU AdamW's factors copy reads).
   [[nodiscard]] const_device_span state_bytes() const;
 
+  /// A trained unit's update that waits for end_step.
+  void defer(std::uint32_t unit) { deferred_.push_back(unit); }
+  [[nodiscard]] bool any_deferred() const noexcept { return !deferred_.empty(); }
+  /// The deferred units, each once, in unit order (the order the finish sums them in).
+  [[nodiscard]] std::span<const std::uint32_t> deferred();
+  void clear_deferred() noexcept { deferred_.clear(); }
+
  private:
   std::size_t units_;
   device_buffer memory_;
@@ -80,6 +90,7 @@ class guard_memory {
   step_guard* unit_guards_ = nullptr;
   bool wait_done_ = false;  // done_ was recorded: a stream that reads the state waits for it
   bool downloaded_ = false;  // copies home are enqueued: read_steps after the wait
+  std::vector<std::uint32_t> deferred_;
 };
 
 }  // namespace taskswap::detail
