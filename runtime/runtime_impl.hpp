@@ -56,7 +56,7 @@ struct runtime::impl {
   runtime_stats stats();
   void write_trace(const std::filesystem::path& file);
 
-  // Registration (lifetime.cpp)
+  // Registration and start (units/registry.cpp)
   void register_units(const runtime_options& options, const std::vector<unit_spec>& specs);
   void place_homes();
   void start();
@@ -70,17 +70,18 @@ struct runtime::impl {
   void apply_step(unit_record& r, stream_view s);
   // Records the release on `s` and makes the move `m` out of the unit's held phase.
   void release(unit_record& r, stream_view s, detail::phase_move m);
-
-  // A unit's AdamW settings for its step.
+  // A unit's AdamW settings for its step, and the settings the step's updates use: those the
+  // reduced step began with, or the current ones.
   [[nodiscard]] detail::update_scalars scalars_for(const unit_record& r, const adamw_options& optimizer) const;
+  [[nodiscard]] const adamw_options& step_optimizer() const noexcept;
+  void check_comm() const;  // with a communicator: its failure, if any, is this call's
 
   // The host optimizer's path (host_optimizer.cpp). `guarded`: a guarded step's settings.
   void host_step(unit_record& r, const detail::update_scalars& scalars, stream_view s,
                  std::optional<detail::guarded_host_update> guarded = std::nullopt);
   void upload_params(unit_record& r);
 
-  // With a communicator (step_reduction.cpp)
-  // Replicas start equal (replica_sync.cpp)
+  // With a communicator: the replicas start equal (replica_sync.cpp); the rest step_reduction.cpp
   void sync_replicas();
   void begin_step();
   void mark_ready(unit_record& r, stream_view s);
@@ -89,9 +90,6 @@ struct runtime::impl {
   void hold_for_update(unit_record& r);
   void hold_gradients_only(unit_record& r);
   void complete_step();
-  void check_comm() const;
-  // The settings the step's updates use: those the reduced step began with, or the current ones.
-  [[nodiscard]] const adamw_options& step_optimizer() const noexcept;
 
   // The step path (Note [Unit states]) and a move of one of a unit's states on it.
   [[nodiscard]] detail::step_path path() const noexcept

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: Apache-2.0
-// The step protocol: acquire, grads_ready, step, release, skip, end_step, flush.
+// The step protocol: acquire, grads_ready, the unit's update, its release, skip, end_step, flush.
 
 #include "runtime/runtime_impl.hpp"
 

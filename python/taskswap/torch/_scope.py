@@ -57,8 +57,9 @@ class _StepScope:
             u = use.unit
             if u._owner is not rt or (use.kind == _TRAIN and not u.trainable) or u._layer is not None:
                 rt._own(use)
-            if u._holders:
-                u._check_model()
+            for holder, attr, tensor in u._holders:  # Unit._check_model, inline: it runs every step
+                if holder.get(attr) is not tensor:
+                    u._model_changed()
             if use.frozen and u._stat_modules:
                 u._check_eval()
         if len(uses) > 1 and len({id(use.unit) for use in uses}) != len(uses):
