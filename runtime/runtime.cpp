@@ -28,7 +28,15 @@ std::string_view to_string(optimizer_placement p) noexcept
   return p == optimizer_placement::host ? "host" : "device";
 }
 
-std::string_view to_string(unit_use u) noexcept { return u == unit_use::frozen ? "frozen" : "train"; }
+std::string_view to_string(unit_use u) noexcept
+{
+  switch (u) {
+    case unit_use::frozen: return "frozen";
+    case unit_use::stash: return "stash";
+    case unit_use::train: break;
+  }
+  return "train";
+}
 
 void* unit_view::param(std::size_t i) const
 {

@@ -66,10 +66,11 @@ struct runtime::impl {
   // (step_protocol.cpp)
   // `as_planned`: consume the step's planned acquisition of the unit, if there is one.
   // `m`: the acquisition's move (Note [Unit states]); all but acquire_frozen take the whole slot.
-  void acquire(unit_record& r, stream_view s, detail::phase_move m, bool as_planned = true);
+  void acquire(unit_record& r, stream_view s, detail::phase_move m, bool as_planned = true, bool stash = false);
   void apply_step(unit_record& r, stream_view s);
   // Records the release on `s` and makes the move `m` out of the unit's held phase.
   void release(unit_record& r, stream_view s, detail::phase_move m);
+  void release_activation(unit_record& r);
   // A unit's AdamW settings for its step, and the settings the step's updates use: those the
   // reduced step began with, or the current ones.
   [[nodiscard]] detail::update_scalars scalars_for(const unit_record& r, const adamw_options& optimizer) const;

@@ -44,6 +44,11 @@ enum class optimizer_placement : std::uint8_t {
 enum class unit_use : std::uint8_t {
   train,  ///< forward and backward: a gradient slab, a reduction, an update
   frozen,  ///< forward only: the parameters alone on the device; never reduced, stepped or written back
+  /// An activation block's write (unit_spec::activation): its slab comes onto the device with no
+  /// copy in, the step writes all of it, and its release sends it home on the runtime's copy
+  /// stream after the work on the release's stream. A later frozen use brings it back, prefetched
+  /// in the plan's order; that use's release frees its device room when no frozen use follows.
+  stash,
 };
 
 [[nodiscard]] std::string_view to_string(residency r) noexcept;
@@ -158,6 +163,11 @@ struct unit_spec {
   /// reduction; its footprint, the plan check and the planner count its parameters. Every use
   /// is unit_use::frozen (a trained use is refused), and its placement does not matter.
   bool trainable = true;
+  /// An activation block (implies trainable false): a step writes it in a unit_use::stash use
+  /// and reads it back in frozen uses (the backward pass), the runtime moving it home and back
+  /// on its copy streams as the plan says. Its home is scratch: not in checkpoints, not checked
+  /// across ranks, and its contents are defined only between a stash and the next one.
+  bool activation = false;
 };
 
 /// @brief A registered unit's handle.

@@ -12,12 +12,14 @@ using detail::message;
 
 namespace {
 
-// The home slabs (or, for disk homes, the unit files) a checkpoint copies.
+// The home slabs (or, for disk homes, the unit files) a checkpoint copies: every unit's but the
+// activation blocks', which are scratch.
 std::vector<detail::checkpoint_source> checkpoint_sources(detail::unit_table& units)
 {
   std::vector<detail::checkpoint_source> out;
   for (detail::unit_record& r : units) {
     const detail::unit_layout& l = r.layout;
+    if (l.activation) { continue; }
     const std::size_t f32_bytes = l.state_bytes;
     detail::checkpoint_source c;
     c.name = r.name;
@@ -176,9 +178,11 @@ checkpoint_manifest runtime::impl::load_checkpoint(const std::filesystem::path& 
   agree(failure, "reads");
   life_.failed = nullptr;
   life_.load_failed = false;
-  for (std::size_t i = 0; i < units_.size(); ++i) {
-    units_[i].step = manifest.units[where[i]].step;
-    units_[i].home_written = false;  // a checkpoint's params are derived from its master already
+  std::size_t source = 0;  // where[] follows the sources: the units but the activation blocks
+  for (unit_record& r : units_) {
+    if (r.layout.activation) { continue; }
+    r.step = manifest.units[where[source++]].step;
+    r.home_written = false;  // a checkpoint's params are derived from its master already
   }
   ledger_.restart_at(manifest.steps_done);
   const double configured_clip = options_.optimizer.clip;

@@ -12,7 +12,7 @@ void plan_queue::append(const step_plan& step, std::span<const std::uint32_t> fr
   s.first_position = next_position_;
   for (const step_plan::entry& e : step.entries()) {
     if (!e.acquire) { continue; }
-    planned_use use = planned_use::train;
+    planned_use use = e.use == unit_use::stash ? planned_use::stash : planned_use::train;
     if (e.use == unit_use::frozen) {
       const bool reduced =
         std::find(frozen_reduced.begin(), frozen_reduced.end(), e.unit.value) != frozen_reduced.end();

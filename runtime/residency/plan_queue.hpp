@@ -26,13 +26,14 @@ enum class planned_use : std::uint8_t {
   train,  // the whole unit: parameters, optimizer state (device placement), gradients
   frozen,  // the parameters alone
   frozen_reduced,  // used frozen here while other ranks train it: whole, zero gradients, takes the update
+  stash,  // an activation block's write: its slab mapped, not filled, and never prefetched
 };
 
 struct planned_acquisition {
   std::uint64_t position = 0;
   planned_use use = planned_use::train;
   /// Whether the acquisition needs the unit's whole slot (not its parameters alone).
-  [[nodiscard]] bool whole() const noexcept { return use != planned_use::frozen; }
+  [[nodiscard]] bool whole() const noexcept { return use == planned_use::train || use == planned_use::frozen_reduced; }
 };
 
 class plan_queue {

@@ -132,6 +132,14 @@ step_peak residency_model::check_step(const step_plan& step, std::uint64_t step_
       throw config_error(
         message("plan step ", step_number, ": acquires '", u.name, "' while it is still held; release it in between"));
     }
+    if ((e.use == unit_use::stash) != (u.activation && e.use != unit_use::frozen)) {
+      throw config_error(message("plan step ", step_number, ": ", e.use == unit_use::stash ? "stashes" : "trains", " '",
+                                 u.name, "', which is ",
+                                 e.use == unit_use::stash ? "not an activation block; plan it trained or frozen, or "
+                                                            "register it with activation = true"
+                                                          : "an activation block; plan it stash (its write) or frozen "
+                                                            "(its reads)"));
+    }
     if (e.use == unit_use::train && u.never_trained) {
       throw config_error(message("plan step ", step_number, ": trains '", u.name,
                                  "', which is registered never trained (trainable = false); plan it frozen, or "

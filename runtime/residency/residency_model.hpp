@@ -92,6 +92,7 @@ struct modelled_unit {
   bool pinned = false;
   bool host_placement = false;  // for the hint of a message
   bool never_trained = false;  // unit_spec::trainable false: every use frozen
+  bool activation = false;  // unit_spec::activation: stash uses, then frozen ones
   int lookahead = -1;  // a prefetched unit's lookahead in steps; -1 for a unit not prefetched
 };
 

@@ -32,6 +32,7 @@ void verify_replicas(detail::reducer& red, detail::unit_table& units)
     const detail::unit_record& r = units[u];
     const detail::unit_layout& l = r.layout;
     const std::byte* home = r.home_block();
+    if (l.activation) { continue; }  // scratch: each rank's own activations
     std::uint32_t crc = detail::crc32c(std::as_bytes(std::span(&r.step, 1)));
     if (l.frozen) {  // its parameters are its whole state
       sums[rank * n + u] = detail::crc32c(std::span<const std::byte>(home + l.params, l.params_bytes), crc);
@@ -104,7 +105,7 @@ void broadcast_replicas(runtime::impl& rt)
   // the runtime refuses every call after a failed collective anyway.
   rt.swap_->flush_h2d_waits();
   for (detail::unit_record& r : rt.units_) {
-    const std::size_t bytes = state_bytes_of(r.layout);
+    const std::size_t bytes = r.layout.activation ? 0 : state_bytes_of(r.layout);  // an activation block: scratch
     for (std::size_t at = 0; at < bytes; at += staging.size()) {
       const std::size_t piece = std::min(staging.size(), bytes - at);
       const device_span s = staging.subspan(0, piece);

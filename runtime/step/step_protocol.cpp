@@ -30,25 +30,33 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
                            "; a unit is trained once per step and not used after it (accumulate a trained unit's "
                            "micro-batches within one acquisition)"));
   TASKSWAP_EXPECTS(!r.held(), message("acquire('", r.name, "'): the unit is already held; release it first"));
-  TASKSWAP_EXPECTS(use == unit_use::frozen || !r.layout.frozen,
+  TASKSWAP_EXPECTS(use != unit_use::train || !r.layout.frozen,
+                   message("acquire('", r.name, "', train): the unit is registered never trained (trainable = false",
+                           r.layout.activation ? ", an activation block" : "", "); acquire it with unit_use::",
+                           r.layout.activation ? "stash or unit_use::frozen" : "frozen, or register it trainable"));
+  TASKSWAP_EXPECTS(use != unit_use::stash || r.layout.activation,
                    message("acquire('", r.name,
-                           "', train): the unit is registered never trained (trainable = "
-                           "false); acquire it with unit_use::frozen, or register it trainable"));
+                           "', stash): the unit is not an activation block; register it with activation = true, "
+                           "or acquire it trained or frozen"));
   check_comm();
   start();
   begin_step();
   // After a guarded step the trainer's loss kernel reads the scale that step set.
   if (guard_) { guard_->wait_for_last(s); }
-  const bool frozen = use == unit_use::frozen;
+  const bool frozen = use != unit_use::train;  // a stash is a frozen use that writes the slab
+  const bool stash = use == unit_use::stash;
   std::optional<detail::planned_acquisition> planned = residency_.plan.peek(u);
-  if (planned && (planned->use != detail::planned_use::train) != frozen) {
+  if (planned && ((planned->use != detail::planned_use::train) != frozen ||
+                  (planned->use == detail::planned_use::stash) != stash)) {
     // With a communicator the ranks agreed on the planned use; without one the plan is a
     // forecast, and an acquisition it did not foresee is unplanned. Its planned entry is used up
     // all the same, so that prefetch and eviction do not wait for a use that has happened.
-    TASKSWAP_EXPECTS(!reduced_, message("acquire('", r.name, "', ", to_string(use), "): step ", ledger_.step(),
-                                        " planned it ", frozen ? "trained" : "frozen",
-                                        "; with a communicator acquire it as the plan says, or plan it ",
-                                        frozen ? "frozen" : "trained"));
+    const std::string_view planned_as = planned->use == detail::planned_use::train   ? "trained"
+                                        : planned->use == detail::planned_use::stash ? "stash"
+                                                                                     : "frozen";
+    TASKSWAP_EXPECTS(
+      !reduced_, message("acquire('", r.name, "', ", to_string(use), "): step ", ledger_.step(), " planned it ",
+                         planned_as, "; with a communicator acquire it as the plan says, or plan it ", to_string(use)));
     (void)residency_.plan.match(u);
     planned.reset();
   }
@@ -57,7 +65,7 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
           !frozen   ? phase_move::acquire_train
           : reduced ? phase_move::acquire_frozen_reduced
                     : phase_move::acquire_frozen,
-          planned.has_value());
+          planned.has_value(), stash);
   const detail::unit_layout& l = r.layout;
   unit_view v;
   v.id = u;
@@ -77,7 +85,7 @@ unit_view runtime::impl::trainer_acquire(unit_id u, stream_view s, unit_use use)
   return v;
 }
 
-void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as_planned)
+void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as_planned, bool stash)
 {
   const unit_id u{r.index};
   const bool whole = m != phase_move::acquire_frozen;
@@ -90,10 +98,12 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
     ledger_.unplanned();
   }
   if (r.resident_for(whole)) {
-    ledger_.hit();
+    if (!stash) { ledger_.hit(); }
   } else {
-    ledger_.miss();
-    if (!swap_->swap_in(r, planned ? planned->position : 0, detail::swap_engine::room_for::acquire, whole)) {
+    if (!stash) { ledger_.miss(); }  // a stash copies nothing in
+    const std::uint64_t at = planned ? planned->position : 0;
+    if (stash ? !swap_->map_for_stash(r, at, s)
+              : !swap_->swap_in(r, at, detail::swap_engine::room_for::acquire, whole)) {
       const std::size_t budget = options_.device.budget;
       const std::size_t needed =
         residency_.model->charged(r.index, whole ? r.layout.device_bytes : r.layout.params_bytes);
@@ -116,7 +126,11 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
     if (!r.released.query()) { r.released.wait(s); }
     r.released_on = nullptr;
   }
-  if (!r.arrived.query()) {
+  if (stash) {
+    // The last stash's copy home may still read the slot the trainer writes now.
+    if (r.written_back && !r.written_back->query()) { r.written_back->wait(s); }
+    if (!r.pinned()) { go(r, coherence_move::stash); }
+  } else if (!r.arrived.query()) {
     ledger_.wait_timed(r.arrived, s, options_.measure_stall);
   }  // a finished swap-in needs no wait
   if (trace_.recorder) { r.trace_span = trace_.recorder->open(compute_track(s), r.name, s); }
@@ -200,7 +214,20 @@ void runtime::impl::release(unit_record& r, stream_view s, phase_move m)
       swap_->evict(r);
     }
   }
+  if (r.layout.activation && !r.pinned()) { release_activation(r); }
   prefetch();
+}
+
+// An activation block: a stash goes home now, after the work on the release's stream, so that
+// its room can be taken; after its last read (no frozen use planned next) its room is freed.
+void runtime::impl::release_activation(unit_record& r)
+{
+  if (r.dirty()) {
+    swap_->write_back(r);
+    return;
+  }
+  const std::uint64_t next = residency_.plan.next_use(unit_id{r.index});
+  if (next == detail::never || residency_.plan.use_at(next) != detail::planned_use::frozen) { swap_->evict(r); }
 }
 
 // An early exit: the trainer will not make these units' planned acquisitions still ahead in this

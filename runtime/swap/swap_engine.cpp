@@ -59,7 +59,7 @@ void swap_engine::flush_h2d_waits()
 // write-back. The write-back of `from`, which r follows part by part (Note [Handoff]), is
 // dropped, and so is a finished one. Past 64 waits, or where the sharers cannot be told, all
 // of them are flushed.
-void swap_engine::flush_h2d_waits_for(const unit_record& r, std::uint32_t from)
+void swap_engine::flush_waits_for(const unit_record& r, std::uint32_t from, stream_view to)
 {
   const bool known = !r.packed && h2d_waits_.size() <= 64 && p_.pool.sharers(r.pool_slot, sharers_);
   const event* handed = from != no_handoff ? &*p_.units[from].written_back : nullptr;
@@ -69,7 +69,7 @@ void swap_engine::flush_h2d_waits_for(const unit_record& r, std::uint32_t from)
     const bool shares = !known || w.unit == no_handoff || w.unit == r.index ||
                         std::find(sharers_.begin(), sharers_.end(), p_.units[w.unit].pool_slot) != sharers_.end();
     if (shares) {
-      w.e->wait(p_.h2d);
+      w.e->wait(to);
     } else {
       *kept++ = w;
     }
@@ -108,7 +108,7 @@ void swap_engine::order_fill(const unit_record& r, std::uint32_t from)
   if (from == all_waits) {
     flush_h2d_waits();
   } else {
-    flush_h2d_waits_for(r, from);
+    flush_waits_for(r, from, p_.h2d);
   }
   for (const std::optional<event>* e : {&r.written_back, &r.host_updated}) {
     if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(p_.h2d); }
@@ -257,6 +257,8 @@ void swap_engine::evict(unit_record& r)
   } else {
     r.written_part_count = 0;  // no write-back of this eviction to take its extents behind
     if (r.released.recorded()) { h2d_waits_.push_back({r.index, &r.released}); }
+    // An activation block written home at its stash's release may still be read by that copy.
+    if (r.layout.activation && r.written_back) { h2d_waits_.push_back({r.index, &*r.written_back}); }
     if (r.host_stepped()) { h2d_waits_.push_back({r.index, &*r.grads_copied}); }
   }
   p_.pool.unmap(r.pool_slot);
@@ -416,6 +418,22 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool 
   return true;
 }
 
+bool swap_engine::map_for_stash(unit_record& r, std::uint64_t use, stream_view writer)
+{
+  const std::size_t bytes = r.layout.params_bytes;
+  room_victims_.clear();
+  if (!make_room(r, bytes, use, room_for::acquire)) { return false; }
+  const device_pool::mapping m = map_slot(r, bytes, 0);
+  p_.pool.wait(m.ready);  // written next, on `writer`
+  r.slot = m.range;
+  go(r, slot_move::map_params);
+  add_resident(r);
+  flush_waits_for(r, no_handoff, writer);  // the earlier users of its memory, on whichever stream
+  r.arrived.record(writer);
+  note_device_bytes();
+  return true;
+}
+
 bool swap_engine::swap_in_grads(unit_record& r, std::uint64_t use, stream_view user)
 {
   const std::size_t bytes = r.layout.device_grad_bytes();
@@ -443,9 +461,20 @@ void swap_engine::prefetch()
   issue_ready_fills();
   // The longest lookahead of a prefetched unit: the residency model's horizon (none: this step).
   const std::size_t ahead = p_.model.horizon() == no_next_step ? 0 : p_.model.horizon();
+  stashed_ahead_.clear();
   p_.plan.for_each_upcoming(ahead, [&](unit_id u, planned_acquisition a, std::size_t distance) {
     unit_record& r = p_.units[u.value];
     const bool whole = a.whole();
+    // An activation block's stash: its room is taken at its acquire, and the reads after it want
+    // what it writes, not what is home now.
+    if (a.use == planned_use::stash) {
+      stashed_ahead_.push_back(u.value);
+      return true;
+    }
+    if (r.layout.activation &&
+        std::find(stashed_ahead_.begin(), stashed_ahead_.end(), u.value) != stashed_ahead_.end()) {
+      return true;
+    }
     if (r.resident_for(whole)) { return true; }
     if (r.policy.residency != residency::prefetch) { return true; }
     if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }

@@ -59,6 +59,11 @@ class swap_engine {
   /// Brings `r` in for the use at position `use` of the plan: its whole slot, or its parameters
   /// alone (`whole` false, a frozen use). False where the room cannot be found.
   bool swap_in(unit_record& r, std::uint64_t use, room_for why, bool whole);
+  /// A slot for an activation block's stash at `use`: mapped (the trainer thread waits for the
+  /// mapping) and ready for `writer` once its memory's earlier users are done; nothing is copied,
+  /// and h2d is not involved, so the write does not wait for the swap-ins queued there. False
+  /// where the room cannot be found.
+  bool map_for_stash(unit_record& r, std::uint64_t use, stream_view writer);
   /// A zeroed gradient slab alone for `r` (a host update of another rank's training), for an
   /// acquire at `use`, ready for `user` to read. False where the room cannot be found.
   bool swap_in_grads(unit_record& r, std::uint64_t use, stream_view user);
@@ -88,7 +93,8 @@ class swap_engine {
   /// the units whose memory its slot took, but for the write-back of `from` (no_handoff: none).
   void order_fill(const unit_record& r, std::uint32_t from);
   static constexpr std::uint32_t all_waits = no_handoff - 1;
-  void flush_h2d_waits_for(const unit_record& r, std::uint32_t from);
+  /// Puts on `to` the pending waits for the memory r's slot now holds (all but from's write-back).
+  void flush_waits_for(const unit_record& r, std::uint32_t from, stream_view to);
   void enqueue_fill(unit_record& r, std::uint32_t from);
   [[nodiscard]] std::uint32_t handoff_from(const unit_record& r) const;
   unit_record* pick_victim(const unit_record& coming, std::uint64_t use, room_for why);
@@ -112,6 +118,7 @@ class swap_engine {
   };
   std::vector<h2d_wait> h2d_waits_;
   std::vector<device_pool::slot_id> sharers_;  // flush_h2d_waits_for's, kept to reuse its memory
+  std::vector<std::uint32_t> stashed_ahead_;  // prefetch's: activation blocks with a stash ahead of the use seen
   std::vector<std::uint32_t> room_victims_;  // the units make_room() evicted for the swap-in in progress
   // Swap-ins decided and ordered on h2d whose slots the mapping thread has still to map: their
   // copies are queued once it has (Note [Mapping off the trainer's thread]), in this order.

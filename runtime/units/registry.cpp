@@ -92,6 +92,10 @@ void runtime::impl::register_units(const runtime_options& options, const std::ve
       throw config_error(
         message("unit '", spec.name, "': lookahead ", policy.lookahead, " is negative; use 0 or more"));
     }
+    if (spec.activation && policy.home != "host") {
+      throw config_error(message("unit '", spec.name, "': an activation block is homed on the host (home = \"",
+                                 policy.home, "\" given); give it home = \"host\" or exclude it from that rule"));
+    }
     try {
       (void)detail::home_tier_named(policy.home);
     } catch (const config_error& e) {
@@ -105,6 +109,7 @@ void runtime::impl::register_units(const runtime_options& options, const std::ve
                         .pinned = r.pinned(),
                         .host_placement = policy.optimizer == optimizer_placement::host,
                         .never_trained = r.layout.frozen,
+                        .activation = r.layout.activation,
                         .lookahead = r.policy.residency == residency::prefetch ? r.policy.lookahead : -1});
   }
   for (std::size_t i = 0; i < rule_used.size(); ++i) {

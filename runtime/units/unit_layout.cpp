@@ -34,7 +34,8 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
   if (spec.tensors.empty()) {
     throw config_error(message("unit '", spec.name, "' has no tensors; register at least one"));
   }
-  if (spec.trainable && !(is_floating(spec.compute) && is_floating(spec.grad.value_or(spec.compute)))) {
+  const bool trainable = spec.trainable && !spec.activation;  // an activation block is never trained
+  if (trainable && !(is_floating(spec.compute) && is_floating(spec.grad.value_or(spec.compute)))) {
     throw config_error(message("unit '", spec.name,
                                "': a trained unit's parameters and gradients are f32, bf16 or "
                                "f16; raw bytes (u8) are for a frozen unit: set trainable false"));
@@ -65,10 +66,12 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
       if (!state) { l.runs.back().count = l.count - l.runs.back().begin; }
     }
   }
-  if (!spec.trainable) {
+  if (!trainable) {
     // Never trained: the parameter slab is the whole unit, at home and on the device. The
-    // master, m, v and gradient offsets point past it at empty slabs.
+    // master, m, v and gradient offsets point past it at empty slabs. An activation block's slab
+    // goes home after each stash.
     l.frozen = true;
+    l.activation = spec.activation;
     l.trainable = 0;
     l.runs.clear();
     l.params_bytes = round_up(l.count * size_of(l.compute), slab_alignment);
@@ -77,7 +80,7 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
     l.params = 0;
     l.master = l.m = l.v = l.home_grads = l.device_grads = l.params_bytes;
     l.home_bytes = l.device_bytes = l.travel_bytes = l.params_bytes;
-    l.writeback_bytes = 0;
+    l.writeback_bytes = spec.activation ? l.params_bytes : 0;
     return l;
   }
   if (l.trainable == 0) {
@@ -120,7 +123,7 @@ unit_layout make_unit_layout(const unit_spec& spec, optimizer_placement placemen
     l.device_grads = params_bytes;
     l.device_bytes = params_bytes + grad_bytes;
     l.travel_bytes = params_bytes;
-    l.writeback_bytes = 0;
+    l.writeback_bytes = spec.activation ? l.params_bytes : 0;
     return l;
   }
   // Device placement: params | master | m | v | grads on the device, the prefix without the

@@ -36,6 +36,7 @@ struct unit_layout {
   std::size_t count = 0;  // elements per slab, tensor padding included
   std::size_t trainable = 0;  // elements [0, trainable) hold the trainable tensors; state tensors follow
   bool frozen = false;  // never trained (unit_spec::trainable false): the parameter slab alone
+  bool activation = false;  // an activation block (unit_spec::activation): frozen, written back after a stash
   dtype compute = dtype::f32;
   dtype grad = dtype::f32;
   std::size_t params_bytes = 0;  // slab sizes, alignment padding included
@@ -50,7 +51,7 @@ struct unit_layout {
   std::size_t device_grads = 0;
   std::size_t device_bytes = 0;
   std::size_t travel_bytes = 0;  // home → device on swap-in
-  std::size_t writeback_bytes = 0;  // device → home on write-back; 0 for host placement
+  std::size_t writeback_bytes = 0;  // device → home on write-back; 0 for host placement and frozen units
 
   [[nodiscard]] std::size_t device_grad_bytes() const noexcept { return grad_bytes; }
   /// What one reduction of the gradients moves: the tensors' elements and the alignment gaps

@@ -90,6 +90,7 @@ std::string_view to_string(slot_move m) noexcept
     case slot_move::map_grads: return "map_grads";
     case slot_move::narrow_to_params: return "narrow_to_params";
     case slot_move::evict: return "evict";
+    case slot_move::map_params: return "map_params";
   }
   return "?";
 }
@@ -103,6 +104,7 @@ std::string_view to_string(coherence_move m) noexcept
     case coherence_move::write_back: return "write_back";
     case coherence_move::upload_params: return "upload_params";
     case coherence_move::drop: return "drop";
+    case coherence_move::stash: return "stash";
   }
   return "?";
 }

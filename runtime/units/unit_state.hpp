@@ -79,10 +79,18 @@ enum class phase_move : std::uint8_t {
 };
 inline constexpr std::size_t phase_move_count = 14;
 
-enum class slot_move : std::uint8_t { place_pinned, swap_in_whole, swap_in_params, map_grads, narrow_to_params, evict };
-inline constexpr std::size_t slot_move_count = 6;
-enum class coherence_move : std::uint8_t { fill, step_on_device, step_on_host, write_back, upload_params, drop };
-inline constexpr std::size_t coherence_move_count = 6;
+enum class slot_move : std::uint8_t {
+  place_pinned,
+  swap_in_whole,
+  swap_in_params,
+  map_grads,
+  narrow_to_params,
+  evict,
+  map_params,  // an activation block's slot for a stash: mapped, not filled
+};
+inline constexpr std::size_t slot_move_count = 7;
+enum class coherence_move : std::uint8_t { fill, step_on_device, step_on_host, write_back, upload_params, drop, stash };
+inline constexpr std::size_t coherence_move_count = 7;
 
 [[nodiscard]] std::string_view to_string(slot_content c) noexcept;
 [[nodiscard]] std::string_view to_string(coherence c) noexcept;
@@ -159,6 +167,7 @@ inline constexpr std::array slot_rows{
   slot_row{slot_move::map_grads, reduced_paths, bits(sc::none), sc::grads},
   slot_row{slot_move::narrow_to_params, all_paths, bits(sc::whole), sc::params},
   slot_row{slot_move::evict, all_paths, bits(sc::whole, sc::params, sc::grads), sc::none},
+  slot_row{slot_move::map_params, all_paths, bits(sc::none), sc::params},
 };
 
 // The device copy against home (path-free); a device_newer copy is written back before a drop.
@@ -170,6 +179,7 @@ inline constexpr std::array coherence_rows{
   coherence_row{coherence_move::write_back, all_paths, bits(ch::device_newer), ch::clean},
   coherence_row{coherence_move::upload_params, all_paths, bits(ch::home_newer), ch::refreshed},
   coherence_row{coherence_move::drop, all_paths, bits(ch::clean, ch::refreshed, ch::home_newer), ch::clean},
+  coherence_row{coherence_move::stash, all_paths, bits(ch::clean), ch::device_newer},
 };
 }  // namespace unit_tables
 using unit_tables::coherence_rows;
@@ -326,13 +336,16 @@ struct unit_states {
 {
   if ((path_phases[static_cast<std::size_t>(p)] & bit(s.phase)) == 0) { return "a phase its step path never reaches"; }
   if (s.content == slot_content::none && s.coh != coherence::clean) { return "no slot, yet not clean"; }
-  if (s.coh == coherence::device_newer && (s.content != slot_content::whole || host_update)) {
-    return "device_newer without a whole slot updated on the device";
+  // An activation block held for its stash: its parameter slab is written on the device.
+  const bool stashing =
+    s.content == slot_content::params && s.phase == step_phase::frozen && s.coh == coherence::device_newer;
+  if (s.coh == coherence::device_newer && (s.content != slot_content::whole || host_update) && !stashing) {
+    return "device_newer without a whole slot updated on the device, or a stash";
   }
   if ((s.coh == coherence::home_newer || s.coh == coherence::refreshed) && !host_update) {
     return "home_newer or refreshed for a unit updated on the device";
   }
-  if (s.content == slot_content::params && s.coh != coherence::clean && s.coh != coherence::refreshed) {
+  if (s.content == slot_content::params && s.coh != coherence::clean && s.coh != coherence::refreshed && !stashing) {
     return "params alone, not clean";
   }
   if (s.content == slot_content::grads && (!host_update || pinned || s.phase != step_phase::update_only)) {

@@ -78,6 +78,7 @@ std::vector<planned_unit> plan_units(const plan_input& in, plan_report& r, std::
     planned_unit p;
     p.policy = policy_for(spec, in.options);
     p.cached = home_is_cached(p.policy);
+    p.activation = spec.activation;
     if (p.policy.lookahead < 0) {
       throw config_error("unit '" + spec.name + "': lookahead " + std::to_string(p.policy.lookahead) +
                          " is negative; use 0 or more");
@@ -97,7 +98,8 @@ std::vector<planned_unit> plan_units(const plan_input& in, plan_report& r, std::
                         .reduce_bytes = p.fp.reduce_bytes,
                         .pinned = p.pinned(),
                         .host_placement = p.host(),
-                        .never_trained = !spec.trainable,
+                        .never_trained = !spec.trainable || spec.activation,
+                        .activation = spec.activation,
                         .lookahead = p.policy.residency == residency::prefetch ? p.policy.lookahead : -1});
     units.push_back(std::move(p));
   }

@@ -208,6 +208,7 @@ namespace {
 struct use_positions {
   std::vector<std::vector<std::size_t>> of_unit;
   std::vector<std::size_t> step_of;
+  std::vector<unit_use> use_of;
 
   use_positions(const plan_input& in, std::size_t units) : of_unit(units)
   {
@@ -216,6 +217,7 @@ struct use_positions {
         if (!e.acquire) { continue; }
         of_unit.at(e.unit.value).push_back(step_of.size());
         step_of.push_back(s);
+        use_of.push_back(e.use);
       }
     }
   }
@@ -237,7 +239,7 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
     bool params_only = false;
   };
   std::map<std::size_t, slot> resident;
-  std::map<std::size_t, bool> held;  // unit -> held for a trained use
+  std::map<std::size_t, unit_use> held;  // unit -> the use it is held for
   std::vector<std::size_t> last_release(units.size(), 0);
   std::size_t tick = 0;
   std::size_t used = 0;
@@ -261,14 +263,25 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
   // gradients come home at release), as the runtime's host cache sees it.
   const auto cache_next = [&](std::size_t v, std::size_t after, std::size_t s) {
     const auto h = held.find(v);
-    return h != held.end() && h->second && units[v].host() ? after : next_use(v, after, s);
+    return h != held.end() && h->second == unit_use::train && units[v].host() ? after : next_use(v, after, s);
   };
   for (std::size_t s = 0; s < in.ordered.size(); ++s) {
     const double counted = s >= in.warmup_steps ? 1.0 : 0.0;
-    const auto release = [&](std::size_t u, bool trained) {
+    const auto release = [&](std::size_t u, unit_use use) {
       last_release[u] = ++tick;
       const planned_unit& p = units[u];
-      if (!trained || p.pinned()) { return; }
+      if (p.pinned()) { return; }
+      if (p.activation) {  // a stash goes home at once; a last read frees the room
+        const std::size_t next = next_use(u, position == 0 ? 0 : position - 1, s);
+        if (use == unit_use::stash) {
+          t.d2h += counted * static_cast<double>(p.fp.write_back_bytes);
+        } else if (next == never || uses.use_of[next] != unit_use::frozen) {
+          used -= bytes_of(u, resident[u]);
+          resident.erase(u);
+        }
+        return;
+      }
+      if (use != unit_use::train) { return; }
       if (!p.host()) {
         resident[u].dirty = true;
         return;
@@ -294,7 +307,7 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
       }
       const std::size_t here = position++;
       const bool whole = e.use == unit_use::train;
-      held[u] = whole;
+      held[u] = e.use;
       const planned_unit& p = units[u];
       if (p.pinned()) { continue; }
       const auto r = resident.find(u);
@@ -330,8 +343,10 @@ traffic replay_ordered(const plan_input& in, const std::vector<planned_unit>& un
         used -= bytes_of(v, resident[v]);
         resident.erase(v);
       }
-      t.h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
-      t.swap_ins += counted;
+      if (e.use != unit_use::stash) {  // a stash's slot is written on the device
+        t.h2d += counted * static_cast<double>(whole ? p.fp.swap_in_bytes : p.fp.frozen_swap_in_bytes);
+        t.swap_ins += counted;
+      }
       for (const std::size_t v : written_home) {
         cache.touch(v, units[v].whole_write_back() ? cache_replay::access::overwrite : cache_replay::access::update,
                     counted, next_here);

@@ -36,6 +36,7 @@ struct planned_unit {
   [[nodiscard]] bool pinned() const noexcept { return policy.residency == residency::pinned; }
   [[nodiscard]] bool host() const noexcept { return policy.optimizer == optimizer_placement::host; }
   bool cached = false;  // its home is read through the host cache (home_is_cached)
+  bool activation = false;  // an activation block: written home at its stash's release, freed after its last read
   [[nodiscard]] bool disk() const noexcept { return cached; }
   /// How a device write-back touches its disk home: whole (no read first) or in part.
   [[nodiscard]] bool whole_write_back() const noexcept { return fp.write_back_bytes >= fp.home_bytes; }
