@@ -39,7 +39,8 @@ void initialise_unit(const model_config& model, const taskswap::home_view& home,
 
 void initialise_homes(taskswap::runtime& rt, const model_config& model)
 {
-  const std::size_t n = rt.unit_count();
+  // The trunk and the adapters; activation blocks (last, where the trunk's are offloaded) start empty.
+  const auto n = static_cast<std::size_t>(model.trunk_layers) + static_cast<std::size_t>(model.tasks);
   const auto policy = [&](std::size_t u) { return rt.policy({static_cast<std::uint32_t>(u)}); };
   // A cached home's view (a disk home's) lasts until the next call to the runtime: those units one at a time.
   for (std::size_t u = 0; u < n; ++u) {

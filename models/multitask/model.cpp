@@ -125,7 +125,7 @@ model_config read_model(const toml::table& root, std::string_view source)
 
 configuration parse_configuration(std::string_view text, std::string_view source)
 {
-  static constexpr std::array<std::string_view, 2> own{"model", "headroom"};
+  static constexpr std::array<std::string_view, 3> own{"model", "headroom", "activations"};
   configuration c;
   c.runtime = taskswap::parse_config(text, source, own);
   toml::table root;
@@ -135,6 +135,24 @@ configuration parse_configuration(std::string_view text, std::string_view source
     throw config_error(std::string(source) + ": " + std::string(e.description()));
   }
   c.model = read_model(root, source);
+  if (const toml::node* a = root.get("activations")) {
+    const toml::table* t = a->as_table();
+    if (t == nullptr) { throw config_error(at(source, *a) + ": [activations] must be a table"); }
+    for (const auto& [key, value] : *t) {
+      if (key.str() != "offload") {
+        throw config_error(at(source, value) + ": [activations] has no key '" + std::string(key.str()) +
+                           "'; the key is offload");
+      }
+      const auto mode = value.value<std::string>();
+      if (!mode || (*mode != "host" && *mode != "none")) {
+        throw config_error(at(source, value) +
+                           ": [activations] offload: use \"host\" (the trunk's activations in the runtime's "
+                           "activation blocks, stashed after the forward and brought back for the backward) or "
+                           "\"none\"");
+      }
+      c.model.offload_activations = *mode == "host";
+    }
+  }
   if (const toml::node* h = root.get("headroom")) {
     const toml::table* t = h->as_table();
     if (t == nullptr) { throw config_error(at(source, *h) + ": [headroom] must be a table"); }
@@ -159,7 +177,7 @@ configuration load_configuration(const std::filesystem::path& file)
   return parse_configuration(taskswap::read_config_file(file), file.string());
 }
 
-std::vector<taskswap::unit_spec> model_units(const model_config& m)
+std::vector<taskswap::unit_spec> model_units(const model_config& m, int batch)
 {
   const auto d = static_cast<std::size_t>(m.width);
   const auto h = static_cast<std::size_t>(m.adapter_hidden);
@@ -174,6 +192,19 @@ std::vector<taskswap::unit_spec> model_units(const model_config& m)
     units.push_back({.name = "task/" + std::to_string(t),
                      .tensors = {{"w1", {d, h}}, {"b1", {h}}, {"w2", {h, o}}, {"b2", {o}}},
                      .compute = m.compute});
+  }
+  if (m.offload_activations) {
+    // Homed on the host whatever the rules say, prefetched within the step (its reads follow the stash).
+    const taskswap::unit_policy block_policy{.residency = taskswap::residency::prefetch, .lookahead = 0};
+    const std::size_t rows = static_cast<std::size_t>(std::max(batch, 1));
+    for (int l = 0; l < m.trunk_layers; ++l) {
+      for (const char* part : {"input", "branch"}) {
+        units.push_back({.name = "act/" + std::to_string(l) + "/" + part,
+                         .tensors = {{part, {rows, d}}},
+                         .policy = block_policy,
+                         .activation = true});
+      }
+    }
   }
   return units;
 }
@@ -219,19 +250,47 @@ bool trunk_streams(const model_config& m, const taskswap::runtime_options& optio
 }
 
 taskswap::step_plan step_plan_of(const model_config& m, std::span<const taskswap::unit_id> trunk,
-                                 std::span<const taskswap::unit_id> adapters, std::int64_t step, bool streamed)
+                                 std::span<const taskswap::unit_id> adapters, std::int64_t step, bool streamed,
+                                 std::span<const taskswap::unit_id> blocks)
 {
+  using taskswap::unit_use;
   taskswap::step_plan p;
   const bool frozen = m.trunk_frozen(step);
+  const bool offload = !blocks.empty() && !frozen;
+  const std::size_t layers = trunk.size();
+  const auto input = [&](std::size_t l) { return blocks[2 * l]; };
+  const auto branch = [&](std::size_t l) { return blocks[2 * l + 1]; };
   if (!streamed) {
-    for (taskswap::unit_id u : trunk) { p.acquire(u, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train); }
+    for (taskswap::unit_id u : trunk) { p.acquire(u, frozen ? unit_use::frozen : unit_use::train); }
     for (taskswap::unit_id a : adapters) { p.acquire(a); }
+  }
+  if (offload && layers > 0) { p.acquire(input(0), unit_use::stash); }
+  for (std::size_t l = 0; l < layers; ++l) {
+    if (streamed) { p.acquire(trunk[l], unit_use::frozen); }
+    if (offload) {
+      p.acquire(branch(l), unit_use::stash);
+      if (l + 1 < layers) { p.acquire(input(l + 1), unit_use::stash); }
+      p.release(input(l)).release(branch(l));
+    }
+    if (streamed) { p.release(trunk[l]); }
+  }
+  if (!streamed) {
+    if (offload) {
+      for (std::size_t l = layers; l-- > 0;) {
+        p.acquire(input(l), unit_use::frozen).acquire(branch(l), unit_use::frozen).release(input(l)).release(branch(l));
+      }
+    }
     return p;
   }
-  for (taskswap::unit_id u : trunk) { p.acquire(u, taskswap::unit_use::frozen).release(u); }
   for (taskswap::unit_id a : adapters) { p.acquire(a).release(a); }  // each stepped before the next comes
   if (!frozen) {
-    for (auto it = trunk.rbegin(); it != trunk.rend(); ++it) { p.acquire(*it).release(*it); }
+    for (std::size_t l = layers; l-- > 0;) {
+      p.acquire(trunk[l]);
+      if (offload) {
+        p.acquire(input(l), unit_use::frozen).acquire(branch(l), unit_use::frozen).release(input(l)).release(branch(l));
+      }
+      p.release(trunk[l]);
+    }
   }
   return p;
 }
@@ -242,8 +301,15 @@ buffer_sizes detail::buffers_of(const model_config& m, int steps)
   const auto h = static_cast<std::size_t>(m.adapter_hidden);
   const auto o = static_cast<std::size_t>(m.outputs);
   buffer_sizes b;
-  for (int l = 0; l <= m.trunk_layers; ++l) { b.per_sample.push_back(d); }  // h_0 (input) … h_L
-  for (int l = 0; l < m.trunk_layers; ++l) { b.per_sample.push_back(d); }  // each layer's branch r_l
+  if (m.offload_activations) {
+    // h_L; the layers' inputs and branches are activation blocks, but where the trunk is frozen
+    // (nothing to keep for a backward): there two inputs in turn and one branch.
+    b.per_sample.push_back(d);
+    if (m.freeze_trunk_after > 0) { b.per_sample.insert(b.per_sample.end(), {d, d, d}); }
+  } else {
+    for (int l = 0; l <= m.trunk_layers; ++l) { b.per_sample.push_back(d); }  // h_0 (input) … h_L
+    for (int l = 0; l < m.trunk_layers; ++l) { b.per_sample.push_back(d); }  // each layer's branch r_l
+  }
   b.per_sample.push_back(h);  // adapter hidden
   b.per_sample.push_back(o);  // output, then dLoss/dy
   b.per_sample.push_back(o);  // target

@@ -43,6 +43,10 @@ struct model_config {
   /// From this step on the trunk is used frozen (forward only: no gradients, no reduction, no
   /// update) and only the task adapters train: a per-task fine-tuning phase. 0: never.
   int freeze_trunk_after = 0;
+  /// [activations] offload = "host": each trunk layer's input and branch are activation blocks
+  /// of the runtime (unit_spec::activation), stashed after the layer's forward and brought back
+  /// for its backward, in the budget beside the parameters instead of the trainer's workspace.
+  bool offload_activations = false;
   [[nodiscard]] bool trunk_frozen(std::int64_t step) const noexcept
   {
     return freeze_trunk_after > 0 && step >= freeze_trunk_after;
@@ -64,8 +68,13 @@ struct configuration {
 /// The same from text; `source` names it in errors.
 [[nodiscard]] configuration parse_configuration(std::string_view text, std::string_view source);
 
-/// The units of the model, trunk first ("trunk/0", …, "task/0", …).
-[[nodiscard]] std::vector<taskswap::unit_spec> model_units(const model_config& m);
+/// The units of the model, trunk first ("trunk/0", …, "task/0", …), then with offloaded
+/// activations each layer's two blocks of `batch` rows ("act/0/input", "act/0/branch", …).
+[[nodiscard]] std::vector<taskswap::unit_spec> model_units(const model_config& m, int batch);
+[[nodiscard]] inline std::vector<taskswap::unit_spec> model_units(const model_config& m)
+{
+  return model_units(m, m.batch);
+}
 
 /// The task each step of `rank` trains: a counter-based sample, so any window can be produced alone.
 [[nodiscard]] int task_of_step(const model_config& m, int rank, std::int64_t step);
@@ -136,10 +145,13 @@ struct run_result {
 /// step's adapters (in its tasks' order). Held: the trunk, then the adapters, all to the step's
 /// end. Streamed: each layer for its forward (its parameters alone) and released; each adapter,
 /// released (stepped) before the next; then, unless the trunk is frozen at this step, each layer,
-/// last first, for its backward.
+/// last first, for its backward. With activation blocks (`blocks`: each layer's input, then its
+/// branch) and a trunk not frozen at this step: the input of layer 0 stashed before the forward,
+/// then at layer l its branch and the input of layer l + 1 stashed and its own two released; in
+/// the backward, layer l's two read (frozen) and released.
 [[nodiscard]] taskswap::step_plan step_plan_of(const model_config& m, std::span<const taskswap::unit_id> trunk,
                                                std::span<const taskswap::unit_id> adapters, std::int64_t step,
-                                               bool streamed);
+                                               bool streamed, std::span<const taskswap::unit_id> blocks = {});
 
 /// What run() does besides training.
 struct run_options {

@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace multitask::detail {
@@ -34,5 +35,15 @@ struct buffer_sizes {
 
 /// Every unit's initial values in its home master copy (init.cpp).
 void initialise_homes(taskswap::runtime& rt, const model_config& m);
+
+/// The log line of steps [first, end): the mean loss, the first tasks' means, the bytes reduced
+/// (with several ranks); `losses` holds tasks_per_step per step (losses.cpp).
+[[nodiscard]] std::string interval_line(const model_config& m, int rank, int world, const float* losses,
+                                        std::int64_t first, std::int64_t end, std::size_t reduced_bytes);
+/// Each task's losses over steps [begin, end_at) into r.tasks (sized), the mean of its first and last three.
+void summarise_losses(const model_config& m, int rank, const float* losses, std::int64_t begin, std::int64_t end_at,
+                      run_result& r);
+/// The run's totals and the figures of its steps after `begin` (the warm-up).
+void add_step_figures(taskswap::runtime& rt, std::int64_t begin, run_result& r);
 
 }  // namespace multitask::detail

@@ -43,7 +43,7 @@ struct trainer::impl {
         comm(c                                                      ? std::move(c)
              : options.comm.backend == taskswap::comm_backend::none ? nullptr
                                                                     : taskswap::make_communicator(dev, options.comm)),
-        rt(dev, options, model_units(m), comm),
+        rt(dev, options, model_units(m, b), comm),
         kernels(make_ops(dev, compute)),
         workspace(dev, workspace_bytes()),
         losses_home(dev, static_cast<std::size_t>(steps) * per_step() * sizeof(float))
@@ -62,6 +62,10 @@ struct trainer::impl {
     for (int l = 0; l < model.trunk_layers; ++l) { trunk.push_back(rt.find("trunk/" + std::to_string(l))); }
     streamed = trunk_streams(model, options);
     for (int t = 0; t < model.tasks; ++t) { tasks.push_back(rt.find("task/" + std::to_string(t))); }
+    for (int l = 0; model.offload_activations && l < model.trunk_layers; ++l) {
+      blocks.push_back(rt.find("act/" + std::to_string(l) + "/input"));
+      blocks.push_back(rt.find("act/" + std::to_string(l) + "/branch"));
+    }
     carve();
   }
 
@@ -90,8 +94,22 @@ struct trainer::impl {
     for (std::size_t n : b.per_sample) { take(n * static_cast<std::size_t>(batch)); }
     for (std::size_t n : b.fixed) { take(n); }
     std::size_t i = 0;
-    for (int l = 0; l <= model.trunk_layers; ++l) { h.push_back(out[i++]); }
-    for (int l = 0; l < model.trunk_layers; ++l) { branch.push_back(out[i++]); }
+    if (model.offload_activations) {
+      // h_L, and where the trunk may be frozen two inputs in turn and a branch (buffers_of); a
+      // step that trains the trunk points the rest at its activation blocks.
+      float* last = out[i++];
+      const bool frozen_steps = model.freeze_trunk_after > 0;
+      std::array<float*, 3> turn{};
+      for (float*& t : turn) { t = frozen_steps ? out[i++] : nullptr; }
+      for (int l = 0; l < model.trunk_layers; ++l) { h.push_back(turn[static_cast<std::size_t>(l % 2)]); }
+      h.push_back(last);
+      branch.assign(static_cast<std::size_t>(model.trunk_layers), turn[2]);
+    } else {
+      for (int l = 0; l <= model.trunk_layers; ++l) { h.push_back(out[i++]); }
+      for (int l = 0; l < model.trunk_layers; ++l) { branch.push_back(out[i++]); }
+    }
+    workspace_h = h;
+    workspace_branch = branch;
     hidden = out[i++];
     y = out[i++];
     target = out[i++];
@@ -153,6 +171,10 @@ struct trainer::impl {
     for (const int t : task) { adapter.push_back(tasks[static_cast<std::size_t>(t)]); }
     std::vector<taskswap::unit_view> tv(trunk.size());
     std::vector<taskswap::unit_view> av(adapter.size());
+    // Offloaded: the trunk's activations in blocks this step (none where the trunk is frozen).
+    const bool offload = !blocks.empty() && !frozen;
+    h = workspace_h;
+    branch = workspace_branch;
     if (!streamed) {
       for (std::size_t l = 0; l < trunk.size(); ++l) {
         tv[l] = rt.acquire(trunk[l], compute, frozen ? taskswap::unit_use::frozen : taskswap::unit_use::train);
@@ -161,6 +183,7 @@ struct trainer::impl {
     }
 
     // The batch and its targets: x random, y = x · A_task for each task's rows.
+    if (offload) { h[0] = block(0, taskswap::unit_use::stash); }
     kernels->random_uniform(
       act(0), static_cast<std::size_t>(b) * static_cast<std::size_t>(d),
       key_of(model.seed, key_input, static_cast<std::uint64_t>(rank()), static_cast<std::uint64_t>(step)), 1.0F);
@@ -184,11 +207,16 @@ struct trainer::impl {
       const taskswap::unit_id u = trunk[static_cast<std::size_t>(l)];
       auto& v = tv[static_cast<std::size_t>(l)];
       if (streamed) { v = rt.acquire(u, compute, taskswap::unit_use::frozen); }
+      if (offload) {
+        branch[static_cast<std::size_t>(l)] = block(2 * l + 1, taskswap::unit_use::stash);
+        if (l + 1 < layers) { h[static_cast<std::size_t>(l) + 1] = block(2 * l + 2, taskswap::unit_use::stash); }
+      }
       // A residual block: h_{l+1} = h_l + r_l, r_l = relu(h_l W_l + b_l).
       float* r = branch[static_cast<std::size_t>(l)];
       kernels->gemm(false, false, b, d, d, 1.0F, act(l), weight(v, 0, wide_weight), 0.0F, r);
       kernels->bias_activation(r, weight(v, 1, wide_bias), b, d, true);
       kernels->add(act(l + 1), act(l), r, static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
+      if (offload) { release_blocks(l); }
       if (streamed) { rt.release(u, compute); }
     }
     for (std::size_t j = 0; j < adapter.size(); ++j) {
@@ -212,6 +240,10 @@ struct trainer::impl {
     for (int l = layers - 1; l >= 0; --l) {
       auto& v = tv[static_cast<std::size_t>(l)];
       if (streamed) { v = rt.acquire(trunk[static_cast<std::size_t>(l)], compute); }
+      if (offload) {
+        h[static_cast<std::size_t>(l)] = block(2 * l, taskswap::unit_use::frozen);
+        branch[static_cast<std::size_t>(l)] = block(2 * l + 1, taskswap::unit_use::frozen);
+      }
       kernels->relu_backward(dr, dh, branch[static_cast<std::size_t>(l)],
                              static_cast<std::size_t>(b) * static_cast<std::size_t>(d));
       kernels->gemm(true, false, d, d, b, 1.0F, act(l), dr, 0.0F, grad_target(v, 0, wide_grad));
@@ -219,6 +251,7 @@ struct trainer::impl {
       kernels->column_sums(grad_target(v, 1, wide_bias_grad), dr, b, d, scratch);
       store_grad(v, 1, wide_bias_grad);
       if (l > 0) { kernels->gemm(false, true, b, d, d, 1.0F, dr, weight(v, 0, wide_weight), 1.0F, dh); }
+      if (offload) { release_blocks(l); }
       finish(v.id);
     }
     last_stats = rt.end_step();
@@ -289,88 +322,33 @@ struct trainer::impl {
     return reinterpret_cast<const float*>(losses_home.data());
   }
 
-  // The log line of an interval: the mean loss, the first tasks' means, the bytes reduced.
+  // The log line of an interval (losses.cpp).
   [[nodiscard]] std::string interval_line(const loss_interval& p) const
   {
     p.done.synchronize();
-    std::vector<double> sum(static_cast<std::size_t>(model.tasks), 0.0);
-    std::vector<int> count(static_cast<std::size_t>(model.tasks), 0);
-    for (std::int64_t s = p.first; s < p.end; ++s) {
-      const std::vector<int> task = tasks_of_step(model, rank(), s);
-      for (std::size_t j = 0; j < task.size(); ++j) {
-        sum[static_cast<std::size_t>(task[j])] += host_losses()[static_cast<std::size_t>(s) * per_step() + j];
-        ++count[static_cast<std::size_t>(task[j])];
-      }
-    }
-    std::ostringstream line;
-    line << "step " << p.end << ": mean loss ";
-    double all = 0;
-    for (std::size_t t = 0; t < sum.size(); ++t) { all += sum[t]; }
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%.4f",
-                  all / static_cast<double>(p.end - p.first) / static_cast<double>(per_step()));
-    line << buf << " over " << (p.end - p.first) << " steps;";
-    int shown = 0;
-    for (std::size_t t = 0; t < sum.size() && shown < 6; ++t) {
-      if (count[t] == 0) { continue; }
-      std::snprintf(buf, sizeof buf, " task/%zu %.4f", t, sum[t] / count[t]);
-      line << buf;
-      ++shown;
-    }
-    if (world() > 1) {
-      std::snprintf(buf, sizeof buf, "; reduced %.1f KiB/step",
-                    static_cast<double>(p.reduced_bytes) / 1024.0 / static_cast<double>(p.end - p.first));
-      line << buf;
-    }
-    return line.str();
+    return detail::interval_line(model, rank(), world(), host_losses(), p.first, p.end, p.reduced_bytes);
   }
 
-  // After the run's steps [begin, end_at): each task's losses (the mean of its first and last
-  // three), the totals, and the traffic of the steps after the first.
+  // After the run's steps [begin, end_at): each task's losses and the step figures (losses.cpp).
   void summarise(run_result& r, std::int64_t begin, std::int64_t end_at)
   {
     r.tasks.resize(static_cast<std::size_t>(model.tasks));
     if (end_at == begin) { return; }
     copy_losses(begin, end_at);
     compute.synchronize();
-    for (std::int64_t s = begin; s < end_at; ++s) {
-      const std::vector<int> task = tasks_of_step(model, rank(), s);
-      for (std::size_t j = 0; j < task.size(); ++j) {
-        task_losses& t = r.tasks[static_cast<std::size_t>(task[j])];
-        t.all.push_back(host_losses()[static_cast<std::size_t>(s) * per_step() + j]);
-        ++t.steps;
-      }
-    }
-    for (task_losses& t : r.tasks) {
-      if (t.all.empty()) { continue; }
-      const std::size_t k = std::max<std::size_t>(1, std::min<std::size_t>(3, t.all.size() / 2));
-      double first = 0;
-      double last = 0;
-      for (std::size_t i = 0; i < k; ++i) {
-        first += t.all[i];
-        last += t.all[t.all.size() - 1 - i];
-      }
-      t.first = static_cast<float>(first / static_cast<double>(k));
-      t.last = static_cast<float>(last / static_cast<double>(k));
-    }
-    const taskswap::runtime_stats stats = rt.stats();
-    r.total = stats.total;
-    if (rt.guards_steps()) { r.scaler = rt.scaler_state(); }
-    r.disk = stats.disk;
-    for (const taskswap::step_stats& st : stats.steps) {  // the steps after the warm-up (the last 4096)
-      if (st.step <= static_cast<std::uint64_t>(begin)) { continue; }
-      r.timed.h2d_bytes += st.h2d_bytes;
-      r.timed.d2h_bytes += st.d2h_bytes;
-      r.timed.swap_ins += st.swap_ins;
-      r.timed.write_backs += st.write_backs;
-      r.timed.hits += st.hits;
-      r.timed.misses += st.misses;
-      r.timed.stall_ms += st.stall_ms;
-      r.timed.reduced_bytes += st.reduced_bytes;
-      r.timed.evictions += st.evictions;
-      r.timed.unplanned += st.unplanned;
-      r.timed.peak_device_bytes = std::max(r.timed.peak_device_bytes, st.peak_device_bytes);
-    }
+    detail::summarise_losses(model, rank(), host_losses(), begin, end_at, r);
+    detail::add_step_figures(rt, begin, r);
+  }
+
+  // Activation block `i` (layer i / 2's input, or its branch where i is odd) acquired for `use`: its rows.
+  float* block(int i, taskswap::unit_use use)
+  {
+    return static_cast<float*>(rt.acquire(blocks[static_cast<std::size_t>(i)], compute, use).params.data);
+  }
+  void release_blocks(int l)
+  {
+    rt.release(blocks[2 * static_cast<std::size_t>(l)], compute);
+    rt.release(blocks[2 * static_cast<std::size_t>(l) + 1], compute);
   }
 
   void finish(taskswap::unit_id u)
@@ -396,7 +374,7 @@ struct trainer::impl {
     for (std::int64_t s = first; s < end; ++s) {
       std::vector<taskswap::unit_id> adapters;
       for (const int t : tasks_of_step(model, rank(), s)) { adapters.push_back(tasks[static_cast<std::size_t>(t)]); }
-      plans.push_back(step_plan_of(model, trunk, adapters, s, streamed));
+      plans.push_back(step_plan_of(model, trunk, adapters, s, streamed, blocks));
     }
     rt.plan(plans);
   }
@@ -417,8 +395,11 @@ struct trainer::impl {
   taskswap::pinned_buffer losses_home;
   std::vector<taskswap::unit_id> trunk;
   std::vector<taskswap::unit_id> tasks;
-  std::vector<float*> h;
+  std::vector<taskswap::unit_id> blocks;  // offloaded activations: each layer's input, then its branch
+  std::vector<float*> h;  // h_0 … h_L where the step has them: the workspace, or activation blocks
   std::vector<float*> branch;  // each trunk layer's r_l, whose sign the backward masks by
+  std::vector<float*> workspace_h;  // h and branch in the workspace (with offloaded activations, a
+  std::vector<float*> workspace_branch;  // frozen trunk's buffers in turn; null where a block holds them)
   float* hidden = nullptr;
   float* y = nullptr;
   float* target = nullptr;
@@ -570,7 +551,7 @@ void trainer::save_parameters(const std::filesystem::path& file)
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) { throw std::runtime_error("cannot write '" + tmp.string() + "'; check the directory"); }
-    for (std::size_t u = 0; u < m.rt.unit_count(); ++u) {
+    for (std::size_t u = 0; u < m.rt.unit_count() - m.blocks.size(); ++u) {  // the model's units, not its activations
       const taskswap::home_view h = m.rt.home({static_cast<std::uint32_t>(u)});
       const std::string name(m.rt.name(h.id));
       out << name << '\n';

@@ -108,7 +108,7 @@ plan_agreed plan_together(runtime::impl& rt, std::span<const step_plan> steps)
   std::vector<std::vector<std::uint32_t>> frozen_again(steps.size());  // acquired frozen more than once
   for (std::size_t k = 0; k < steps.size(); ++k) {
     for (const step_plan::entry& e : steps[k].entries()) {
-      if (!e.acquire) { continue; }
+      if (!e.acquire || e.use == unit_use::stash) { continue; }  // an activation block: this rank's own
       const auto seen = [&](const std::vector<std::uint32_t>& v) {
         return std::find(v.begin(), v.end(), e.unit.value) != v.end();
       };

@@ -111,6 +111,13 @@ int train(int argc, char** argv)
                 "override [model] freeze_trunk_after: from this step on the trunk is used frozen and only the task "
                 "adapters train (0: never)")
     ->check(CLI::NonNegativeNumber);
+  std::string activations;
+  app
+    .add_option("--activations", activations,
+                "override [activations] offload: \"host\" keeps the trunk's activations in the runtime's activation "
+                "blocks, stashed after each layer's forward and brought back for its backward; \"none\" (the "
+                "default) in the trainer's workspace. --all-resident never offloads")
+    ->check(CLI::IsMember({"host", "none"}));
   std::string checkpoint;
   std::string resume;
   int checkpoint_every = 0;
@@ -134,6 +141,8 @@ int train(int argc, char** argv)
   if (batch > 0) { cfg.model.batch = batch; }
   if (freeze_trunk_after >= 0) { cfg.model.freeze_trunk_after = freeze_trunk_after; }
   if (tasks_per_step > 0) { cfg.model.tasks_per_step = tasks_per_step; }
+  if (!activations.empty()) { cfg.model.offload_activations = activations == "host"; }
+  if (resident) { cfg.model.offload_activations = false; }  // the baseline: nothing moves
   const auto units = multitask::model_units(cfg.model);
   taskswap::runtime_options options = resident ? multitask::all_resident(cfg.runtime, units) : cfg.runtime;
   if (options.device.backend == taskswap::backend_kind::emulated) {

@@ -57,6 +57,32 @@ TEST(multitask_config, errors_name_the_line_and_the_key)
                                                   "the configuration '/nonexistent.toml' does not exist");
   expect_error_mentioning<taskswap::config_error>([] { (void)parse("[model]\nwidth = 99999999999\n"); },
                                                   "[model] width: 99999999999 is too large; give at most 1073741824");
+  expect_error_mentioning<taskswap::config_error>([] { (void)parse("[activations]\noffload = \"disk\"\n"); },
+                                                  "test.toml:9: [activations] offload: use \"host\"");
+}
+
+TEST(multitask_model, offloaded_activations_are_two_blocks_per_layer_of_the_batch_after_the_adapters)
+{
+  EXPECT_FALSE(parse("").model.offload_activations);
+  EXPECT_FALSE(parse("[activations]\noffload = \"none\"\n").model.offload_activations);
+  multitask::model_config m = parse("[activations]\noffload = \"host\"\n").model;
+  ASSERT_TRUE(m.offload_activations);
+  m.tasks = 3;
+  m.trunk_layers = 2;
+  const auto units = multitask::model_units(m, 96);
+  ASSERT_EQ(units.size(), 2U + 3U + 4U);
+  EXPECT_EQ(units[5].name, "act/0/input");
+  EXPECT_EQ(units[8].name, "act/1/branch");
+  for (std::size_t u = 5; u < units.size(); ++u) {
+    EXPECT_TRUE(units[u].activation);
+    EXPECT_EQ(units[u].tensors.at(0).shape, (std::vector<std::size_t>{96, 128})) << "batch rows of the width";
+  }
+  // The workspace keeps h_L alone of the trunk's activations (five per-sample buffers fewer: h_0,
+  // h_1 and the two branches at 128 floats, 512 bytes each).
+  multitask::model_config kept = m;
+  kept.offload_activations = false;
+  EXPECT_EQ(multitask::model_workspace(kept, 10).per_sample - multitask::model_workspace(m, 10).per_sample,
+            4U * 128U * 4U);
 }
 
 TEST(multitask_model, units_are_the_trunk_layers_then_the_adapters)
