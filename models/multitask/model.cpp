@@ -264,13 +264,10 @@ taskswap::step_plan step_plan_of(const model_config& m, std::span<const taskswap
     for (taskswap::unit_id u : trunk) { p.acquire(u, frozen ? unit_use::frozen : unit_use::train); }
     for (taskswap::unit_id a : adapters) { p.acquire(a); }
   }
-  if (offload && layers > 0) { p.acquire(input(0), unit_use::stash); }
   for (std::size_t l = 0; l < layers; ++l) {
     if (streamed) { p.acquire(trunk[l], unit_use::frozen); }
     if (offload) {
-      p.acquire(branch(l), unit_use::stash);
-      if (l + 1 < layers) { p.acquire(input(l + 1), unit_use::stash); }
-      p.release(input(l)).release(branch(l));
+      p.acquire(input(l), unit_use::stash).acquire(branch(l), unit_use::stash).release(input(l)).release(branch(l));
     }
     if (streamed) { p.release(trunk[l]); }
   }
@@ -302,10 +299,10 @@ buffer_sizes detail::buffers_of(const model_config& m, int steps)
   const auto o = static_cast<std::size_t>(m.outputs);
   buffer_sizes b;
   if (m.offload_activations) {
-    // h_L; the layers' inputs and branches are activation blocks, but where the trunk is frozen
-    // (nothing to keep for a backward): there two inputs in turn and one branch.
+    // h, updated in place; the layers' inputs and branches are activation blocks, but where the
+    // trunk is frozen (nothing to keep for a backward): there a branch buffer.
     b.per_sample.push_back(d);
-    if (m.freeze_trunk_after > 0) { b.per_sample.insert(b.per_sample.end(), {d, d, d}); }
+    if (m.freeze_trunk_after > 0) { b.per_sample.push_back(d); }
   } else {
     for (int l = 0; l <= m.trunk_layers; ++l) { b.per_sample.push_back(d); }  // h_0 (input) … h_L
     for (int l = 0; l < m.trunk_layers; ++l) { b.per_sample.push_back(d); }  // each layer's branch r_l

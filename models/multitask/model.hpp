@@ -146,9 +146,8 @@ struct run_result {
 /// end. Streamed: each layer for its forward (its parameters alone) and released; each adapter,
 /// released (stepped) before the next; then, unless the trunk is frozen at this step, each layer,
 /// last first, for its backward. With activation blocks (`blocks`: each layer's input, then its
-/// branch) and a trunk not frozen at this step: the input of layer 0 stashed before the forward,
-/// then at layer l its branch and the input of layer l + 1 stashed and its own two released; in
-/// the backward, layer l's two read (frozen) and released.
+/// branch) and a trunk not frozen at this step: at layer l of the forward its input and its
+/// branch stashed and released; in the backward, the two read (frozen) and released.
 [[nodiscard]] taskswap::step_plan step_plan_of(const model_config& m, std::span<const taskswap::unit_id> trunk,
                                                std::span<const taskswap::unit_id> adapters, std::int64_t step,
                                                bool streamed, std::span<const taskswap::unit_id> blocks = {});

@@ -95,15 +95,12 @@ struct trainer::impl {
     for (std::size_t n : b.fixed) { take(n); }
     std::size_t i = 0;
     if (model.offload_activations) {
-      // h_L, and where the trunk may be frozen two inputs in turn and a branch (buffers_of); a
-      // step that trains the trunk points the rest at its activation blocks.
-      float* last = out[i++];
-      const bool frozen_steps = model.freeze_trunk_after > 0;
-      std::array<float*, 3> turn{};
-      for (float*& t : turn) { t = frozen_steps ? out[i++] : nullptr; }
-      for (int l = 0; l < model.trunk_layers; ++l) { h.push_back(turn[static_cast<std::size_t>(l % 2)]); }
-      h.push_back(last);
-      branch.assign(static_cast<std::size_t>(model.trunk_layers), turn[2]);
+      // One h, updated in place layer by layer (h_{l+1} = h_l + r_l), and where the trunk may be
+      // frozen a branch (buffers_of); a step that trains the trunk copies each layer's input into
+      // its block and computes its branch there, and its backward reads both from the blocks.
+      float* in_place = out[i++];
+      h.assign(static_cast<std::size_t>(model.trunk_layers) + 1, in_place);
+      branch.assign(static_cast<std::size_t>(model.trunk_layers), model.freeze_trunk_after > 0 ? out[i++] : nullptr);
     } else {
       for (int l = 0; l <= model.trunk_layers; ++l) { h.push_back(out[i++]); }
       for (int l = 0; l < model.trunk_layers; ++l) { branch.push_back(out[i++]); }
@@ -183,7 +180,6 @@ struct trainer::impl {
     }
 
     // The batch and its targets: x random, y = x · A_task for each task's rows.
-    if (offload) { h[0] = block(0, taskswap::unit_use::stash); }
     kernels->random_uniform(
       act(0), static_cast<std::size_t>(b) * static_cast<std::size_t>(d),
       key_of(model.seed, key_input, static_cast<std::uint64_t>(rank()), static_cast<std::uint64_t>(step)), 1.0F);
@@ -207,9 +203,11 @@ struct trainer::impl {
       const taskswap::unit_id u = trunk[static_cast<std::size_t>(l)];
       auto& v = tv[static_cast<std::size_t>(l)];
       if (streamed) { v = rt.acquire(u, compute, taskswap::unit_use::frozen); }
-      if (offload) {
+      if (offload) {  // its input kept in its block (two blocks held at once, not three)
+        float* input = block(2 * l, taskswap::unit_use::stash);
+        const std::size_t bytes = static_cast<std::size_t>(b) * static_cast<std::size_t>(d) * sizeof(float);
+        taskswap::copy_async(device_span(input, bytes), const_device_span(act(l), bytes), compute);
         branch[static_cast<std::size_t>(l)] = block(2 * l + 1, taskswap::unit_use::stash);
-        if (l + 1 < layers) { h[static_cast<std::size_t>(l) + 1] = block(2 * l + 2, taskswap::unit_use::stash); }
       }
       // A residual block: h_{l+1} = h_l + r_l, r_l = relu(h_l W_l + b_l).
       float* r = branch[static_cast<std::size_t>(l)];
@@ -345,6 +343,16 @@ struct trainer::impl {
   {
     return static_cast<float*>(rt.acquire(blocks[static_cast<std::size_t>(i)], compute, use).params.data);
   }
+  [[nodiscard]] taskswap::device_span device_span(float* p, std::size_t bytes) const
+  {
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): device memory as bytes
+    return {&dev.backend(), reinterpret_cast<std::byte*>(p), bytes};
+  }
+  [[nodiscard]] taskswap::const_device_span const_device_span(const float* p, std::size_t bytes) const
+  {
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): device memory as bytes
+    return {&dev.backend(), reinterpret_cast<const std::byte*>(p), bytes};
+  }
   void release_blocks(int l)
   {
     rt.release(blocks[2 * static_cast<std::size_t>(l)], compute);
@@ -398,8 +406,8 @@ struct trainer::impl {
   std::vector<taskswap::unit_id> blocks;  // offloaded activations: each layer's input, then its branch
   std::vector<float*> h;  // h_0 … h_L where the step has them: the workspace, or activation blocks
   std::vector<float*> branch;  // each trunk layer's r_l, whose sign the backward masks by
-  std::vector<float*> workspace_h;  // h and branch in the workspace (with offloaded activations, a
-  std::vector<float*> workspace_branch;  // frozen trunk's buffers in turn; null where a block holds them)
+  std::vector<float*> workspace_h;  // h and branch in the workspace (with offloaded activations, one
+  std::vector<float*> workspace_branch;  // h in place, and a frozen trunk's branch buffer, or null)
   float* hidden = nullptr;
   float* y = nullptr;
   float* target = nullptr;

@@ -64,6 +64,14 @@ int run_headroom(const headroom_args& args);
 
 /// The planner's input for the sample model of `cfg` over `steps` steps of rank 0's schedule.
 [[nodiscard]] plan_input model_plan_input(const multitask::configuration& cfg, int steps, std::size_t device_memory);
+/// With the trunk's activations offloaded, the budget a batch leaves of `memory`: what the
+/// trainer's workspace does not take (in 256-byte steps; 0 where it takes it all).
+[[nodiscard]] std::size_t offloaded_budget(const multitask::configuration& cfg, std::int64_t batch, int steps,
+                                           std::size_t memory);
+/// The planner's largest batch with the trunk's activations offloaded and the budget what the
+/// workspace leaves of `memory` (offloaded_budget): the largest for which the plan check passes,
+/// the activation blocks counted with the units (0: none).
+[[nodiscard]] std::int64_t offloaded_batch(const multitask::configuration& cfg, int steps, std::size_t memory);
 
 /// Host↔device copy rates measured with timing events, bytes per second.
 struct copy_rates {

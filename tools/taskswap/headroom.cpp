@@ -39,8 +39,11 @@ class headroom_search {
   }
 
   // As try_batch, for a model other than the configuration's (another trunk depth).
+  // `refused_fails`: a plan the runtime refuses (its steps do not fit the budget) does not fit
+  // either, where the budget is derived from the batch.
   std::optional<multitask::run_result> try_model(const runtime_options& options, multitask::model_config m,
-                                                 std::int64_t batch, int steps, const std::string& trace = {})
+                                                 std::int64_t batch, int steps, const std::string& trace = {},
+                                                 bool refused_fails = false)
   {
     if (batch < m.tasks_per_step) {  // each task of a step takes rows of the batch
       last_oom_ = "a batch of " + std::to_string(batch) + " is below [model] tasks_per_step";
@@ -63,7 +66,34 @@ class headroom_search {
     } catch (const out_of_memory& e) {
       last_oom_ = e.what();
       return std::nullopt;
+    } catch (const config_error& e) {
+      if (!refused_fails) { throw; }
+      last_oom_ = e.what();
+      return std::nullopt;
     }
+  }
+
+  // The trunk's activations offloaded, the budget what the workspace leaves (offloaded_budget).
+  std::optional<multitask::run_result> try_offloaded(std::int64_t batch, int steps, const std::string& trace = {})
+  {
+    multitask::configuration c = cfg_;
+    c.model.offload_activations = true;
+    c.runtime.device.budget = offloaded_budget(c, batch, steps, memory_);
+    if (c.runtime.device.budget == 0) { return std::nullopt; }
+    return try_model(c.runtime, c.model, batch, steps, trace, true);
+  }
+
+  // The largest batch with the trunk's activations offloaded.
+  std::int64_t search_offloaded(std::int64_t& probes)
+  {
+    return largest(
+      64, std::int64_t{1} << 26,
+      [&](std::int64_t batch) {
+        ++probes;
+        progress("activations offloaded: batch " + std::to_string(batch) + "…");
+        return try_offloaded(batch, args_.probe_steps).has_value();
+      },
+      1000, "batch");
   }
 
   // Gallops up from a small batch until one does not fit, then bisects: the result fits and one
@@ -171,6 +201,21 @@ struct trunk_depths {
   std::int64_t probes = 0;
 };
 
+// The trunk's activations offloaded, the budget what the workspace leaves: the largest batch
+// measured and the planner's, and the timed runs (at timings::common and at its largest).
+struct offloaded_arm {
+  std::int64_t max_batch = 0;
+  std::int64_t predicted = 0;
+  std::int64_t probes = 0;
+  std::optional<multitask::run_result> same;
+  std::optional<multitask::run_result> largest;
+  [[nodiscard]] double error() const
+  {
+    return max_batch == 0 ? 0 : (static_cast<double>(predicted) - static_cast<double>(max_batch)) /
+                                  static_cast<double>(max_batch) * 100.0;
+  }
+};
+
 // Everything the report prints.
 struct headroom_report {
   std::string name;
@@ -181,6 +226,7 @@ struct headroom_report {
   arm resident;
   arm swapped;
   timings t;
+  offloaded_arm offload;
   std::optional<trunk_depths> depth;
   [[nodiscard]] double error() const
   {
@@ -219,7 +265,7 @@ plan_report predict(const multitask::configuration& cfg, const std::string& name
 
 // Timing, alternating the arms round by round; the fastest run of each counts.
 timings time_arms(const headroom_args& args, headroom_search& search, const arm& resident, const arm& swapped,
-                  int timed)
+                  offloaded_arm& offload, int timed)
 {
   const auto keep_fastest = [](std::optional<multitask::run_result>& best, std::optional<multitask::run_result> r) {
     if (!r) {
@@ -237,7 +283,10 @@ timings time_arms(const headroom_args& args, headroom_search& search, const arm&
       search.progress("timing both at batch " + std::to_string(t.common) + of);
       keep_fastest(t.resident, search.try_batch(resident.options, t.common, timed));
       keep_fastest(t.same, search.try_batch(swapped.options, t.common, timed));
+      keep_fastest(offload.same, search.try_offloaded(t.common, timed));
     }
+    search.progress("timing activations offloaded at batch " + std::to_string(offload.max_batch) + of);
+    keep_fastest(offload.largest, search.try_offloaded(offload.max_batch, timed));
     search.progress("timing taskswap at batch " + std::to_string(swapped.max_batch) + of);
     keep_fastest(t.largest, search.try_batch(swapped.options, swapped.max_batch, timed,
                                              round + 1 == args.rounds ? args.trace : std::string()));
@@ -266,33 +315,51 @@ trunk_depths measure_depths(headroom_search& search, const multitask::configurat
   return d;
 }
 
-void print_table(const headroom_report& r)
+// A row of the table: the label, then all-resident, taskswap, the planner's, activations
+// offloaded and the planner's for it.
+void row(const std::string& label, const std::string& resident, const std::string& swapped,
+         const std::string& planned, const std::string& offloaded, const std::string& offload_planned)
+{
+  std::printf("  %-28s %14s %14s %20s %14s %20s\n", label.c_str(), resident.c_str(), swapped.c_str(), planned.c_str(),
+              offloaded.c_str(), offload_planned.c_str());
+}
+
+void print_table(const headroom_report& r, const multitask::configuration& cfg)
 {
   const auto b = [](double v) { return bytes_text(v); };
+  const auto n = [](std::int64_t v) { return std::to_string(v); };
+  const auto pct = [](double v) {
+    char buf[32];
+    std::snprintf(buf, sizeof buf, "%.1f%%", v);
+    return std::string(buf);
+  };
   const timings& t = r.t;
-  std::printf("  %-28s %14s %14s %20s\n", "", "all-resident", "taskswap", "planner (taskswap)");
-  std::printf("  %-28s %14s %14s %20s\n", "budget", b(static_cast<double>(r.resident.options.device.budget)).c_str(),
-              b(static_cast<double>(r.swapped.options.device.budget)).c_str(),
-              b(static_cast<double>(r.predicted.budget)).c_str());
-  std::printf("  %-28s %14lld %14lld %20lld\n", "largest batch", static_cast<long long>(r.resident.max_batch),
-              static_cast<long long>(r.swapped.max_batch), static_cast<long long>(*r.predicted.max_batch));
+  const offloaded_arm& o = r.offload;
+  multitask::configuration off = cfg;
+  off.model.offload_activations = true;
+  const std::size_t off_budget = offloaded_budget(off, o.max_batch, r.timed, r.memory);
+  row("", "all-resident", "taskswap", "planner (taskswap)", "activations", "planner (offloaded)");
+  row("", "", "", "", "offloaded", "");
+  row("budget", b(static_cast<double>(r.resident.options.device.budget)),
+      b(static_cast<double>(r.swapped.options.device.budget)), b(static_cast<double>(r.predicted.budget)),
+      b(static_cast<double>(off_budget)), "memory - workspace");
+  row("largest batch", n(r.resident.max_batch), n(r.swapped.max_batch), n(*r.predicted.max_batch), n(o.max_batch),
+      n(o.predicted));
   if (t.resident && t.same) {
-    std::printf("  %-28s %14s %14s %20s\n", ("step time, batch " + std::to_string(t.common)).c_str(),
-                ms_text(t.resident->step_ms()).c_str(), ms_text(t.same->step_ms()).c_str(), "");
+    row("step time, batch " + n(t.common), ms_text(t.resident->step_ms()), ms_text(t.same->step_ms()), "",
+        o.same ? ms_text(o.same->step_ms()) : "-", "");
   }
-  std::printf("  %-28s %14s %14s %20s\n", ("step time, batch " + std::to_string(r.swapped.max_batch)).c_str(), "-",
-              ms_text(t.largest->step_ms()).c_str(), "");
-  std::printf("  %-28s %13.1f%% %13.1f%% %20s\n", "stall (largest batch)",
-              t.resident ? stall_percent(*t.resident) : 0.0, stall_percent(*t.largest), "");
-  std::printf("  %-28s %14s %14s %20s\n", "h2d per step",
-              t.resident ? b(per_step(*t.resident, t.resident->timed.h2d_bytes)).c_str() : "-",
-              b(per_step(*t.largest, t.largest->timed.h2d_bytes)).c_str(), b(r.predicted.h2d_bytes_per_step).c_str());
-  std::printf("  %-28s %14s %14s %20s\n", "d2h per step",
-              t.resident ? b(per_step(*t.resident, t.resident->timed.d2h_bytes)).c_str() : "-",
-              b(per_step(*t.largest, t.largest->timed.d2h_bytes)).c_str(), b(r.predicted.d2h_bytes_per_step).c_str());
+  row("step time, largest batch", "-", ms_text(t.largest->step_ms()), "", ms_text(o.largest->step_ms()), "");
+  row("stall (largest batch)", pct(t.resident ? stall_percent(*t.resident) : 0.0), pct(stall_percent(*t.largest)), "",
+      pct(stall_percent(*o.largest)), "");
+  row("h2d per step", t.resident ? b(per_step(*t.resident, t.resident->timed.h2d_bytes)) : "-",
+      b(per_step(*t.largest, t.largest->timed.h2d_bytes)), b(r.predicted.h2d_bytes_per_step),
+      b(per_step(*o.largest, o.largest->timed.h2d_bytes)), "");
+  row("d2h per step", t.resident ? b(per_step(*t.resident, t.resident->timed.d2h_bytes)) : "-",
+      b(per_step(*t.largest, t.largest->timed.d2h_bytes)), b(r.predicted.d2h_bytes_per_step),
+      b(per_step(*o.largest, o.largest->timed.d2h_bytes)), "");
   if (r.predicted.link_bytes_per_second > 0) {
-    std::printf("  %-28s %14s %14s %20s\n", "transfer time per step", "", "",
-                ms_text(r.predicted.transfer_ms_per_step).c_str());
+    row("transfer time per step", "", "", ms_text(r.predicted.transfer_ms_per_step), "", "");
   }
 }
 
@@ -305,13 +372,20 @@ void print_report(const headroom_report& r, const multitask::configuration& cfg,
               cfg.model.tasks, cfg.model.trunk_layers, cfg.model.width, cfg.model.width, cfg.model.adapter_hidden,
               cfg.model.outputs, std::string(to_string(cfg.model.compute)).c_str(),
               b(static_cast<double>(r.predicted.bytes_per_sample)).c_str());
-  print_table(r);
+  print_table(r, cfg);
   const std::int64_t res = r.resident.max_batch;
   const std::int64_t swp = r.swapped.max_batch;
   std::printf("\n  taskswap trains a %.2fx larger batch (%lld vs %lld); at the same batch its step takes %.3fx "
               "as long; the planner's batch is %+.2f %% off the measured one\n",
               res > 0 ? static_cast<double>(swp) / static_cast<double>(res) : 0.0, static_cast<long long>(swp),
               static_cast<long long>(res), r.t.ratio(), r.error());
+  const offloaded_arm& o = r.offload;
+  std::printf("  with the trunk's activations offloaded it trains a %.2fx larger batch than all-resident (%lld); at "
+              "batch %lld its step takes %.3fx taskswap's without offload; the planner's batch is %+.2f %% off the "
+              "measured one\n",
+              res > 0 ? static_cast<double>(o.max_batch) / static_cast<double>(res) : 0.0,
+              static_cast<long long>(o.max_batch), static_cast<long long>(r.t.common),
+              o.same && r.t.same ? o.same->step_ms() / r.t.same->step_ms() : 0.0, o.error());
   if (swp <= res) {
     std::printf(
       "  the budget (%s) leaves taskswap no larger batch: this plan peaks at %s; lower [device] budget toward it\n",
@@ -330,9 +404,9 @@ void print_report(const headroom_report& r, const multitask::configuration& cfg,
                 percent(static_cast<double>(d.predicted), static_cast<double>(d.streamed)),
                 static_cast<long long>(d.probes));
   }
-  std::printf("  (%lld + %lld probes of %d steps; timed runs of %d steps, the fastest of %d rounds)\n",
-              static_cast<long long>(r.resident.probes), static_cast<long long>(r.swapped.probes), args.probe_steps,
-              r.timed, args.rounds);
+  std::printf("  (%lld + %lld + %lld probes of %d steps; timed runs of %d steps, the fastest of %d rounds)\n",
+              static_cast<long long>(r.resident.probes), static_cast<long long>(r.swapped.probes),
+              static_cast<long long>(r.offload.probes), args.probe_steps, r.timed, args.rounds);
 }
 
 void write_report(const headroom_report& r, const headroom_args& args)
@@ -361,6 +435,17 @@ void write_report(const headroom_report& r, const headroom_args& args)
                    {"probe_steps", args.probe_steps},
                    {"timed_steps", r.timed},
                    {"rounds", args.rounds}};
+  const offloaded_arm& o = r.offload;
+  j["max_batch_offloaded"] = o.max_batch;
+  j["predicted_max_batch_offloaded"] = o.predicted;
+  j["prediction_error_percent_offloaded"] = o.error();
+  j["step_ms_offloaded_same_batch"] = o.same ? o.same->step_ms() : 0.0;
+  j["step_ms_offloaded_max_batch"] = o.largest->step_ms();
+  j["step_time_ratio_offloaded"] = o.same && t.same ? o.same->step_ms() / t.same->step_ms() : 0.0;
+  j["stall_percent_offloaded"] = stall_percent(*o.largest);
+  j["h2d_bytes_per_step_offloaded"] = per_step(*o.largest, o.largest->timed.h2d_bytes);
+  j["d2h_bytes_per_step_offloaded"] = per_step(*o.largest, o.largest->timed.d2h_bytes);
+  j["probes"] = r.resident.probes + r.swapped.probes + o.probes;
   if (r.depth) {
     j["max_trunk_layers_resident"] = r.depth->resident;
     j["max_trunk_layers_streamed"] = r.depth->streamed;
@@ -393,7 +478,9 @@ int run_headroom(const headroom_args& args)
   r.swapped = {.name = "taskswap", .options = cfg.runtime};
   search.search(r.resident);
   search.search(r.swapped);
-  r.t = time_arms(args, search, r.resident, r.swapped, r.timed);
+  r.offload.max_batch = search.search_offloaded(r.offload.probes);
+  r.offload.predicted = offloaded_batch(cfg, args.probe_steps, r.memory);
+  r.t = time_arms(args, search, r.resident, r.swapped, r.offload, r.timed);
   if (multitask::trunk_streams(cfg.model, cfg.runtime)) { r.depth = measure_depths(search, cfg, r.timed, r.memory); }
   search.progress_done();
   r.device = cfg.runtime.device.backend == backend_kind::emulated ? "the emulated device"

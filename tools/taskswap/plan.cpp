@@ -51,16 +51,22 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
     in.steps.push_back(std::move(step));
     in.frozen.push_back(std::move(frozen));
   }
-  // A trunk the trainer streams: its calls in order (the peak is then one layer or two, not the trunk).
-  if (multitask::trunk_streams(cfg.model, cfg.runtime)) {
+  // A trunk the trainer streams, or activation blocks: its calls in order (the peak is then one
+  // layer or two, not the trunk; a block is stashed and read back).
+  const bool streams = multitask::trunk_streams(cfg.model, cfg.runtime);
+  if (streams || cfg.model.offload_activations) {
     std::vector<unit_id> layers;
+    std::vector<unit_id> blocks;  // after the trunk and the adapters (model_units)
     for (std::size_t l = 0; l < trunk; ++l) { layers.push_back(unit_id{static_cast<std::uint32_t>(l)}); }
+    for (std::size_t b = trunk + static_cast<std::size_t>(cfg.model.tasks); b < in.units.size(); ++b) {
+      blocks.push_back(unit_id{static_cast<std::uint32_t>(b)});
+    }
     for (int s = 0; s < steps; ++s) {
       std::vector<unit_id> adapters;
       for (const int t : multitask::tasks_of_step(cfg.model, 0, s)) {
         adapters.push_back(unit_id{static_cast<std::uint32_t>(trunk + static_cast<std::size_t>(t))});
       }
-      in.ordered.push_back(multitask::step_plan_of(cfg.model, layers, adapters, s, true));
+      in.ordered.push_back(multitask::step_plan_of(cfg.model, layers, adapters, s, streams, blocks));
     }
   }
   in.plan_window = static_cast<std::size_t>(cfg.model.plan_window);
@@ -82,6 +88,41 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
     in.link_source = "[device] link_bandwidth";
   }
   return in;
+}
+
+std::size_t offloaded_budget(const multitask::configuration& cfg, std::int64_t batch, int steps, std::size_t memory)
+{
+  const std::size_t workspace =
+    multitask::model_workspace(cfg.model, steps).bytes(static_cast<std::size_t>(std::max<std::int64_t>(batch, 0)));
+  return workspace >= memory ? 0 : (memory - workspace) / 256 * 256;
+}
+
+std::int64_t offloaded_batch(const multitask::configuration& cfg, int steps, std::size_t memory)
+{
+  const auto fits = [&](std::int64_t batch) {
+    multitask::configuration c = cfg;
+    c.model.offload_activations = true;
+    c.model.batch = static_cast<int>(batch);
+    c.runtime.device.budget = offloaded_budget(c, batch, steps, memory);
+    if (c.runtime.device.budget == 0 || batch < c.model.tasks_per_step) { return false; }
+    try {
+      (void)make_plan(model_plan_input(c, steps, 0));
+      return true;
+    } catch (const config_error&) {
+      return false;  // a step of the plan does not fit the budget this batch leaves
+    }
+  };
+  std::int64_t fit = 0;
+  std::int64_t fails = 1;
+  while (fails < (std::int64_t{1} << 30) && fits(fails)) {
+    fit = fails;
+    fails *= 2;
+  }
+  while (fails - fit > 1) {
+    const std::int64_t mid = fit + (fails - fit) / 2;
+    (fits(mid) ? fit : fails) = mid;
+  }
+  return fit;
 }
 
 void write_json(const nlohmann::json& j, const std::string& file)
