@@ -127,8 +127,10 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
     r.released_on = nullptr;
   }
   if (stash) {
-    // The last stash's copy home may still read the slot the trainer writes now.
+    // The last stash's copy home may still read the slot the trainer writes now; a slot mapped
+    // ahead is ready once h2d has passed its memory's earlier users.
     if (r.written_back && !r.written_back->query()) { r.written_back->wait(s); }
+    if (!r.arrived.query()) { r.arrived.wait(s); }
     if (!r.pinned()) { go(r, coherence_move::stash); }
   } else if (!r.arrived.query()) {
     ledger_.wait_timed(r.arrived, s, options_.measure_stall);

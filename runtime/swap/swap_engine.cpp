@@ -145,7 +145,8 @@ std::size_t handoff_part_bytes(std::size_t bytes)
 void swap_engine::enqueue_fill(unit_record& r, std::uint32_t from)
 {
   const detail::unit_layout& l = r.layout;
-  const std::size_t bytes = r.params_only() ? l.params_bytes : l.travel_bytes;  // the params lie first in both
+  // The params lie first in both; a slot mapped for a stash is the trainer's to write.
+  const std::size_t bytes = r.unfilled ? 0 : r.params_only() ? l.params_bytes : l.travel_bytes;
   const std::size_t span = p_.trace != nullptr ? p_.trace->open(p_.h2d_track, "swap-in " + r.name, p_.h2d) : 0;
   const unit_record* x = from == no_handoff ? nullptr : &p_.units[from];
   const std::size_t part = x != nullptr ? x->written_part_bytes : bytes;
@@ -172,6 +173,7 @@ void swap_engine::enqueue_fill(unit_record& r, std::uint32_t from)
   }
   r.arrived.record(p_.h2d);
   r.incoming = false;  // its home block is read by h2d now, which the home tier was told
+  r.unfilled = false;
   if (p_.trace != nullptr) { p_.trace->close(span, p_.h2d); }
 }
 
@@ -389,7 +391,7 @@ bool swap_engine::make_room(const unit_record& r, std::size_t bytes, std::uint64
   }
 }
 
-bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool whole)
+bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool whole, bool fill)
 {
   // Its parameters alone are here and it must come in whole: for an acquire, that copy goes first
   // (its room may be what the whole unit needs); a prefetch keeps it until the room is found.
@@ -402,12 +404,14 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool 
   if (r.resident()) { evict(r); }
   const device_pool::mapping m = map_slot(r, bytes, whole ? r.layout.params_bytes : 0);
   r.slot = m.range;
-  go(r, whole ? detail::slot_move::swap_in_whole : detail::slot_move::swap_in_params);
+  go(r, whole ? detail::slot_move::swap_in_whole : fill ? detail::slot_move::swap_in_params : slot_move::map_params);
   add_resident(r);
-  const std::uint32_t from = handoff_from(r);  // its copy follows that write-back part by part
+  // Its copy follows that write-back part by part; a slot not filled (a stash ahead) waits for it whole.
+  const std::uint32_t from = fill ? handoff_from(r) : no_handoff;
   order_fill(r, from);
   go(r, coherence_move::fill);
-  p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes);
+  r.unfilled = !fill;
+  if (fill) { p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes); }
   if (pending_fills_.empty() && p_.pool.ready(m.ready)) {
     enqueue_fill(r, from);
   } else {
@@ -465,11 +469,16 @@ void swap_engine::prefetch()
   p_.plan.for_each_upcoming(ahead, [&](unit_id u, planned_acquisition a, std::size_t distance) {
     unit_record& r = p_.units[u.value];
     const bool whole = a.whole();
-    // An activation block's stash: its room is taken at its acquire, and the reads after it want
-    // what it writes, not what is home now.
+    // An activation block's stash: its slot is mapped ahead, not filled (the reads after it want
+    // what it writes, not what is home now).
     if (a.use == planned_use::stash) {
       stashed_ahead_.push_back(u.value);
-      return true;
+      if (r.resident() || r.policy.residency != residency::prefetch ||
+          distance > static_cast<std::size_t>(r.policy.lookahead)) {
+        return true;
+      }
+      return swap_in(r, a.position, distance == 0 ? room_for::prefetch_this_step : room_for::prefetch_later, false,
+                     false);
     }
     if (r.layout.activation &&
         std::find(stashed_ahead_.begin(), stashed_ahead_.end(), u.value) != stashed_ahead_.end()) {

@@ -57,8 +57,10 @@ class swap_engine {
     prefetch_later,  // a use in a later step: the units held now are released before it
   };
   /// Brings `r` in for the use at position `use` of the plan: its whole slot, or its parameters
-  /// alone (`whole` false, a frozen use). False where the room cannot be found.
-  bool swap_in(unit_record& r, std::uint64_t use, room_for why, bool whole);
+  /// alone (`whole` false, a frozen use). `fill` false (a prefetch for an activation block's
+  /// stash): the slot is mapped and ordered on h2d after its memory's users, nothing copied.
+  /// False where the room cannot be found.
+  bool swap_in(unit_record& r, std::uint64_t use, room_for why, bool whole, bool fill = true);
   /// A slot for an activation block's stash at `use`: mapped (the trainer thread waits for the
   /// mapping) and ready for `writer` once its memory's earlier users are done; nothing is copied,
   /// and h2d is not involved, so the write does not wait for the swap-ins queued there. False

@@ -135,7 +135,7 @@ void run_trunk(std::uint32_t seed)
       EXPECT_EQ(read_params(dev, w, s), weight_home[l]);
       rt.release(act(l), s);
       rt.release(layer(l), s);
-      EXPECT_EQ(rt.state(act(l)), unit_state::home) << "its last read frees its room";
+      if (k + 1 == steps) { EXPECT_EQ(rt.state(act(l)), unit_state::home) << "its last read frees its room"; }
     }
     const step_stats st = rt.end_step();
     EXPECT_LE(st.peak_device_bytes, o.device.budget);
@@ -171,13 +171,16 @@ TEST(activation_block, counts_in_the_plan_check_and_refuses_other_uses_before_an
                                         "an activation block");
   rt.plan(step_plan{}.acquire(a0, unit_use::stash).release(a0).acquire(a1, unit_use::stash).release(a1));
   stream s(dev);
+  const unit_state before = rt.state(a0);  // its slot mapped ahead, or not
   expect_error_mentioning<invalid_argument>([&] { (void)rt.acquire(w, s, unit_use::stash); },
                                             "not an activation block");
   expect_error_mentioning<invalid_argument>([&] { (void)rt.acquire(a0, s); }, "activation block");
-  EXPECT_EQ(rt.state(a0), unit_state::home) << "the refused acquires changed nothing";
+  EXPECT_EQ(rt.state(a0), before) << "the refused acquires changed nothing";
   (void)rt.acquire(a0, s, unit_use::stash);
   rt.release(a0, s);
-  EXPECT_EQ(rt.state(a0), unit_state::resident) << "stashed, gone home, its room kept until needed";
+  // Gone home; the budget holds one block, so the next stash's slot, mapped ahead, took its room.
+  EXPECT_EQ(rt.state(a0), unit_state::home);
+  EXPECT_EQ(rt.state(a1), unit_state::resident);
   (void)rt.acquire(a1, s, unit_use::stash);
   rt.release(a1, s);
   const step_stats st = rt.end_step();

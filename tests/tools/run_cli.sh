@@ -55,6 +55,10 @@ headroom)
   [ "$(json "$work/headroom.json" "d['max_batch_taskswap'] > d['max_batch_resident'] > 0")" = True ] || fail "taskswap's batch is not larger"
   [ "$(json "$work/headroom.json" "abs(d['predicted_max_batch_taskswap'] - d['max_batch_taskswap']) <= 0.05 * d['max_batch_taskswap']")" = True ] || fail "prediction off by more than 5 %"
   [ "$(json "$work/headroom.json" "d['step_time_ratio'] > 0")" = True ] || fail "step_time_ratio"
+  # The trunk's activations offloaded: a larger batch still, the planner's within 5 %.
+  [ "$(json "$work/headroom.json" "d['max_batch_offloaded'] > d['max_batch_taskswap']")" = True ] || fail "offloading activations gives no larger batch"
+  [ "$(json "$work/headroom.json" "abs(d['predicted_max_batch_offloaded'] - d['max_batch_offloaded']) <= 0.05 * d['max_batch_offloaded']")" = True ] || fail "offloaded prediction off by more than 5 %"
+  [ "$(json "$work/headroom.json" "d['step_time_ratio_offloaded'] > 0 and d['d2h_bytes_per_step_offloaded'] > d['d2h_bytes_per_step']")" = True ] || fail "offloaded timings"
   # With 64 KiB granules the prediction still holds: the planner counts them as the pool does.
   sed 's/^budget = .*/budget = "1 MiB"\ngranularity = "64 KiB"/' "$configs/../../tests/tools/headroom-small.toml" > "$work/granule.toml"
   "$taskswap" headroom "$work/granule.toml" --json "$work/granule.json" --rounds 1 --steps 4 > /dev/null || fail "headroom at 64 KiB granules"
@@ -65,6 +69,7 @@ headroom)
   "$taskswap" headroom "$work/stream.toml" --json "$work/stream.json" --rounds 1 --steps 4 > /dev/null || fail "headroom, streamed trunk"
   [ "$(json "$work/stream.json" "d['max_trunk_layers_streamed'] > d['max_trunk_layers_resident'] > 0")" = True ] || fail "the streamed trunk is not deeper"
   [ "$(json "$work/stream.json" "abs(d['predicted_max_trunk_layers_streamed'] - d['max_trunk_layers_streamed']) <= 0.05 * d['max_trunk_layers_streamed']")" = True ] || fail "trunk depth prediction off by more than 5 %"
+  [ "$(json "$work/stream.json" "abs(d['predicted_max_batch_offloaded'] - d['max_batch_offloaded']) <= 0.05 * d['max_batch_offloaded']")" = True ] || fail "offloaded prediction, streamed trunk, off by more than 5 %"
   ;;
 errors)
   expect_error "the configuration '$work/missing.toml' does not exist" "$taskswap" headroom "$work/missing.toml"
@@ -76,6 +81,15 @@ errors)
   sed 's/^budget = .*/budget = "400 KiB"/' "$configs/emulated.toml" > "$work/small-budget.toml"
   expect_error "the pinned units need" "$taskswap" plan "$work/small-budget.toml"
   expect_error "is not a rate" "$taskswap" plan "$configs/emulated.toml" --link-rate "fast"
+  printf '[activations]\noffload = "disk"\n' | cat "$configs/emulated.toml" - > "$work/offload-disk.toml"
+  expect_error '[activations] offload: use "host"' "$taskswap" plan "$work/offload-disk.toml"
+  # Activation blocks count in the plan check: a batch whose blocks do not fit is refused, naming them.
+  printf '[activations]\noffload = "host"\n' | cat "$configs/emulated.toml" - | sed 's/^batch = .*/batch = 4096/' > "$work/offload-big.toml"
+  expect_error "'act/0/input'" "$taskswap" plan "$work/offload-big.toml"
+  # At the configured budget the blocks stop the batch; with the rest of the device it grows past all-resident.
+  sed 's/^batch = .*/batch = 256/' "$work/offload-big.toml" > "$work/offload.toml"
+  "$taskswap" plan "$work/offload.toml" --json "$work/offload.json" > /dev/null || fail "plan, offloaded"
+  [ "$(json "$work/offload.json" "d['max_batch_offloaded'] > d['max_batch_all_resident'] > d['max_batch'] > 256")" = True ] || fail "offloaded batches"
   ;;
 *) fail "unknown case" ;;
 esac

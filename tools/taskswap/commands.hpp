@@ -68,10 +68,11 @@ int run_headroom(const headroom_args& args);
 /// trainer's workspace does not take (in 256-byte steps; 0 where it takes it all).
 [[nodiscard]] std::size_t offloaded_budget(const multitask::configuration& cfg, std::int64_t batch, int steps,
                                            std::size_t memory);
-/// The planner's largest batch with the trunk's activations offloaded and the budget what the
-/// workspace leaves of `memory` (offloaded_budget): the largest for which the plan check passes,
-/// the activation blocks counted with the units (0: none).
-[[nodiscard]] std::int64_t offloaded_batch(const multitask::configuration& cfg, int steps, std::size_t memory);
+/// The planner's largest batch with the trunk's activations offloaded: the largest for which the
+/// plan check passes, the activation blocks counted with the units, with the budget what the
+/// workspace leaves of `memory` (offloaded_budget), or `budget` beside the workspace (0: none).
+[[nodiscard]] std::int64_t offloaded_batch(const multitask::configuration& cfg, int steps, std::size_t memory,
+                                           std::optional<std::size_t> budget = std::nullopt);
 
 /// Host↔device copy rates measured with timing events, bytes per second.
 struct copy_rates {

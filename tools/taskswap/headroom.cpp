@@ -211,8 +211,9 @@ struct offloaded_arm {
   std::optional<multitask::run_result> largest;
   [[nodiscard]] double error() const
   {
-    return max_batch == 0 ? 0 : (static_cast<double>(predicted) - static_cast<double>(max_batch)) /
-                                  static_cast<double>(max_batch) * 100.0;
+    return max_batch == 0 ? 0
+                          : (static_cast<double>(predicted) - static_cast<double>(max_batch)) /
+                              static_cast<double>(max_batch) * 100.0;
   }
 };
 
@@ -317,8 +318,8 @@ trunk_depths measure_depths(headroom_search& search, const multitask::configurat
 
 // A row of the table: the label, then all-resident, taskswap, the planner's, activations
 // offloaded and the planner's for it.
-void row(const std::string& label, const std::string& resident, const std::string& swapped,
-         const std::string& planned, const std::string& offloaded, const std::string& offload_planned)
+void row(const std::string& label, const std::string& resident, const std::string& swapped, const std::string& planned,
+         const std::string& offloaded, const std::string& offload_planned)
 {
   std::printf("  %-28s %14s %14s %20s %14s %20s\n", label.c_str(), resident.c_str(), swapped.c_str(), planned.c_str(),
               offloaded.c_str(), offload_planned.c_str());

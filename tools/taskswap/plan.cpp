@@ -97,13 +97,15 @@ std::size_t offloaded_budget(const multitask::configuration& cfg, std::int64_t b
   return workspace >= memory ? 0 : (memory - workspace) / 256 * 256;
 }
 
-std::int64_t offloaded_batch(const multitask::configuration& cfg, int steps, std::size_t memory)
+std::int64_t offloaded_batch(const multitask::configuration& cfg, int steps, std::size_t memory,
+                             std::optional<std::size_t> budget)
 {
   const auto fits = [&](std::int64_t batch) {
     multitask::configuration c = cfg;
     c.model.offload_activations = true;
     c.model.batch = static_cast<int>(batch);
-    c.runtime.device.budget = offloaded_budget(c, batch, steps, memory);
+    const std::size_t left = offloaded_budget(c, batch, steps, memory);
+    c.runtime.device.budget = budget ? (*budget <= left ? *budget : 0) : left;
     if (c.runtime.device.budget == 0 || batch < c.model.tasks_per_step) { return false; }
     try {
       (void)make_plan(model_plan_input(c, steps, 0));
@@ -257,7 +259,10 @@ void print_plan(const plan_report& r, const std::string& name)
               b(static_cast<double>(r.fixed_bytes)).c_str(), b(static_cast<double>(r.bytes_per_sample)).c_str());
   std::printf("  %-34s %s\n", "largest batch (these policies)", batch_text(r.max_batch, known).c_str());
   std::printf("  %-34s %s\n", "largest batch (all resident)", batch_text(r.max_batch_all_resident, known).c_str());
-  if (r.budget > r.peak_device_bytes) {
+  if (r.max_batch_offloaded) {
+    std::printf("  %-34s %lld\n", "largest batch (budget = the rest)", static_cast<long long>(*r.max_batch_offloaded));
+  }
+  if (r.budget > r.peak_device_bytes && !r.max_batch_offloaded) {  // offloaded: the peak grows with the batch
     std::printf("  note: this plan peaks at %s; a budget that size leaves %s more for activations\n",
                 b(static_cast<double>(r.peak_device_bytes)).c_str(),
                 b(static_cast<double>(r.budget - r.peak_device_bytes)).c_str());
@@ -266,39 +271,41 @@ void print_plan(const plan_report& r, const std::string& name)
 
 void write_plan_json(const plan_report& r, const std::string& name, const std::string& path)
 {
-  nlohmann::json j{{"config", name},
-                   {"units", r.units},
-                   {"pinned_units", r.pinned_units},
-                   {"steps", r.steps},
-                   {"budget", r.budget},
-                   {"peak_device_bytes", r.peak_device_bytes},
-                   {"pinned_device_bytes", r.pinned_device_bytes},
-                   {"granule", r.granule},
-                   {"rounding_bytes", r.rounding_bytes},
-                   {"all_resident_bytes", r.all_resident_bytes},
-                   {"pinned_host_bytes", r.pinned_host_bytes},
-                   {"h2d_bytes_per_step", r.h2d_bytes_per_step},
-                   {"d2h_bytes_per_step", r.d2h_bytes_per_step},
-                   {"swap_ins_per_step", r.swap_ins_per_step},
-                   {"link_bytes_per_second", r.link_bytes_per_second},
-                   {"link_source", r.link_source},
-                   {"transfer_ms_per_step", r.transfer_ms_per_step},
-                   {"disk_units", r.disk_units},
-                   {"disk_bytes", r.disk_bytes},
-                   {"host_cache_bytes", r.host_cache_bytes},
-                   {"host_cache_step_bytes", r.host_cache_step_bytes},
-                   {"disk_read_bytes_per_step", r.disk_read_bytes_per_step},
-                   {"disk_write_bytes_per_step", r.disk_write_bytes_per_step},
-                   {"disk_read_bytes_per_second", r.disk_read_bytes_per_second},
-                   {"disk_write_bytes_per_second", r.disk_write_bytes_per_second},
-                   {"disk_ms_per_step", r.disk_ms_per_step},
-                   {"disk_source", r.disk_source},
-                   {"device_memory", r.device_memory},
-                   {"fixed_bytes", r.fixed_bytes},
-                   {"bytes_per_sample", r.bytes_per_sample},
-                   {"max_batch", r.max_batch ? nlohmann::json(*r.max_batch) : nlohmann::json(nullptr)},
-                   {"max_batch_all_resident",
-                    r.max_batch_all_resident ? nlohmann::json(*r.max_batch_all_resident) : nlohmann::json(nullptr)}};
+  nlohmann::json j{
+    {"config", name},
+    {"units", r.units},
+    {"pinned_units", r.pinned_units},
+    {"steps", r.steps},
+    {"budget", r.budget},
+    {"peak_device_bytes", r.peak_device_bytes},
+    {"pinned_device_bytes", r.pinned_device_bytes},
+    {"granule", r.granule},
+    {"rounding_bytes", r.rounding_bytes},
+    {"all_resident_bytes", r.all_resident_bytes},
+    {"pinned_host_bytes", r.pinned_host_bytes},
+    {"h2d_bytes_per_step", r.h2d_bytes_per_step},
+    {"d2h_bytes_per_step", r.d2h_bytes_per_step},
+    {"swap_ins_per_step", r.swap_ins_per_step},
+    {"link_bytes_per_second", r.link_bytes_per_second},
+    {"link_source", r.link_source},
+    {"transfer_ms_per_step", r.transfer_ms_per_step},
+    {"disk_units", r.disk_units},
+    {"disk_bytes", r.disk_bytes},
+    {"host_cache_bytes", r.host_cache_bytes},
+    {"host_cache_step_bytes", r.host_cache_step_bytes},
+    {"disk_read_bytes_per_step", r.disk_read_bytes_per_step},
+    {"disk_write_bytes_per_step", r.disk_write_bytes_per_step},
+    {"disk_read_bytes_per_second", r.disk_read_bytes_per_second},
+    {"disk_write_bytes_per_second", r.disk_write_bytes_per_second},
+    {"disk_ms_per_step", r.disk_ms_per_step},
+    {"disk_source", r.disk_source},
+    {"device_memory", r.device_memory},
+    {"fixed_bytes", r.fixed_bytes},
+    {"bytes_per_sample", r.bytes_per_sample},
+    {"max_batch", r.max_batch ? nlohmann::json(*r.max_batch) : nlohmann::json(nullptr)},
+    {"max_batch_offloaded", r.max_batch_offloaded ? nlohmann::json(*r.max_batch_offloaded) : nlohmann::json(nullptr)},
+    {"max_batch_all_resident",
+     r.max_batch_all_resident ? nlohmann::json(*r.max_batch_all_resident) : nlohmann::json(nullptr)}};
   write_json(j, path);
 }
 
@@ -312,7 +319,16 @@ int run_plan(const plan_args& args)
   plan_input in = model_plan_input(cfg, steps, device_memory_for(cfg, args.device_memory));
   if (args.bytes_per_sample) { in.bytes_per_sample = *args.bytes_per_sample; }
   set_rates(args, cfg, name, in);
-  const plan_report r = make_plan(in);
+  plan_report r = make_plan(in);
+  if (cfg.model.offload_activations && in.device_memory > 0) {
+    // The activation blocks grow with the batch, in the budget: the largest batch is where the plan
+    // check or the workspace beside the budget stops it; all-resident keeps its activations.
+    r.max_batch = offloaded_batch(cfg, steps, in.device_memory, cfg.runtime.device.budget);
+    r.max_batch_offloaded = offloaded_batch(cfg, steps, in.device_memory);
+    multitask::configuration kept = cfg;
+    kept.model.offload_activations = false;
+    r.max_batch_all_resident = make_plan(model_plan_input(kept, steps, in.device_memory)).max_batch_all_resident;
+  }
   print_plan(r, name);
   if (!args.json.empty()) { write_plan_json(r, name, args.json); }
   return 0;

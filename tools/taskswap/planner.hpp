@@ -77,6 +77,9 @@ struct plan_report {
   std::size_t fixed_bytes = 0;
   std::optional<std::int64_t> max_batch;  ///< beside the budget
   std::optional<std::int64_t> max_batch_all_resident;  ///< beside every unit resident
+  /// With the trunk's activations offloaded ([activations] offload): the batch whose blocks and
+  /// workspace fill the device, the budget what the workspace leaves (`taskswap plan` sets it).
+  std::optional<std::int64_t> max_batch_offloaded;
 };
 
 /// Predicts. Checks what the runtime would refuse, with the same words.
