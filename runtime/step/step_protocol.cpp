@@ -97,13 +97,13 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
                              "(runtime::plan), since the ranks agree on each step's units when it is planned"));
     ledger_.unplanned();
   }
-  if (r.resident_for(whole)) {
+  // A block mapped for a stash not made holds nothing to read: a read brings the home in.
+  if (r.resident_for(whole) && (stash || !r.unwritten)) {
     if (!stash) { ledger_.hit(); }
   } else {
     if (!stash) { ledger_.miss(); }  // a stash copies nothing in
     const std::uint64_t at = planned ? planned->position : 0;
-    if (stash ? !swap_->map_for_stash(r, at, s)
-              : !swap_->swap_in(r, at, detail::swap_engine::room_for::acquire, whole)) {
+    if (!swap_->swap_in(r, at, detail::swap_engine::room_for::acquire, whole, !stash)) {
       const std::size_t budget = options_.device.budget;
       const std::size_t needed =
         residency_.model->charged(r.index, whole ? r.layout.device_bytes : r.layout.params_bytes);
@@ -128,9 +128,10 @@ void runtime::impl::acquire(unit_record& r, stream_view s, phase_move m, bool as
   }
   if (stash) {
     // The last stash's copy home may still read the slot the trainer writes now; a slot mapped
-    // ahead is ready once h2d has passed its memory's earlier users.
+    // for it is ready once h2d has passed its memory's earlier users (its `arrived`).
     if (r.written_back && !r.written_back->query()) { r.written_back->wait(s); }
     if (!r.arrived.query()) { r.arrived.wait(s); }
+    r.unwritten = false;
     if (!r.pinned()) { go(r, coherence_move::stash); }
   } else if (!r.arrived.query()) {
     ledger_.wait_timed(r.arrived, s, options_.measure_stall);

@@ -59,7 +59,7 @@ void swap_engine::flush_h2d_waits()
 // write-back. The write-back of `from`, which r follows part by part (Note [Handoff]), is
 // dropped, and so is a finished one. Past 64 waits, or where the sharers cannot be told, all
 // of them are flushed.
-void swap_engine::flush_waits_for(const unit_record& r, std::uint32_t from, stream_view to)
+void swap_engine::flush_h2d_waits_for(const unit_record& r, std::uint32_t from)
 {
   const bool known = !r.packed && h2d_waits_.size() <= 64 && p_.pool.sharers(r.pool_slot, sharers_);
   const event* handed = from != no_handoff ? &*p_.units[from].written_back : nullptr;
@@ -69,7 +69,7 @@ void swap_engine::flush_waits_for(const unit_record& r, std::uint32_t from, stre
     const bool shares = !known || w.unit == no_handoff || w.unit == r.index ||
                         std::find(sharers_.begin(), sharers_.end(), p_.units[w.unit].pool_slot) != sharers_.end();
     if (shares) {
-      w.e->wait(to);
+      w.e->wait(p_.h2d);
     } else {
       *kept++ = w;
     }
@@ -108,7 +108,7 @@ void swap_engine::order_fill(const unit_record& r, std::uint32_t from)
   if (from == all_waits) {
     flush_h2d_waits();
   } else {
-    flush_waits_for(r, from, p_.h2d);
+    flush_h2d_waits_for(r, from);
   }
   for (const std::optional<event>* e : {&r.written_back, &r.host_updated}) {
     if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(p_.h2d); }
@@ -146,7 +146,7 @@ void swap_engine::enqueue_fill(unit_record& r, std::uint32_t from)
 {
   const detail::unit_layout& l = r.layout;
   // The params lie first in both; a slot mapped for a stash is the trainer's to write.
-  const std::size_t bytes = r.unfilled ? 0 : r.params_only() ? l.params_bytes : l.travel_bytes;
+  const std::size_t bytes = r.unwritten ? 0 : r.params_only() ? l.params_bytes : l.travel_bytes;
   const std::size_t span = p_.trace != nullptr ? p_.trace->open(p_.h2d_track, "swap-in " + r.name, p_.h2d) : 0;
   const unit_record* x = from == no_handoff ? nullptr : &p_.units[from];
   const std::size_t part = x != nullptr ? x->written_part_bytes : bytes;
@@ -173,7 +173,6 @@ void swap_engine::enqueue_fill(unit_record& r, std::uint32_t from)
   }
   r.arrived.record(p_.h2d);
   r.incoming = false;  // its home block is read by h2d now, which the home tier was told
-  r.unfilled = false;
   if (p_.trace != nullptr) { p_.trace->close(span, p_.h2d); }
 }
 
@@ -265,6 +264,7 @@ void swap_engine::evict(unit_record& r)
   }
   p_.pool.unmap(r.pool_slot);
   r.slot.reset();
+  r.unwritten = false;
   go(r, slot_move::evict);
   go(r, coherence_move::drop);
   remove_resident(r);
@@ -410,7 +410,7 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool 
   const std::uint32_t from = fill ? handoff_from(r) : no_handoff;
   order_fill(r, from);
   go(r, coherence_move::fill);
-  r.unfilled = !fill;
+  r.unwritten = !fill;
   if (fill) { p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes); }
   if (pending_fills_.empty() && p_.pool.ready(m.ready)) {
     enqueue_fill(r, from);
@@ -418,22 +418,6 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool 
     pending_fills_.push_back({r.index, m.ready, from});
     reading.keep();  // the host cache keeps its home block until the copy is queued
   }
-  note_device_bytes();
-  return true;
-}
-
-bool swap_engine::map_for_stash(unit_record& r, std::uint64_t use, stream_view writer)
-{
-  const std::size_t bytes = r.layout.params_bytes;
-  room_victims_.clear();
-  if (!make_room(r, bytes, use, room_for::acquire)) { return false; }
-  const device_pool::mapping m = map_slot(r, bytes, 0);
-  p_.pool.wait(m.ready);  // written next, on `writer`
-  r.slot = m.range;
-  go(r, slot_move::map_params);
-  add_resident(r);
-  flush_waits_for(r, no_handoff, writer);  // the earlier users of its memory, on whichever stream
-  r.arrived.record(writer);
   note_device_bytes();
   return true;
 }
@@ -484,7 +468,7 @@ void swap_engine::prefetch()
         std::find(stashed_ahead_.begin(), stashed_ahead_.end(), u.value) != stashed_ahead_.end()) {
       return true;
     }
-    if (r.resident_for(whole)) { return true; }
+    if (r.resident_for(whole) && !r.unwritten) { return true; }  // unwritten: mapped for a stash not made
     if (r.policy.residency != residency::prefetch) { return true; }
     if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }
     if (r.held()) { return false; }  // its parameters are in use: it comes in whole at its acquire, first

@@ -57,15 +57,11 @@ class swap_engine {
     prefetch_later,  // a use in a later step: the units held now are released before it
   };
   /// Brings `r` in for the use at position `use` of the plan: its whole slot, or its parameters
-  /// alone (`whole` false, a frozen use). `fill` false (a prefetch for an activation block's
-  /// stash): the slot is mapped and ordered on h2d after its memory's users, nothing copied.
-  /// False where the room cannot be found.
+  /// alone (`whole` false, a frozen use). `fill` false (an activation block's stash, or a
+  /// prefetch for one): the slot is mapped and ordered on h2d after its memory's earlier users as
+  /// a fill is (its `arrived` follows them), nothing copied, and it stays `unwritten` until the
+  /// stash's acquire. False where the room cannot be found.
   bool swap_in(unit_record& r, std::uint64_t use, room_for why, bool whole, bool fill = true);
-  /// A slot for an activation block's stash at `use`: mapped (the trainer thread waits for the
-  /// mapping) and ready for `writer` once its memory's earlier users are done; nothing is copied,
-  /// and h2d is not involved, so the write does not wait for the swap-ins queued there. False
-  /// where the room cannot be found.
-  bool map_for_stash(unit_record& r, std::uint64_t use, stream_view writer);
   /// A zeroed gradient slab alone for `r` (a host update of another rank's training), for an
   /// acquire at `use`, ready for `user` to read. False where the room cannot be found.
   bool swap_in_grads(unit_record& r, std::uint64_t use, stream_view user);
@@ -95,8 +91,7 @@ class swap_engine {
   /// the units whose memory its slot took, but for the write-back of `from` (no_handoff: none).
   void order_fill(const unit_record& r, std::uint32_t from);
   static constexpr std::uint32_t all_waits = no_handoff - 1;
-  /// Puts on `to` the pending waits for the memory r's slot now holds (all but from's write-back).
-  void flush_waits_for(const unit_record& r, std::uint32_t from, stream_view to);
+  void flush_h2d_waits_for(const unit_record& r, std::uint32_t from);
   void enqueue_fill(unit_record& r, std::uint32_t from);
   [[nodiscard]] std::uint32_t handoff_from(const unit_record& r) const;
   unit_record* pick_victim(const unit_record& coming, std::uint64_t use, room_for why);

@@ -33,7 +33,9 @@ struct unit_record {
   std::size_t held_bytes = 0;  // what its acquisition takes of the budget (an error names the sum)
   std::int64_t step = 0;
   bool incoming = false;  // being swapped in: its home block is read now, so the host cache keeps it
-  bool unfilled = false;  // mapped ahead for a stash: its fill copies nothing
+  // An activation block's slot mapped for a stash and not yet written: its fill copies nothing,
+  // and a read before the stash brings the home instead (the slot holds nothing of it).
+  bool unwritten = false;
   bool home_written = false;  // home() was taken before start and since derive_params(): its params are derived
   std::uint64_t last_release = 0;
   std::size_t resident_index = 0;  // in swap_engine's resident set

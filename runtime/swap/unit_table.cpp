@@ -32,7 +32,8 @@ void unit_table::check_all(const char* call, bool step_ended, step_path path) co
   if (!check_states_) { return; }
   for (const unit_record& r : records_) {
     const unit_states& s = r.st;
-    const std::string_view wrong = inconsistency(s, r.policy.optimizer == optimizer_placement::host, r.pinned(), path);
+    const std::string_view wrong =
+      inconsistency(s, r.policy.optimizer == optimizer_placement::host, r.pinned(), path, r.layout.activation);
     const bool left_held = step_ended && s.phase != step_phase::idle;
     if (!wrong.empty() || left_held) {
       throw error(message("taskswap internal error: after ", call, " unit '", r.name, "' is ", to_string(s.content),

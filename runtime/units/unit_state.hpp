@@ -329,16 +329,17 @@ struct unit_states {
 };
 
 /// What a unit's states must satisfy between the runtime's calls, for a unit whose optimizer is
-/// on the host (`host_update`) or the device, pinned or not, on path `p`. Empty where they do;
+/// on the host (`host_update`) or the device, pinned or not, an activation block or not, on path
+/// `p`. Empty where they do;
 /// else the rule they break.
-[[nodiscard]] constexpr std::string_view inconsistency(const unit_states& s, bool host_update, bool pinned,
-                                                       step_path p) noexcept
+[[nodiscard]] constexpr std::string_view inconsistency(const unit_states& s, bool host_update, bool pinned, step_path p,
+                                                       bool activation = false) noexcept
 {
   if ((path_phases[static_cast<std::size_t>(p)] & bit(s.phase)) == 0) { return "a phase its step path never reaches"; }
   if (s.content == slot_content::none && s.coh != coherence::clean) { return "no slot, yet not clean"; }
   // An activation block held for its stash: its parameter slab is written on the device.
-  const bool stashing =
-    s.content == slot_content::params && s.phase == step_phase::frozen && s.coh == coherence::device_newer;
+  const bool stashing = activation && s.content == slot_content::params && s.phase == step_phase::frozen &&
+                        s.coh == coherence::device_newer;
   if (s.coh == coherence::device_newer && (s.content != slot_content::whole || host_update) && !stashing) {
     return "device_newer without a whole slot updated on the device, or a stash";
   }

@@ -199,6 +199,40 @@ TEST(activation_block, counts_in_the_plan_check_and_refuses_other_uses_before_an
   std::filesystem::remove_all(d.storage.path);
 }
 
+// A slot the prefetch mapped for a stash holds nothing: a read the plan did not foresee before the
+// stash brings what the last stash sent home, not what another block left in that memory (a
+// budget of one granule, shared memory as CUDA's physical pages: both take the same memory in turn).
+TEST(activation_block, a_read_before_a_planned_stash_reads_the_home)
+{
+  const device dev = emulated_device({.memory_bytes = 4 * MiB, .granularity = 64 * KiB});
+  std::vector<unit_spec> units{block("act/0", 12 * KiB), block("act/1", 12 * KiB)};  // 48 KiB: not packed
+  runtime_options o;
+  o.device.budget = 64 * KiB;
+  runtime rt(dev, o, units);
+  const unit_id a0{0};
+  const unit_id a1{1};
+  const auto stash_then_read = [](unit_id a) {
+    return step_plan{}.acquire(a, unit_use::stash).release(a).acquire(a, unit_use::frozen).release(a);
+  };
+  rt.plan(std::vector<step_plan>{stash_then_read(a0), stash_then_read(a1), stash_then_read(a0)});
+  stream s(dev);
+  std::vector<std::vector<std::byte>> written;
+  for (const unit_id a : {a0, a1}) {
+    const unit_view w = rt.acquire(a, s, unit_use::stash);
+    written.push_back(random_bytes(w.params.bytes(), 5 + a.value));
+    copy_async(device_span(&dev.backend(), static_cast<std::byte*>(w.params.data), written.back().size()),
+               std::span<const std::byte>(written.back()), s);
+    rt.release(a, s);
+    EXPECT_EQ(read_params(dev, rt.acquire(a, s, unit_use::frozen), s), written.back());
+    rt.release(a, s);
+    (void)rt.end_step();
+  }
+  ASSERT_EQ(rt.state(a0), unit_state::resident) << "the next stash's slot mapped ahead";
+  EXPECT_EQ(read_params(dev, rt.acquire(a0, s, unit_use::frozen), s), written[0]) << "the home, not act/1's bytes";
+  rt.release(a0, s);
+  (void)rt.end_step();
+}
+
 TEST(activation_block, is_left_out_of_checkpoints)
 {
   const device dev = emulated_device({.memory_bytes = 4 * MiB});

@@ -248,6 +248,11 @@ TEST(unit_state, consistency_rules)
   EXPECT_NE(ok({slot_content::whole, coherence::home_newer, sp::idle}, false, false, step_path::local), "");
   EXPECT_NE(ok({slot_content::params, coherence::home_newer, sp::frozen}, true, false, step_path::local), "");
   EXPECT_NE(ok({slot_content::params, coherence::clean, sp::train}, false, false, step_path::local), "");
+  // A stash in progress: an activation block's parameter slab written on the device, and no other unit's.
+  EXPECT_EQ(
+    inconsistency({slot_content::params, coherence::device_newer, sp::frozen}, false, false, step_path::local, true),
+    "");
+  EXPECT_NE(ok({slot_content::params, coherence::device_newer, sp::frozen}, false, false, step_path::local), "");
   EXPECT_NE(ok({slot_content::none, coherence::clean, sp::frozen}, false, false, step_path::local), "");
   EXPECT_NE(ok({slot_content::params, coherence::clean, sp::idle}, false, true, step_path::local), "");
   EXPECT_NE(ok({slot_content::whole, coherence::clean, sp::stepped_local}, false, false, step_path::reduced), "");
