@@ -204,9 +204,11 @@ struct trainer::impl {
       auto& v = tv[static_cast<std::size_t>(l)];
       if (streamed) { v = rt.acquire(u, compute, taskswap::unit_use::frozen); }
       if (offload) {  // its input kept in its block (two blocks held at once, not three)
-        float* input = block(2 * l, taskswap::unit_use::stash);
-        const std::size_t bytes = static_cast<std::size_t>(b) * static_cast<std::size_t>(d) * sizeof(float);
-        taskswap::copy_async(device_span(input, bytes), const_device_span(act(l), bytes), compute);
+        const taskswap::device_span input =
+          rt.acquire(blocks[2 * static_cast<std::size_t>(l)], compute, taskswap::unit_use::stash)
+            .param_tensor(0)
+            .memory;
+        taskswap::copy_async(input, in_workspace(act(l), input.size()), compute);
         branch[static_cast<std::size_t>(l)] = block(2 * l + 1, taskswap::unit_use::stash);
       }
       // A residual block: h_{l+1} = h_l + r_l, r_l = relu(h_l W_l + b_l).
@@ -308,10 +310,8 @@ struct trainer::impl {
   {
     const std::size_t off = static_cast<std::size_t>(first) * per_step() * sizeof(float);
     const std::size_t n = static_cast<std::size_t>(end - first) * per_step() * sizeof(float);
-    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a float's place in bytes
-    const auto* at = reinterpret_cast<std::byte*>(losses + static_cast<std::size_t>(first) * per_step());
-    const auto from = static_cast<std::size_t>(at - workspace.data());
-    taskswap::copy_async(losses_home.span().subspan(off, n), workspace.span().subspan(from, n), compute);
+    taskswap::copy_async(losses_home.span().subspan(off, n),
+                         in_workspace(losses + static_cast<std::size_t>(first) * per_step(), n), compute);
   }
 
   [[nodiscard]] const float* host_losses() const
@@ -343,15 +343,12 @@ struct trainer::impl {
   {
     return static_cast<float*>(rt.acquire(blocks[static_cast<std::size_t>(i)], compute, use).params.data);
   }
-  [[nodiscard]] taskswap::device_span device_span(float* p, std::size_t bytes) const
+  // `bytes` of the workspace from `p` (in one of its buffers), as a device range.
+  [[nodiscard]] taskswap::device_span in_workspace(const float* p, std::size_t bytes)
   {
-    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): device memory as bytes
-    return {&dev.backend(), reinterpret_cast<std::byte*>(p), bytes};
-  }
-  [[nodiscard]] taskswap::const_device_span const_device_span(const float* p, std::size_t bytes) const
-  {
-    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): device memory as bytes
-    return {&dev.backend(), reinterpret_cast<const std::byte*>(p), bytes};
+    // NOLINTNEXTLINE(cppcoreguidelines-pro-type-reinterpret-cast): a float's place in bytes
+    const auto from = static_cast<std::size_t>(reinterpret_cast<const std::byte*>(p) - workspace.data());
+    return workspace.span().subspan(from, bytes);
   }
   void release_blocks(int l)
   {

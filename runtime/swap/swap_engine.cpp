@@ -258,8 +258,8 @@ void swap_engine::evict(unit_record& r)
   } else {
     r.written_part_count = 0;  // no write-back of this eviction to take its extents behind
     if (r.released.recorded()) { h2d_waits_.push_back({r.index, &r.released}); }
-    // An activation block written home at its stash's release may still be read by that copy.
-    if (r.layout.activation && r.written_back) { h2d_waits_.push_back({r.index, &*r.written_back}); }
+    // A write-back still in flight (an activation block's, sent at its stash's release) reads the slot.
+    if (r.written_back && !r.written_back->query()) { h2d_waits_.push_back({r.index, &*r.written_back}); }
     if (r.host_stepped()) { h2d_waits_.push_back({r.index, &*r.grads_copied}); }
   }
   p_.pool.unmap(r.pool_slot);
@@ -453,27 +453,22 @@ void swap_engine::prefetch()
   p_.plan.for_each_upcoming(ahead, [&](unit_id u, planned_acquisition a, std::size_t distance) {
     unit_record& r = p_.units[u.value];
     const bool whole = a.whole();
-    // An activation block's stash: its slot is mapped ahead, not filled (the reads after it want
-    // what it writes, not what is home now).
-    if (a.use == planned_use::stash) {
+    // An activation block's stash: its slot is mapped ahead, not filled; the reads after it want
+    // what it writes, not what is home now. A slot mapped for a stash not made is no read's copy.
+    const bool stash = a.use == planned_use::stash;
+    if (stash) {
       stashed_ahead_.push_back(u.value);
-      if (r.resident() || r.policy.residency != residency::prefetch ||
-          distance > static_cast<std::size_t>(r.policy.lookahead)) {
-        return true;
-      }
-      return swap_in(r, a.position, distance == 0 ? room_for::prefetch_this_step : room_for::prefetch_later, false,
-                     false);
-    }
-    if (r.layout.activation &&
-        std::find(stashed_ahead_.begin(), stashed_ahead_.end(), u.value) != stashed_ahead_.end()) {
+    } else if (r.layout.activation &&
+               std::find(stashed_ahead_.begin(), stashed_ahead_.end(), u.value) != stashed_ahead_.end()) {
       return true;
     }
-    if (r.resident_for(whole) && !r.unwritten) { return true; }  // unwritten: mapped for a stash not made
+    if (stash ? r.resident() : r.resident_for(whole) && !r.unwritten) { return true; }
     if (r.policy.residency != residency::prefetch) { return true; }
     if (distance > static_cast<std::size_t>(r.policy.lookahead)) { return true; }
     if (r.held()) { return false; }  // its parameters are in use: it comes in whole at its acquire, first
     if (!r.home_ready()) { return false; }  // a disk home still being read: the next prefetch comes back to it
-    return swap_in(r, a.position, distance == 0 ? room_for::prefetch_this_step : room_for::prefetch_later, whole);
+    return swap_in(r, a.position, distance == 0 ? room_for::prefetch_this_step : room_for::prefetch_later, whole,
+                   !stash);
   });
 }
 

@@ -14,7 +14,9 @@
 namespace {
 
 using namespace taskswap;
+using taskswap::test::expect_traffic_near;
 using taskswap::test::input;
+using taskswap::test::run_calls;
 using taskswap::test::unit;
 
 }  // namespace
@@ -61,31 +63,12 @@ TEST(planner, ordered_steps_replay_activation_blocks_as_the_runtime_runs_them)
     runtime rt(dev, in.options, units);
     rt.plan(in.ordered);
     const stream st(dev);
-    std::size_t peak = 0;
-    for (const step_plan& p : in.ordered) {
-      std::vector<unit_id> trained;
-      for (const step_plan::entry& e : p.entries()) {
-        if (e.acquire) {
-          (void)rt.acquire(e.unit, st, e.use);
-          if (e.use == unit_use::train) { trained.push_back(e.unit); }
-          continue;
-        }
-        if (std::find(trained.begin(), trained.end(), e.unit) != trained.end()) { rt.step(e.unit, st); }
-        rt.release(e.unit, st);
-      }
-      peak = std::max(peak, rt.end_step().peak_device_bytes);
-    }
-    EXPECT_LE(peak, in.options.device.budget) << what;
+    EXPECT_LE(run_calls(rt, in.ordered, st), in.options.device.budget) << what;
     const step_stats total = rt.stats().total;
     const auto n = static_cast<double>(in.ordered.size());
     // Every stash goes home, beside the layers' write-backs.
     EXPECT_GE(static_cast<double>(total.d2h_bytes), n * layers * static_cast<double>(block)) << what;
-    const double within = policy == residency::on_demand ? 0.0 : 0.15;
-    for (const auto& [planned, ran, name] : {std::tuple{r.swap_ins_per_step * n, total.swap_ins, "swap-ins"},
-                                             std::tuple{r.h2d_bytes_per_step * n, total.h2d_bytes, "h2d bytes"},
-                                             std::tuple{r.d2h_bytes_per_step * n, total.d2h_bytes, "d2h bytes"}}) {
-      EXPECT_NEAR(planned, static_cast<double>(ran), within * static_cast<double>(ran)) << name << ", " << what;
-    }
+    expect_traffic_near(r, total, n, policy == residency::on_demand ? 0.0 : 0.15, what);
     rt.flush();
   }
 }

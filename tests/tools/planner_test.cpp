@@ -18,7 +18,9 @@ namespace {
 
 using namespace taskswap;
 using taskswap::test::expect_error_mentioning;
+using taskswap::test::expect_traffic_near;
 using taskswap::test::input;
+using taskswap::test::run_calls;
 using taskswap::test::unit;
 
 TEST(planner, replays_belady_over_a_known_schedule)
@@ -381,40 +383,11 @@ TEST(planner, ordered_steps_replay_a_streamed_trunk_as_the_runtime_runs_it)
     runtime rt(dev, in.options, units);
     rt.plan(in.ordered);
     const stream st(dev);
-    for (const step_plan& p : in.ordered) {
-      std::vector<unit_id> trained;  // held for a trained use: stepped before its release
-      const auto let_go = [&](unit_id u) {
-        const auto it = std::find(trained.begin(), trained.end(), u);
-        if (it != trained.end()) {
-          rt.step(u, st);
-          trained.erase(it);
-        }
-        rt.release(u, st);
-      };
-      std::vector<unit_id> held;
-      for (const step_plan::entry& e : p.entries()) {
-        if (!e.acquire) {
-          let_go(e.unit);
-          held.erase(std::find(held.begin(), held.end(), e.unit));
-          continue;
-        }
-        (void)rt.acquire(e.unit, st, e.use);
-        held.push_back(e.unit);
-        if (e.use == unit_use::train) { trained.push_back(e.unit); }
-      }
-      for (const unit_id u : held) { let_go(u); }  // held to the step's end
-      (void)rt.end_step();
-    }
-    const step_stats total = rt.stats().total;
-    const auto n = static_cast<double>(in.ordered.size());
+    (void)run_calls(rt, in.ordered, st);
     // On demand the replay is the runtime's own rule at each use: equal. A prefetch decides a
     // step's evictions earlier, with what the plan says then: within 15 % here.
-    const double within = policy == residency::on_demand ? 0.0 : 0.15;
-    for (const auto& [planned, ran, name] : {std::tuple{r.swap_ins_per_step * n, total.swap_ins, "swap-ins"},
-                                             std::tuple{r.h2d_bytes_per_step * n, total.h2d_bytes, "h2d bytes"},
-                                             std::tuple{r.d2h_bytes_per_step * n, total.d2h_bytes, "d2h bytes"}}) {
-      EXPECT_NEAR(planned, static_cast<double>(ran), within * static_cast<double>(ran)) << name << ", " << what;
-    }
+    expect_traffic_near(r, rt.stats().total, static_cast<double>(in.ordered.size()),
+                        policy == residency::on_demand ? 0.0 : 0.15, what);
     rt.flush();
   }
 }

@@ -11,6 +11,7 @@
 
 #include <cstddef>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <string>
 
@@ -64,6 +65,12 @@ int run_headroom(const headroom_args& args);
 
 /// The planner's input for the sample model of `cfg` over `steps` steps of rank 0's schedule.
 [[nodiscard]] plan_input model_plan_input(const multitask::configuration& cfg, int steps, std::size_t device_memory);
+/// The largest value for which `fits` holds (0: none): gallops up from `start` (doubling, to
+/// `limit`) until one does not fit, then bisects to one (or, with `fraction` > 0, to within
+/// 1/fraction of the result). @throws invalid_argument naming `what` when `limit` still fits
+[[nodiscard]] std::int64_t largest_fitting(std::int64_t start, std::int64_t limit,
+                                           const std::function<bool(std::int64_t)>& fits, std::int64_t fraction,
+                                           const std::string& what);
 /// With the trunk's activations offloaded, the budget a batch leaves of `memory`: what the
 /// trainer's workspace does not take (in 256-byte steps; 0 where it takes it all).
 [[nodiscard]] std::size_t offloaded_budget(const multitask::configuration& cfg, std::int64_t batch, int steps,

@@ -86,7 +86,7 @@ class headroom_search {
   // The largest batch with the trunk's activations offloaded.
   std::int64_t search_offloaded(std::int64_t& probes)
   {
-    return largest(
+    return largest_fitting(
       64, std::int64_t{1} << 26,
       [&](std::int64_t batch) {
         ++probes;
@@ -110,7 +110,7 @@ class headroom_search {
     };
     // Exact to one sample, or to 0.1 % where the batches are large (each probe at a GPU's batch
     // sizes re-pins the home arena and runs real steps).
-    const std::int64_t fits = largest(64, std::int64_t{1} << 26, probe, 1000, "batch");
+    const std::int64_t fits = largest_fitting(64, std::int64_t{1} << 26, probe, 1000, "batch");
     if (fits == 0) { throw out_of_memory(a.name + ": not even a batch of 1 fits: " + last_oom_, 0, 0, memory_); }
     a.max_batch = fits;
   }
@@ -120,7 +120,7 @@ class headroom_search {
   std::int64_t deepest_trunk(bool all_resident, std::int64_t& probes)
   {
     const std::string name = all_resident ? "all-resident" : "streamed";
-    return largest(
+    return largest_fitting(
       1, 1 << 16,
       [&](std::int64_t layers) {
         ++probes;
@@ -132,30 +132,6 @@ class headroom_search {
         return try_model(o, m, m.batch, args_.probe_steps).has_value();
       },
       0, "a trunk of layers");
-  }
-
-  // The largest value for which `fits` holds (0: none): gallops up from `start` until one does
-  // not fit, then bisects to one (or, with `fraction` > 0, to within 1/fraction of the result).
-  static std::int64_t largest(std::int64_t start, std::int64_t limit, const std::function<bool(std::int64_t)>& fits,
-                              std::int64_t fraction, const std::string& what)
-  {
-    std::int64_t fit = 0;
-    std::int64_t fails = -1;
-    for (std::int64_t v = start; fails < 0 && v <= limit; v *= 2) {
-      if (fits(v)) {
-        fit = v;
-      } else {
-        fails = v;
-      }
-    }
-    if (fails < 0) {
-      throw invalid_argument(what + " of " + std::to_string(fit) + " still fits; the search stops there");
-    }
-    while (fails - fit > std::max<std::int64_t>(1, fraction > 0 ? fit / fraction : 1)) {
-      const std::int64_t mid = fit + (fails - fit) / 2;
-      (fits(mid) ? fit : fails) = mid;
-    }
-    return fit;
   }
 
   void progress(const std::string& line)
@@ -300,7 +276,7 @@ trunk_depths measure_depths(headroom_search& search, const multitask::configurat
   trunk_depths d;
   d.resident = search.deepest_trunk(true, d.probes);
   d.streamed = search.deepest_trunk(false, d.probes);
-  d.predicted = headroom_search::largest(
+  d.predicted = largest_fitting(
     1, 1 << 16,
     [&](std::int64_t layers) {
       multitask::configuration c = cfg;

@@ -90,6 +90,28 @@ plan_input model_plan_input(const multitask::configuration& cfg, int steps, std:
   return in;
 }
 
+std::int64_t largest_fitting(std::int64_t start, std::int64_t limit, const std::function<bool(std::int64_t)>& fits,
+                             std::int64_t fraction, const std::string& what)
+{
+  std::int64_t fit = 0;
+  std::int64_t fails = -1;
+  for (std::int64_t v = start; fails < 0 && v <= limit; v *= 2) {
+    if (fits(v)) {
+      fit = v;
+    } else {
+      fails = v;
+    }
+  }
+  if (fails < 0) {
+    throw invalid_argument(what + " of " + std::to_string(fit) + " still fits; the search stops there");
+  }
+  while (fails - fit > std::max<std::int64_t>(1, fraction > 0 ? fit / fraction : 1)) {
+    const std::int64_t mid = fit + (fails - fit) / 2;
+    (fits(mid) ? fit : fails) = mid;
+  }
+  return fit;
+}
+
 std::size_t offloaded_budget(const multitask::configuration& cfg, std::int64_t batch, int steps, std::size_t memory)
 {
   const std::size_t workspace =
@@ -114,17 +136,7 @@ std::int64_t offloaded_batch(const multitask::configuration& cfg, int steps, std
       return false;  // a step of the plan does not fit the budget this batch leaves
     }
   };
-  std::int64_t fit = 0;
-  std::int64_t fails = 1;
-  while (fails < (std::int64_t{1} << 30) && fits(fails)) {
-    fit = fails;
-    fails *= 2;
-  }
-  while (fails - fit > 1) {
-    const std::int64_t mid = fit + (fails - fit) / 2;
-    (fits(mid) ? fit : fails) = mid;
-  }
-  return fit;
+  return largest_fitting(1, std::int64_t{1} << 26, fits, 0, "an offloaded batch");
 }
 
 void write_json(const nlohmann::json& j, const std::string& file)
