@@ -315,18 +315,21 @@ void bind_options(nb::module_& m)
     .def(
       "__init__",
       [](unit_spec* self, std::string name, std::vector<tensor_spec> tensors, dtype compute, std::optional<dtype> grad,
-         std::optional<unit_policy> policy, bool trainable) {
-        new (self) unit_spec{std::move(name), std::move(tensors), compute, grad, std::move(policy), trainable};
+         std::optional<unit_policy> policy, bool trainable, bool activation) {
+        new (self)
+          unit_spec{std::move(name), std::move(tensors), compute, grad, std::move(policy), trainable, activation};
       },
       "name"_a, "tensors"_a, "compute"_a = dtype::f32, "grad"_a = nb::none(), "policy"_a = nb::none(),
-      "trainable"_a = true)
+      "trainable"_a = true, "activation"_a = false)
     .def_rw("name", &unit_spec::name)
     .def_rw("tensors", &unit_spec::tensors)
     .def_rw("compute", &unit_spec::compute)
     .def_rw("grad", &unit_spec::grad)
     .def_rw("policy", &unit_spec::policy)
     .def_rw("trainable", &unit_spec::trainable,
-            "False: never trained (a frozen base): the parameters alone at home and on the device, every use frozen.");
+            "False: never trained (a frozen base): the parameters alone at home and on the device, every use frozen.")
+    .def_rw("activation", &unit_spec::activation,
+            "An activation block: written in a stash use, read back in frozen uses; never trained, homed on the host.");
 
   nb::class_<unit_footprint>(m, "UnitFootprint", "What one unit costs, from its spec and placement.")
     .def_ro("device_bytes", &unit_footprint::device_bytes)

@@ -150,7 +150,7 @@ void bind_stats(nb::module_& m)
 }
 
 /// A plan step as Python gives it: (unit, kind) pairs in call order; kind 0 acquires for
-/// training, 1 acquires frozen, 2 releases.
+/// training, 1 acquires frozen, 2 releases, 3 acquires an activation block for its stash.
 step_plan to_step_plan(const py_runtime& self, const std::vector<std::pair<std::uint32_t, int>>& entries)
 {
   step_plan step;
@@ -159,9 +159,11 @@ step_plan to_step_plan(const py_runtime& self, const std::vector<std::pair<std::
       case 0: step.acquire(self.id(u), unit_use::train); break;
       case 1: step.acquire(self.id(u), unit_use::frozen); break;
       case 2: step.release(self.id(u)); break;
+      case 3: step.acquire(self.id(u), unit_use::stash); break;
       default:
-        throw invalid_argument("taskswap: a plan entry's kind is 0 (train), 1 (frozen) or 2 (release), not " +
-                               std::to_string(kind));
+        throw invalid_argument(
+          "taskswap: a plan entry's kind is 0 (train), 1 (frozen), 2 (release) or 3 (stash), not " +
+          std::to_string(kind));
     }
   }
   return step;
@@ -223,15 +225,16 @@ void bind_runtime(nb::module_& m)
         nb::gil_scoped_release release;
         self.rt.plan(plans);
       },
-      "steps"_a, "Appends upcoming steps: each a list of (unit, kind), kind 0 train, 1 frozen, 2 release.")
+      "steps"_a, "Appends upcoming steps: each a list of (unit, kind), kind 0 train, 1 frozen, 2 release, 3 stash.")
     .def(
       "acquire",
-      [](py_runtime& self, std::uint32_t u, const py_stream& s, bool frozen) {
+      [](py_runtime& self, std::uint32_t u, const py_stream& s, bool frozen, bool stash) {
         const unit_id id = self.id(u);
+        const unit_use use = stash ? unit_use::stash : frozen ? unit_use::frozen : unit_use::train;
         unit_view v;
         {
           nb::gil_scoped_release release;  // back-pressure may wait for a copy
-          v = self.rt.acquire(id, s.view, frozen ? unit_use::frozen : unit_use::train);
+          v = self.rt.acquire(id, s.view, use);
         }
         self.held[u] = v;
         // NOLINTBEGIN(cppcoreguidelines-pro-type-reinterpret-cast): addresses as numbers
@@ -239,9 +242,9 @@ void bind_runtime(nb::module_& m)
                               reinterpret_cast<std::uintptr_t>(v.grads.data));
         // NOLINTEND(cppcoreguidelines-pro-type-reinterpret-cast)
       },
-      "unit"_a, "stream"_a, "frozen"_a = false,
+      "unit"_a, "stream"_a, "frozen"_a = false, "stash"_a = false,
       "Acquires a unit on `stream` (does not synchronise); returns the addresses of its "
-      "parameter and gradient slabs (0 for a frozen use's gradients).")
+      "parameter and gradient slabs (0 for a frozen use's gradients). `stash`: an activation block's write.")
     .def(
       "param_tensors",
       [](nb::handle owner, std::uint32_t u) {

@@ -493,7 +493,7 @@ class TensorSpec:
 class UnitSpec:
     """What a trainer registers: a named set of tensors."""
 
-    def __init__(self, name: str, tensors: Sequence[TensorSpec], compute: DType = DType.f32, grad: DType | None = None, policy: UnitPolicy | None = None, trainable: bool = True) -> None: ...
+    def __init__(self, name: str, tensors: Sequence[TensorSpec], compute: DType = DType.f32, grad: DType | None = None, policy: UnitPolicy | None = None, trainable: bool = True, activation: bool = False) -> None: ...
 
     @property
     def name(self) -> str: ...
@@ -533,6 +533,15 @@ class UnitSpec:
 
     @trainable.setter
     def trainable(self, arg: bool, /) -> None: ...
+
+    @property
+    def activation(self) -> bool:
+        """
+        An activation block: written in a stash use, read back in frozen uses; never trained, homed on the host.
+        """
+
+    @activation.setter
+    def activation(self, arg: bool, /) -> None: ...
 
 class UnitFootprint:
     """What one unit costs, from its spec and placement."""
@@ -866,12 +875,12 @@ class Runtime:
 
     def plan(self, steps: Sequence[Sequence[tuple[int, int]]]) -> None:
         """
-        Appends upcoming steps: each a list of (unit, kind), kind 0 train, 1 frozen, 2 release.
+        Appends upcoming steps: each a list of (unit, kind), kind 0 train, 1 frozen, 2 release, 3 stash.
         """
 
-    def acquire(self, unit: int, stream: Stream, frozen: bool = False) -> tuple[int, int]:
+    def acquire(self, unit: int, stream: Stream, frozen: bool = False, stash: bool = False) -> tuple[int, int]:
         """
-        Acquires a unit on `stream` (does not synchronise); returns the addresses of its parameter and gradient slabs (0 for a frozen use's gradients).
+        Acquires a unit on `stream` (does not synchronise); returns the addresses of its parameter and gradient slabs (0 for a frozen use's gradients). `stash`: an activation block's write.
         """
 
     def param_tensors(self, unit: int) -> list[torch.Tensor]:

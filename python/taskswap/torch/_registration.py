@@ -9,6 +9,7 @@ from typing import Callable, Iterable
 import torch
 
 from .. import _core
+from ._activations import Activations
 from ._units import _DTYPES, _PLACEMENT, _RESIDENCY, Unit, _choice, _Entry, _module_entries, _set_entries
 
 
@@ -119,6 +120,39 @@ class _Registration:
             raise
         self._stream_layers(made, modules)
         return made
+
+    def register_activations(self, host_bytes: int, *, block_bytes: int = 4 << 20, min_bytes: int = 1 << 20,
+                             keep_last: int = 1, every_step: bool = True, prefix: str = "act"):
+        """Offloads the steps' saved activations (the tensors autograd keeps for the backward pass)
+        to ``host_bytes`` of pinned host memory, in activation blocks of ``block_bytes`` registered as
+        units ``{prefix}/0``.. (each counted in the device budget while it is on the device).
+
+        In a step (every step, or those opened with ``step(offload=True)`` when ``every_step`` is
+        False) a saved tensor of at least ``min_bytes`` that autograd computed is copied into the
+        blocks on torch's current stream; a full block goes home on the runtime's copy stream, and
+        the backward pass finds it brought back in the plan's order. Kept where they are: smaller
+        tensors, parameters, buffers and inputs, what the last ``keep_last`` streamed layers and
+        anything after them save, what a forward re-run in backward saves (checkpointing), and what
+        does not fit in the blocks left (said once). Plans made after a step that offloaded have
+        the blocks where that step used them; with a communicator a step offloads into those alone."""
+        if self._core is not None:
+            raise _core.InvalidArgument("taskswap: register_activations before the runtime starts (the first plan "
+                                        "or step)")
+        if self._activations is not None:
+            raise _core.InvalidArgument("taskswap: register_activations once per runtime")
+        for what, value in (("host_bytes", host_bytes), ("block_bytes", block_bytes)):
+            if not isinstance(value, int) or value <= 0:
+                raise _core.ConfigError(f"taskswap: register_activations {what} is a positive number of bytes, "
+                                        f"not {value!r}")
+        if host_bytes < block_bytes:
+            raise _core.ConfigError(f"taskswap: register_activations host_bytes={host_bytes} holds no block of "
+                                    f"block_bytes={block_bytes}; give at least one block's bytes")
+        if keep_last < 0 or min_bytes < 0:
+            raise _core.ConfigError(f"taskswap: register_activations keep_last ({keep_last}) and min_bytes "
+                                    f"({min_bytes}) are at least 0")
+        self._activations = Activations(self, host_bytes // block_bytes, block_bytes, min_bytes, keep_last, every_step,
+                                        prefix)
+        return self._activations
 
     def _stream_layers(self, units: list[Unit], modules: list[torch.nn.Module]) -> None:
         """Marks registered units as streamed layers run by `modules` (forward order)."""

@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 import torch
 
 from .. import _core
+from ._activations import Activations
 from ._registration import _Registration
 from ._scope import _StepScope
 from ._state import _State
@@ -70,6 +71,7 @@ class Runtime(_Registration, _State):
         self._placeholders: dict[torch.dtype, torch.Tensor] = {}
         self._hooks = False  # gradient hooks: with a communicator
         self._layers: list[Unit] = []  # the streamed layers, in forward order
+        self._activations: Activations | None = None  # register_activations
         self._scale_view: torch.Tensor | None = None  # the device's loss scale, once asked for
         self.last_step: _core.StepStats | None = None
         self._closed = False
@@ -89,6 +91,8 @@ class Runtime(_Registration, _State):
         for u in self.units:
             u._check_model()
         specs = [u.spec() for u in self.units]
+        if self._activations is not None:
+            specs += self._activations.specs()
         # The runtime's own options: the user's, with a register() setting as a rule that matches
         # the unit's name alone, after the config's rules (it wins over them, and the config's
         # rules still count the unit as matched).
@@ -97,6 +101,9 @@ class Runtime(_Registration, _State):
             overrides = {k: v for k, v in u._policy.items() if v is not None}
             if overrides:
                 options.add_rule(_exact_glob(u.name), origin=f"register('{u.name}')", **overrides)
+        if self._activations is not None:  # blocks come and go, whatever [defaults] says of units
+            options.add_rule(_exact_glob(self._activations.prefix) + "/*", origin="register_activations",
+                             residency=_core.Residency.prefetch, home="host")
         comm = self._comm_request
         if isinstance(comm, str) and comm not in ("none", "config"):
             raise _core.ConfigError(f"taskswap: comm is None, \"config\", \"none\", a factory such as "
@@ -117,6 +124,8 @@ class Runtime(_Registration, _State):
                                     f"not a {type(comm).__name__} (for a torch process group: nccl_group(pg))")
         core = _core.Runtime(device, options, specs, comm)
         ids = [core.find(u.name) for u in self.units]
+        if self._activations is not None:
+            self._activations.ids = [core.find(n) for n in self._activations.names]
         for u, uid in zip(self.units, ids):
             self._write_home(core, u, uid)
         # The modules' values are at home, the runtime is started. The values stay referenced
@@ -184,6 +193,8 @@ class Runtime(_Registration, _State):
                     e.tensor.requires_grad_(e.requires_grad)
             u.id, u._views, u._grad_views, u._param_addr, u._grad_addr = None, [], [], None, None
         self._external.clear()
+        if self._activations is not None:
+            self._activations.ids = []
         self._core = self._stream = self.device = None
         self._scale_view = None
         self._began = False
@@ -277,25 +288,35 @@ class Runtime(_Registration, _State):
         updated in them (planned for its backward, it would be, with zeros from this rank)."""
         plan = [[self._own(_use_of(e)) for e in step] for step in steps]
         with self._starting():
-            self._core.plan([self._planned(step, forward_only) for step in plan])
+            planned = [self._planned(step, forward_only) for step in plan]
+            self._core.plan(planned)
             self._began = True
+            if self._activations is not None:
+                self._activations.planned_steps(planned)
 
     def _planned(self, uses: list[_Use], forward_only: bool = False) -> list[tuple[int, int]]:
         """A step's plan: its units, then the streamed layers forward (each released before the next)
         and, unless ``forward_only``, backward (each released once the layer below is acquired, as
-        the hooks do)."""
-        entries = [(e.unit.id, e.kind) for e in uses]
+        the hooks do); the activation blocks' uses among them, where the step before had them."""
+        layers: list[tuple[int, int]] = []
+        keys: list[tuple[int, bool] | None] = []  # each entry's layer use (None: a release)
         above = None
         for u in self._layers:
-            entries += [(u.id, _FROZEN), (u.id, _RELEASE)]
+            layers += [(u.id, _FROZEN), (u.id, _RELEASE)]
+            keys += [(u.id, True), None]
         for u in [] if forward_only else reversed(self._layers):
-            entries.append((u.id, _TRAIN if u.trainable else _FROZEN))
+            layers.append((u.id, _TRAIN if u.trainable else _FROZEN))
+            keys.append((u.id, False))
             if above is not None:
-                entries.append((above.id, _RELEASE))
+                layers.append((above.id, _RELEASE))
+                keys.append(None)
             above = u
         if above is not None:
-            entries.append((above.id, _RELEASE))
-        return entries
+            layers.append((above.id, _RELEASE))
+            keys.append(None)
+        if self._activations is not None:
+            layers = self._activations.planned_step(layers, keys, forward_only)
+        return [(e.unit.id, e.kind) for e in uses] + layers
 
     def _own(self, use: _Use) -> _Use:
         if use.unit._owner is not self:
@@ -309,11 +330,13 @@ class Runtime(_Registration, _State):
                                         "step()")
         return use
 
-    def step(self, *units: Unit | _Use, micro_batches: int = 1) -> _StepScope:
+    def step(self, *units: Unit | _Use, micro_batches: int = 1, offload: bool | None = None) -> _StepScope:
         """A step scope: acquires ``units`` in order on torch's current stream, aliases their
         parameters and gradients into the unit slabs; on exit, gradients ready, AdamW step,
         release, end of step. ``micro_batches``: backward passes accumulated before the reduction
-        (gradient accumulation: call backward that many times inside the scope)."""
+        (gradient accumulation: call backward that many times inside the scope). ``offload``:
+        whether the step's saved activations go to the activation blocks (register_activations;
+        None: as it set, ``every_step``)."""
         if micro_batches < 1:
             raise _core.InvalidArgument(f"taskswap: micro_batches is at least 1, not {micro_batches}")
         if micro_batches > 1 and any(u.trainable for u in self._layers):
@@ -321,7 +344,12 @@ class Runtime(_Registration, _State):
                 f"taskswap: micro_batches={micro_batches} with trained streamed layers: a streamed layer is stepped "
                 "as soon as one backward pass completes its gradients; sum the micro-batches' losses and call "
                 "backward once, or register the layers with register()")
-        return _StepScope(self, list(map(_use_of, units)), micro_batches)
+        pool = self._activations
+        if offload and pool is None:
+            raise _core.InvalidArgument("taskswap: step(offload=True) needs activation blocks; call "
+                                        "register_activations() before the runtime starts")
+        offload = pool is not None and (pool.every_step if offload is None else offload)
+        return _StepScope(self, list(map(_use_of, units)), micro_batches, offload)
 
     def _current_stream(self) -> _core.Stream:
         if self._stream is not None:

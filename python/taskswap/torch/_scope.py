@@ -19,9 +19,9 @@ if TYPE_CHECKING:
 
 class _StepScope:
     __slots__ = ("rt", "uses", "micro_batches", "kinds", "stream", "acquired", "attached", "stats", "_starting",
-                 "streamed")
+                 "streamed", "offload")
 
-    def __init__(self, rt: Runtime, uses: list[_Use], micro_batches: int):
+    def __init__(self, rt: Runtime, uses: list[_Use], micro_batches: int, offload: bool = False):
         self.rt = rt
         self.uses = uses
         self.micro_batches = micro_batches
@@ -32,6 +32,7 @@ class _StepScope:
         self.stats: _core.StepStats | None = None
         self._starting: _Starting | None = None
         self.streamed = _LayerStream(self) if rt._layers else None  # the streamed layers in this step
+        self.offload = offload  # the saved activations go to the activation blocks
 
     def exit_early(self) -> None:
         """The forward pass left the streamed layers early (an early exit): the layers it has not
@@ -94,6 +95,10 @@ class _StepScope:
             for use, a in zip(uses, addrs):
                 attach(use.unit, use.kind, a)
                 attached.append(use)
+            if self.offload:
+                rt._activations.begin(self)
+            elif rt._activations is not None:
+                rt._activations.skipped()
         except BaseException as e:
             try:
                 self._abandon()
@@ -172,11 +177,14 @@ class _StepScope:
                         core.step(use.unit.id, self.stream)
                     except BaseException as e:  # each unit is stepped
                         first = first or e
-        self._end(first)
+        self._end(first, failed=True)
 
-    def _end(self, first: BaseException | None = None) -> None:
-        """Releases every unit and ends the step, each whatever the other does; raises the first
-        error (`first`: one from before) after both."""
+    def _end(self, first: BaseException | None = None, failed: bool = False) -> None:
+        """Closes the activation offload, releases every unit and ends the step, each whatever the
+        others do; raises the first error (`first`: one from before) after all."""
+        if self.offload:
+            closed = self.rt._activations.end(failed or first is not None)
+            first = first or closed
         try:
             self._release()
         except BaseException as e:  # the step still ends

@@ -121,6 +121,8 @@ class _LayerStream:
         rt = self.rt
         addrs = rt._core.acquire(u.id, self.stream(), kind == _FROZEN)
         self.held[u.id] = (u, forward, kind)
+        if self.scope.offload:
+            rt._activations.layer_acquired(u, forward)
         try:
             rt._attach(u, kind, addrs, forward=forward)
         except BaseException:

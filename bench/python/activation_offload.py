@@ -1,0 +1,144 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Activation offload against its anchors, in one run: the same trainer (a residual MLP trunk of
+`--layers` blocks of width `--width`, each a pinned unit, and a head), the same batches, four ways
+of treating the activations autograd saves:
+  none          kept where autograd keeps them (the step time to beat, the memory to save)
+  save_on_cpu   torch.autograd.graph.save_on_cpu(pin_memory=True on CUDA): synchronous copies
+  torchtune     torchtune.training.OffloadActivations (streams), where torchtune imports
+  taskswap      Runtime.register_activations: blocks stashed on the runtime's copy streams and
+                brought back in the plan's order
+Printed per arm: the step time (median of --repeats runs of --steps steps) and its ratio to none
+and to save_on_cpu; on CUDA also the peak device memory (torch's allocator plus the runtime's
+budget in use) and, with --largest, the largest batch that fits the device.
+
+usage: python3 activation_offload.py [--width 1024] [--layers 16] [--rows 4096] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+
+import torch
+
+import taskswap
+import taskswap.torch as tt
+
+
+class Trunk(torch.nn.Module):
+    def __init__(self, width: int, layers: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Sequential(torch.nn.LayerNorm(width), torch.nn.Linear(width, 4 * width), torch.nn.GELU(),
+                                torch.nn.Linear(4 * width, width)) for _ in range(layers))
+        self.head = torch.nn.Linear(width, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return self.head(x)
+
+
+def arms() -> dict[str, object]:
+    cuda = torch.cuda.is_available()
+    out = {"none": contextlib.nullcontext, "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda)}
+    try:
+        from torchtune.training import OffloadActivations
+        out["torchtune"] = OffloadActivations
+    except Exception as e:  # noqa: BLE001 - reported, the other arms run
+        print(f"torchtune: not run ({type(e).__name__}: {e})")
+    out["taskswap"] = contextlib.nullcontext
+    return out
+
+
+def run(arm: str, hooks, args, rows: int, device: str) -> tuple[float, int]:
+    """Seconds per step (median) and the peak device bytes (0 off CUDA) of one arm at `rows`."""
+    dev = torch.device("cuda" if device == "cuda" else "cpu")
+    torch.manual_seed(0)
+    model = Trunk(args.width, args.layers).to(dev)
+    rt = tt.Runtime(options=taskswap.parse_config(f"""
+[device]
+backend = "{device}"
+budget = "{args.budget}"
+[defaults]
+residency = "pinned"
+""", "bench"))
+    units = [rt.register(layer, f"trunk/{i}") for i, layer in enumerate(model.layers)]
+    units.append(rt.register(model.head, "head"))
+    if arm == "taskswap":
+        rt.register_activations(args.host_gib << 30, block_bytes=args.block_mib << 20, min_bytes=1 << 16)
+    x = torch.randn(rows, args.width, device=dev)
+    y = torch.randn(rows, 8, device=dev)
+    times = []
+    peak = 0
+    for r in range(args.repeats + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            rt.plan([units])
+            with hooks(), rt.step(*units):
+                torch.nn.functional.mse_loss(model(x), y).backward()
+        if device == "cuda":
+            torch.cuda.synchronize()
+            peak = max(peak, torch.cuda.max_memory_allocated() + rt.stats().device_bytes_in_use)
+        if r:  # the first run warms up (and teaches the plan where the blocks go)
+            times.append((time.perf_counter() - start) / args.steps)
+    rt.close()
+    return statistics.median(times), peak
+
+
+def largest(arm: str, hooks, args, device: str) -> int:
+    """The largest batch (rows, a multiple of 256) whose step fits the device."""
+    fits, rows = 0, 256
+    while True:
+        try:
+            run(arm, hooks, argparse.Namespace(**{**vars(args), "steps": 1, "repeats": 0}), rows, device)
+        except torch.OutOfMemoryError:
+            break
+        fits, rows = rows, rows * 2
+    lo, hi = fits, rows
+    while hi - lo > 256:
+        mid = (lo + hi) // 512 * 256
+        try:
+            run(arm, hooks, argparse.Namespace(**{**vars(args), "steps": 1, "repeats": 0}), mid, device)
+            lo = mid
+        except torch.OutOfMemoryError:
+            hi = mid
+        torch.cuda.empty_cache()
+    return lo
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--rows", type=int, nargs="+", default=[4096])
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--budget", default="2 GiB")
+    ap.add_argument("--host-gib", type=int, default=8)
+    ap.add_argument("--block-mib", type=int, default=8)
+    ap.add_argument("--largest", action="store_true", help="CUDA: the largest batch of each arm")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "emulated")
+    args = ap.parse_args()
+    if args.device != "cuda":
+        torch.set_num_threads(1)
+    ways = arms()
+    print(f"device {args.device}, width {args.width}, layers {args.layers}, steps {args.steps} x {args.repeats}")
+    print(f"{'rows':>6} {'arm':>12} {'ms/step':>9} {'/none':>7} {'/save_on_cpu':>13} {'peak MiB':>9}")
+    for rows in args.rows:
+        measured = {arm: run(arm, hooks, args, rows, args.device) for arm, hooks in ways.items()}
+        for arm, (t, peak) in measured.items():
+            print(f"{rows:>6} {arm:>12} {t * 1e3:>9.2f} {t / measured['none'][0]:>7.3f} "
+                  f"{t / measured['save_on_cpu'][0]:>13.3f} {peak / 2**20 if peak else float('nan'):>9.0f}")
+    if args.largest and args.device == "cuda":
+        for arm, hooks in ways.items():
+            print(f"largest batch {arm}: {largest(arm, hooks, args, args.device)} rows")
+
+
+if __name__ == "__main__":
+    main()
