@@ -4,7 +4,7 @@
 of treating the activations autograd saves:
   none          kept where autograd keeps them (the step time to beat, the memory to save)
   save_on_cpu   torch.autograd.graph.save_on_cpu(pin_memory=True on CUDA): synchronous copies
-  torchtune     torchtune.training.OffloadActivations (streams), where torchtune imports
+  torchtune     torchtune.training.OffloadActivations (CUDA streams), on CUDA where torchtune imports
   taskswap      Runtime.register_activations: blocks stashed on the runtime's copy streams and
                 brought back in the plan's order
 Printed per arm: the step time (median of --repeats runs of --steps steps) and its ratio to none
@@ -44,11 +44,14 @@ class Trunk(torch.nn.Module):
 def arms() -> dict[str, object]:
     cuda = torch.cuda.is_available()
     out = {"none": contextlib.nullcontext, "save_on_cpu": lambda: torch.autograd.graph.save_on_cpu(pin_memory=cuda)}
-    try:
-        from torchtune.training import OffloadActivations
-        out["torchtune"] = OffloadActivations
-    except Exception as e:  # noqa: BLE001 - reported, the other arms run
-        print(f"torchtune: not run ({type(e).__name__}: {e})")
+    if not cuda:  # its hooks copy on CUDA streams
+        print("torchtune: not run (OffloadActivations needs CUDA)")
+    else:
+        try:
+            from torchtune.training import OffloadActivations
+            out["torchtune"] = OffloadActivations
+        except Exception as e:  # noqa: BLE001 - reported, the other arms run
+            print(f"torchtune: not run ({type(e).__name__}: {e})")
     out["taskswap"] = contextlib.nullcontext
     return out
 

@@ -32,10 +32,12 @@ def whole(n: int, granule: int) -> int:
 
 
 def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None, steps: int = 8,
-          host_bytes: int = 4 << 20, keep_last: int = 1, blocks_room: int = 4, retain: bool = False):
-    """Trains Deep through a runtime (planned one step ahead); returns its state and each step's stats."""
+          host_bytes: int = 4 << 20, keep_last: int = 1, blocks_room: int = 4, retain: bool = False,
+          comm="none"):
+    """Trains Deep through a runtime, each step planned before it begins (each rank on batches of
+    its own); returns its state and each step's stats."""
     model = Deep(checkpoint=checkpoint)
-    rt = tt.Runtime(options=config("1 MiB"), comm="none")
+    rt = tt.Runtime(options=config("1 MiB"), comm=comm)
     heads = [rt.register(h, f"task/{t}") for t, h in enumerate(model.heads)]
     if streamed:
         rt.register_layers(model.layers, "trunk")
@@ -57,7 +59,7 @@ def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None
     for step in range(steps):
         t = step % TASKS
         rt.plan([[*named, heads[t]]])
-        x, y = batch(step)
+        x, y = batch(step + 100003 * rt.rank)
         with rt.step(*named, heads[t]):
             loss = torch.nn.functional.mse_loss(model(x, t), y)
             if retain:  # a second backward pass reads every saved tensor again
@@ -166,3 +168,42 @@ def test_per_step_opt_in_and_errors():
     with pytest.raises(taskswap.InvalidArgument, match="before the runtime starts"):
         rt.register_activations(1 << 20)
     rt.close()
+
+
+class Projections(torch.nn.Module):
+    """Blocks whose normed input feeds three projections (as q, k and v do): saved three times."""
+
+    def __init__(self, layers: int = 8):
+        super().__init__()
+        torch.manual_seed(3)
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(WIDTH) for _ in range(layers))
+        self.qkv = torch.nn.ModuleList(torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(3))
+                                       for _ in range(layers))
+
+    def forward(self, x):
+        for norm, (q, k, v) in zip(self.norms, self.qkv):
+            h = norm(x)
+            x = x + q(h) * k(h) + v(h)
+        return x
+
+
+def test_a_tensor_saved_three_times_is_offloaded_once():
+    def run(offload: bool):
+        model = Projections()
+        rt = tt.Runtime(options=config("4 MiB"), comm="none")
+        unit = rt.register(model, "model")
+        if offload:
+            rt.register_activations(1 << 20, block_bytes=BLOCK, min_bytes=1024)
+        for step in range(3):
+            x, _ = batch(step)
+            with rt.step(unit):
+                model(x).square().mean().backward()
+        stashes = sum(kind == 3 for _, _, kind in rt._activations.template) if offload else 0
+        state = rt.state_dict()
+        rt.close()
+        return state, stashes
+
+    offloaded, stashes = run(True)
+    assert_bitwise(offloaded, run(False)[0])
+    # per block: its input, h once, q(h) and k(h) (8 KiB each at 64 rows); h three times would be 48 KiB
+    assert 8 * 32 * 1024 // BLOCK <= stashes <= 8 * 32 * 1024 // BLOCK + 1

@@ -7,6 +7,7 @@ step's plan has the blocks where the step before used them, among the streamed l
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING
 
@@ -23,15 +24,36 @@ _STASH = 3  # a plan entry's kind: an activation block's write
 
 
 class _Saved:
-    """One offloaded tensor: where its bytes are ((block, offset, length) pieces) and what it was."""
+    """One offloaded tensor: where its bytes are ((block, offset, length) pieces, in its storage
+    order), what it was, how many saves of it are still to be unpacked in this step (`left`), and
+    its unpacked copy while some are (`out`). `kept`: the tensor itself, where a communicator's
+    plan had no room for it (its pieces are where it would have gone, for the next plans)."""
 
-    __slots__ = ("pieces", "shape", "dtype", "device", "step", "unpacked")
+    __slots__ = ("pieces", "shape", "stride", "dtype", "device", "step", "left", "out", "kept")
 
-    def __init__(self, pieces: list[tuple[int, int, int]], x: torch.Tensor, step: int):
+    def __init__(self, pieces: list[tuple[int, int, int]], x: torch.Tensor, step: int, kept: torch.Tensor | None):
         self.pieces = pieces
-        self.shape, self.dtype, self.device = x.shape, x.dtype, x.device
+        self.shape, self.stride, self.dtype, self.device = x.shape, x.stride(), x.dtype, x.device
         self.step = step
-        self.unpacked = False
+        self.left = 1
+        self.out: torch.Tensor | None = None
+        self.kept = kept
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether x's elements fill a range of its storage, each once (any order of dimensions)."""
+    expect = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz != 1):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+def _cast_of_parameter(fn) -> bool:
+    """Autocast's copy of a trained parameter (it caches it on the device anyway)."""
+    return fn.name().startswith("ToCopyBackward") and all(
+        n is None or n.name() == "torch::autograd::AccumulateGrad" for n, _ in fn.next_functions)
 
 
 class Activations:
@@ -41,7 +63,12 @@ class Activations:
     one's (a tensor may span blocks); a block is acquired for its stash when the first byte goes
     in and released (sent home) once full, or when the backward pass begins. The backward pass
     reads a block back when it unpacks a tensor in it and releases it once every tensor in it is
-    unpacked; an unpacked tensor is a copy of its own, so the block's room is free at once."""
+    unpacked; an unpacked tensor is a copy of its own, so the block's room is free at once.
+
+    The step's uses of the blocks are recorded, each after the how-manieth streamed layer
+    acquisition it followed, and the next plans have them there. With a communicator a step
+    fills only the blocks its plan has (any other use would be refused); the blocks beyond are
+    filled in name alone (the tensors stay where they are), so that the next plans have them."""
 
     def __init__(self, rt: Runtime, blocks: int, block_bytes: int, min_bytes: int, keep_last: int,
                  every_step: bool, prefix: str):
@@ -51,9 +78,9 @@ class Activations:
         self.prefix = prefix
         self.names = [f"{prefix}/{i}" for i in range(blocks)]
         self.ids: list[int] = []  # the blocks' unit ids, once the runtime started
-        # The blocks' uses in the last step that offloaded: (anchor, block, kind), the anchor being
-        # the streamed layer's use they followed ((unit id, forward) or None: before any).
-        self.template: list[tuple[tuple[int, bool] | None, int, int]] = []
+        # The blocks' uses in the last step that offloaded and ran a backward: (layer acquisitions
+        # before it, block, kind).
+        self.template: list[tuple[int, int, int]] = []
         self.planned: deque[int] = deque()  # with a communicator: the blocks each planned step has
         self.said: set[str] = set()
         self.generation = 0
@@ -69,22 +96,41 @@ class Activations:
         if self.rt._hooks:
             self.planned.extend(sum(kind == _STASH for _, kind in step) for step in steps)
 
-    def planned_step(self, layer_entries: list[tuple[int, int]], keys: list[tuple[int, bool] | None],
-                     forward_only: bool) -> list[tuple[int, int]]:
-        """The streamed layers' entries with the blocks' uses inserted after the layer use each
-        followed in the last step (`keys`: each entry's layer use, None for a release)."""
-        blocks = [] if forward_only or not self.ids else self.template
-        if not blocks:
-            return layer_entries
-        after: dict[tuple[int, bool] | None, list[tuple[int, int]]] = {}
-        for anchor, b, kind in blocks:
-            after.setdefault(anchor if anchor in keys else None, []).append((self.ids[b], kind))
-        out = list(after.get(None, []))
-        for entry, key in zip(layer_entries, keys):
-            out.append(entry)
-            if key is not None:
-                out += after.get(key, [])
+    def planned_step(self, layers: list[tuple[int, int]], forward_only: bool) -> list[tuple[int, int]]:
+        """The streamed layers' plan entries with the blocks' uses where the last step had them;
+        none for a forward-only step, with offload not every step, or where the record does not
+        replay (each block stashed before it is read, acquired when not held, released when held)."""
+        if forward_only or not self.every_step or not self.ids or not self.template:
+            return layers
+        held: set[int] = set()
+        stashed: set[int] = set()
+        for _, b, kind in self.template:
+            if (kind == _RELEASE) != (b in held) or (kind == _FROZEN and b not in stashed):
+                return layers
+            if kind == _RELEASE:
+                held.discard(b)
+            else:
+                held.add(b)
+                stashed.add(b)
+        out, uses, acquired = [], iter(self.template), 0
+        use = next(uses, None)
+        for entry in [None, *layers]:
+            if entry is not None:
+                out.append(entry)
+                acquired += entry[1] != _RELEASE
+            while use is not None and use[0] <= acquired:
+                out.append((self.ids[use[1]], use[2]))
+                use = next(uses, None)
+        while use is not None:
+            out.append((self.ids[use[1]], use[2]))
+            use = next(uses, None)
         return out
+
+    def take_planned(self) -> int:
+        """A step scope opens: the blocks its plan has (with a communicator; else every block)."""
+        if not self.rt._hooks:
+            return self.count
+        return min(self.count, self.planned.popleft() if self.planned else 0)
 
     # --- a step --------------------------------------------------------------------------------
     def _reset(self) -> None:
@@ -93,39 +139,33 @@ class Activations:
         self.current: int | None = None  # the block being filled, and its bytes so far
         self.fill = 0
         self.next = 0  # the next block not yet filled in this step
-        self.limit = self.count
-        self.held: dict[int, torch.Tensor] = {}  # block -> its device bytes while acquired
-        self.pending: dict[int, int] = {}  # block -> its tensors not yet unpacked
-        self.events: list[tuple[tuple[int, bool] | None, int, int]] = []
-        self.anchor: tuple[int, bool] | None = None
+        self.limit = self.count  # blocks from here on are filled in name alone
+        self.held: dict[int, torch.Tensor | None] = {}  # block -> its device bytes while acquired
+        self.pending: dict[int, int] = {}  # block -> the saves in it not yet unpacked
+        self.by_tensor: dict[int, tuple] = {}  # id -> (the tensor's weak reference, its version, its record)
+        self.events: list[tuple[int, int, int]] = []
+        self.acquired = 0  # streamed layer acquisitions so far
         self.forward_layer = -1  # the last streamed layer whose forward began
         self.backward_begun = False
 
-    def begin(self, scope: _StepScope) -> None:
+    def begin(self, scope: _StepScope, limit: int) -> None:
         """Opens a step's offload: the hooks are set until end()."""
         self._reset()
         self.generation += 1
-        self.scope = scope
-        if self.rt._hooks:  # with a communicator a block off the plan is refused: the plan's alone
-            self.limit = min(self.count, self.planned.popleft() if self.planned else 0)
+        self.scope, self.limit = scope, limit
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.hooks.__enter__()
 
-    def skipped(self) -> None:
-        """A planned step that does not offload (a scope opened with offload off)."""
-        if self.rt._hooks and self.planned:
-            self.planned.popleft()
-
     def layer_acquired(self, u, forward: bool) -> None:
         """A streamed layer was acquired: the blocks' uses after it follow it in the next plans."""
-        self.anchor = (u.id, forward)
+        self.acquired += 1
         if forward:
             self.forward_layer = u._layer
 
     def end(self, failed: bool) -> BaseException | None:
         """Closes the step's offload: the hooks go, every block still held is released (each
-        whatever the others do); the blocks' uses become the next plans' unless the step failed.
-        Returns the first error."""
+        whatever the others do); the blocks' uses become the next plans' if the step stashed and
+        read back and did not fail. Returns the first error."""
         first = None
         try:
             if self.hooks is not None:
@@ -137,7 +177,8 @@ class Activations:
                 self._release(b)
             except BaseException as e:  # noqa: BLE001 - every block is released
                 first = first or e
-        if not failed and first is None:
+        kinds = {kind for _, _, kind in self.events}
+        if not failed and first is None and _STASH in kinds and _FROZEN in kinds:
             self.template = self.events
         self._reset()
         return first
@@ -148,50 +189,72 @@ class Activations:
             self.said.add(key)
             warnings.warn(f"taskswap: {what}", RuntimeWarning, stacklevel=3)
 
-    def _pack(self, x: torch.Tensor):
+    def _offloads(self, x: torch.Tensor, nbytes: int) -> bool:
+        """Whether a saved tensor goes to the blocks (else it is kept where it is)."""
         rt, scope = self.rt, self.scope
-        if rt._scope is not scope or scope is None or _in_backward():
-            return x.detach()  # a forward re-run in backward (checkpointing) keeps what it saves
-        nbytes = x.numel() * x.element_size()
-        if nbytes < self.min_bytes:
-            return x.detach()
+        if rt._scope is not scope or scope is None or _in_backward() or nbytes < self.min_bytes:
+            return False  # a forward re-run in backward (checkpointing) keeps what it saves
         root = x._base if x._base is not None else x
-        if root.grad_fn is None:  # parameters, buffers and the batch are not activations
-            return x.detach()
+        if root.grad_fn is None or _cast_of_parameter(root.grad_fn):
+            return False  # parameters, their autocast copies, buffers and the batch are not activations
         if rt._layers and self.forward_layer >= len(rt._layers) - self.keep_last:
-            return x.detach()  # the last layers' activations: the backward needs them first
-        if x.layout != torch.strided or x.device != rt._torch_device or x.is_conj() or x.is_neg():
-            self._say_once("kind", f"a saved tensor ({x.layout}, {x.device}) is not a dense tensor on the runtime's "
-                                   f"device ({rt._torch_device}): such tensors stay where they are")
-            return x.detach()
+            return False  # the last layers' activations: the backward needs them first
+        if type(x) is not torch.Tensor or x.device != rt._torch_device or not _dense(x):
+            self._say_once("kind", f"a saved tensor ({type(x).__name__}, {x.device}, shape {tuple(x.shape)}, stride "
+                                   f"{x.stride()}) is a subclass, not on the runtime's device ({rt._torch_device}) or "
+                                   "not dense: such tensors stay where they are")
+            return False
         room = (self.block_bytes - self.fill if self.current is not None else 0) + \
-            (self.limit - self.next) * self.block_bytes
+            (self.count - self.next) * self.block_bytes
         if nbytes > room:
-            if self.limit < self.count:
-                self._say_once("plan", "with a communicator a step offloads into the blocks its plan has (as many as "
-                                       "the step before used, none before the first step that offloaded); the "
-                                       "rest of its activations stay on the device. Plan steps after one has run")
-            else:
-                self._say_once("full", f"the step's activations outgrow the {self.count} blocks of {self.block_bytes} "
-                                       "bytes; the rest stay on the device (register_activations(host_bytes=...) sets "
-                                       "how many)")
+            self._say_once("full", f"the step's activations outgrow the {self.count} blocks of {self.block_bytes} "
+                                   "bytes; the rest stay on the device (register_activations(host_bytes=...) sets "
+                                   "how many)")
+            return False
+        return True
+
+    def _pack(self, x: torch.Tensor):
+        nbytes = x.numel() * x.element_size()
+        if not self._offloads(x, nbytes):
             return x.detach()
-        flat = x.detach().contiguous().view(-1).view(torch.uint8)
+        # The same tensor saved again (one input of several projections), unchanged since: the same
+        # record. Its object, not its address: a tensor freed after its offload leaves its memory
+        # to the next one.
+        seen = self.by_tensor.get(id(x))
+        if seen is not None and seen[0]() is x and seen[1] == x._version:
+            saved = seen[2]
+            saved.left += 1
+            for b, _, _ in saved.pieces:
+                self.pending[b] += 1
+            return saved
+        flat = x.detach().as_strided((x.numel(),), (1,)).view(torch.uint8)  # its storage range
         pieces = []
         done = 0
         while done < nbytes:
             if self.current is None:
-                self._stash(self.next)
+                self._acquire(self.next, stash=True)
+                self.current, self.fill = self.next, 0
+                self.next += 1
             b = self.current
             n = min(self.block_bytes - self.fill, nbytes - done)
-            self.held[b][self.fill:self.fill + n].copy_(flat[done:done + n])
+            view = self.held[b]
+            if view is not None:
+                view[self.fill:self.fill + n].copy_(flat[done:done + n])
             pieces.append((b, self.fill, n))
             self.pending[b] = self.pending.get(b, 0) + 1
             self.fill += n
             done += n
             if self.fill == self.block_bytes:
                 self._close()
-        return _Saved(pieces, x, self.generation)
+        kept = None
+        if pieces[-1][0] >= self.limit:
+            kept = x.detach()
+            self._say_once("plan", "with a communicator a step offloads into the blocks its plan has (those the last "
+                                   "step that offloaded used); the rest of its activations stay on the device, and "
+                                   "the next plans have room for them")
+        saved = _Saved(pieces, x, self.generation, kept)
+        self.by_tensor[id(x)] = (weakref.ref(x), x._version, saved)
+        return saved
 
     def _unpack(self, saved):
         if not isinstance(saved, _Saved):
@@ -203,20 +266,25 @@ class Activations:
             self.backward_begun = True
             if self.current is not None:
                 self._close()
-        out = torch.empty(saved.shape, dtype=saved.dtype, device=saved.device)
-        flat = out.view(-1).view(torch.uint8)
-        done = 0
-        for b, at, n in saved.pieces:
-            view = self.held.get(b)
-            if view is None:
-                view = self._acquire(b, stash=False)
-            flat[done:done + n].copy_(view[at:at + n])
-            done += n
-        first = not saved.unpacked
-        saved.unpacked = True
-        for b, _, _ in saved.pieces:
-            if first:
+        out = saved.out if saved.out is not None else saved.kept
+        if out is None:
+            out = torch.empty_strided(saved.shape, saved.stride, dtype=saved.dtype, device=saved.device)
+            flat = out.as_strided((out.numel(),), (1,)).view(torch.uint8)
+            done = 0
+            for b, at, n in saved.pieces:
+                view = self.held[b] if b in self.held else self._acquire(b, stash=False)
+                flat[done:done + n].copy_(view[at:at + n])
+                done += n
+        elif saved.kept is not None:  # blocks filled in name alone: their uses, for the next plans
+            for b, _, _ in saved.pieces:
+                if b not in self.held:
+                    self._acquire(b, stash=False)
+        if saved.left > 0:  # this step's saves of it; a second backward reads the blocks again
+            saved.left -= 1
+            saved.out = out if saved.left > 0 else None
+            for b, _, _ in saved.pieces:
                 self.pending[b] -= 1
+        for b, _, _ in saved.pieces:
             if self.pending[b] == 0 and b in self.held:
                 self._release(b)
         return out
@@ -226,10 +294,14 @@ class Activations:
         rt = self.rt
         return rt._stream or rt._current_stream()  # in backward: the stream autograd runs the node on
 
-    def _acquire(self, b: int, stash: bool) -> torch.Tensor:
+    def _acquire(self, b: int, stash: bool) -> torch.Tensor | None:
+        """Acquires block b (its device bytes), or, beyond the plan's blocks, records its use alone."""
+        self.events.append((self.acquired, b, _STASH if stash else _FROZEN))
+        if b >= self.limit:
+            self.held[b] = None
+            return None
         core = self.rt._core
         core.acquire(self.ids[b], self._stream(), frozen=not stash, stash=stash)
-        self.events.append((self.anchor, b, _STASH if stash else _FROZEN))
         try:
             view = self.held[b] = core.param_tensors(self.ids[b])[0].view(-1)
         except BaseException:
@@ -237,19 +309,15 @@ class Activations:
             raise
         return view
 
-    def _stash(self, b: int) -> None:
-        self._acquire(b, stash=True)
-        self.current, self.fill = b, 0
-        self.next = b + 1
-
     def _close(self) -> None:
         """The block being filled goes home."""
         b, self.current = self.current, None
         self._release(b)
 
     def _release(self, b: int) -> None:
-        del self.held[b]
         if self.current == b:
             self.current = None
-        self.events.append((self.anchor, b, _RELEASE))
-        self.rt._core.release(self.ids[b], self._stream())
+        self.events.append((self.acquired, b, _RELEASE))
+        if b < self.limit:
+            self.rt._core.release(self.ids[b], self._stream())
+        del self.held[b]

@@ -299,23 +299,18 @@ class Runtime(_Registration, _State):
         and, unless ``forward_only``, backward (each released once the layer below is acquired, as
         the hooks do); the activation blocks' uses among them, where the step before had them."""
         layers: list[tuple[int, int]] = []
-        keys: list[tuple[int, bool] | None] = []  # each entry's layer use (None: a release)
         above = None
         for u in self._layers:
             layers += [(u.id, _FROZEN), (u.id, _RELEASE)]
-            keys += [(u.id, True), None]
         for u in [] if forward_only else reversed(self._layers):
             layers.append((u.id, _TRAIN if u.trainable else _FROZEN))
-            keys.append((u.id, False))
             if above is not None:
                 layers.append((above.id, _RELEASE))
-                keys.append(None)
             above = u
         if above is not None:
             layers.append((above.id, _RELEASE))
-            keys.append(None)
         if self._activations is not None:
-            layers = self._activations.planned_step(layers, keys, forward_only)
+            layers = self._activations.planned_step(layers, forward_only)
         return [(e.unit.id, e.kind) for e in uses] + layers
 
     def _own(self, use: _Use) -> _Use:

@@ -86,6 +86,8 @@ class _StepScope:
         rt._scope = self
         rt._began = True
         acquired, attached = self.acquired, self.attached
+        # The step's planned blocks are taken whatever happens next: the runtime's step ends either way.
+        limit = rt._activations.take_planned() if rt._activations is not None else 0
         try:
             addrs = []
             for use in uses:
@@ -96,9 +98,7 @@ class _StepScope:
                 attach(use.unit, use.kind, a)
                 attached.append(use)
             if self.offload:
-                rt._activations.begin(self)
-            elif rt._activations is not None:
-                rt._activations.skipped()
+                rt._activations.begin(self, limit)
         except BaseException as e:
             try:
                 self._abandon()
