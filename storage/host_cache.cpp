@@ -67,17 +67,41 @@ struct host_cache::impl {
   // Waits for the work that uses the block; it may then be written or reused.
   static void quiesce(cache_entry& c)
   {
-    for (auto& [stream, done] : c.busy) { done.synchronize(); }
+    try {
+      for (auto& [stream, done] : c.busy) { done.synchronize(); }
+    } catch (const device_error&) {
+      abandoned(c);
+      return;
+    } catch (const cuda_error&) {
+      abandoned(c);
+      return;
+    }
     settled(c);
   }
   // Whether the work that uses the block is done (then nothing waits on it).
   static bool idle(cache_entry& c)
   {
-    for (auto& [stream, done] : c.busy) {
-      if (!done.query()) { return false; }
+    try {
+      for (auto& [stream, done] : c.busy) {
+        if (!done.query()) { return false; }
+      }
+    } catch (const device_error&) {
+      abandoned(c);
+      return true;
+    } catch (const cuda_error&) {
+      abandoned(c);
+      return true;
     }
     settled(c);
     return true;
+  }
+  // The device failed (the trainer hears of it from the runtime): the work queued on the block
+  // will not run, so the block is free; an overwrite it carried may not have arrived, so an entry
+  // behind stays behind.
+  static void abandoned(cache_entry& c)
+  {
+    c.busy.clear();
+    c.catching_up = false;
   }
   // The work that used the block is done: an overwrite queued on it has arrived.
   static void settled(cache_entry& c)
@@ -449,11 +473,7 @@ bool host_cache::behind(entry_id e)
 {
   cache_entry& c = impl_->entries.at(e);
   if (c.behind && c.catching_up) {
-    try {
-      (void)impl_->idle(c);  // the overwrite's work done: caught up
-    } catch (const std::exception&) {
-      // A device that failed cannot say whether the overwrite ran: still behind.
-    }
+    (void)impl_->idle(c);  // the overwrite's work done: caught up (a device that failed: still behind)
   }
   return c.behind;
 }
