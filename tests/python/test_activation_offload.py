@@ -207,3 +207,16 @@ def test_a_tensor_saved_three_times_is_offloaded_once():
     assert_bitwise(offloaded, run(False)[0])
     # per block: its input, h once, q(h) and k(h) (8 KiB each at 64 rows); h three times would be 48 KiB
     assert 8 * 32 * 1024 // BLOCK <= stashes <= 8 * 32 * 1024 // BLOCK + 1
+
+
+def test_blocks_the_host_cannot_pin_are_refused_at_start_and_nothing_is_lost():
+    model = Deep()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rt = tt.Runtime(options=config("256 MiB"), comm="none")
+    head = rt.register(model.heads[0], "task/0")
+    rt.register_layers(model.layers, "trunk")
+    rt.register_activations(4 << 40, block_bytes=128 << 20)  # 4 TiB of pinned host memory
+    with pytest.raises(taskswap.OutOfMemory, match=r"register_activations\(host_bytes"):
+        rt.plan([[head]])
+    assert rt._core is None
+    assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())

@@ -122,7 +122,14 @@ class Runtime(_Registration, _State):
         elif comm is not None and not isinstance(comm, _core.Communicator):
             raise _core.ConfigError(f"taskswap: comm is None, \"config\", \"none\", a factory or a Communicator; "
                                     f"not a {type(comm).__name__} (for a torch process group: nccl_group(pg))")
-        core = _core.Runtime(device, options, specs, comm)
+        try:
+            core = _core.Runtime(device, options, specs, comm)
+        except _core.OutOfMemory as e:
+            if self._activations is None:
+                raise
+            pool = self._activations
+            raise type(e)(f"{e} (the activation blocks take {pool.count * pool.block_bytes} bytes of it: lower "
+                          "register_activations(host_bytes=...))") from e
         ids = [core.find(u.name) for u in self.units]
         if self._activations is not None:
             self._activations.ids = [core.find(n) for n in self._activations.names]
