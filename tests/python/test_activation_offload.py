@@ -160,7 +160,8 @@ def test_per_step_opt_in_and_errors():
         torch.nn.functional.mse_loss(model(x, 0), y).backward()
     assert rt.last_step.d2h_bytes < 1 << 16
     with rt.step(head, offload=True):
-        loss = torch.nn.functional.mse_loss(model(x, 0), y)
+        out = model(x, 0)
+        loss = torch.nn.functional.mse_loss(out, y) + out[:, :0].exp().sum()  # an empty tensor saved too
         loss.backward(retain_graph=True)
     assert rt.last_step.d2h_bytes > LAYERS * 16 * 1024
     with pytest.raises(taskswap.InvalidArgument, match="after its step scope closed"):
@@ -187,7 +188,10 @@ class Projections(torch.nn.Module):
         return x
 
 
-def test_a_tensor_saved_three_times_is_offloaded_once():
+@pytest.mark.parametrize("tokens", [None, 16], ids=["rows", "batch-tokens"])
+def test_a_tensor_saved_three_times_is_offloaded_once(tokens):
+    """2-D inputs: linear saves h itself; 3-D: each projection saves a view of h of its own."""
+
     def run(offload: bool):
         model = Projections()
         rt = tt.Runtime(options=config("4 MiB"), comm="none")
@@ -196,6 +200,8 @@ def test_a_tensor_saved_three_times_is_offloaded_once():
             rt.register_activations(1 << 20, block_bytes=BLOCK, min_bytes=1024)
         for step in range(3):
             x, _ = batch(step)
+            if tokens:
+                x = x.view(ROWS // tokens, tokens, WIDTH)
             with rt.step(unit):
                 model(x).square().mean().backward()
         stashes = sum(kind == 3 for _, _, kind in rt._activations.template) if offload else 0
@@ -220,3 +226,30 @@ def test_blocks_the_host_cannot_pin_are_refused_at_start_and_nothing_is_lost():
         rt.plan([[head]])
     assert rt._core is None
     assert all(torch.equal(p.detach(), before[n]) for n, p in model.named_parameters())
+
+
+def test_micro_batches_fill_the_blocks_again_after_each_backward():
+    def run(offload: bool):
+        model = Deep()
+        rt = tt.Runtime(options=config("4 MiB"), comm="none")
+        heads = [rt.register(h, f"task/{t}") for t, h in enumerate(model.heads)]
+        trunk = rt.register(model.layers, "trunk")
+        if offload:  # room for one micro-batch's activations, not two
+            rt.register_activations(LAYERS * 48 * 1024, block_bytes=BLOCK, min_bytes=1024)
+        for step in range(4):
+            with rt.step(trunk, heads[0], micro_batches=2):
+                for half in range(2):
+                    x, y = batch(2 * step + half)
+                    torch.nn.functional.mse_loss(model(x, 0), y).backward()
+        stats = rt.stats().total
+        state = rt.state_dict()
+        rt.close()
+        return state, stats
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        offloaded, stats = run(True)
+    assert not [w for w in said if "outgrow" in str(w.message)]
+    resident, base = run(False)
+    assert_bitwise(offloaded, resident)
+    assert stats.d2h_bytes > base.d2h_bytes + 8 * LAYERS * 16 * 1024

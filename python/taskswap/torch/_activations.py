@@ -23,25 +23,38 @@ if TYPE_CHECKING:
 _STASH = 3  # a plan entry's kind: an activation block's write
 
 
-class _Saved:
-    """One offloaded tensor: where its bytes are ((block, offset, length) pieces, in its storage
-    order), what it was, how many saves of it are still to be unpacked in this step (`left`), and
-    its unpacked copy while some are (`out`). `kept`: the tensor itself, where a communicator's
-    plan had no room for it (its pieces are where it would have gone, for the next plans)."""
+class _Range:
+    """A storage range offloaded: where its bytes are ((block, offset, length) pieces), what it
+    holds, how many saves of it are still to be unpacked in this step (`left`), and its unpacked
+    copy while some are (`flat`, 1-D). `kept`: the range itself (1-D), where a communicator's plan
+    had no room for it (its pieces are where it would have gone, for the next plans)."""
 
-    __slots__ = ("pieces", "shape", "stride", "dtype", "device", "step", "left", "out", "kept")
+    __slots__ = ("pieces", "numel", "dtype", "device", "step", "round", "left", "flat", "kept")
 
-    def __init__(self, pieces: list[tuple[int, int, int]], x: torch.Tensor, step: int, kept: torch.Tensor | None):
+    def __init__(self, pieces: list[tuple[int, int, int]], x: torch.Tensor, step: tuple[int, int],
+                 kept: torch.Tensor | None):
         self.pieces = pieces
-        self.shape, self.stride, self.dtype, self.device = x.shape, x.stride(), x.dtype, x.device
-        self.step = step
+        self.numel, self.dtype, self.device = x.numel(), x.dtype, x.device
+        self.step, self.round = step
         self.left = 1
-        self.out: torch.Tensor | None = None
+        self.flat: torch.Tensor | None = None
         self.kept = kept
 
 
-def _dense(x: torch.Tensor) -> bool:
-    """Whether x's elements fill a range of its storage, each once (any order of dimensions)."""
+class _Save:
+    """One save of a range: its own shape and strides over it."""
+
+    __slots__ = ("range", "shape", "stride")
+
+    def __init__(self, r: _Range, x: torch.Tensor):
+        self.range, self.shape, self.stride = r, x.shape, x.stride()
+
+
+def _plain(x: torch.Tensor) -> bool:
+    """Whether x is a plain strided tensor whose elements fill a range of its storage, each once
+    (any order of dimensions): its bytes are that range's."""
+    if type(x) is not torch.Tensor or x.layout is not torch.strided or x.is_nested or x.is_conj() or x.is_neg():
+        return False
     expect = 1
     for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz != 1):
         if stride != expect:
@@ -98,9 +111,9 @@ class Activations:
 
     def planned_step(self, layers: list[tuple[int, int]], forward_only: bool) -> list[tuple[int, int]]:
         """The streamed layers' plan entries with the blocks' uses where the last step had them;
-        none for a forward-only step, with offload not every step, or where the record does not
+        none for a step that does not offload (`forward_only`), or where the record does not
         replay (each block stashed before it is read, acquired when not held, released when held)."""
-        if forward_only or not self.every_step or not self.ids or not self.template:
+        if forward_only or not self.ids or not self.template:
             return layers
         held: set[int] = set()
         stashed: set[int] = set()
@@ -142,7 +155,9 @@ class Activations:
         self.limit = self.count  # blocks from here on are filled in name alone
         self.held: dict[int, torch.Tensor | None] = {}  # block -> its device bytes while acquired
         self.pending: dict[int, int] = {}  # block -> the saves in it not yet unpacked
-        self.by_tensor: dict[int, tuple] = {}  # id -> (the tensor's weak reference, its version, its record)
+        # (root id, storage offset, numel, dtype) -> (the root's weak reference, its version, the record)
+        self.by_range: dict[tuple, tuple] = {}
+        self.round = 0  # forwards whose backward ran before the next in this step (micro-batches)
         self.events: list[tuple[int, int, int]] = []
         self.acquired = 0  # streamed layer acquisitions so far
         self.forward_layer = -1  # the last streamed layer whose forward began
@@ -189,21 +204,15 @@ class Activations:
             self.said.add(key)
             warnings.warn(f"taskswap: {what}", RuntimeWarning, stacklevel=3)
 
-    def _offloads(self, x: torch.Tensor, nbytes: int) -> bool:
-        """Whether a saved tensor goes to the blocks (else it is kept where it is)."""
-        rt, scope = self.rt, self.scope
-        if rt._scope is not scope or scope is None or _in_backward() or nbytes < self.min_bytes:
-            return False  # a forward re-run in backward (checkpointing) keeps what it saves
-        root = x._base if x._base is not None else x
+    def _offloads(self, x: torch.Tensor, root: torch.Tensor, nbytes: int) -> bool:
+        """Whether a saved tensor (a plain one, in a step's forward) goes to the blocks."""
+        rt = self.rt
+        if nbytes < max(self.min_bytes, 1):
+            return False
         if root.grad_fn is None or _cast_of_parameter(root.grad_fn):
             return False  # parameters, their autocast copies, buffers and the batch are not activations
         if rt._layers and self.forward_layer >= len(rt._layers) - self.keep_last:
             return False  # the last layers' activations: the backward needs them first
-        if type(x) is not torch.Tensor or x.device != rt._torch_device or not _dense(x):
-            self._say_once("kind", f"a saved tensor ({type(x).__name__}, {x.device}, shape {tuple(x.shape)}, stride "
-                                   f"{x.stride()}) is a subclass, not on the runtime's device ({rt._torch_device}) or "
-                                   "not dense: such tensors stay where they are")
-            return False
         room = (self.block_bytes - self.fill if self.current is not None else 0) + \
             (self.count - self.next) * self.block_bytes
         if nbytes > room:
@@ -214,19 +223,39 @@ class Activations:
         return True
 
     def _pack(self, x: torch.Tensor):
-        nbytes = x.numel() * x.element_size()
-        if not self._offloads(x, nbytes):
+        rt, scope = self.rt, self.scope
+        if rt._scope is not scope or scope is None or _in_backward():
+            return x.detach()  # a forward re-run in backward (checkpointing) keeps what it saves
+        if not _plain(x) or x.device != rt._torch_device:
+            if x.numel() * x.element_size() >= self.min_bytes:
+                self._say_once("kind", f"a saved tensor ({type(x).__name__}, {x.layout}, {x.device}) is a subclass, "
+                                       f"not on the runtime's device ({rt._torch_device}), or not a dense strided "
+                                       "tensor: such tensors stay where they are")
             return x.detach()
-        # The same tensor saved again (one input of several projections), unchanged since: the same
-        # record. Its object, not its address: a tensor freed after its offload leaves its memory
-        # to the next one.
-        seen = self.by_tensor.get(id(x))
-        if seen is not None and seen[0]() is x and seen[1] == x._version:
-            saved = seen[2]
-            saved.left += 1
-            for b, _, _ in saved.pieces:
+        root = x._base if x._base is not None else x
+        # The same range saved again (one input of several projections, each saving a view of its
+        # own), its root unchanged since: the same record. Its root object, not its address: a
+        # tensor freed after its offload leaves its memory to the next one.
+        key = (id(root), x.storage_offset(), x.numel(), x.dtype)
+        seen = self.by_range.get(key)
+        if seen is not None and seen[0]() is root and seen[1] == root._version:
+            r = seen[2]
+            r.left += 1
+            for b, _, _ in r.pieces:
                 self.pending[b] += 1
-            return saved
+            return _Save(r, x)
+        if self.backward_begun and not self.held and not any(self.pending.values()):
+            self._next_round()  # a micro-batch's forward after the last one's backward: the blocks again
+        nbytes = x.numel() * x.element_size()
+        if not self._offloads(x, root, nbytes):
+            return x.detach()
+        first, fill = (self.current, self.fill) if self.current is not None else (self.next, 0)
+        kept = None
+        if first + (fill + nbytes - 1) // self.block_bytes >= self.limit:
+            kept = x.detach().as_strided((x.numel(),), (1,))
+            self._say_once("plan", "with a communicator a step offloads into the blocks its plan has (those the last "
+                                   "step that offloaded used); the rest of its activations stay on the device, and "
+                                   "the next plans have room for them")
         flat = x.detach().as_strided((x.numel(),), (1,)).view(torch.uint8)  # its storage range
         pieces = []
         done = 0
@@ -238,7 +267,7 @@ class Activations:
             b = self.current
             n = min(self.block_bytes - self.fill, nbytes - done)
             view = self.held[b]
-            if view is not None:
+            if view is not None and kept is None:
                 view[self.fill:self.fill + n].copy_(flat[done:done + n])
             pieces.append((b, self.fill, n))
             self.pending[b] = self.pending.get(b, 0) + 1
@@ -246,48 +275,56 @@ class Activations:
             done += n
             if self.fill == self.block_bytes:
                 self._close()
-        kept = None
-        if pieces[-1][0] >= self.limit:
-            kept = x.detach()
-            self._say_once("plan", "with a communicator a step offloads into the blocks its plan has (those the last "
-                                   "step that offloaded used); the rest of its activations stay on the device, and "
-                                   "the next plans have room for them")
-        saved = _Saved(pieces, x, self.generation, kept)
-        self.by_tensor[id(x)] = (weakref.ref(x), x._version, saved)
-        return saved
+        r = _Range(pieces, x, (self.generation, self.round), kept)
+        self.by_range[key] = (weakref.ref(root), root._version, r)
+        return _Save(r, x)
 
-    def _unpack(self, saved):
-        if not isinstance(saved, _Saved):
-            return saved
-        if saved.step != self.generation or self.scope is None:
+    def _next_round(self) -> None:
+        """The blocks are filled from the first again (records of the rounds before are spent)."""
+        self.round += 1
+        self.next, self.current, self.fill = 0, None, 0
+        self.pending.clear()
+        self.by_range.clear()
+        self.backward_begun = False
+        self.forward_layer = -1
+
+    def _unpack(self, save):
+        if not isinstance(save, _Save):
+            return save
+        r = save.range
+        if r.step != self.generation or self.scope is None:
             raise _core.InvalidArgument("taskswap: backward reached an offloaded activation after its step scope "
                                         "closed; call backward inside the step scope")
+        if r.round != self.round:
+            raise _core.InvalidArgument("taskswap: a backward pass reached an offloaded activation of a forward whose "
+                                        "blocks a later forward in the step filled again; run each forward's "
+                                        "backward before the next forward, or offload in another step")
         if not self.backward_begun:
             self.backward_begun = True
             if self.current is not None:
                 self._close()
-        out = saved.out if saved.out is not None else saved.kept
-        if out is None:
-            out = torch.empty_strided(saved.shape, saved.stride, dtype=saved.dtype, device=saved.device)
-            flat = out.as_strided((out.numel(),), (1,)).view(torch.uint8)
+        flat = r.flat if r.flat is not None else r.kept
+        if flat is None:
+            flat = torch.empty(r.numel, dtype=r.dtype, device=r.device)
+            raw = flat.view(torch.uint8)
             done = 0
-            for b, at, n in saved.pieces:
+            for b, at, n in r.pieces:
                 view = self.held[b] if b in self.held else self._acquire(b, stash=False)
-                flat[done:done + n].copy_(view[at:at + n])
+                raw[done:done + n].copy_(view[at:at + n])
                 done += n
-        elif saved.kept is not None:  # blocks filled in name alone: their uses, for the next plans
-            for b, _, _ in saved.pieces:
+        elif r.kept is not None:  # blocks filled in name alone: their uses, for the next plans
+            for b, _, _ in r.pieces:
                 if b not in self.held:
                     self._acquire(b, stash=False)
-        if saved.left > 0:  # this step's saves of it; a second backward reads the blocks again
-            saved.left -= 1
-            saved.out = out if saved.left > 0 else None
-            for b, _, _ in saved.pieces:
+        if r.left > 0:  # this step's saves of it; a second backward reads the blocks again
+            r.left -= 1
+            r.flat = flat if r.left > 0 else None
+            for b, _, _ in r.pieces:
                 self.pending[b] -= 1
-        for b, _, _ in saved.pieces:
+        for b, _, _ in r.pieces:
             if self.pending[b] == 0 and b in self.held:
                 self._release(b)
-        return out
+        return flat.as_strided(save.shape, save.stride)
 
     # --- the blocks ------------------------------------------------------------------------------
     def _stream(self):
@@ -318,6 +355,8 @@ class Activations:
         if self.current == b:
             self.current = None
         self.events.append((self.acquired, b, _RELEASE))
-        if b < self.limit:
-            self.rt._core.release(self.ids[b], self._stream())
-        del self.held[b]
+        try:
+            if b < self.limit:
+                self.rt._core.release(self.ids[b], self._stream())
+        finally:
+            del self.held[b]

@@ -284,7 +284,8 @@ class Runtime(_Registration, _State):
         return self.core.world_size
 
     # --- plan and steps ---------------------------------------------------------------------
-    def plan(self, steps: Iterable[Sequence[Unit | _Use]], *, forward_only: bool = False) -> None:
+    def plan(self, steps: Iterable[Sequence[Unit | _Use]], *, forward_only: bool = False,
+             offload: bool | None = None) -> None:
         """Appends upcoming steps, each the units it acquires in order (``unit.frozen()`` for a
         forward-only use; a unit registered ``trainable=False`` is always used frozen). Checks
         that each step fits the budget; a refused plan changes nothing.
@@ -292,16 +293,22 @@ class Runtime(_Registration, _State):
         ``forward_only``: these steps run forward passes alone (evaluation under ``no_grad``): the
         streamed layers are planned for their forward uses only, so the prefetch brings no layer
         whole for a backward that will not come, and with a communicator a trained layer is not
-        updated in them (planned for its backward, it would be, with zeros from this rank)."""
+        updated in them (planned for its backward, it would be, with zeros from this rank).
+
+        ``offload``: whether these steps offload their activations (register_activations; None:
+        ``every_step``); their plans then have the blocks where the last step that offloaded
+        used them."""
         plan = [[self._own(_use_of(e)) for e in step] for step in steps]
         with self._starting():
-            planned = [self._planned(step, forward_only) for step in plan]
+            pool = self._activations
+            offloads = pool is not None and (pool.every_step if offload is None else offload)
+            planned = [self._planned(step, forward_only, not offloads) for step in plan]
             self._core.plan(planned)
             self._began = True
             if self._activations is not None:
                 self._activations.planned_steps(planned)
 
-    def _planned(self, uses: list[_Use], forward_only: bool = False) -> list[tuple[int, int]]:
+    def _planned(self, uses: list[_Use], forward_only: bool = False, no_blocks: bool = True) -> list[tuple[int, int]]:
         """A step's plan: its units, then the streamed layers forward (each released before the next)
         and, unless ``forward_only``, backward (each released once the layer below is acquired, as
         the hooks do); the activation blocks' uses among them, where the step before had them."""
@@ -317,7 +324,7 @@ class Runtime(_Registration, _State):
         if above is not None:
             layers.append((above.id, _RELEASE))
         if self._activations is not None:
-            layers = self._activations.planned_step(layers, forward_only)
+            layers = self._activations.planned_step(layers, forward_only or no_blocks)
         return [(e.unit.id, e.kind) for e in uses] + layers
 
     def _own(self, use: _Use) -> _Use:
