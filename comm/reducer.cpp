@@ -168,7 +168,14 @@ std::vector<step_agreement> reducer::agree(std::span<const std::vector<std::uint
     return masks + (k * state_units_.size() + s) * words + w;
   };
   if (options_.reduce_every_unit) {
-    counts.assign(local.size() * n, comm_->size());  // (state tensors: rank 0's, as DDP)
+    // Every unit that has gradients (state tensors: rank 0's, as DDP); never a unit that is never
+    // trained (a frozen base, an activation block).
+    counts.assign(local.size() * n, 0);
+    for (std::size_t k = 0; k < local.size(); ++k) {
+      for (std::size_t i = 0; i < n; ++i) {
+        if (units_[i].grad_bytes > 0) { counts[k * n + i] = comm_->size(); }
+      }
+    }
   } else {
     counts.assign(local.size() * n + local.size() * state_units_.size() * words, 0);
     const auto me = static_cast<std::size_t>(comm_->rank());

@@ -4,6 +4,7 @@ rank on its own batches, every step planned before it begins. test_activation_of
 in one unit and its heads: bitwise equal to the same loop without offload, replicas bitwise equal.
 The first step's plan has no blocks, so it keeps its activations (said once); from the second on
 each step offloads into the blocks its plan has (a use off the plan would have been refused).
+With [comm] reduce = "every_unit" too: the blocks, which have no gradients, are not updated.
 
 usage: mpirun -np N python3 activation_offload_mpi.py PORT
 """
@@ -39,6 +40,12 @@ def main() -> int:
     check("the first step keeps its activations", stats[0].d2h_bytes == base[0].d2h_bytes)
     check("the later steps offload", moved(stats)[0] > moved(base)[0] + LAYERS * 16 * 1024)
     check("said once", sum("offloads into the blocks its plan has" in str(w.message) for w in said) == 1)
+    # [comm] reduce = "every_unit" updates every unit with gradients; the blocks have none
+    every = '[comm]\nreduce = "every_unit"\n'
+    offloaded, stats = train(offload=True, streamed=False, keep_last=0, comm=tt.mpi(), extra=every)
+    kept, base = train(offload=False, streamed=False, comm=tt.mpi(), extra=every)
+    check("every_unit: bitwise equal to the loop without offload", same(offloaded, kept))
+    check("every_unit: the later steps offload", moved(stats)[0] > moved(base)[0] + LAYERS * 16 * 1024)
     return end_under_mpirun(rank, failures)
 
 

@@ -33,11 +33,11 @@ def whole(n: int, granule: int) -> int:
 
 def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None, steps: int = 8,
           host_bytes: int = 4 << 20, keep_last: int = 1, blocks_room: int = 4, retain: bool = False,
-          comm="none"):
+          comm="none", extra: str = ""):
     """Trains Deep through a runtime, each step planned before it begins (each rank on batches of
     its own); returns its state and each step's stats."""
     model = Deep(checkpoint=checkpoint)
-    rt = tt.Runtime(options=config("1 MiB"), comm=comm)
+    rt = tt.Runtime(options=config("1 MiB", extra=extra), comm=comm)
     heads = [rt.register(h, f"task/{t}") for t, h in enumerate(model.heads)]
     if streamed:
         rt.register_layers(model.layers, "trunk")
