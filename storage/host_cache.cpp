@@ -34,6 +34,7 @@ struct cache_entry {
   bool behind = false;  // its file is older than a superseded block let go: only a whole overwrite brings it back
   bool overwriting = false;  // behind, and its block taken for a whole overwrite not yet queued (used())
   bool catching_up = false;  // behind, with that overwrite queued: caught up once the block's work is done
+  bool device_writing = false;  // a stream's work writes the block: its bytes are the caller's once that is done
   std::vector<std::pair<void*, event>> busy;  // per stream, after the work that uses the block
   std::uint64_t last_used = 0;
   std::size_t live_at = 0;  // its index in impl::live, while it has a block
@@ -64,7 +65,8 @@ struct host_cache::impl {
 
   std::span<std::byte> span_of(const cache_entry& c) const { return memory.subspan(*c.offset, c.bytes); }
 
-  // Waits for the work that uses the block; it may then be written or reused.
+  // Waits for the work that uses the block; it may then be written or reused. A device that
+  // failed ends that work (the waits return first, then throw): see abandoned().
   static void quiesce(cache_entry& c)
   {
     try {
@@ -72,13 +74,14 @@ struct host_cache::impl {
     } catch (const device_error&) {
       abandoned(c);
       return;
-    } catch (const cuda_error&) {
+    } catch (const cuda_error&) {  // what an event's wait says after a CUDA sticky error
       abandoned(c);
       return;
     }
     settled(c);
   }
-  // Whether the work that uses the block is done (then nothing waits on it).
+  // Whether the work that uses the block is done (then nothing waits on it). A device that failed
+  // answers before its work has drained: not idle (quiesce() waits for it).
   static bool idle(cache_entry& c)
   {
     try {
@@ -86,21 +89,25 @@ struct host_cache::impl {
         if (!done.query()) { return false; }
       }
     } catch (const device_error&) {
-      abandoned(c);
-      return true;
+      return false;
     } catch (const cuda_error&) {
-      abandoned(c);
-      return true;
+      return false;
     }
     settled(c);
     return true;
   }
-  // The device failed (the trainer hears of it from the runtime): the work queued on the block
-  // will not run, so the block is free; an overwrite it carried may not have arrived, so an entry
-  // behind stays behind.
+  // The device failed, and its work on the block is over (the trainer hears of the failure from
+  // the runtime, once). A block the device read is as it was. A block it was writing holds what
+  // the failure left: it is never written to the file, and its entry is behind (its newest bytes
+  // were in the device copy the failure lost); so is an overwrite the entry was catching up with.
   static void abandoned(cache_entry& c)
   {
     c.busy.clear();
+    if (c.device_writing) {
+      c.behind = true;
+      c.dirty = false;
+    }
+    c.device_writing = false;
     c.catching_up = false;
   }
   // The work that used the block is done: an overwrite queued on it has arrived.
@@ -109,6 +116,7 @@ struct host_cache::impl {
     c.busy.clear();
     c.behind = c.behind && !c.catching_up;
     c.catching_up = false;
+    c.device_writing = false;
   }
 
   // Gives the block back: an eviction, or (`evicted` false) a block whose read failed.
@@ -404,6 +412,7 @@ void host_cache::used(entry_id e, const stream_view* s, bool wrote)
   TASKSWAP_EXPECTS(c.offset && (!c.io || c.io_write), message("host cache: '", c.unit, "' is used while not cached"));
   c.evicting = false;  // in use: it stays
   c.dirty = c.dirty || wrote;
+  c.device_writing = c.device_writing || (wrote && s != nullptr);
   if (wrote && c.overwriting) {  // the overwrite is queued (or, on the host, done)
     c.overwriting = false;
     c.catching_up = true;
@@ -429,6 +438,7 @@ void host_cache::flush()
   for (cache_entry& c : m.entries) {
     if (c.offset && c.dirty) {
       m.quiesce(c);
+      if (!c.dirty) { continue; }  // a device that failed was writing it: not written
       m.start_write(c);
       (void)m.finish_io(c, true);
     }
@@ -473,7 +483,7 @@ bool host_cache::behind(entry_id e)
 {
   cache_entry& c = impl_->entries.at(e);
   if (c.behind && c.catching_up) {
-    (void)impl_->idle(c);  // the overwrite's work done: caught up (a device that failed: still behind)
+    (void)impl_->idle(c);  // the overwrite's work done: caught up (a device that failed: not yet)
   }
   return c.behind;
 }

@@ -8,8 +8,8 @@ of treating the activations autograd saves:
   taskswap      Runtime.register_activations: blocks stashed on the runtime's copy streams and
                 brought back in the plan's order
 Printed per arm: the step time (median of --repeats runs of --steps steps) and its ratio to none
-and to save_on_cpu; on CUDA also the peak device memory (torch's allocator plus the runtime's
-budget in use) and, with --largest, the largest batch that fits the device.
+and to save_on_cpu; on CUDA also the peak device memory (torch allocator's peak plus the runtime's)
+and, with --largest, the largest batch that fits the device.
 
 usage: python3 activation_offload.py [--width 1024] [--layers 16] [--rows 4096] [--steps 10]
 """
@@ -76,42 +76,45 @@ residency = "pinned"
     y = torch.randn(rows, 8, device=dev)
     times = []
     peak = 0
-    for r in range(args.repeats + 1):
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            rt.plan([units])
-            with hooks(), rt.step(*units):
-                torch.nn.functional.mse_loss(model(x), y).backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-            peak = max(peak, torch.cuda.max_memory_allocated() + rt.stats().device_bytes_in_use)
-        if r:  # the first run warms up (and teaches the plan where the blocks go)
-            times.append((time.perf_counter() - start) / args.steps)
-    rt.close()
-    return statistics.median(times), peak
+    try:
+        for r in range(args.repeats + 1):
+            if device == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                rt.plan([units])
+                with hooks(), rt.step(*units):
+                    torch.nn.functional.mse_loss(model(x), y).backward()
+            if device == "cuda":  # torch's peak and the runtime's: their sum bounds the device's
+                torch.cuda.synchronize()
+                peak = max(peak, torch.cuda.max_memory_allocated() + rt.stats().total.peak_device_bytes)
+            if r:  # the first run warms up (and teaches the plan where the blocks go)
+                times.append((time.perf_counter() - start) / args.steps)
+    finally:
+        rt.close()
+    return (statistics.median(times) if times else float("nan")), peak
 
 
 def largest(arm: str, hooks, args, device: str) -> int:
     """The largest batch (rows, a multiple of 256) whose step fits the device."""
-    fits, rows = 0, 256
-    while True:
+    once = argparse.Namespace(**{**vars(args), "steps": 1, "repeats": 0})
+
+    def fits(rows: int) -> bool:
         try:
-            run(arm, hooks, argparse.Namespace(**{**vars(args), "steps": 1, "repeats": 0}), rows, device)
-        except torch.OutOfMemoryError:
-            break
-        fits, rows = rows, rows * 2
-    lo, hi = fits, rows
+            run(arm, hooks, once, rows, device)
+            return True
+        except (torch.OutOfMemoryError, taskswap.OutOfMemory):
+            return False
+        finally:
+            torch.cuda.empty_cache()
+
+    lo, hi = 0, 256
+    while fits(hi):
+        lo, hi = hi, hi * 2
     while hi - lo > 256:
         mid = (lo + hi) // 512 * 256
-        try:
-            run(arm, hooks, argparse.Namespace(**{**vars(args), "steps": 1, "repeats": 0}), mid, device)
-            lo = mid
-        except torch.OutOfMemoryError:
-            hi = mid
-        torch.cuda.empty_cache()
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
 

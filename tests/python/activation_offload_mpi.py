@@ -45,6 +45,7 @@ def main() -> int:
     offloaded, stats = train(offload=True, streamed=False, keep_last=0, comm=tt.mpi(), extra=every)
     kept, base = train(offload=False, streamed=False, comm=tt.mpi(), extra=every)
     check("every_unit: bitwise equal to the loop without offload", same(offloaded, kept))
+    check("every_unit: replicas bitwise equal", replicas_bitwise_equal(offloaded, world))
     check("every_unit: the later steps offload", moved(stats)[0] > moved(base)[0] + LAYERS * 16 * 1024)
     return end_under_mpirun(rank, failures)
 

@@ -10,6 +10,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <filesystem>
@@ -95,6 +96,58 @@ TEST_F(host_cache_test, a_behind_entry_catches_up_once_its_overwrite_is_done_not
   open = true;
   s.synchronize();
   EXPECT_FALSE(cache.behind(t.a));  // its events say the overwrite is done
+}
+
+// The device fails while writing `a`'s block (a copy home that never ran) and after reading `b`'s
+// (dirty from the host). Making room waits for that work, as it ended, and raises nothing: `b` is
+// written to its file as any dirty block; `a`'s block, holding what the failure left, is let go
+// unwritten, its file keeps its older bytes and the entry is behind.
+TEST_F(host_cache_test, after_a_device_failure_a_block_it_was_writing_is_let_go_unwritten_and_one_it_read_is_kept)
+{
+  const device dev = emulated_device({.memory_bytes = std::size_t{1} << 20U, .link = {}}, {.fail_copy = 2});
+  std::unique_ptr<std::byte, decltype(&std::free)> memory(static_cast<std::byte*>(std::aligned_alloc(4096, 2 * block)),
+                                                          &std::free);
+  unit_files files({.directory = dir_, .queue_depth = 2, .block_bytes = block});
+  host_cache cache(dev, {memory.get(), 2 * block}, files);
+  const host_cache::entry_id a = cache.add("a", 1, block);
+  const host_cache::entry_id b = cache.add("b", 2, block);
+  const host_cache::entry_id c = cache.add("c", 3, block);
+  const host_cache::entry_id d = cache.add("d", 4, block);
+  cache.next_use([&](host_cache::entry_id e) -> std::uint64_t { return e == c || e == d ? 1 : 9; });
+  const auto fill = [&](host_cache::entry_id e, std::byte value) {
+    const std::span<std::byte> bytes = cache.block(e);
+    std::fill(bytes.begin(), bytes.end(), value);
+    cache.used(e, nullptr, true);
+  };
+  fill(a, std::byte{1});
+  fill(b, std::byte{2});
+  cache.flush();  // both files hold their bytes
+  fill(b, std::byte{3});  // dirty again, from the host
+  device_buffer on_device(dev, block);
+  const stream s(dev);
+  const stream_view view = s;
+  std::atomic<bool> open{false};
+  launch_host_func(s, [&open] {
+    while (!open.load()) { std::this_thread::yield(); }
+  });
+  copy_async(on_device.span(), cache.block(b), s);  // copy 1: the device reads `b`
+  cache.used(b, &view, false);
+  copy_async(cache.block(a), on_device.span(), s);  // copy 2 fails: `a`'s block is never written
+  cache.used(a, &view, true);
+  open = true;
+  const std::uint64_t written = cache.stats().written_back;
+  EXPECT_NO_THROW({
+    (void)cache.block(c);  // room for `c` and `d`: both let go, once the stream's work ended
+    (void)cache.block(d);
+  });
+  EXPECT_EQ(cache.stats().written_back, written + 1);  // `b`'s bytes, not `a`'s
+  EXPECT_TRUE(cache.behind(a));
+  EXPECT_FALSE(cache.behind(b));
+  EXPECT_THROW(dev.synchronize(), device_error);  // the failure is the device's to tell
+  for (const auto& [e, value] : {std::pair{b, std::byte{3}}, std::pair{a, std::byte{1}}}) {
+    const std::span<std::byte> bytes = cache.block(e);  // read back from its file
+    EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [value](std::byte x) { return x == value; }));
+  }
 }
 
 // `a` dirty, `b` clean, both never used again; `a` was used first. Making room for `c` lets the

@@ -125,7 +125,7 @@ class Runtime(_Registration, _State):
         try:
             core = _core.Runtime(device, options, specs, comm)
         except _core.OutOfMemory as e:
-            if self._activations is None:
+            if self._activations is None or "pinned arena" not in str(e):
                 raise
             pool = self._activations
             raise type(e)(f"{e} (the activation blocks take {pool.count * pool.block_bytes} bytes of it: lower "
