@@ -144,8 +144,10 @@ TEST_F(host_cache_test, after_a_device_failure_a_block_it_was_writing_is_let_go_
   EXPECT_TRUE(cache.behind(a));
   EXPECT_FALSE(cache.behind(b));
   EXPECT_THROW(dev.synchronize(), device_error);  // the failure is the device's to tell
-  for (const auto& [e, value] : {std::pair{b, std::byte{3}}, std::pair{a, std::byte{1}}}) {
-    const std::span<std::byte> bytes = cache.block(e);  // read back from its file
+  for (const std::pair<host_cache::entry_id, std::byte>& home :
+       {std::pair{b, std::byte{3}}, std::pair{a, std::byte{1}}}) {
+    const std::span<std::byte> bytes = cache.block(home.first);  // read back from its file
+    const std::byte value = home.second;
     EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [value](std::byte x) { return x == value; }));
   }
 }
