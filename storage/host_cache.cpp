@@ -65,32 +65,41 @@ struct host_cache::impl {
 
   std::span<std::byte> span_of(const cache_entry& c) const { return memory.subspan(*c.offset, c.bytes); }
 
+  // Runs `wait` (waits or queries of a block's events); false if it found the device failed
+  // (device_error; cuda_error is what an event says after a CUDA sticky error).
+  template <class Wait>
+  static bool on_live_device(Wait&& wait)
+  {
+    try {
+      std::forward<Wait>(wait)();
+      return true;
+    } catch (const device_error&) {
+      return false;
+    } catch (const cuda_error&) {
+      return false;
+    }
+  }
   // Waits for the work that uses the block; it may then be written or reused. A device that
   // failed ends that work (the waits return first, then throw): see abandoned().
   static void quiesce(cache_entry& c)
   {
-    try {
-      for (auto& [stream, done] : c.busy) { done.synchronize(); }
-    } catch (const device_error&) {
+    if (on_live_device([&] {
+          for (auto& [stream, done] : c.busy) { done.synchronize(); }
+        })) {
+      settled(c);
+    } else {
       abandoned(c);
-      return;
-    } catch (const cuda_error&) {  // what an event's wait says after a CUDA sticky error
-      abandoned(c);
-      return;
     }
-    settled(c);
   }
   // Whether the work that uses the block is done (then nothing waits on it). A device that failed
   // answers before its work has drained: not idle (quiesce() waits for it).
   static bool idle(cache_entry& c)
   {
-    try {
-      for (auto& [stream, done] : c.busy) {
-        if (!done.query()) { return false; }
-      }
-    } catch (const device_error&) {
-      return false;
-    } catch (const cuda_error&) {
+    bool done = true;
+    if (!on_live_device([&] {
+          for (auto& [stream, ended] : c.busy) { done = done && ended.query(); }
+        }) ||
+        !done) {
       return false;
     }
     settled(c);

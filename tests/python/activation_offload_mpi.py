@@ -19,17 +19,13 @@ from test_activation_offload import LAYERS, moved, train
 
 import taskswap.torch as tt
 from loops import bitwise_equal as same
-from loops import end_under_mpirun, gloo_under_mpirun, replicas_bitwise_equal
+from loops import checklist, end_under_mpirun, gloo_under_mpirun, replicas_bitwise_equal
 
 
 def main() -> int:
     rank, world = gloo_under_mpirun(sys.argv[1])
     torch.set_num_threads(1)
-    failures: list[str] = []
-
-    def check(name: str, ok: bool) -> None:
-        if not ok:
-            failures.append(name)
+    failures, check = checklist()
 
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")

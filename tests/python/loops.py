@@ -6,6 +6,7 @@ mpirun against torch DDP."""
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 import torch
 
@@ -183,6 +184,17 @@ def replicas_bitwise_equal(state: dict[str, torch.Tensor], world: int) -> bool:
     gathered = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(gathered, flat)
     return all(torch.equal(g, gathered[0]) for g in gathered)
+
+
+def checklist() -> tuple[list[str], Callable[[str, bool], None]]:
+    """A rank's failures and the check that records one (`check(name, ok)`), for end_under_mpirun."""
+    failures: list[str] = []
+
+    def check(name: str, ok: bool) -> None:
+        if not ok:
+            failures.append(name)
+
+    return failures, check
 
 
 def end_under_mpirun(rank: int, failures: list[str]) -> int:

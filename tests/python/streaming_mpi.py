@@ -33,7 +33,15 @@ from test_streaming import LAYERS, Deep, checkpointed_pairs, train, train_plain
 import taskswap
 import taskswap.torch as tt
 from loops import bitwise_equal as same
-from loops import config, counting_ddp, end_under_mpirun, gloo_under_mpirun, max_relative, replicas_bitwise_equal
+from loops import (
+    checklist,
+    config,
+    counting_ddp,
+    end_under_mpirun,
+    gloo_under_mpirun,
+    max_relative,
+    replicas_bitwise_equal,
+)
 
 
 def depth(step: int, rank: int) -> int:
@@ -44,11 +52,7 @@ def depth(step: int, rank: int) -> int:
 def main() -> int:
     rank, world = gloo_under_mpirun(sys.argv[1])
     torch.set_num_threads(1)
-    failures: list[str] = []
-
-    def check(name: str, ok: bool) -> None:
-        if not ok:
-            failures.append(name)
+    failures, check = checklist()
 
     common = {"comm": tt.mpi(), "depth": depth, "evaluate": True}
     for checkpoint in (None, "reentrant", "non_reentrant"):

@@ -31,11 +31,11 @@ class _Range:
 
     __slots__ = ("pieces", "numel", "dtype", "device", "step", "round", "left", "flat", "kept")
 
-    def __init__(self, pieces: list[tuple[int, int, int]], x: torch.Tensor, step: tuple[int, int],
+    def __init__(self, pieces: list[tuple[int, int, int]], x: torch.Tensor, step: int, round_: int,
                  kept: torch.Tensor | None):
         self.pieces = pieces
         self.numel, self.dtype, self.device = x.numel(), x.dtype, x.device
-        self.step, self.round = step
+        self.step, self.round = step, round_
         self.left = 1
         self.flat: torch.Tensor | None = None
         self.kept = kept
@@ -138,6 +138,10 @@ class Activations:
             out.append((self.ids[use[1]], use[2]))
             use = next(uses, None)
         return out
+
+    def offloads(self, asked: bool | None) -> bool:
+        """Whether a step (or a plan's steps) offloads: as asked, else as registered."""
+        return self.every_step if asked is None else asked
 
     def take_planned(self) -> int:
         """A step scope opens: the blocks its plan has (with a communicator; else every block)."""
@@ -275,7 +279,7 @@ class Activations:
             done += n
             if self.fill == self.block_bytes:
                 self._close()
-        r = _Range(pieces, x, (self.generation, self.round), kept)
+        r = _Range(pieces, x, self.generation, self.round, kept)
         self.by_range[key] = (weakref.ref(root), root._version, r)
         return _Save(r, x)
 
@@ -328,8 +332,7 @@ class Activations:
 
     # --- the blocks ------------------------------------------------------------------------------
     def _stream(self):
-        rt = self.rt
-        return rt._stream or rt._current_stream()  # in backward: the stream autograd runs the node on
+        return self.rt._current_stream()  # in backward: the stream autograd runs the node on
 
     def _acquire(self, b: int, stash: bool) -> torch.Tensor | None:
         """Acquires block b (its device bytes), or, beyond the plan's blocks, records its use alone."""

@@ -301,12 +301,12 @@ class Runtime(_Registration, _State):
         plan = [[self._own(_use_of(e)) for e in step] for step in steps]
         with self._starting():
             pool = self._activations
-            offloads = pool is not None and (pool.every_step if offload is None else offload)
-            planned = [self._planned(step, forward_only, not offloads) for step in plan]
+            no_blocks = pool is None or not pool.offloads(offload)
+            planned = [self._planned(step, forward_only, no_blocks) for step in plan]
             self._core.plan(planned)
             self._began = True
-            if self._activations is not None:
-                self._activations.planned_steps(planned)
+            if pool is not None:
+                pool.planned_steps(planned)
 
     def _planned(self, uses: list[_Use], forward_only: bool = False, no_blocks: bool = True) -> list[tuple[int, int]]:
         """A step's plan: its units, then the streamed layers forward (each released before the next)
@@ -357,7 +357,7 @@ class Runtime(_Registration, _State):
         if offload and pool is None:
             raise _core.InvalidArgument("taskswap: step(offload=True) needs activation blocks; call "
                                         "register_activations() before the runtime starts")
-        offload = pool is not None and (pool.every_step if offload is None else offload)
+        offload = pool is not None and pool.offloads(offload)
         return _StepScope(self, list(map(_use_of, units)), micro_batches, offload)
 
     def _current_stream(self) -> _core.Stream:
