@@ -156,7 +156,7 @@ class Runtime(_Registration, _State):
                             else None)
             for u, uid in zip(self.units, ids):
                 u.id = uid
-                u._placeholders = [self._placeholder(e.tensor.dtype) for e in u._entries]
+                u._set_placeholders([self._placeholder(e.tensor.dtype) for e in u._entries])
                 for e, empty in zip(u._entries, u._placeholders):
                     e.original = e.tensor.data
                     if not e.state:
@@ -198,7 +198,9 @@ class Runtime(_Registration, _State):
                     e.original = e.original_grad = None
                 if not e.state and e.tensor.requires_grad != e.requires_grad:
                     e.tensor.requires_grad_(e.requires_grad)
-            u.id, u._views, u._grad_views, u._param_addr, u._grad_addr = None, [], [], None, None
+            u.id = None
+            u._set_views([], None)
+            u._set_grad_views([], None)
         self._external.clear()
         if self._activations is not None:
             self._activations.ids = []
@@ -253,7 +255,8 @@ class Runtime(_Registration, _State):
                     e.tensor.data = h.to(e.device, copy=True)
                     if not e.state and e.tensor.requires_grad != e.requires_grad:
                         e.tensor.requires_grad_(e.requires_grad)
-            u._views, u._grad_views, u._param_addr, u._grad_addr = [], [], None, None
+            u._set_views([], None)
+            u._set_grad_views([], None)
         self._external.clear()
         self._stream = None
         self._scale_view = None
@@ -312,6 +315,8 @@ class Runtime(_Registration, _State):
         """A step's plan: its units, then the streamed layers forward (each released before the next)
         and, unless ``forward_only``, backward (each released once the layer below is acquired, as
         the hooks do); the activation blocks' uses among them, where the step before had them."""
+        if not self._layers and self._activations is None:
+            return [(e.unit.id, e.kind) for e in uses]
         layers: list[tuple[int, int]] = []
         above = None
         for u in self._layers:
@@ -346,19 +351,21 @@ class Runtime(_Registration, _State):
         (gradient accumulation: call backward that many times inside the scope). ``offload``:
         whether the step's saved activations go to the activation blocks (register_activations;
         None: as it set, ``every_step``)."""
-        if micro_batches < 1:
-            raise _core.InvalidArgument(f"taskswap: micro_batches is at least 1, not {micro_batches}")
-        if micro_batches > 1 and any(u.trainable for u in self._layers):
-            raise _core.InvalidArgument(
-                f"taskswap: micro_batches={micro_batches} with trained streamed layers: a streamed layer is stepped "
-                "as soon as one backward pass completes its gradients; sum the micro-batches' losses and call "
-                "backward once, or register the layers with register()")
+        if micro_batches != 1:
+            if micro_batches < 1:
+                raise _core.InvalidArgument(f"taskswap: micro_batches is at least 1, not {micro_batches}")
+            if any(u.trainable for u in self._layers):
+                raise _core.InvalidArgument(
+                    f"taskswap: micro_batches={micro_batches} with trained streamed layers: a streamed layer is "
+                    "stepped as soon as one backward pass completes its gradients; sum the micro-batches' losses and "
+                    "call backward once, or register the layers with register()")
         pool = self._activations
-        if offload and pool is None:
+        if pool is not None:
+            offload = pool.offloads(offload)
+        elif offload:
             raise _core.InvalidArgument("taskswap: step(offload=True) needs activation blocks; call "
                                         "register_activations() before the runtime starts")
-        offload = pool is not None and pool.offloads(offload)
-        return _StepScope(self, list(map(_use_of, units)), micro_batches, offload)
+        return _StepScope(self, list(map(_use_of, units)), micro_batches, bool(offload))
 
     def _current_stream(self) -> _core.Stream:
         if self._stream is not None:
@@ -411,11 +418,11 @@ class Runtime(_Registration, _State):
         core = self._core
         # Every view first (the scope checked the model): a failure then leaves the tensors as they were.
         if u._param_addr != addrs[0]:
-            u._views, u._param_addr = u._shaped(core.param_tensors(u.id)), addrs[0]
+            u._set_views(u._shaped(core.param_tensors(u.id)), addrs[0])
         if kind == _TRAIN and u._grad_addr != addrs[1]:
-            u._grad_views, u._grad_addr = u._shaped(core.grad_tensors(u.id))[:len(u._params)], addrs[1]
+            u._set_grad_views(u._shaped(core.grad_tensors(u.id))[:len(u._params)], addrs[1])
         try:
-            for t, v in zip(u._tensors, u._views):
+            for t, v in u._alias:
                 t.data = v
             if kind == _FROZEN:
                 if forward and u.trainable:  # its gradient slab comes with the backward's acquisition
@@ -424,13 +431,14 @@ class Runtime(_Registration, _State):
                     if p.requires_grad:
                         p.requires_grad_(False)
                 return
-            for p, g in zip(u._params, u._grad_views):
+            for p, g in u._grad_alias:
                 if not p.requires_grad:
                     p.requires_grad_(True)
                 p.grad = g
-            u._fired = u._passes = 0
-            u._ready = False
-            u._handed_versions = None
+            if self._hooks or u._layer is not None:  # what the gradient hooks count; nothing else reads it
+                u._fired = u._passes = 0
+                u._ready = False
+                u._handed_versions = None
         except BaseException:
             _detach(u, kind)
             raise

@@ -89,13 +89,11 @@ class _StepScope:
         # The step's planned blocks are taken whatever happens next: the runtime's step ends either way.
         limit = rt._activations.take_planned() if rt._activations is not None else 0
         try:
-            addrs = []
-            for use in uses:
-                addrs.append(core.acquire(use.unit.id, stream, use.frozen))
-                acquired.append(use)
             attach = rt._attach
-            for use, a in zip(uses, addrs):
-                attach(use.unit, use.kind, a)
+            for use in uses:
+                addrs = core.acquire(use.unit.id, stream, use.frozen)
+                acquired.append(use)
+                attach(use.unit, use.kind, addrs)
                 attached.append(use)
             if self.offload:
                 rt._activations.begin(self, limit)
@@ -135,7 +133,7 @@ class _StepScope:
                     if u._grads_changed():
                         changed = (changed or []) + [u.name]
                 else:
-                    for p, g in zip(u._params, u._grad_views):
+                    for p, g in u._grad_alias:
                         if p.grad is not g:  # the alias is intact: torch returns the object it was given
                             _repair_grad(p, g)
                 stepped.add(u.id)  # before the call: a step that fails halfway is not retried
@@ -180,37 +178,32 @@ class _StepScope:
         self._end(first, failed=True)
 
     def _end(self, first: BaseException | None = None, failed: bool = False) -> None:
-        """Closes the activation offload, releases every unit and ends the step, each whatever the
-        others do; raises the first error (`first`: one from before) after all."""
+        """Closes the activation offload, releases every unit acquired (in reverse order), points
+        the parameters back at their empty placeholders and ends the step, each whatever the others
+        do; raises the first error (`first`: one from before) after all."""
+        rt = self.rt
+        core, stream = rt._core, self.stream
         if self.offload:
-            closed = self.rt._activations.end(failed or first is not None)
+            closed = rt._activations.end(failed or first is not None)
             first = first or closed
-        try:
-            self._release()
-        except BaseException as e:  # the step still ends
-            first = first or e
-        try:
-            self.stats = self.rt.last_step = self.rt._core.end_step()
-        except BaseException as e:  # noqa: BLE001
-            first = first or e
-        if first is not None:
-            raise first
-
-    def _release(self) -> None:
-        """Releases every unit acquired (in reverse order, each whatever the others do) and points
-        the parameters back at their empty placeholders; raises the first error after all."""
-        first = self.streamed.release_all() if self.streamed is not None else None
-        core, stream = self.rt._core, self.stream
+        if self.streamed is not None:
+            released = self.streamed.release_all()
+            first = first or released
         for use in reversed(self.acquired):
             try:
                 core.release(use.unit.id, stream)
             except BaseException as e:  # every unit is released
                 first = first or e
         try:
-            detach = _detach
             for use in self.attached:
-                detach(use.unit, use.kind)
+                _detach(use.unit, use.kind)
+        except BaseException as e:  # the step still ends
+            first = first or e
         finally:
-            self.rt._scope = None
+            rt._scope = None
+        try:
+            self.stats = rt.last_step = core.end_step()
+        except BaseException as e:  # noqa: BLE001
+            first = first or e
         if first is not None:
             raise first

@@ -144,6 +144,10 @@ class Unit:
         self._views: list[torch.Tensor] = []  # every tensor's device view, in spec order
         self._grad_addr = None
         self._grad_views: list[torch.Tensor] = []  # the parameters' gradients
+        # What a step's attach and detach assign, paired once (set_views, set_placeholders), not each step:
+        self._alias: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its device view)
+        self._grad_alias: list[tuple[torch.Tensor, torch.Tensor]] = []  # (parameter, its gradient's view)
+        self._empty: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its placeholder)
         # Norm layers whose train mode updates the unit's buffers (running statistics) in forward.
         self._stat_modules = ([m for m in module.modules() if getattr(m, "track_running_stats", False)
                                and any(b is getattr(m, "running_mean", None) for b in self._buffers)]
@@ -158,6 +162,20 @@ class Unit:
         self._handed_versions: list[int] | None = None  # their version counters then
         self._layer: int | None = None  # its place in the streamed layers (register_layers)
         self._layer_module: torch.nn.Module | None = None
+
+    def _set_views(self, views: list[torch.Tensor], addr) -> None:
+        """The unit's tensors' device views, at the slab address `addr` (none: [], None)."""
+        self._views, self._param_addr = views, addr
+        self._alias = list(zip(self._tensors, views))
+
+    def _set_grad_views(self, views: list[torch.Tensor], addr) -> None:
+        """The parameters' gradient views, at the gradient slab address `addr` (none: [], None)."""
+        self._grad_views, self._grad_addr = views, addr
+        self._grad_alias = list(zip(self._params, views))
+
+    def _set_placeholders(self, placeholders: list[torch.Tensor]) -> None:
+        self._placeholders = placeholders
+        self._empty = list(zip(self._tensors, placeholders))
 
     def _grads_changed(self) -> bool:
         """After the hooks handed the gradients to the reduction: replaced, or changed in place."""
@@ -266,7 +284,7 @@ def _detach(u: Unit, kind: int) -> None:
     """Points the unit's tensors back at empty placeholders."""
     for p in u._params:
         p.grad = None
-    for t, empty in zip(u._tensors, u._placeholders):
+    for t, empty in u._empty:
         t.data = empty
     if kind == _FROZEN and u.trainable:
         for p in u._params:
@@ -274,6 +292,6 @@ def _detach(u: Unit, kind: int) -> None:
 
 
 def _repair_grads(u: Unit) -> None:
-    for p, g in zip(u._params, u._grad_views):
+    for p, g in u._grad_alias:
         if p.grad is not g:  # the alias is intact: torch returns the object it was given
             _repair_grad(p, g)
