@@ -22,9 +22,9 @@ ROWS = 64  # a layer saves about 48 KiB at 64 rows of width 32
 BLOCK = 16 << 10
 
 
-def batch(step: int):
+def batch(step: int, rows: int = ROWS, width: int = WIDTH):
     g = torch.Generator().manual_seed(7919 * step)
-    return torch.randn(ROWS, WIDTH, generator=g), torch.randn(ROWS, 3, generator=g)
+    return torch.randn(rows, width, generator=g), torch.randn(rows, 3, generator=g)
 
 
 def whole(n: int, granule: int) -> int:
@@ -33,11 +33,13 @@ def whole(n: int, granule: int) -> int:
 
 def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None, steps: int = 8,
           host_bytes: int = 4 << 20, keep_last: int = 1, blocks_room: int = 4, retain: bool = False,
-          comm="none", extra: str = ""):
+          comm="none", extra: str = "", backend: str = "emulated", width: int = WIDTH, rows: int = ROWS,
+          block: int = BLOCK):
     """Trains Deep through a runtime, each step planned before it begins (each rank on batches of
     its own); returns its state and each step's stats."""
-    model = Deep(checkpoint=checkpoint)
-    rt = tt.Runtime(options=config("1 MiB", extra=extra), comm=comm)
+    device = "cuda" if backend == "cuda" else "cpu"
+    model = Deep(checkpoint=checkpoint, width=width).to(device)
+    rt = tt.Runtime(options=config("1 MiB", backend=backend, extra=extra), comm=comm)
     heads = [rt.register(h, f"task/{t}") for t, h in enumerate(model.heads)]
     if streamed:
         rt.register_layers(model.layers, "trunk")
@@ -45,7 +47,7 @@ def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None
     else:
         named = [rt.register(model.layers, "trunk")]
     if offload:
-        rt.register_activations(host_bytes, block_bytes=BLOCK, min_bytes=1024, keep_last=keep_last)
+        rt.register_activations(host_bytes, block_bytes=block, min_bytes=1024, keep_last=keep_last)
     core = taskswap._core
     granule = core.make_device(rt.options.device).granularity
 
@@ -54,12 +56,12 @@ def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None
 
     trunk = named or [rt.unit("trunk/0")] * 2
     rt.options.device.budget = (sum(device_bytes(u) for u in heads + trunk)
-                                + blocks_room * whole(BLOCK, granule))
+                                + blocks_room * whole(block, granule))
     stats = []
     for step in range(steps):
         t = step % TASKS
         rt.plan([[*named, heads[t]]])
-        x, y = batch(step + 100003 * rt.rank)
+        x, y = (v.to(device) for v in batch(step + 100003 * rt.rank, rows, width))
         with rt.step(*named, heads[t]):
             loss = torch.nn.functional.mse_loss(model(x, t), y)
             if retain:  # a second backward pass reads every saved tensor again
@@ -71,12 +73,13 @@ def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None
     return state, stats
 
 
-def train_plain(*, steps: int = 8, checkpoint: str | None = None, retain: bool = False, streamed: bool = True) -> dict:
+def train_plain(*, steps: int = 8, checkpoint: str | None = None, retain: bool = False, streamed: bool = True,
+                device: str = "cpu", width: int = WIDTH, rows: int = ROWS) -> dict:
     """The reference: plain torch, no taskswap; keyed as Runtime.state_dict() keys."""
-    model = Deep(checkpoint=checkpoint)
+    model = Deep(checkpoint=checkpoint, width=width).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
     for step in range(steps):
-        x, y = batch(step)
+        x, y = (v.to(device) for v in batch(step, rows, width))
         opt.zero_grad(set_to_none=True)
         loss = torch.nn.functional.mse_loss(model(x, step % TASKS), y)
         if retain:
@@ -84,9 +87,10 @@ def train_plain(*, steps: int = 8, checkpoint: str | None = None, retain: bool =
         loss.backward()
         opt.step()
     trunk = "trunk/{}.{}" if streamed else "trunk.{}.{}"
-    state = {trunk.format(i, n): p.detach() for i, layer in enumerate(model.layers)
+    state = {trunk.format(i, n): p.detach().cpu() for i, layer in enumerate(model.layers)
              for n, p in layer.named_parameters()}
-    state.update({f"task/{t}.{n}": p.detach() for t, h in enumerate(model.heads) for n, p in h.named_parameters()})
+    state.update({f"task/{t}.{n}": p.detach().cpu() for t, h in enumerate(model.heads)
+                  for n, p in h.named_parameters()})
     return state
 
 
