@@ -365,7 +365,9 @@ class Runtime(_Registration, _State):
         elif offload:
             raise _core.InvalidArgument("taskswap: step(offload=True) needs activation blocks; call "
                                         "register_activations() before the runtime starts")
-        return _StepScope(self, list(map(_use_of, units)), micro_batches, bool(offload))
+        else:
+            offload = False
+        return _StepScope(self, list(map(_use_of, units)), micro_batches, offload)
 
     def _current_stream(self) -> _core.Stream:
         if self._stream is not None:
