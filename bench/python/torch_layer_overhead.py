@@ -10,7 +10,8 @@ Loops over the same steps and data:
   layer      forward + backward inside `with rt.step(...)` (taskswap.torch: acquire, aliasing,
              gradient hooks, step, release, end_step)
 Reported per unit: layer − torch (the layer's overhead, target ≤ 20 µs), that overhead over torch's
-own time (target on a GPU ≤ 0.15) and core (the runtime's own share of it). Emulated device here; on CUDA the same script runs on torch's current stream.
+own time (target on a GPU ≤ 0.15) and core (the runtime's own share of it). Emulated device here;
+on CUDA the same script runs on torch's current stream.
 
 usage: python3 torch_layer_overhead.py [--units 1000] [--per-step 1 10 100] [--steps 200]
 """
