@@ -11,7 +11,7 @@ import torch
 
 from .. import _core
 from ._streaming import _LayerStream
-from ._units import _TRAIN, _detach, _repair_grad, _Use
+from ._units import _TRAIN, _detach, _repair_grads, _Use
 
 if TYPE_CHECKING:
     from ._runtime import Runtime, _Starting
@@ -133,9 +133,7 @@ class _StepScope:
                     if u._grads_changed():
                         changed = (changed or []) + [u.name]
                 else:
-                    for p, g in u._grad_alias:
-                        if p.grad is not g:  # the alias is intact: torch returns the object it was given
-                            _repair_grad(p, g)
+                    _repair_grads(u)
                 stepped.add(u.id)  # before the call: a step that fails halfway is not retried
                 core.step(u.id, stream)
         except BaseException:

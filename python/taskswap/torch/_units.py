@@ -141,7 +141,6 @@ class Unit:
         self._no_decay = [bool(no_weight_decay(e.name, e.tensor)) for e in params]
         self.id: int | None = None
         self._param_addr = None
-        self._views: list[torch.Tensor] = []  # every tensor's device view, in spec order
         self._grad_addr = None
         self._grad_views: list[torch.Tensor] = []  # the parameters' gradients
         # What a step's attach and detach assign, paired once (set_views, set_placeholders), not each step:
@@ -164,8 +163,8 @@ class Unit:
         self._layer_module: torch.nn.Module | None = None
 
     def _set_views(self, views: list[torch.Tensor], addr) -> None:
-        """The unit's tensors' device views, at the slab address `addr` (none: [], None)."""
-        self._views, self._param_addr = views, addr
+        """The unit's tensors' device views, in spec order, at the slab address `addr` (none: [], None)."""
+        self._param_addr = addr
         self._alias = list(zip(self._tensors, views))
 
     def _set_grad_views(self, views: list[torch.Tensor], addr) -> None:
@@ -179,7 +178,7 @@ class Unit:
 
     def _grads_changed(self) -> bool:
         """After the hooks handed the gradients to the reduction: replaced, or changed in place."""
-        return (any(p.grad is None or p.grad.data_ptr() != g.data_ptr() for p, g in zip(self._params, self._grad_views))
+        return (any(p.grad is None or p.grad.data_ptr() != g.data_ptr() for p, g in self._grad_alias)
                 or [g._version for g in self._grad_views] != self._handed_versions)
 
     def frozen(self) -> _Use:
