@@ -97,7 +97,12 @@ struct host_cache::impl {
   {
     bool done = true;
     if (!on_live_device([&] {
-          for (auto& [stream, ended] : c.busy) { done = done && ended.query(); }
+          for (auto& [stream, ended] : c.busy) {
+            if (!ended.query()) {
+              done = false;
+              return;
+            }
+          }
         }) ||
         !done) {
       return false;
