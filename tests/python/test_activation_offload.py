@@ -34,9 +34,9 @@ def whole(n: int, granule: int) -> int:
 def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None, steps: int = 8,
           host_bytes: int = 4 << 20, keep_last: int = 1, blocks_room: int = 4, retain: bool = False,
           comm="none", extra: str = "", backend: str = "emulated", width: int = WIDTH, rows: int = ROWS,
-          block: int = BLOCK):
+          block: int = BLOCK, setup=None):
     """Trains Deep through a runtime, each step planned before it begins (each rank on batches of
-    its own); returns its state and each step's stats."""
+    its own); returns its state and each step's stats. `setup(rt, model)` runs once registered."""
     device = "cuda" if backend == "cuda" else "cpu"
     model = Deep(checkpoint=checkpoint, width=width).to(device)
     rt = tt.Runtime(options=config("1 MiB", backend=backend, extra=extra), comm=comm)
@@ -48,6 +48,8 @@ def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None
         named = [rt.register(model.layers, "trunk")]
     if offload:
         rt.register_activations(host_bytes, block_bytes=block, min_bytes=1024, keep_last=keep_last)
+    if setup is not None:
+        setup(rt, model)
     core = taskswap._core
     granule = core.make_device(rt.options.device).granularity
 
@@ -149,6 +151,31 @@ def test_activations_beyond_the_blocks_stay_on_the_device_said_once():
     assert len(full) == 1
     assert_bitwise(offloaded, train(offload=False, steps=4)[0])
     assert moved(stats)[0] > 0
+
+
+def test_what_a_layer_saves_on_another_stream_stays_on_the_device_said_once():
+    """A block is filled and read on the step's stream alone: one layer's forward runs with
+    another stream current (on CUDA, torch.cuda.stream(side)); what it saves is kept."""
+    def on_a_side_stream(rt, model):
+        def enter(module, args):
+            side = taskswap._core.Stream(rt.device, host_synchronous=True)
+            rt._current_stream = lambda: side  # what torch.cuda.stream(side) makes current
+
+        def leave(module, args, output):
+            del rt._current_stream
+
+        model.layers[1].register_forward_pre_hook(enter)
+        model.layers[1].register_forward_hook(leave)
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        offloaded, stats = train(offload=True, setup=on_a_side_stream)
+    assert len([w for w in said if "other than the step's stays on the device" in str(w.message)]) == 1
+    assert_bitwise(offloaded, train(offload=False)[0])
+    _, all_offloaded = train(offload=True)
+    for s, a in zip(stats[1:], all_offloaded[1:]):  # the layer's 48 KiB stay
+        assert a.d2h_bytes - s.d2h_bytes >= 48 * 1024
+        assert s.d2h_bytes > 0
 
 
 def test_per_step_opt_in_and_errors():

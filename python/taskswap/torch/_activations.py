@@ -191,9 +191,10 @@ class Activations:
                 self.hooks.__exit__(None, None, None)
         except BaseException as e:  # noqa: BLE001 - the blocks are released all the same
             first = e
+        stream = self.scope.stream if self.scope is not None else None  # not whichever is current at exit
         for b in list(self.held):
             try:
-                self._release(b)
+                self._release(b, stream)
             except BaseException as e:  # noqa: BLE001 - every block is released
                 first = first or e
         kinds = {kind for _, _, kind in self.events}
@@ -235,6 +236,12 @@ class Activations:
                 self._say_once("kind", f"a saved tensor ({type(x).__name__}, {x.layout}, {x.device}) is a subclass, "
                                        f"not on the runtime's device ({rt._torch_device}), or not a dense strided "
                                        "tensor: such tensors stay where they are")
+            return x.detach()
+        if rt._current_stream() is not scope.stream:
+            if x.numel() * x.element_size() >= self.min_bytes:
+                self._say_once("stream", "a tensor saved on a CUDA stream other than the step's stays on the device: "
+                                         "a block is filled, sent home and read on the step's stream alone, which "
+                                         "orders its copies")
             return x.detach()
         root = x._base if x._base is not None else x
         # The same range saved again (one input of several projections, each saving a view of its
@@ -332,7 +339,9 @@ class Activations:
 
     # --- the blocks ------------------------------------------------------------------------------
     def _stream(self):
-        return self.rt._current_stream()  # in backward: the stream autograd runs the node on
+        # The stream that copies: in a pack the step's (_pack keeps what other streams save); in an
+        # unpack the one autograd runs the node on, its forward's, so the step's again.
+        return self.rt._current_stream()
 
     def _acquire(self, b: int, stash: bool) -> torch.Tensor | None:
         """Acquires block b (its device bytes), or, beyond the plan's blocks, records its use alone."""
@@ -354,12 +363,12 @@ class Activations:
         b, self.current = self.current, None
         self._release(b)
 
-    def _release(self, b: int) -> None:
+    def _release(self, b: int, stream=None) -> None:
         if self.current == b:
             self.current = None
         self.events.append((self.acquired, b, _RELEASE))
         try:
             if b < self.limit:
-                self.rt._core.release(self.ids[b], self._stream())
+                self.rt._core.release(self.ids[b], stream or self._stream())
         finally:
             del self.held[b]
