@@ -80,8 +80,9 @@ class Activations:
 
     The step's uses of the blocks are recorded, each after the how-manieth streamed layer
     acquisition it followed, and the next plans have them there. With a communicator a step
-    fills only the blocks its plan has (any other use would be refused); the blocks beyond are
-    filled in name alone (the tensors stay where they are), so that the next plans have them."""
+    fills only the blocks its plan has and reads only those it reads (any other use would be
+    refused); the others are filled in name alone (the tensors stay where they are), so that the
+    next plans have them."""
 
     def __init__(self, rt: Runtime, blocks: int, block_bytes: int, min_bytes: int, keep_last: int,
                  every_step: bool, prefix: str):
@@ -94,7 +95,8 @@ class Activations:
         # The blocks' uses in the last step that offloaded and ran a backward: (layer acquisitions
         # before it, block, kind).
         self.template: list[tuple[int, int, int]] = []
-        self.planned: deque[int] = deque()  # with a communicator: the blocks each planned step has
+        # With a communicator, per planned step: the blocks it stashes (from the first) and those it reads.
+        self.planned: deque[tuple[int, frozenset[int]]] = deque()
         self.said: set[str] = set()
         self.generation = 0
         self._reset()
@@ -105,9 +107,12 @@ class Activations:
                                trainable=False, activation=True) for n in self.names]
 
     def planned_steps(self, steps: list[list[tuple[int, int]]]) -> None:
-        """Steps the runtime accepted: with a communicator, the blocks each may fill."""
+        """Steps the runtime accepted: with a communicator, the blocks each may fill and read."""
         if self.rt._hooks:
-            self.planned.extend(sum(kind == _STASH for _, kind in step) for step in steps)
+            block = {i: b for b, i in enumerate(self.ids)}
+            self.planned.extend((sum(kind == _STASH for _, kind in step),
+                                 frozenset(block[i] for i, kind in step if kind == _FROZEN and i in block))
+                                for step in steps)
 
     def planned_step(self, layers: list[tuple[int, int]], forward_only: bool) -> list[tuple[int, int]]:
         """The streamed layers' plan entries with the blocks' uses where the last step had them;
@@ -143,11 +148,13 @@ class Activations:
         """Whether a step (or a plan's steps) offloads: as asked, else as registered."""
         return self.every_step if asked is None else asked
 
-    def take_planned(self) -> int:
-        """A step scope opens: the blocks its plan has (with a communicator; else every block)."""
+    def take_planned(self) -> tuple[int, frozenset[int] | None]:
+        """A step scope opens: how many blocks its plan fills and which it reads (with a
+        communicator; else every block, None)."""
         if not self.rt._hooks:
-            return self.count
-        return min(self.count, self.planned.popleft() if self.planned else 0)
+            return self.count, None
+        stashed, read = self.planned.popleft() if self.planned else (0, frozenset())
+        return min(self.count, stashed), read
 
     # --- a step --------------------------------------------------------------------------------
     def _reset(self) -> None:
@@ -157,6 +164,7 @@ class Activations:
         self.fill = 0
         self.next = 0  # the next block not yet filled in this step
         self.limit = self.count  # blocks from here on are filled in name alone
+        self.readable: frozenset[int] | None = None  # with a communicator: the blocks the plan reads
         self.held: dict[int, torch.Tensor | None] = {}  # block -> its device bytes while acquired
         self.pending: dict[int, int] = {}  # block -> the saves in it not yet unpacked
         # (root id, storage offset, numel, dtype) -> (the root's weak reference, its version, the record)
@@ -167,11 +175,12 @@ class Activations:
         self.forward_layer = -1  # the last streamed layer whose forward began
         self.backward_begun = False
 
-    def begin(self, scope: _StepScope, limit: int) -> None:
-        """Opens a step's offload: the hooks are set until end()."""
+    def begin(self, scope: _StepScope, planned: tuple[int, frozenset[int] | None]) -> None:
+        """Opens a step's offload (`planned`: take_planned()'s): the hooks are set until end()."""
         self._reset()
         self.generation += 1
-        self.scope, self.limit = scope, limit
+        self.scope = scope
+        self.limit, self.readable = planned
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.hooks.__enter__()
 
@@ -262,11 +271,13 @@ class Activations:
             return x.detach()
         first, fill = (self.current, self.fill) if self.current is not None else (self.next, 0)
         kept = None
-        if first + (fill + nbytes - 1) // self.block_bytes >= self.limit:
+        last = first + (fill + nbytes - 1) // self.block_bytes
+        if last >= self.limit or (self.readable is not None
+                                  and not all(b in self.readable for b in range(first, last + 1))):
             kept = x.detach().as_strided((x.numel(),), (1,))
             self._say_once("plan", "with a communicator a step offloads into the blocks its plan has (those the last "
-                                   "step that offloaded used); the rest of its activations stay on the device, and "
-                                   "the next plans have room for them")
+                                   "step that offloaded filled, and read back where it read them); the rest of its "
+                                   "activations stay on the device, and the next plans have them")
         flat = x.detach().as_strided((x.numel(),), (1,)).view(torch.uint8)  # its storage range
         pieces = []
         done = 0
@@ -344,9 +355,10 @@ class Activations:
         return self.rt._current_stream()
 
     def _acquire(self, b: int, stash: bool) -> torch.Tensor | None:
-        """Acquires block b (its device bytes), or, beyond the plan's blocks, records its use alone."""
+        """Acquires block b (its device bytes), or, where the plan has no such use of it (beyond the
+        blocks it fills, or a read it does not have), records the use alone."""
         self.events.append((self.acquired, b, _STASH if stash else _FROZEN))
-        if b >= self.limit:
+        if b >= self.limit or not (stash or self.readable is None or b in self.readable):
             self.held[b] = None
             return None
         core = self.rt._core
@@ -368,7 +380,7 @@ class Activations:
             self.current = None
         self.events.append((self.acquired, b, _RELEASE))
         try:
-            if b < self.limit:
+            if self.held[b] is not None:  # else held in name alone
                 self.rt._core.release(self.ids[b], stream or self._stream())
         finally:
             del self.held[b]

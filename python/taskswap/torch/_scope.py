@@ -87,7 +87,7 @@ class _StepScope:
         rt._began = True
         acquired, attached = self.acquired, self.attached
         # The step's planned blocks are taken whatever happens next: the runtime's step ends either way.
-        limit = rt._activations.take_planned() if rt._activations is not None else 0
+        planned = rt._activations.take_planned() if rt._activations is not None else None
         try:
             attach = rt._attach
             for use in uses:
@@ -96,7 +96,7 @@ class _StepScope:
                 attach(use.unit, use.kind, addrs)
                 attached.append(use)
             if self.offload:
-                rt._activations.begin(self, limit)
+                rt._activations.begin(self, planned)
         except BaseException as e:
             try:
                 self._abandon()
