@@ -5,6 +5,8 @@ Skips where torch has no CUDA device or taskswap was built without CUDA."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -132,6 +134,42 @@ def test_activation_offload_on_cuda_is_bitwise_the_run_without(checkpoint):
     assert d2h - base_d2h >= (len(stats) - 1) * saved
     assert h2d - base_h2d >= (len(stats) - 1) * (saved - 4 * (2 << 20))  # up to four blocks may stay
     assert all(s.unplanned == 0 for s in stats[1:])
+
+
+@pytest.mark.parametrize("checkpoint", [None, "non_reentrant"])
+def test_activation_offload_on_cuda_with_a_layer_on_a_stream_of_its_own(checkpoint):
+    """One streamed layer's forward on a stream of its own (so its backward too, and a
+    non-reentrant checkpoint's recomputation, which reads the input offloaded on the step's
+    stream): what that stream saves stays on the device (said once), the rest offloads, bitwise
+    the run without offload on the same streams."""
+    from test_activation_offload import assert_bitwise, moved, train
+
+    def own_stream(rt, model):
+        side, entered = torch.cuda.Stream(), []
+
+        def enter(module, args):
+            side.wait_stream(torch.cuda.current_stream())  # after the layer's acquire
+            entered.append(torch.cuda.stream(side))
+            entered[-1].__enter__()
+
+        def leave(module, args, output):
+            entered.pop().__exit__(None, None, None)
+            torch.cuda.current_stream().wait_stream(side)
+            output.record_stream(torch.cuda.current_stream())
+
+        model.layers[1].register_forward_pre_hook(enter)
+        model.layers[1].register_forward_hook(leave, always_call=True)
+
+    shape = {"backend": "cuda", "width": 512, "rows": 256, "block": 2 << 20, "blocks_room": 4,
+             "checkpoint": checkpoint, "setup": own_stream}
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        offloaded, stats = train(offload=True, host_bytes=192 << 20, **shape)
+    kept, base = train(offload=False, **shape)
+    assert_bitwise({k: v.cpu() for k, v in offloaded.items()}, {k: v.cpu() for k, v in kept.items()})
+    on_own = [w for w in said if "other than the step's is current" in str(w.message)]
+    assert len(on_own) == (1 if checkpoint is None else 0)  # a checkpoint saves nothing inside the layer
+    assert moved(stats)[0] > moved(base)[0] + (len(stats) - 1) * 256 * 512 * 4
 
 
 def test_disk_homes_on_cuda_equal_host_homes_and_resume_bitwise(tmp_path):

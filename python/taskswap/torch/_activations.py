@@ -165,6 +165,7 @@ class Activations:
         self.next = 0  # the next block not yet filled in this step
         self.limit = self.count  # blocks from here on are filled in name alone
         self.readable: frozenset[int] | None = None  # with a communicator: the blocks the plan reads
+        self.step_stream: torch.cuda.Stream | None = None
         self.held: dict[int, torch.Tensor | None] = {}  # block -> its device bytes while acquired
         self.pending: dict[int, int] = {}  # block -> the saves in it not yet unpacked
         # (root id, storage offset, numel, dtype) -> (the root's weak reference, its version, the record)
@@ -181,6 +182,9 @@ class Activations:
         self.generation += 1
         self.scope = scope
         self.limit, self.readable = planned
+        # torch's stream for the scope's (current as the scope opens; none on the emulated device)
+        dev = self.rt._torch_device
+        self.step_stream = torch.cuda.current_stream(dev) if dev.type == "cuda" and self.rt._stream is None else None
         self.hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self.hooks.__enter__()
 
@@ -200,10 +204,9 @@ class Activations:
                 self.hooks.__exit__(None, None, None)
         except BaseException as e:  # noqa: BLE001 - the blocks are released all the same
             first = e
-        stream = self.scope.stream if self.scope is not None else None  # not whichever is current at exit
         for b in list(self.held):
             try:
-                self._release(b, stream)
+                self._release(b)
             except BaseException as e:  # noqa: BLE001 - every block is released
                 first = first or e
         kinds = {kind for _, _, kind in self.events}
@@ -246,12 +249,6 @@ class Activations:
                                        f"not on the runtime's device ({rt._torch_device}), or not a dense strided "
                                        "tensor: such tensors stay where they are")
             return x.detach()
-        if rt._current_stream() is not scope.stream:
-            if x.numel() * x.element_size() >= self.min_bytes:
-                self._say_once("stream", "a tensor saved on a CUDA stream other than the step's stays on the device: "
-                                         "a block is filled, sent home and read on the step's stream alone, which "
-                                         "orders its copies")
-            return x.detach()
         root = x._base if x._base is not None else x
         # The same range saved again (one input of several projections, each saving a view of its
         # own), its root unchanged since: the same record. Its root object, not its address: a
@@ -268,6 +265,10 @@ class Activations:
             self._next_round()  # a micro-batch's forward after the last one's backward: the blocks again
         nbytes = x.numel() * x.element_size()
         if not self._offloads(x, root, nbytes):
+            return x.detach()
+        if rt._current_stream() is not scope.stream:  # a range saved again needs no copy: not asked above
+            self._say_once("stream", "a tensor saved while a CUDA stream other than the step's is current stays on the "
+                                     "device: the blocks are filled on the step's stream")
             return x.detach()
         first, fill = (self.current, self.fill) if self.current is not None else (self.next, 0)
         kept = None
@@ -325,19 +326,29 @@ class Activations:
             self.backward_begun = True
             if self.current is not None:
                 self._close()
+        other = self._other_stream()
         flat = r.flat if r.flat is not None else r.kept
         if flat is None:
+            views = [self.held[b] if b in self.held else self._acquire(b, stash=False) for b, _, _ in r.pieces]
+            if other is not None:
+                other.wait_stream(self.step_stream)  # after the blocks' arrival, which the step's stream waits for
             flat = torch.empty(r.numel, dtype=r.dtype, device=r.device)
             raw = flat.view(torch.uint8)
             done = 0
-            for b, at, n in r.pieces:
-                view = self.held[b] if b in self.held else self._acquire(b, stash=False)
+            for view, (_, at, n) in zip(views, r.pieces):
                 raw[done:done + n].copy_(view[at:at + n])
                 done += n
-        elif r.kept is not None:  # blocks filled in name alone: their uses, for the next plans
-            for b, _, _ in r.pieces:
-                if b not in self.held:
-                    self._acquire(b, stash=False)
+            if other is not None:
+                self.step_stream.wait_stream(other)  # the blocks' release after the read
+                flat.record_stream(self.step_stream)  # kept for this range's next saves (r.flat)
+        else:
+            if r.kept is not None:  # blocks filled in name alone: their uses, for the next plans
+                for b, _, _ in r.pieces:
+                    if b not in self.held:
+                        self._acquire(b, stash=False)
+            if other is not None:  # made on the step's stream
+                other.wait_stream(self.step_stream)
+                flat.record_stream(other)
         if r.left > 0:  # this step's saves of it; a second backward reads the blocks again
             r.left -= 1
             r.flat = flat if r.left > 0 else None
@@ -350,9 +361,17 @@ class Activations:
 
     # --- the blocks ------------------------------------------------------------------------------
     def _stream(self):
-        # The stream that copies: in a pack the step's (_pack keeps what other streams save); in an
-        # unpack the one autograd runs the node on, its forward's, so the step's again.
-        return self.rt._current_stream()
+        """The step's stream: the blocks are acquired and released on it, whatever stream is current."""
+        return self.scope.stream
+
+    def _other_stream(self):
+        """torch's current CUDA stream where it is not the step's, else None. A backward node
+        runs on its forward's stream, and every offloaded range was saved on the step's; but a
+        non-reentrant checkpoint's input is read by its recomputation, on the stream of the
+        checkpointed layer."""
+        if self.step_stream is None or self.rt._current_stream() is self.scope.stream:
+            return None
+        return torch.cuda.current_stream(self.rt._torch_device)
 
     def _acquire(self, b: int, stash: bool) -> torch.Tensor | None:
         """Acquires block b (its device bytes), or, where the plan has no such use of it (beyond the
@@ -375,12 +394,12 @@ class Activations:
         b, self.current = self.current, None
         self._release(b)
 
-    def _release(self, b: int, stream=None) -> None:
+    def _release(self, b: int) -> None:
         if self.current == b:
             self.current = None
         self.events.append((self.acquired, b, _RELEASE))
         try:
             if self.held[b] is not None:  # else held in name alone
-                self.rt._core.release(self.ids[b], stream or self._stream())
+                self.rt._core.release(self.ids[b], self._stream())
         finally:
             del self.held[b]

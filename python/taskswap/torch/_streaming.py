@@ -108,7 +108,7 @@ class _LayerStream:
         first = None
         for u, _, _ in sorted(self.held.values(), key=lambda held: -held[0]._layer):
             try:
-                self.release(u)
+                self.release(u, self.scope.stream)
             except BaseException as e:  # every unit is released
                 first = first or e
         return first
@@ -129,12 +129,13 @@ class _LayerStream:
             self.release(u)
             raise
 
-    def release(self, u: Unit) -> None:
+    def release(self, u: Unit, stream: _core.Stream | None = None) -> None:
+        """Releases a held layer on `stream` (None: the current one)."""
         _, _, kind = self.held.pop(u.id)
         self.rerunning.discard(u.id)
         self.awaiting.discard(u.id)
         try:
-            self.rt._core.release(u.id, self.stream())
+            self.rt._core.release(u.id, stream if stream is not None else self.stream())
         finally:
             _detach(u, kind)
 
@@ -248,16 +249,17 @@ class _LayerStream:
             u._fired = 0
             self.step_layer(u)
 
-    def step_layer(self, u: Unit) -> None:
-        """Steps a trained layer and releases it."""
+    def step_layer(self, u: Unit, stream: _core.Stream | None = None) -> None:
+        """Steps a trained layer and releases it, on `stream` (None: the current one)."""
         _repair_grads(u)  # autograd may have replaced a gradient (create_graph)
         self.stepped.add(u.id)
-        self.rt._core.step(u.id, self.stream())
-        self.release(u)
+        stream = stream if stream is not None else self.stream()
+        self.rt._core.step(u.id, stream)
+        self.release(u, stream)
 
     def finish(self) -> None:
         """At the scope's end: a trained layer still held (one of its parameters got no gradient) is
         stepped as a named unit is; the other layers are released with the scope's units."""
         for u, _, kind in sorted(self.held.values(), key=lambda held: -held[0]._layer):
             if kind == _TRAIN:
-                self.step_layer(u)
+                self.step_layer(u, self.scope.stream)  # as the scope's units, not on whatever stream is current
