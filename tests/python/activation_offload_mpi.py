@@ -5,8 +5,9 @@ in one unit and its heads: bitwise equal to the same loop without offload, repli
 The first step's plan has no blocks, so it keeps its activations (said once); from the second on
 each step offloads into the blocks its plan has (a use off the plan would have been refused).
 With [comm] reduce = "every_unit" too: the blocks, which have no gradients, are not updated.
-Steps of two kinds in turn, one saving a branch its loss never reads: a block the last step only
-stashed is not read (the tensors saved there stay on the device), so no read is off the plan.
+Steps of two kinds in turn, one saving a branch its loss never reads, and micro-batches whose
+size changes from step to step: a block whose plan does not read it after its stash keeps what would go there on the
+device, so no use is off the plan.
 
 usage: mpirun -np N python3 activation_offload_mpi.py PORT
 """
@@ -72,6 +73,13 @@ def main() -> int:
           d2h > base_d2h + LAYERS * 16 * 1024 and h2d > base_h2d + LAYERS * 16 * 1024)
     check("steps of two kinds: said once", sum("offloads into the blocks its plan has" in str(w.message)
                                                for w in said) == 1)
+    # Two micro-batches, of half the rows in even steps: an odd step's first fills blocks that the
+    # even step's plan has no use of (its two filled the first half twice)
+    offloaded, stats = train(offload=True, streamed=False, keep_last=0, comm=tt.mpi(), micro_batches=2)
+    kept, base = train(offload=False, streamed=False, comm=tt.mpi(), micro_batches=2)
+    check("micro-batches: bitwise equal to the loop without offload", same(offloaded, kept))
+    check("micro-batches: replicas bitwise equal", replicas_bitwise_equal(offloaded, world))
+    check("micro-batches: the later steps offload", moved(stats)[0] > moved(base)[0] + LAYERS * 16 * 1024)
     return end_under_mpirun(rank, failures)
 
 

@@ -148,7 +148,9 @@ def test_activation_offload_on_cuda_with_a_layer_on_a_stream_of_its_own(checkpoi
         side, entered = torch.cuda.Stream(), []
 
         def enter(module, args):
-            side.wait_stream(torch.cuda.current_stream())  # after the layer's acquire
+            # Before taskswap's own hooks (set when the runtime starts): the layer is acquired on
+            # `side`, after the step's stream's work so far, and released after `leave`'s wait.
+            side.wait_stream(torch.cuda.current_stream())
             entered.append(torch.cuda.stream(side))
             entered[-1].__enter__()
 

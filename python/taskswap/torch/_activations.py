@@ -95,8 +95,8 @@ class Activations:
         # The blocks' uses in the last step that offloaded and ran a backward: (layer acquisitions
         # before it, block, kind).
         self.template: list[tuple[int, int, int]] = []
-        # With a communicator, per planned step: the blocks it stashes (from the first) and those it reads.
-        self.planned: deque[tuple[int, frozenset[int]]] = deque()
+        # With a communicator, per planned step: each block's planned uses in order (stash, read).
+        self.planned: deque[dict[int, deque[int]]] = deque()
         self.said: set[str] = set()
         self.generation = 0
         self._reset()
@@ -107,12 +107,18 @@ class Activations:
                                trainable=False, activation=True) for n in self.names]
 
     def planned_steps(self, steps: list[list[tuple[int, int]]]) -> None:
-        """Steps the runtime accepted: with a communicator, the blocks each may fill and read."""
-        if self.rt._hooks:
-            block = {i: b for b, i in enumerate(self.ids)}
-            self.planned.extend((sum(kind == _STASH for _, kind in step),
-                                 frozenset(block[i] for i, kind in step if kind == _FROZEN and i in block))
-                                for step in steps)
+        """Steps the runtime accepted: with a communicator, each block's uses in each, in order
+        (the runtime matches an acquisition with the unit's next planned use)."""
+        if not self.rt._hooks:
+            return
+        block = {i: b for b, i in enumerate(self.ids)}
+        for step in steps:
+            uses: dict[int, deque[int]] = {}
+            for i, kind in step:
+                b = block.get(i)
+                if b is not None and kind != _RELEASE:
+                    uses.setdefault(b, deque()).append(kind)
+            self.planned.append(uses)
 
     def planned_step(self, layers: list[tuple[int, int]], forward_only: bool) -> list[tuple[int, int]]:
         """The streamed layers' plan entries with the blocks' uses where the last step had them;
@@ -148,13 +154,12 @@ class Activations:
         """Whether a step (or a plan's steps) offloads: as asked, else as registered."""
         return self.every_step if asked is None else asked
 
-    def take_planned(self) -> tuple[int, frozenset[int] | None]:
-        """A step scope opens: how many blocks its plan fills and which it reads (with a
-        communicator; else every block, None)."""
+    def take_planned(self) -> dict[int, deque[int]] | None:
+        """A step scope opens: with a communicator its plan's uses of each block (none planned:
+        empty); without one None, every use is the runtime's."""
         if not self.rt._hooks:
-            return self.count, None
-        stashed, read = self.planned.popleft() if self.planned else (0, frozenset())
-        return min(self.count, stashed), read
+            return None
+        return self.planned.popleft() if self.planned else {}
 
     # --- a step --------------------------------------------------------------------------------
     def _reset(self) -> None:
@@ -163,8 +168,9 @@ class Activations:
         self.current: int | None = None  # the block being filled, and its bytes so far
         self.fill = 0
         self.next = 0  # the next block not yet filled in this step
-        self.limit = self.count  # blocks from here on are filled in name alone
-        self.readable: frozenset[int] | None = None  # with a communicator: the blocks the plan reads
+        # With a communicator: each block's planned uses not yet made; a use the plan does not have
+        # next is made in name alone (recorded, not acquired), the tensors staying on the device.
+        self.uses: dict[int, deque[int]] | None = None
         self.step_stream: torch.cuda.Stream | None = None
         self.held: dict[int, torch.Tensor | None] = {}  # block -> its device bytes while acquired
         self.pending: dict[int, int] = {}  # block -> the saves in it not yet unpacked
@@ -176,12 +182,12 @@ class Activations:
         self.forward_layer = -1  # the last streamed layer whose forward began
         self.backward_begun = False
 
-    def begin(self, scope: _StepScope, planned: tuple[int, frozenset[int] | None]) -> None:
+    def begin(self, scope: _StepScope, planned: dict[int, deque[int]] | None) -> None:
         """Opens a step's offload (`planned`: take_planned()'s): the hooks are set until end()."""
         self._reset()
         self.generation += 1
         self.scope = scope
-        self.limit, self.readable = planned
+        self.uses = planned
         # torch's stream for the scope's (current as the scope opens; none on the emulated device)
         dev = self.rt._torch_device
         self.step_stream = torch.cuda.current_stream(dev) if dev.type == "cuda" and self.rt._stream is None else None
@@ -273,8 +279,7 @@ class Activations:
         first, fill = (self.current, self.fill) if self.current is not None else (self.next, 0)
         kept = None
         last = first + (fill + nbytes - 1) // self.block_bytes
-        if last >= self.limit or (self.readable is not None
-                                  and not all(b in self.readable for b in range(first, last + 1))):
+        if self.uses is not None and not all(self._planned_to_read(b) for b in range(first, last + 1)):
             kept = x.detach().as_strided((x.numel(),), (1,))
             self._say_once("plan", "with a communicator a step offloads into the blocks its plan has (those the last "
                                    "step that offloaded filled, and read back where it read them); the rest of its "
@@ -301,6 +306,13 @@ class Activations:
         r = _Range(pieces, x, self.generation, self.round, kept)
         self.by_range[key] = (weakref.ref(root), root._version, r)
         return _Save(r, x)
+
+    def _planned_to_read(self, b: int) -> bool:
+        """With a communicator: whether block b, filled now, is stashed and then read as planned."""
+        q = self.uses.get(b)
+        if b == self.current:  # its stash is made
+            return self.held[b] is not None and bool(q) and q[0] == _FROZEN
+        return q is not None and len(q) > 1 and q[0] == _STASH and q[1] == _FROZEN
 
     def _next_round(self) -> None:
         """The blocks are filled from the first again (records of the rounds before are spent)."""
@@ -330,6 +342,11 @@ class Activations:
         flat = r.flat if r.flat is not None else r.kept
         if flat is None:
             views = [self.held[b] if b in self.held else self._acquire(b, stash=False) for b, _, _ in r.pieces]
+            if any(v is None for v in views):  # with a communicator: a read the plan does not have
+                raise _core.InvalidArgument(
+                    "taskswap: a backward pass reads an offloaded activation again, and with a communicator the step's "
+                    "plan has each block's reads as the last step that offloaded made them; plan such a step after "
+                    "one that read its blocks as often (its first second backward is not planned), or offload=False")
             if other is not None:
                 other.wait_stream(self.step_stream)  # after the blocks' arrival, which the step's stream waits for
             flat = torch.empty(r.numel, dtype=r.dtype, device=r.device)
@@ -374,12 +391,16 @@ class Activations:
         return torch.cuda.current_stream(self.rt._torch_device)
 
     def _acquire(self, b: int, stash: bool) -> torch.Tensor | None:
-        """Acquires block b (its device bytes), or, where the plan has no such use of it (beyond the
-        blocks it fills, or a read it does not have), records the use alone."""
-        self.events.append((self.acquired, b, _STASH if stash else _FROZEN))
-        if b >= self.limit or not (stash or self.readable is None or b in self.readable):
-            self.held[b] = None
-            return None
+        """Acquires block b (its device bytes), or, with a communicator where the plan's next use
+        of it is not this one, records the use alone."""
+        kind = _STASH if stash else _FROZEN
+        self.events.append((self.acquired, b, kind))
+        if self.uses is not None:
+            q = self.uses.get(b)
+            if not q or q[0] != kind:
+                self.held[b] = None
+                return None
+            q.popleft()
         core = self.rt._core
         core.acquire(self.ids[b], self._stream(), frozen=not stash, stash=stash)
         try:

@@ -76,8 +76,8 @@ class _LayerStream:
     def __init__(self, scope: _StepScope):
         self.scope = scope
         self.rt = scope.rt
-        # The layers held now: unit id -> (unit, held for its forward, use kind).
-        self.held: dict[int, tuple[Unit, bool, int]] = {}
+        # The layers held now: unit id -> (unit, held for its forward, use kind, the stream acquired on).
+        self.held: dict[int, tuple[Unit, bool, int, _core.Stream]] = {}
         self.stepped: set[int] = set()  # trained layers updated in this step
         # Layers acquired by a forward inside backward (reentrant checkpointing): running it now, or
         # run and held for their backward, which has not begun.
@@ -97,7 +97,7 @@ class _LayerStream:
 
     def zero_grads(self) -> None:
         """An exception in the scope: the held trained layers' gradients are dropped."""
-        for u, _, kind in self.held.values():
+        for u, _, kind, _ in self.held.values():
             if kind == _TRAIN:
                 for g in u._grad_views:
                     g.zero_()
@@ -106,9 +106,9 @@ class _LayerStream:
         """Releases every held layer, the last first, each whatever the others do; returns the
         first error."""
         first = None
-        for u, _, _ in sorted(self.held.values(), key=lambda held: -held[0]._layer):
+        for u, _, _, stream in sorted(self.held.values(), key=lambda held: -held[0]._layer):
             try:
-                self.release(u, self.scope.stream)
+                self.release(u, stream)  # after its work there, not on whatever stream is current
             except BaseException as e:  # every unit is released
                 first = first or e
         return first
@@ -119,8 +119,9 @@ class _LayerStream:
 
     def acquire(self, u: Unit, kind: int, forward: bool) -> None:
         rt = self.rt
-        addrs = rt._core.acquire(u.id, self.stream(), kind == _FROZEN)
-        self.held[u.id] = (u, forward, kind)
+        stream = self.stream()
+        addrs = rt._core.acquire(u.id, stream, kind == _FROZEN)
+        self.held[u.id] = (u, forward, kind, stream)
         if self.scope.offload:
             rt._activations.layer_acquired(u, forward)
         try:
@@ -131,7 +132,7 @@ class _LayerStream:
 
     def release(self, u: Unit, stream: _core.Stream | None = None) -> None:
         """Releases a held layer on `stream` (None: the current one)."""
-        _, _, kind = self.held.pop(u.id)
+        _, _, kind, _ = self.held.pop(u.id)
         self.rerunning.discard(u.id)
         self.awaiting.discard(u.id)
         try:
@@ -260,6 +261,6 @@ class _LayerStream:
     def finish(self) -> None:
         """At the scope's end: a trained layer still held (one of its parameters got no gradient) is
         stepped as a named unit is; the other layers are released with the scope's units."""
-        for u, _, kind in sorted(self.held.values(), key=lambda held: -held[0]._layer):
+        for u, _, kind, stream in sorted(self.held.values(), key=lambda held: -held[0]._layer):
             if kind == _TRAIN:
-                self.step_layer(u, self.scope.stream)  # as the scope's units, not on whatever stream is current
+                self.step_layer(u, stream)  # after its work there, not on whatever stream is current
