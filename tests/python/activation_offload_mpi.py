@@ -20,6 +20,7 @@ import warnings
 import torch
 from test_activation_offload import LAYERS, moved, train
 
+import taskswap
 import taskswap.torch as tt
 from loops import bitwise_equal as same
 from loops import checklist, end_under_mpirun, gloo_under_mpirun, replicas_bitwise_equal
@@ -80,6 +81,13 @@ def main() -> int:
     check("micro-batches: bitwise equal to the loop without offload", same(offloaded, kept))
     check("micro-batches: replicas bitwise equal", replicas_bitwise_equal(offloaded, world))
     check("micro-batches: the later steps offload", moved(stats)[0] > moved(base)[0] + LAYERS * 16 * 1024)
+    # A second backward from the third step on: the plan (the second step's) reads each block once
+    try:
+        train(offload=True, streamed=False, keep_last=0, comm=tt.mpi(), retain_from=2, steps=3)
+        said = "trained"
+    except taskswap.InvalidArgument as e:
+        said = str(e)
+    check("a read the plan lacks: refused, saying why", "reads an offloaded activation again" in said)
     return end_under_mpirun(rank, failures)
 
 

@@ -34,10 +34,11 @@ def whole(n: int, granule: int) -> int:
 def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None, steps: int = 8,
           host_bytes: int = 4 << 20, keep_last: int = 1, blocks_room: int = 4, retain: bool = False,
           comm="none", extra: str = "", backend: str = "emulated", width: int = WIDTH, rows: int = ROWS,
-          block: int = BLOCK, setup=None, micro_batches: int = 1):
+          block: int = BLOCK, setup=None, micro_batches: int = 1, retain_from: int | None = None):
     """Trains Deep through a runtime, each step planned before it begins (each rank on batches of
     its own); returns its state and each step's stats. `setup(rt, model)` runs once registered.
-    With `micro_batches`, the even steps' have half the rows."""
+    With `micro_batches`, the even steps' have half the rows. `retain_from`: the step from which on
+    each runs a second backward pass (as `retain` does in every step)."""
     device = "cuda" if backend == "cuda" else "cpu"
     model = Deep(checkpoint=checkpoint, width=width).to(device)
     rt = tt.Runtime(options=config("1 MiB", backend=backend, extra=extra), comm=comm)
@@ -69,7 +70,7 @@ def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None
                 n = rows if step % 2 == 1 or micro_batches == 1 else rows // 2
                 x, y = (v.to(device) for v in batch(step + 100003 * rt.rank + 50021 * k, n, width))
                 loss = torch.nn.functional.mse_loss(model(x, t), y)
-                if retain:  # a second backward pass reads every saved tensor again
+                if retain or (retain_from is not None and step >= retain_from):  # reads every saved tensor again
                     loss.backward(retain_graph=True)
                 loss.backward()
         stats.append(rt.last_step)
