@@ -81,6 +81,11 @@ def main() -> int:
     check("micro-batches: bitwise equal to the loop without offload", same(offloaded, kept))
     check("micro-batches: replicas bitwise equal", replicas_bitwise_equal(offloaded, world))
     check("micro-batches: the later steps offload", moved(stats)[0] > moved(base)[0] + LAYERS * 16 * 1024)
+    # A second backward in every step: planned from the second step on, as the first made it
+    offloaded, stats = train(offload=True, streamed=False, keep_last=0, comm=tt.mpi(), retain=True, steps=4)
+    kept, base = train(offload=False, streamed=False, comm=tt.mpi(), retain=True, steps=4)
+    check("a second backward in every step: bitwise equal to the loop without offload", same(offloaded, kept))
+    check("a second backward in every step: read back twice", moved(stats)[1] > moved(base)[1] + 2 * LAYERS * 16 * 1024)
     # A second backward from the third step on: the plan (the second step's) reads each block once
     try:
         train(offload=True, streamed=False, keep_last=0, comm=tt.mpi(), retain_from=2, steps=3)

@@ -62,21 +62,23 @@ def train(*, offload: bool, streamed: bool = True, checkpoint: str | None = None
     rt.options.device.budget = (sum(device_bytes(u) for u in heads + trunk)
                                 + blocks_room * whole(block, granule))
     stats = []
-    for step in range(steps):
-        t = step % TASKS
-        rt.plan([[*named, heads[t]]])
-        with rt.step(*named, heads[t], micro_batches=micro_batches):
-            for k in range(micro_batches):
-                n = rows if step % 2 == 1 or micro_batches == 1 else rows // 2
-                x, y = (v.to(device) for v in batch(step + 100003 * rt.rank + 50021 * k, n, width))
-                loss = torch.nn.functional.mse_loss(model(x, t), y)
-                if retain or (retain_from is not None and step >= retain_from):  # reads every saved tensor again
-                    loss.backward(retain_graph=True)
-                loss.backward()
-        stats.append(rt.last_step)
-    state = rt.state_dict()
-    rt.close()
-    return state, stats
+    try:
+        for step in range(steps):
+            t = step % TASKS
+            rt.plan([[*named, heads[t]]])
+            twice = retain or (retain_from is not None and step >= retain_from)
+            with rt.step(*named, heads[t], micro_batches=micro_batches * (2 if twice else 1)):  # backward passes
+                for k in range(micro_batches):
+                    n = rows if step % 2 == 1 or micro_batches == 1 else rows // 2
+                    x, y = (v.to(device) for v in batch(step + 100003 * rt.rank + 50021 * k, n, width))
+                    loss = torch.nn.functional.mse_loss(model(x, t), y)
+                    if twice:  # a second backward pass reads every saved tensor again
+                        loss.backward(retain_graph=True)
+                    loss.backward()
+            stats.append(rt.last_step)
+        return rt.state_dict(), stats
+    finally:
+        rt.close()
 
 
 def train_plain(*, steps: int = 8, checkpoint: str | None = None, retain: bool = False, streamed: bool = True,

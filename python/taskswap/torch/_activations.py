@@ -344,9 +344,9 @@ class Activations:
             views = [self.held[b] if b in self.held else self._acquire(b, stash=False) for b, _, _ in r.pieces]
             if any(v is None for v in views):  # with a communicator: a read the plan does not have
                 raise _core.InvalidArgument(
-                    "taskswap: a backward pass reads an offloaded activation again, and with a communicator the step's "
-                    "plan has each block's reads as the last step that offloaded made them; plan such a step after "
-                    "one that read its blocks as often (its first second backward is not planned), or offload=False")
+                    "taskswap: a backward pass reads an offloaded activation again, and with a communicator a step's "
+                    "plan reads each block as often as the last step that offloaded did: run the second backward in "
+                    "every offloading step (the first keeps its activations), or step(..., offload=False) in this one")
             if other is not None:
                 other.wait_stream(self.step_stream)  # after the blocks' arrival, which the step's stream waits for
             flat = torch.empty(r.numel, dtype=r.dtype, device=r.device)
