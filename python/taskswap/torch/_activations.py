@@ -92,6 +92,7 @@ class Activations:
         self.prefix = prefix
         self.names = [f"{prefix}/{i}" for i in range(blocks)]
         self.ids: list[int] = []  # the blocks' unit ids, once the runtime started
+        self.block_of: dict[int, int] = {}  # unit id -> block; set with `ids` by `set_ids` alone
         # The blocks' uses in the last step that offloaded and ran a backward: (layer acquisitions
         # before it, block, kind).
         self.template: list[tuple[int, int, int]] = []
@@ -106,16 +107,20 @@ class Activations:
         return [_core.UnitSpec(n, [_core.TensorSpec("bytes", [self.block_bytes])], _core.DType.u8,
                                trainable=False, activation=True) for n in self.names]
 
+    def set_ids(self, ids: list[int]) -> None:
+        """The blocks' unit ids as the runtime starts (empty as it closes)."""
+        self.ids = ids
+        self.block_of = {i: b for b, i in enumerate(ids)}
+
     def planned_steps(self, steps: list[list[tuple[int, int]]]) -> None:
         """Steps the runtime accepted: with a communicator, each block's uses in each, in order
         (the runtime matches an acquisition with the unit's next planned use)."""
         if not self.rt._hooks:
             return
-        block = {i: b for b, i in enumerate(self.ids)}
         for step in steps:
             uses: dict[int, deque[int]] = {}
             for i, kind in step:
-                b = block.get(i)
+                b = self.block_of.get(i)
                 if b is not None and kind != _RELEASE:
                     uses.setdefault(b, deque()).append(kind)
             self.planned.append(uses)

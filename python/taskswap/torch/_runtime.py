@@ -132,7 +132,7 @@ class Runtime(_Registration, _State):
                           "register_activations(host_bytes=...))") from e
         ids = [core.find(u.name) for u in self.units]
         if self._activations is not None:
-            self._activations.ids = [core.find(n) for n in self._activations.names]
+            self._activations.set_ids([core.find(n) for n in self._activations.names])
         for u, uid in zip(self.units, ids):
             self._write_home(core, u, uid)
         # The modules' values are at home, the runtime is started. The values stay referenced
@@ -203,7 +203,7 @@ class Runtime(_Registration, _State):
             u._set_grad_views([], None)
         self._external.clear()
         if self._activations is not None:
-            self._activations.ids = []
+            self._activations.set_ids([])
         self._core = self._stream = self.device = None
         self._scale_view = None
         self._began = False
