@@ -30,6 +30,9 @@ pytestmark = pytest.mark.skipif(not (taskswap.with_cuda and torch.cuda.is_availa
                                 reason="needs a CUDA device and taskswap built with CUDA")
 
 TASKS, STEPS = 16, 60
+# The CUDA activation tests' model: streamed layers of width 512 at 256 rows, blocks of one 2 MiB
+# granule, four of which fit the budget beside the heads and two layers
+ACTIVATIONS = {"backend": "cuda", "width": 512, "rows": 256, "block": 2 << 20, "blocks_room": 4}
 
 
 def test_swapped_equals_all_pinned_bitwise_and_torch_on_cuda():
@@ -115,7 +118,7 @@ def test_activation_offload_on_cuda_is_bitwise_the_run_without(checkpoint):
     output, GELU's input and output; a checkpoint its input alone), in blocks of one 2 MiB
     granule, four of which fit the budget beside the heads and two layers."""
     from test_activation_offload import LAYERS, assert_bitwise, moved, train, train_plain
-    shape = {"backend": "cuda", "width": 512, "rows": 256, "block": 2 << 20, "blocks_room": 4}
+    shape = ACTIVATIONS
     offloaded, stats = train(offload=True, checkpoint=checkpoint, host_bytes=192 << 20, **shape)
     kept, base = train(offload=False, checkpoint=checkpoint, **shape)
     offloaded = {k: v.cpu() for k, v in offloaded.items()}
@@ -162,8 +165,7 @@ def test_activation_offload_on_cuda_with_a_layer_on_a_stream_of_its_own(checkpoi
         model.layers[1].register_forward_pre_hook(enter)
         model.layers[1].register_forward_hook(leave, always_call=True)
 
-    shape = {"backend": "cuda", "width": 512, "rows": 256, "block": 2 << 20, "blocks_room": 4,
-             "checkpoint": checkpoint, "setup": own_stream}
+    shape = {**ACTIVATIONS, "checkpoint": checkpoint, "setup": own_stream}
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
         offloaded, stats = train(offload=True, host_bytes=192 << 20, **shape)
