@@ -141,7 +141,7 @@ class Activations:
             else:
                 held.add(b)
                 stashed.add(b)
-        out, uses, acquired = [], iter(self.template), 0
+        out, uses, acquired = [], iter(self._read_back() if self.rt._hooks else self.template), 0
         use = next(uses, None)
         for entry in [None, *layers]:
             if entry is not None:
@@ -153,6 +153,30 @@ class Activations:
         while use is not None:
             out.append((self.ids[use[1]], use[2]))
             use = next(uses, None)
+        return out
+
+    def _read_back(self) -> list[tuple[int, int, int]]:
+        """The template less each stash that no read follows before the block's next stash, and
+        its release: with a communicator the hooks fill such a block in name alone (the tensors
+        stay on the device), so planning its stash would only send the block home for nothing."""
+        dead: set[int] = set()  # template indices dropped
+        stash: dict[int, int] = {}  # block -> its last stash's index, while no read followed it
+        for k, (_, b, kind) in enumerate(self.template):
+            if kind == _FROZEN:
+                stash.pop(b, None)
+            elif kind == _STASH:
+                if b in stash:
+                    dead.add(stash[b])
+                stash[b] = k
+        dead.update(stash.values())
+        out, drop = [], set()  # drop: blocks whose next event, a release, goes with a dropped stash
+        for k, (at, b, kind) in enumerate(self.template):
+            if k in dead:
+                drop.add(b)
+            elif kind == _RELEASE and b in drop:
+                drop.discard(b)
+            else:
+                out.append((at, b, kind))
         return out
 
     def offloads(self, asked: bool | None) -> bool:
