@@ -114,28 +114,28 @@ def test_streamed_layers_equal_all_resident_bitwise_on_cuda():
 def test_activation_offload_on_cuda_is_bitwise_the_run_without(checkpoint):
     """register_activations on CUDA: the pack hook's copies into the blocks and the unpack's reads
     on torch's current stream, the blocks sent home and brought back on the runtime's copy
-    streams. Streamed layers of width 512 at 256 rows save 3 MiB each (LayerNorm's input and
-    output, GELU's input and output; a checkpoint its input alone), in blocks of one 2 MiB
-    granule, four of which fit the budget beside the heads and two layers."""
+    streams. The streamed layers (ACTIVATIONS) save 3 MiB each (LayerNorm's input and output,
+    GELU's input and output; a checkpoint its input alone)."""
     from test_activation_offload import LAYERS, assert_bitwise, moved, train, train_plain
-    shape = ACTIVATIONS
-    offloaded, stats = train(offload=True, checkpoint=checkpoint, host_bytes=192 << 20, **shape)
-    kept, base = train(offload=False, checkpoint=checkpoint, **shape)
+    offloaded, stats = train(offload=True, checkpoint=checkpoint, host_bytes=192 << 20, **ACTIVATIONS)
+    kept, base = train(offload=False, checkpoint=checkpoint, **ACTIVATIONS)
     offloaded = {k: v.cpu() for k, v in offloaded.items()}
     assert_bitwise(offloaded, {k: v.cpu() for k, v in kept.items()})
     # taskswap's AdamW and torch's round differently, and m/sqrt(v) lifts that where gradients are
     # small: this model measures 1.0e-4 after 8 steps on the CPU (the same with or without offload);
     # activations read back wrong would be off by far more
-    plain = train_plain(checkpoint=checkpoint, device="cuda", width=512, rows=256)
+    width, rows, block = ACTIVATIONS["width"], ACTIVATIONS["rows"], ACTIVATIONS["block"]
+    plain = train_plain(checkpoint=checkpoint, device="cuda", width=width, rows=rows)
     assert max_relative(offloaded, plain) < 1e-3
     # What a step sends home at least: each layer's saves but the last layer's (keep_last=1), less
     # the first layer's input, the batch (no grad_fn: kept); with checkpointing, each checkpoint's
     # input (the last one's too, as the emulated device measures; not counted here)
-    rows_bytes = 256 * 512 * 4
+    rows_bytes = rows * width * 4
     saved = ((LAYERS - 1) * 6 - 1) * rows_bytes if checkpoint is None else (LAYERS - 1) * rows_bytes
     (d2h, h2d), (base_d2h, base_h2d) = moved(stats), moved(base)
     assert d2h - base_d2h >= (len(stats) - 1) * saved
-    assert h2d - base_h2d >= (len(stats) - 1) * (saved - 4 * (2 << 20))  # up to four blocks may stay
+    stay = ACTIVATIONS["blocks_room"] * block  # blocks that may stay on the device
+    assert h2d - base_h2d >= (len(stats) - 1) * (saved - stay)
     assert all(s.unplanned == 0 for s in stats[1:])
 
 
@@ -173,7 +173,7 @@ def test_activation_offload_on_cuda_with_a_layer_on_a_stream_of_its_own(checkpoi
     assert_bitwise({k: v.cpu() for k, v in offloaded.items()}, {k: v.cpu() for k, v in kept.items()})
     on_own = [w for w in said if "other than the step's is current" in str(w.message)]
     assert len(on_own) == (1 if checkpoint is None else 0)  # a checkpoint saves nothing inside the layer
-    assert moved(stats)[0] > moved(base)[0] + (len(stats) - 1) * 256 * 512 * 4
+    assert moved(stats)[0] > moved(base)[0] + (len(stats) - 1) * ACTIVATIONS["rows"] * ACTIVATIONS["width"] * 4
 
 
 def test_disk_homes_on_cuda_equal_host_homes_and_resume_bitwise(tmp_path):

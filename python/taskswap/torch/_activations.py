@@ -108,7 +108,7 @@ class Activations:
                                trainable=False, activation=True) for n in self.names]
 
     def set_ids(self, ids: list[int]) -> None:
-        """The blocks' unit ids as the runtime starts (empty as it closes)."""
+        """The blocks' unit ids as the runtime starts (empty when a failed start is undone)."""
         self.ids = ids
         self.block_of = {i: b for b, i in enumerate(ids)}
 
@@ -156,19 +156,18 @@ class Activations:
         return out
 
     def _read_back(self) -> list[tuple[int, int, int]]:
-        """The template less each stash that no read follows before the block's next stash, and
+        """The template less each block's last stash where no read follows it in the step, and
         its release: with a communicator the hooks fill such a block in name alone (the tensors
-        stay on the device), so planning its stash would only send the block home for nothing."""
-        dead: set[int] = set()  # template indices dropped
+        stay on the device), so planning its stash would only send the block home for nothing.
+        (A stash that a later stash of the block follows unread stays: dropping it would make an
+        earlier round's fill real, whose second read the plan would lack.)"""
         stash: dict[int, int] = {}  # block -> its last stash's index, while no read followed it
         for k, (_, b, kind) in enumerate(self.template):
             if kind == _FROZEN:
                 stash.pop(b, None)
             elif kind == _STASH:
-                if b in stash:
-                    dead.add(stash[b])
                 stash[b] = k
-        dead.update(stash.values())
+        dead = set(stash.values())  # template indices dropped
         out, drop = [], set()  # drop: blocks whose next event, a release, goes with a dropped stash
         for k, (at, b, kind) in enumerate(self.template):
             if k in dead:
