@@ -13,14 +13,23 @@ Reported per unit: layer − torch (the layer's overhead, target ≤ 20 µs), th
 own time (target on a GPU ≤ 0.15) and core (the runtime's own share of it). Emulated device here;
 on CUDA the same script runs on torch's current stream.
 
-usage: python3 torch_layer_overhead.py [--units 1000] [--per-step 1 10 100] [--steps 200]
+With --instructions each of the torch, layer and core loops runs once more in a child under
+valgrind's callgrind, which counts the instructions of the trainer's thread in that loop alone (the
+import, the setup and a first pass of the loop are not counted; the emulated device's threads are
+counted apart and left out). The counts do not move with the machine's load, as the times do.
+
+usage: python3 torch_layer_overhead.py [--units 1000] [--per-step 1 10 100] [--steps 200] [--instructions]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import subprocess
+import sys
+import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -39,6 +48,136 @@ residency = "pinned"
 """, "bench")
 
 
+def setup(args) -> SimpleNamespace:
+    """The units, their plain torch twins and the runtime, as every loop uses them."""
+    torch.set_num_threads(1)
+    cuda = args.device == "cuda"
+    dev = torch.device("cuda") if cuda else torch.device("cpu")
+    modules = [torch.nn.Linear(16, 16).to(dev) for _ in range(args.units)]
+    reference = [torch.nn.Linear(16, 16).to(dev) for _ in range(args.units)]
+    rt = tt.Runtime(options=options(args.units, args.device))
+    units = [rt.register(m, f"u/{i}") for i, m in enumerate(modules)]
+    rt.start()
+    return SimpleNamespace(cuda=cuda, modules=modules, reference=reference, rt=rt, units=units,
+                           optimizers=[torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for m in reference],
+                           stream=rt._current_stream(), x=torch.randn(4, 16, device=dev))
+
+
+def loops(env: SimpleNamespace, k: int, steps: int) -> dict:
+    """The four loops over the same `steps` steps of `k` units each."""
+    n = len(env.units)
+    plan = [[(s * k + j) % n for j in range(k)] for s in range(steps)]
+    reference, optimizers, modules, units, x = env.reference, env.optimizers, env.modules, env.units, env.x
+    core, rt, stream = env.rt.core, env.rt, env.stream
+
+    def torch_loop():
+        for ids in plan:
+            for i in ids:
+                reference[i].weight.grad = None
+                reference[i].bias.grad = None
+                reference[i](x).sum().backward()
+
+    def torch_opt_loop():
+        for ids in plan:
+            for i in ids:
+                optimizers[i].zero_grad(set_to_none=True)
+                reference[i](x).sum().backward()
+                optimizers[i].step()
+
+    def layer_loop():
+        rt.plan([[units[i] for i in ids] for ids in plan])
+        for ids in plan:
+            with rt.step(*[units[i] for i in ids]):
+                for i in ids:
+                    modules[i](x).sum().backward()
+
+    def core_loop():
+        core.plan([[(i, 0) for i in ids] for ids in plan])
+        for ids in plan:
+            for i in ids:
+                core.acquire(i, stream)
+            for i in ids:
+                core.grads_ready(i, stream)
+                core.step(i, stream)
+            for i in ids:
+                core.release(i, stream)
+            core.end_step()
+
+    return {"torch": torch_loop, "torch+opt": torch_opt_loop, "layer": layer_loop, "core": core_loop}
+
+
+def timed(args) -> None:
+    env = setup(args)
+    sync = torch.cuda.synchronize if env.cuda else (lambda: None)
+    print(f"taskswap {taskswap.__version__}, torch {torch.__version__}, device {env.rt.device.name}, "
+          f"{args.units} units registered, {os.cpu_count()} CPUs")
+    print(f"{'units/step':>10} {'torch us/unit':>14} {'layer us/unit':>14} {'overhead us/unit':>17} "
+          f"{'/torch':>7} {'core us/unit':>13} {'torch+opt us/unit':>18}")
+    for k in args.per_step:
+        loop = loops(env, k, args.steps)
+
+        def best(name, k=k, loop=loop):
+            times = []
+            for _ in range(args.repeats):
+                sync()
+                t0 = time.perf_counter()
+                loop[name]()
+                sync()
+                if not env.cuda:
+                    env.stream.synchronize()
+                times.append(time.perf_counter() - t0)
+            return min(times) / (args.steps * k) * 1e6
+
+        best("layer")  # warm-up: first-touch of views and hooks
+        t_torch, t_layer, t_core, t_opt = best("torch"), best("layer"), best("core"), best("torch+opt")
+        print(f"{k:>10} {t_torch:>14.1f} {t_layer:>14.1f} {t_layer - t_torch:>17.1f} "
+              f"{(t_layer - t_torch) / t_torch:>7.3f} {t_core:>13.1f} {t_opt:>18.1f}")
+
+
+def counted(args) -> None:
+    """The child of --instructions: one loop, its second pass counted by callgrind."""
+    env = setup(args)
+    loop = loops(env, args.per_step[0], args.steps)[args.count]
+    loop()  # first pass: views made, caches warm, as in the timed loops
+    env.stream.synchronize()
+    toggle = ["callgrind_control", "--instr"]
+    subprocess.run([*toggle, "on", str(os.getpid())], check=True, capture_output=True)
+    loop()
+    subprocess.run([*toggle, "off", str(os.getpid())], check=True, capture_output=True)
+    env.stream.synchronize()
+
+
+def main_thread_instructions(out: str) -> int:
+    """The trainer's thread's count: callgrind's first per-thread file (thread 1)."""
+    with open(f"{out}-01") as f:
+        for line in f:
+            if line.startswith("totals:"):
+                return int(line.split()[1])
+    raise RuntimeError(f"torch_layer_overhead: no totals in {out}-01")
+
+
+def instructions(args) -> None:
+    if args.device != "emulated":
+        raise SystemExit("torch_layer_overhead: --instructions counts on the emulated device only")
+    print(f"taskswap {taskswap.__version__}, torch {torch.__version__}, emulated device, {args.units} units "
+          f"registered, {args.steps} steps, instructions of the trainer's thread (callgrind)")
+    print(f"{'units/step':>10} {'torch /unit':>12} {'layer /unit':>12} {'overhead /unit':>15} {'/torch':>7} "
+          f"{'core /unit':>11}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for k in args.per_step:
+            count = {}
+            for name in ("torch", "layer", "core"):
+                out = os.path.join(tmp, f"{name}.{k}")
+                subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+                                f"--callgrind-out-file={out}", sys.executable, __file__, "--count", name,
+                                "--per-step", str(k), "--steps", str(args.steps), "--units", str(args.units),
+                                "--device", "emulated"], check=True, capture_output=True)
+                count[name] = main_thread_instructions(out) / (args.steps * k)
+            over = count["layer"] - count["torch"]
+            print(f"{k:>10} {count['torch']:>12,.0f} {count['layer']:>12,.0f} {over:>15,.0f} "
+                  f"{over / count['torch']:>7.3f} {count['core']:>11,.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--units", type=int, default=1000)
@@ -46,77 +185,15 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "emulated")
+    ap.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
+    ap.add_argument("--count", choices=["torch", "layer", "core"], help=argparse.SUPPRESS)  # the child
     args = ap.parse_args()
-    torch.set_num_threads(1)
-    cuda = args.device == "cuda"
-    dev = torch.device("cuda") if cuda else torch.device("cpu")
-    modules = [torch.nn.Linear(16, 16).to(dev) for _ in range(args.units)]
-    reference = [torch.nn.Linear(16, 16).to(dev) for _ in range(args.units)]
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-3, foreach=True) for m in reference]
-    rt = tt.Runtime(options=options(args.units, args.device))
-    units = [rt.register(m, f"u/{i}") for i, m in enumerate(modules)]
-    rt.start()
-    core = rt.core
-    stream = rt._current_stream()
-    x = torch.randn(4, 16, device=dev)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    print(f"taskswap {taskswap.__version__}, torch {torch.__version__}, device {rt.device.name}, "
-          f"{args.units} units registered, {os.cpu_count()} CPUs")
-    print(f"{'units/step':>10} {'torch us/unit':>14} {'layer us/unit':>14} {'overhead us/unit':>17} "
-          f"{'/torch':>7} {'core us/unit':>13} {'torch+opt us/unit':>18}")
-    for k in args.per_step:
-        steps = [[(s * k + j) % args.units for j in range(k)] for s in range(args.steps)]
-
-        def torch_loop(steps=steps):
-            for ids in steps:
-                for i in ids:
-                    reference[i].weight.grad = None
-                    reference[i].bias.grad = None
-                    reference[i](x).sum().backward()
-
-        def torch_opt_loop(steps=steps):
-            for ids in steps:
-                for i in ids:
-                    optimizers[i].zero_grad(set_to_none=True)
-                    reference[i](x).sum().backward()
-                    optimizers[i].step()
-
-        def layer_loop(steps=steps):
-            rt.plan([[units[i] for i in ids] for ids in steps])
-            for ids in steps:
-                with rt.step(*[units[i] for i in ids]):
-                    for i in ids:
-                        modules[i](x).sum().backward()
-
-        def core_loop(steps=steps):
-            core.plan([[(i, 0) for i in ids] for ids in steps])
-            for ids in steps:
-                for i in ids:
-                    core.acquire(i, stream)
-                for i in ids:
-                    core.grads_ready(i, stream)
-                    core.step(i, stream)
-                for i in ids:
-                    core.release(i, stream)
-                core.end_step()
-
-        def best(loop, k=k):
-            times = []
-            for _ in range(args.repeats):
-                sync()
-                t0 = time.perf_counter()
-                loop()
-                sync()
-                if not cuda:
-                    stream.synchronize()
-                times.append(time.perf_counter() - t0)
-            return min(times) / (args.steps * k) * 1e6
-
-        best(layer_loop)  # warm-up: first-touch of views and hooks
-        t_torch, t_layer, t_core, t_opt = best(torch_loop), best(layer_loop), best(core_loop), best(torch_opt_loop)
-        print(f"{k:>10} {t_torch:>14.1f} {t_layer:>14.1f} {t_layer - t_torch:>17.1f} "
-              f"{(t_layer - t_torch) / t_torch:>7.3f} {t_core:>13.1f} {t_opt:>18.1f}")
+    if args.count:
+        counted(args)
+    elif args.instructions:
+        instructions(args)
+    else:
+        timed(args)
 
 
 if __name__ == "__main__":
