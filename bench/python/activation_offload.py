@@ -11,7 +11,13 @@ Printed per arm: the step time (median of --repeats runs of --steps steps) and i
 and to save_on_cpu; on CUDA also the peak device memory (torch allocator's peak plus the runtime's)
 and, with --largest, the largest batch that fits the device.
 
-usage: python3 activation_offload.py [--width 1024] [--layers 16] [--rows 4096] [--steps 10]
+--model llama trains a Llama-style causal language model instead (transformers' LlamaForCausalLM
+from a config, random weights, no download): `--layers` decoder layers of width `--width`, each a
+pinned unit, sequences of `--seq` tokens, `--rows` sequences a batch; at long sequences its
+activations outgrow its parameters many times over.
+
+usage: python3 activation_offload.py [--model mlp|llama] [--width 1024] [--layers 16] [--rows 4096]
+       [--seq 2048] [--dtype float32|bfloat16] [--steps 10]
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 import taskswap
 import taskswap.torch as tt
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 class Trunk(torch.nn.Module):
     def __init__(self, width: int, layers: int):
@@ -39,6 +46,32 @@ class Trunk(torch.nn.Module):
         for layer in self.layers:
             x = x + layer(x)
         return self.head(x)
+
+
+def mlp(args, rows: int, dev: torch.device):
+    """The residual MLP trunk: its units (each block, the head) and its loss on one batch."""
+    model = Trunk(args.width, args.layers).to(dev, DTYPES[args.dtype])
+    x = torch.randn(rows, args.width, device=dev, dtype=DTYPES[args.dtype])
+    y = torch.randn(rows, 8, device=dev, dtype=DTYPES[args.dtype])
+    parts = [(f"trunk/{i}", layer) for i, layer in enumerate(model.layers)] + [("head", model.head)]
+    return model, parts, lambda: torch.nn.functional.mse_loss(model(x), y)
+
+
+def llama(args, rows: int, dev: torch.device):
+    """A Llama-style causal LM from a config: its units (each decoder layer, the embedding, the
+    final norm, the output head) and its next-token loss on one batch of random tokens."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    heads = args.heads or max(1, args.width // 128)
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.width * 8 // 3,
+                         num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
+                         max_position_embeddings=args.seq, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).to(dev, DTYPES[args.dtype])
+    tokens = torch.randint(0, args.vocab, (rows, args.seq), device=dev)
+    inner = model.model
+    parts = [(f"trunk/{i}", layer) for i, layer in enumerate(inner.layers)]
+    parts += [("embed", inner.embed_tokens), ("norm", inner.norm), ("head", model.lm_head)]
+    return model, parts, lambda: model(input_ids=tokens, labels=tokens).loss
 
 
 def arms() -> dict[str, object]:
@@ -60,7 +93,7 @@ def run(arm: str, hooks, args, rows: int, device: str) -> tuple[float, int]:
     """Seconds per step (median) and the peak device bytes (0 off CUDA) of one arm at `rows`."""
     dev = torch.device("cuda" if device == "cuda" else "cpu")
     torch.manual_seed(0)
-    model = Trunk(args.width, args.layers).to(dev)
+    model, parts, loss = (llama if args.model == "llama" else mlp)(args, rows, dev)
     rt = tt.Runtime(options=taskswap.parse_config(f"""
 [device]
 backend = "{device}"
@@ -68,12 +101,9 @@ budget = "{args.budget}"
 [defaults]
 residency = "pinned"
 """, "bench"))
-    units = [rt.register(layer, f"trunk/{i}") for i, layer in enumerate(model.layers)]
-    units.append(rt.register(model.head, "head"))
+    units = [rt.register(module, name) for name, module in parts]
     if arm == "taskswap":
         rt.register_activations(args.host_gib << 30, block_bytes=args.block_mib << 20, min_bytes=1 << 16)
-    x = torch.randn(rows, args.width, device=dev)
-    y = torch.randn(rows, 8, device=dev)
     times = []
     peak = 0
     try:
@@ -85,7 +115,7 @@ residency = "pinned"
             for _ in range(args.steps):
                 rt.plan([units])
                 with hooks(), rt.step(*units):
-                    torch.nn.functional.mse_loss(model(x), y).backward()
+                    loss().backward()
             if device == "cuda":  # torch's peak and the runtime's: their sum bounds the device's
                 torch.cuda.synchronize()
                 peak = max(peak, torch.cuda.max_memory_allocated() + rt.stats().total.peak_device_bytes)
@@ -97,8 +127,9 @@ residency = "pinned"
 
 
 def largest(arm: str, hooks, args, device: str) -> int:
-    """The largest batch (rows, a multiple of 256) whose step fits the device."""
+    """The largest batch (rows, a multiple of 256; llama: sequences) whose step fits the device."""
     once = argparse.Namespace(**{**vars(args), "steps": 1, "repeats": 0})
+    unit = 1 if args.model == "llama" else 256
 
     def fits(rows: int) -> bool:
         try:
@@ -109,18 +140,23 @@ def largest(arm: str, hooks, args, device: str) -> int:
         finally:
             torch.cuda.empty_cache()
 
-    lo, hi = 0, 256
+    lo, hi = 0, unit
     while fits(hi):
         lo, hi = hi, hi * 2
-    while hi - lo > 256:
-        mid = (lo + hi) // 512 * 256
+    while hi - lo > unit:
+        mid = (lo + hi) // (2 * unit) * unit
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=["mlp", "llama"], default="mlp")
     ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--seq", type=int, default=2048, help="llama: tokens a sequence")
+    ap.add_argument("--heads", type=int, default=0, help="llama: attention heads (0: width / 128)")
+    ap.add_argument("--vocab", type=int, default=32000, help="llama: the vocabulary")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rows", type=int, nargs="+", default=[4096])
     ap.add_argument("--steps", type=int, default=10)
@@ -134,7 +170,9 @@ def main() -> None:
     if args.device != "cuda":
         torch.set_num_threads(1)
     ways = arms()
-    print(f"device {args.device}, width {args.width}, layers {args.layers}, steps {args.steps} x {args.repeats}")
+    shape = f", sequence {args.seq}" if args.model == "llama" else ""
+    print(f"device {args.device}, {args.model}, width {args.width}, layers {args.layers}{shape}, {args.dtype}, "
+          f"steps {args.steps} x {args.repeats}")
     print(f"{'rows':>6} {'arm':>12} {'ms/step':>9} {'/none':>7} {'/save_on_cpu':>13} {'peak MiB':>9}")
     for rows in args.rows:
         measured = {arm: run(arm, hooks, args, rows, args.device) for arm, hooks in ways.items()}
@@ -142,8 +180,9 @@ def main() -> None:
             print(f"{rows:>6} {arm:>12} {t * 1e3:>9.2f} {t / measured['none'][0]:>7.3f} "
                   f"{t / measured['save_on_cpu'][0]:>13.3f} {peak / 2**20 if peak else float('nan'):>9.0f}")
     if args.largest and args.device == "cuda":
+        what = "sequences" if args.model == "llama" else "rows"
         for arm, hooks in ways.items():
-            print(f"largest batch {arm}: {largest(arm, hooks, args, args.device)} rows")
+            print(f"largest batch {arm}: {largest(arm, hooks, args, args.device)} {what}")
 
 
 if __name__ == "__main__":

@@ -14,9 +14,11 @@ own time (target on a GPU ≤ 0.15) and core (the runtime's own share of it). Em
 on CUDA the same script runs on torch's current stream.
 
 With --instructions each of the torch, layer and core loops runs once more in a child under
-valgrind's callgrind, which counts the instructions of the trainer's thread in that loop alone (the
-import, the setup and a first pass of the loop are not counted; the emulated device's threads are
-counted apart and left out). The counts do not move with the machine's load, as the times do.
+valgrind's callgrind (valgrind must be installed), which counts the instructions of the trainer's
+thread in a second pass of that loop alone: not the import, the setup or the first pass, and not
+the emulated device's threads, counted apart. The counts hardly move with the machine's load, as
+the times do; they still vary a little, as the trainer's thread polls copy-stream events whose
+answers depend on timing. Valgrind's CPU has no AVX-512, so they follow torch's AVX2 paths.
 
 usage: python3 torch_layer_overhead.py [--units 1000] [--per-step 1 10 100] [--steps 200] [--instructions]
 """
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from types import SimpleNamespace
 
@@ -134,16 +138,36 @@ def timed(args) -> None:
               f"{(t_layer - t_torch) / t_torch:>7.3f} {t_core:>13.1f} {t_opt:>18.1f}")
 
 
+def instrumentation(state: str) -> None:
+    """Turns callgrind's counting on or off (vgdb), from another thread, whose instructions are
+    counted apart from the trainer's thread, which waits; checks that it took."""
+    pid = f"--pid={os.getpid()}"
+    said: list = []
+
+    def call():
+        try:
+            subprocess.run(["vgdb", pid, "instrumentation", state], capture_output=True, timeout=120, check=True)
+            said.append(subprocess.run(["vgdb", pid, "instrumentation"], capture_output=True, text=True,
+                                       timeout=120, check=True).stdout)
+        except (OSError, subprocess.SubprocessError) as e:
+            said.append(f"{type(e).__name__}: {e}")
+
+    t = threading.Thread(target=call)
+    t.start()
+    t.join()
+    if f"instrumentation: {state}" not in said[0]:
+        raise RuntimeError(f"torch_layer_overhead: callgrind's instrumentation did not turn {state}: {said[0]!r}")
+
+
 def counted(args) -> None:
     """The child of --instructions: one loop, its second pass counted by callgrind."""
     env = setup(args)
     loop = loops(env, args.per_step[0], args.steps)[args.count]
     loop()  # first pass: views made, caches warm, as in the timed loops
     env.stream.synchronize()
-    toggle = ["callgrind_control", "--instr"]
-    subprocess.run([*toggle, "on", str(os.getpid())], check=True, capture_output=True)
+    instrumentation("on")
     loop()
-    subprocess.run([*toggle, "off", str(os.getpid())], check=True, capture_output=True)
+    instrumentation("off")
     env.stream.synchronize()
 
 
@@ -151,14 +175,16 @@ def main_thread_instructions(out: str) -> int:
     """The trainer's thread's count: callgrind's first per-thread file (thread 1)."""
     with open(f"{out}-01") as f:
         for line in f:
-            if line.startswith("totals:"):
+            if line.startswith("totals:") and int(line.split()[1]) > 0:
                 return int(line.split()[1])
-    raise RuntimeError(f"torch_layer_overhead: no totals in {out}-01")
+    raise RuntimeError(f"torch_layer_overhead: no instructions counted in {out}-01")
 
 
 def instructions(args) -> None:
     if args.device != "emulated":
         raise SystemExit("torch_layer_overhead: --instructions counts on the emulated device only")
+    if shutil.which("valgrind") is None or shutil.which("vgdb") is None:
+        raise SystemExit("torch_layer_overhead: --instructions needs valgrind (apt-get install valgrind)")
     print(f"taskswap {taskswap.__version__}, torch {torch.__version__}, emulated device, {args.units} units "
           f"registered, {args.steps} steps, instructions of the trainer's thread (callgrind)")
     print(f"{'units/step':>10} {'torch /unit':>12} {'layer /unit':>12} {'overhead /unit':>15} {'/torch':>7} "
@@ -168,10 +194,14 @@ def instructions(args) -> None:
             count = {}
             for name in ("torch", "layer", "core"):
                 out = os.path.join(tmp, f"{name}.{k}")
-                subprocess.run(["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
-                                f"--callgrind-out-file={out}", sys.executable, __file__, "--count", name,
-                                "--per-step", str(k), "--steps", str(args.steps), "--units", str(args.units),
-                                "--device", "emulated"], check=True, capture_output=True)
+                child = subprocess.run(
+                    ["valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+                     f"--callgrind-out-file={out}", sys.executable, __file__, "--count", name, "--per-step", str(k),
+                     "--steps", str(args.steps), "--units", str(args.units), "--device", "emulated"],
+                    capture_output=True, text=True, timeout=7200, env={**os.environ, "PYTHONHASHSEED": "0"})
+                if child.returncode != 0:
+                    raise SystemExit(f"torch_layer_overhead: the {name} loop under callgrind exited "
+                                     f"{child.returncode}:\n{child.stderr[-3000:]}")
                 count[name] = main_thread_instructions(out) / (args.steps * k)
             over = count["layer"] - count["torch"]
             print(f"{k:>10} {count['torch']:>12,.0f} {count['layer']:>12,.0f} {over:>15,.0f} "
@@ -184,10 +214,12 @@ def main() -> None:
     ap.add_argument("--per-step", type=int, nargs="+", default=[1, 10, 100])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "emulated")
+    ap.add_argument("--device", help="cuda or emulated (default: cuda where torch sees one; --instructions: emulated)")
     ap.add_argument("--instructions", action="store_true", help="count instructions under callgrind instead")
     ap.add_argument("--count", choices=["torch", "layer", "core"], help=argparse.SUPPRESS)  # the child
     args = ap.parse_args()
+    if args.device is None:
+        args.device = "cuda" if not args.instructions and torch.cuda.is_available() else "emulated"
     if args.count:
         counted(args)
     elif args.instructions:
