@@ -184,6 +184,28 @@ def test_what_a_layer_saves_on_another_stream_stays_on_the_device_said_once():
         assert s.d2h_bytes > 0
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass (as a quantisation or tracing library wraps its tensors)."""
+
+
+def test_what_a_layer_saves_as_a_tensor_subclass_stays_on_the_device_said_once():
+    """A saved tensor's bytes are offloaded only from a plain strided tensor: one layer runs on a
+    subclass of its input (turned back into a plain tensor after it), and what it saves is kept."""
+    def tag_layer_one(rt, model):
+        model.layers[1].register_forward_pre_hook(lambda module, args: (args[0].as_subclass(Tagged),))
+        model.layers[1].register_forward_hook(lambda module, args, output: output.as_subclass(torch.Tensor))
+
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        offloaded, stats = train(offload=True, setup=tag_layer_one)
+    assert len([w for w in said if "(Tagged, torch.strided, cpu) is a subclass" in str(w.message)]) == 1
+    assert_bitwise(offloaded, train(offload=False, setup=tag_layer_one)[0])
+    _, all_offloaded = train(offload=True)
+    for s, a in zip(stats[1:], all_offloaded[1:]):  # the layer's 48 KiB stay
+        assert a.d2h_bytes - s.d2h_bytes >= 48 * 1024
+        assert s.d2h_bytes > 0
+
+
 def test_per_step_opt_in_and_errors():
     model = Deep()
     rt = tt.Runtime(options=config("4 MiB"), comm="none")
