@@ -34,6 +34,7 @@ import taskswap.torch as tt
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
+
 class Trunk(torch.nn.Module):
     def __init__(self, width: int, layers: int):
         super().__init__()
@@ -58,19 +59,28 @@ def mlp(args, rows: int, dev: torch.device):
 
 
 def llama(args, rows: int, dev: torch.device):
-    """A Llama-style causal LM from a config: its units (each decoder layer, the embedding, the
-    final norm, the output head) and its next-token loss on one batch of random tokens."""
+    """A Llama-style causal LM from a config, made on the device in its dtype (the rotary
+    frequencies in f32): its units (each decoder layer, the embedding, the final norm, the output
+    head: every parameter once) and its next-token loss on one batch of random tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     heads = args.heads or max(1, args.width // 128)
-    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width, intermediate_size=args.width * 8 // 3,
+    config = LlamaConfig(vocab_size=args.vocab, hidden_size=args.width,
+                         intermediate_size=-(-args.width * 8 // 3 // 256) * 256,  # Llama's multiple of 256
                          num_hidden_layers=args.layers, num_attention_heads=heads, num_key_value_heads=heads,
-                         max_position_embeddings=args.seq, tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).to(dev, DTYPES[args.dtype])
+                         max_position_embeddings=args.seq, tie_word_embeddings=False, use_cache=False)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(DTYPES[args.dtype])
+    try:
+        with torch.device(dev):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(default)
     tokens = torch.randint(0, args.vocab, (rows, args.seq), device=dev)
     inner = model.model
     parts = [(f"trunk/{i}", layer) for i, layer in enumerate(inner.layers)]
     parts += [("embed", inner.embed_tokens), ("norm", inner.norm), ("head", model.lm_head)]
+    assert {id(p) for _, m in parts for p in m.parameters()} == {id(p) for p in model.parameters()}
     return model, parts, lambda: model(input_ids=tokens, labels=tokens).loss
 
 
@@ -94,10 +104,14 @@ def run(arm: str, hooks, args, rows: int, device: str) -> tuple[float, int]:
     dev = torch.device("cuda" if device == "cuda" else "cpu")
     torch.manual_seed(0)
     model, parts, loss = (llama if args.model == "llama" else mlp)(args, rows, dev)
+    # The default budget: the MLP's 16 layers pinned take 2.0 GiB; a Llama's pinned units, at most 16
+    # bytes a parameter with their AdamW state, and 2 GiB.
+    budget = args.budget or ("3 GiB" if args.model == "mlp" else
+                             f"{(sum(p.numel() for p in model.parameters()) * 16 >> 30) + 2} GiB")
     rt = tt.Runtime(options=taskswap.parse_config(f"""
 [device]
 backend = "{device}"
-budget = "{args.budget}"
+budget = "{budget}"
 [defaults]
 residency = "pinned"
 """, "bench"))
@@ -123,6 +137,8 @@ residency = "pinned"
                 times.append((time.perf_counter() - start) / args.steps)
     finally:
         rt.close()
+        if device == "cuda" and hasattr(torch._C, "_host_emptyCache"):
+            torch._C._host_emptyCache()  # save_on_cpu's pinned blocks, cached by torch: not the next arm's
     return (statistics.median(times) if times else float("nan")), peak
 
 
@@ -158,15 +174,16 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000, help="llama: the vocabulary")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--rows", type=int, nargs="+", default=[4096])
+    ap.add_argument("--rows", type=int, nargs="+", help="the batches: rows (llama: sequences); default 4096 (2)")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--budget", default="3 GiB")  # the default trunk's 16 layers pinned take 2.0 GiB
+    ap.add_argument("--budget", help="the device budget (default: 3 GiB; llama: its pinned units' bytes and 2 GiB)")
     ap.add_argument("--host-gib", type=int, default=8)
     ap.add_argument("--block-mib", type=int, default=8)
     ap.add_argument("--largest", action="store_true", help="CUDA: the largest batch of each arm")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "emulated")
     args = ap.parse_args()
+    args.rows = args.rows or ([2] if args.model == "llama" else [4096])
     if args.device != "cuda":
         torch.set_num_threads(1)
     ways = arms()

@@ -179,9 +179,8 @@ def test_what_a_layer_saves_on_another_stream_stays_on_the_device_said_once():
     assert len([w for w in said if "other than the step's is current stays on the device" in str(w.message)]) == 1
     assert_bitwise(offloaded, train(offload=False)[0])
     _, all_offloaded = train(offload=True)
-    for s, a in zip(stats[1:], all_offloaded[1:]):  # the layer's 48 KiB stay
-        assert a.d2h_bytes - s.d2h_bytes >= 48 * 1024
-        assert s.d2h_bytes > 0
+    for s, a in zip(stats[1:], all_offloaded[1:]):  # the layer's 48 KiB stay, and only they
+        assert 48 * 1024 <= a.d2h_bytes - s.d2h_bytes < 48 * 1024 + BLOCK
 
 
 class Tagged(torch.Tensor):
@@ -201,9 +200,8 @@ def test_what_a_layer_saves_as_a_tensor_subclass_stays_on_the_device_said_once()
     assert len([w for w in said if "(Tagged, torch.strided, cpu) is a subclass" in str(w.message)]) == 1
     assert_bitwise(offloaded, train(offload=False, setup=tag_layer_one)[0])
     _, all_offloaded = train(offload=True)
-    for s, a in zip(stats[1:], all_offloaded[1:]):  # the layer's 48 KiB stay
-        assert a.d2h_bytes - s.d2h_bytes >= 48 * 1024
-        assert s.d2h_bytes > 0
+    for s, a in zip(stats[1:], all_offloaded[1:]):  # the layer's 48 KiB stay, and only they
+        assert 48 * 1024 <= a.d2h_bytes - s.d2h_bytes < 48 * 1024 + BLOCK
 
 
 def test_per_step_opt_in_and_errors():
