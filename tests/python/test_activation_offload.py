@@ -159,6 +159,20 @@ def test_activations_beyond_the_blocks_stay_on_the_device_said_once():
     assert moved(stats)[0] > 0
 
 
+def assert_one_layer_kept(setup, said: str, reference_setup=None) -> None:
+    """`setup` makes what one layer (48 KiB a step) saves unfit for the blocks: trained with it,
+    that is said once (a warning containing `said`), the run is bitwise the one without offload
+    (with `reference_setup`), and exactly that layer's 48 KiB a step stay on the device."""
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        offloaded, stats = train(offload=True, setup=setup)
+    assert len([w for w in warned if said in str(w.message)]) == 1
+    assert_bitwise(offloaded, train(offload=False, setup=reference_setup)[0])
+    _, all_offloaded = train(offload=True)
+    for s, a in zip(stats[1:], all_offloaded[1:]):  # the layer's 48 KiB stay, and only they
+        assert 48 * 1024 <= a.d2h_bytes - s.d2h_bytes < 48 * 1024 + BLOCK
+
+
 def test_what_a_layer_saves_on_another_stream_stays_on_the_device_said_once():
     """A block is filled and read on the step's stream alone: one layer's forward runs with
     another stream current (on CUDA, torch.cuda.stream(side)); what it saves is kept."""
@@ -173,14 +187,7 @@ def test_what_a_layer_saves_on_another_stream_stays_on_the_device_said_once():
         model.layers[1].register_forward_pre_hook(enter)
         model.layers[1].register_forward_hook(leave, always_call=True)
 
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        offloaded, stats = train(offload=True, setup=on_a_side_stream)
-    assert len([w for w in said if "other than the step's is current stays on the device" in str(w.message)]) == 1
-    assert_bitwise(offloaded, train(offload=False)[0])
-    _, all_offloaded = train(offload=True)
-    for s, a in zip(stats[1:], all_offloaded[1:]):  # the layer's 48 KiB stay, and only they
-        assert 48 * 1024 <= a.d2h_bytes - s.d2h_bytes < 48 * 1024 + BLOCK
+    assert_one_layer_kept(on_a_side_stream, "other than the step's is current stays on the device")
 
 
 class Tagged(torch.Tensor):
@@ -194,14 +201,7 @@ def test_what_a_layer_saves_as_a_tensor_subclass_stays_on_the_device_said_once()
         model.layers[1].register_forward_pre_hook(lambda module, args: (args[0].as_subclass(Tagged),))
         model.layers[1].register_forward_hook(lambda module, args, output: output.as_subclass(torch.Tensor))
 
-    with warnings.catch_warnings(record=True) as said:
-        warnings.simplefilter("always")
-        offloaded, stats = train(offload=True, setup=tag_layer_one)
-    assert len([w for w in said if "(Tagged, torch.strided, cpu) is a subclass" in str(w.message)]) == 1
-    assert_bitwise(offloaded, train(offload=False, setup=tag_layer_one)[0])
-    _, all_offloaded = train(offload=True)
-    for s, a in zip(stats[1:], all_offloaded[1:]):  # the layer's 48 KiB stay, and only they
-        assert 48 * 1024 <= a.d2h_bytes - s.d2h_bytes < 48 * 1024 + BLOCK
+    assert_one_layer_kept(tag_layer_one, "(Tagged, torch.strided, cpu) is a subclass", reference_setup=tag_layer_one)
 
 
 def test_per_step_opt_in_and_errors():
