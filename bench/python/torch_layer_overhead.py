@@ -174,9 +174,9 @@ def counted(args) -> None:
 def main_thread_instructions(out: str) -> int:
     """The trainer's thread's count: callgrind's first per-thread file (thread 1)."""
     with open(f"{out}-01") as f:
-        for line in f:
-            if line.startswith("totals:") and int(line.split()[1]) > 0:
-                return int(line.split()[1])
+        totals = next((int(line.split()[1]) for line in f if line.startswith("totals:")), 0)
+    if totals > 0:
+        return totals
     raise RuntimeError(f"torch_layer_overhead: no instructions counted in {out}-01")
 
 
