@@ -31,6 +31,22 @@ namespace taskswap::detail {
 // - A reshape gives memory back to the driver for the moment between the release and the create.
 //   Another allocator on the device taking it in that moment fails the map with out_of_memory.
 //
+// Note [Deferred unmaps]
+// ~~~~~~~~~~~~~~~~~~~~~~
+// A slot leaves its free extents mapped where they are, so it takes them back with no call while
+// no other slot has taken them. Once one has, the old mapping only costs: the slot's next map must
+// unmap it first, in the job its swap-in waits for, and a reshape must unmap it before it releases
+// the extent. So when a slot takes an extent, its mappings at other slots are unmapped in a
+// deferred job (slot_mapper), fenced after those slots' users on a stream of its own (a swap-in's
+// job must not wait for the victim's write-back, Note [Handoff]). The mapping thread runs it as
+// soon as that fence has completed, ahead of queued maps, or else just before a job that needs
+// those addresses or releases that extent: the unmaps leave the jobs the trainer waits for and
+// spread over the step. (A streamed trunk's backward leaves each layer's extents mapped at the
+// layer it trained; unmapped lazily, they fell due together at the next forward's start.) The
+// pool's record forgets those mappings at once, but keeps where each extent was mapped when its
+// owner took it (`former`): those slots' users are still earlier users of its memory (sharers,
+// shares_aligned).
+//
 // Note [Mapping off the trainer's thread]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
 // Every decision (which extent goes where, what is released, the free counts) is made here, on the
@@ -65,6 +81,7 @@ device_pool::device_pool(const device& dev, std::size_t budget, std::chrono::mil
       granule_(granularity_of(dev, budget)),
       granules_(budget / granule_),
       fences_(dev),
+      deferred_fences_(dev),
       mapper_(dev, timeout)
 {
   backend& b = dev_.backend();
@@ -332,12 +349,14 @@ device_pool::mapping device_pool::map_slot(slot_id id, slot_state& s, std::size_
     }
   }
   std::size_t at = 0;
+  std::vector<std::uint32_t> taken;
   for (std::size_t i = 0; i < pieces.size(); ++i) {
     if (!stays[i]) {
       // The extent first: a reshape may unmap extents mapped here past the pieces.
       const std::uint32_t e = extent_of(pieces[i], b, quiesce);
       if (i < same) { replace_mapped(id, i, at, b, quiesce); }
       take(e, id);
+      taken.push_back(e);
       map_at(s.address + at * granule_, e, id, b);
       if (i < same) {
         s.mapped[i] = e;
@@ -349,6 +368,12 @@ device_pool::mapping device_pool::map_slot(slot_id id, slot_state& s, std::size_
   }
   s.owned = pieces.size();
   if (const ticket t = submit(b); t != 0) { s.ready = t; }
+  // After the submit: the swap-in's job must not wait for the users of the mappings left elsewhere
+  // (a victim's write-back still reads its extents there; Note [Handoff]).
+  job_builder tidy;
+  tidy.deferred = true;
+  for (const std::uint32_t e : taken) { unmap_stale(e, id, tidy, quiesce); }
+  defer(tidy);
   return {mapped(s, bytes, s.address), s.ready};
 }
 
@@ -368,9 +393,16 @@ bool device_pool::shares_aligned(slot_id a, slot_id b) const
   };
   bool shared = false;
   for (const std::uint32_t e : x.mapped) {
-    const std::vector<std::uint32_t>& at = extents_[e].sites;
-    if (std::find(at.begin(), at.end(), b) == at.end()) { continue; }
-    if (offset_in(x, e) != offset_in(y, e)) { return false; }
+    const extent& m = extents_[e];
+    std::size_t in_b = none;  // where b maps it, or mapped it before x took it
+    if (std::find(m.sites.begin(), m.sites.end(), b) != m.sites.end()) {
+      in_b = offset_in(y, e);
+    } else {
+      const auto f = std::find_if(m.former.begin(), m.former.end(), [&](const auto& p) { return p.first == b; });
+      if (f == m.former.end()) { continue; }
+      in_b = f->second;
+    }
+    if (offset_in(x, e) != in_b) { return false; }
     shared = true;
   }
   return shared;
@@ -380,11 +412,15 @@ bool device_pool::sharers(slot_id s, std::vector<slot_id>& out) const
 {
   out.clear();
   if (s >= slots_.size() || slots_[s].size_class != none) { return false; }
+  const auto add = [&](std::uint32_t site) {
+    if (site != s && std::find(out.begin(), out.end(), site) == out.end()) { out.push_back(site); }
+  };
   for (const std::uint32_t e : slots_[s].mapped) {
     for (const std::uint32_t site : extents_[e].sites) {
       if ((site & class_site) != 0) { return false; }
-      if (site != s && std::find(out.begin(), out.end(), site) == out.end()) { out.push_back(site); }
+      add(site);
     }
+    for (const auto& [site, at] : extents_[e].former) { add(site); }
   }
   return true;
 }
@@ -499,6 +535,7 @@ device_pool_stats device_pool::stats() const
   st.extents = live_extents_;
   st.reshapes = reshapes_;
   st.mapping_jobs = jobs_;
+  st.deferred_jobs = deferred_;
   return st;
 }
 

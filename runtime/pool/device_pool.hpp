@@ -19,7 +19,9 @@
 //   its address for the pool's life. Unmapping a slot frees its extents at once (the caller
 //   orders their reuse after the slot's last use) but leaves them mapped there, so mapping it again
 //   while they are still free needs no call. Only when they were taken does the slot move to
-//   others; an extent may stay mapped at several slots (only its owner uses it).
+//   others; an extent may stay mapped at several slots (only its owner uses it) until a slot
+//   other than those takes it: then the others' mappings of it are unmapped in a deferred job
+//   (Note [Deferred unmaps]).
 // - A slot of at most half a granule is packed: it takes a place in a granule shared with slots
 //   of its size class (granule / k bytes, 256-byte aligned, k places per granule). A class granule
 //   is given back when its last place empties, and stays mapped where it was, as a slot does.
@@ -60,6 +62,7 @@ struct device_pool_stats {
   std::size_t extents = 0;  // physical handles held now
   std::size_t reshapes = 0;  // extents made from others since construction
   std::size_t mapping_jobs = 0;  // batches of driver calls queued since construction
+  std::size_t deferred_jobs = 0;  // of stale mappings' unmaps (Note [Deferred unmaps]), not among them
 };
 
 class device_pool {
@@ -121,12 +124,12 @@ class device_pool {
                                                const quiesce_fn& quiesce);
   /// As try_map(), but out_of_memory naming the budget and the bytes in use.
   [[nodiscard]] mapping map(slot_id slot, std::size_t bytes, std::size_t keep, const quiesce_fn& quiesce);
-  /// Whether the mapped slot `a` holds an extent that slot `b` still maps, and each such extent
-  /// lies at the same offset in both ranges (so where a copy out of `b`'s range and one into
+  /// Whether the mapped slot `a` holds an extent that slot `b` still maps (or mapped when `a`
+  /// took it: the unmap is deferred), and each such extent lies at the same offset in both ranges (so where a copy out of `b`'s range and one into
   /// `a`'s touch the same memory, they do at the same offsets; Note [Extents]).
   [[nodiscard]] bool shares_aligned(slot_id a, slot_id b) const;
-  /// The other slots that still map an extent the mapped slot `s` holds (their earlier uses of it
-  /// must be done before `s` writes it), into `out`. False where that cannot be told by slot (a
+  /// The other slots that still map an extent the mapped slot `s` holds, or mapped it when `s`
+  /// took it (their earlier uses of it must be done before `s` writes it), into `out`. False where that cannot be told by slot (a
   /// packed slot, or an extent a class granule had): then every earlier user counts.
   [[nodiscard]] bool sharers(slot_id s, std::vector<slot_id>& out) const;
   /// Whether the mapping of `t` is done. @throws the mapping thread's failure
@@ -158,6 +161,9 @@ class device_pool {
     std::size_t granules = 0;
     std::uint32_t owner = none;  // the site that owns it (pinned_owner: the pinned region); none: free
     std::vector<std::uint32_t> sites;  // where it is mapped, its owner's included (never the pinned region)
+    // Where it was mapped when its owner took it, and at which granule there: those mappings are
+    // unmapped in a deferred job, and their users are still earlier users of its memory.
+    std::vector<std::pair<std::uint32_t, std::size_t>> former;
     bool live = false;
   };
   struct slot_state {
@@ -191,6 +197,7 @@ class device_pool {
   struct job_builder {
     slot_mapper::job job;
     std::vector<std::uint32_t> quiesced;  // sites whose users the fence waits for
+    bool deferred = false;  // its fence on the deferred jobs' stream, so no other job waits for it
   };
 
   [[nodiscard]] static std::size_t round256(std::size_t bytes) noexcept { return (bytes + 255) / 256 * 256; }
@@ -215,7 +222,11 @@ class device_pool {
   void replace_mapped(slot_id id, std::size_t index, std::size_t at, job_builder& b, const quiesce_fn& quiesce);
   void detach(std::uint32_t e, job_builder& b, const quiesce_fn& quiesce);
   void map_at(std::byte* address, std::uint32_t e, std::uint32_t site, job_builder& b);
+  void unmap_stale(std::uint32_t e, std::uint32_t owner, job_builder& tidy, const quiesce_fn& quiesce);
+  [[nodiscard]] stream& fences(const job_builder& b) noexcept { return b.deferred ? deferred_fences_ : fences_; }
+  void fence(job_builder& b);
   [[nodiscard]] ticket submit(job_builder& b);
+  void defer(job_builder& b);
   void note_peak();
 
   device dev_;
@@ -229,6 +240,7 @@ class device_pool {
   std::size_t live_extents_ = 0;
   std::size_t reshapes_ = 0;
   std::size_t jobs_ = 0;
+  std::size_t deferred_ = 0;
   std::size_t peak_ = 0;
   // The pinned region: reserved for the whole capacity, mapped as it grows.
   std::byte* pinned_address_ = nullptr;
@@ -244,6 +256,7 @@ class device_pool {
   std::size_t slot_bytes_ = 0;  // asked for by the mapped slots
   std::size_t live_slots_ = 0;
   stream fences_;  // waits for the earlier users of what a job moves (quiesce_fn)
+  stream deferred_fences_;  // the same for deferred jobs
   slot_mapper mapper_;  // last: its thread stops first
 };
 

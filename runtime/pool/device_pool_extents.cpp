@@ -23,7 +23,7 @@ std::uint32_t device_pool::new_extent_id(std::size_t granules)
     e = static_cast<std::uint32_t>(extents_.size());
     extents_.emplace_back();
   }
-  extents_[e] = extent{.granules = granules, .owner = none, .sites = {}, .live = true};
+  extents_[e] = extent{.granules = granules, .owner = none, .sites = {}, .former = {}, .live = true};
   ++live_extents_;
   return e;
 }
@@ -34,6 +34,7 @@ void device_pool::take(std::uint32_t e, std::uint32_t owner)
   free_extents_.erase({x.granules, e});
   free_granules_ -= x.granules;
   x.owner = owner;
+  x.former.clear();
 }
 
 void device_pool::give(std::uint32_t e)
@@ -91,7 +92,7 @@ void device_pool::quiesce_site(std::uint32_t site, job_builder& b, const quiesce
   const auto ask = [&](slot_id slot) {
     std::string users;
     if (quiesce) {
-      users = quiesce(slot, fences_);
+      users = quiesce(slot, fences(b));
     } else {
       dev_.synchronize();  // no caller to ask: wait for everything
     }
@@ -168,15 +169,44 @@ void device_pool::map_at(std::byte* address, std::uint32_t e, std::uint32_t site
   if (site != pinned_owner) { extents_[e].sites.push_back(site); }
 }
 
+// The extent `e`, just taken by the slot `owner`, stays mapped at the slots that had it before,
+// where it is of no use until it is free again; each of those mappings is unmapped in `tidy`.
+void device_pool::unmap_stale(std::uint32_t e, std::uint32_t owner, job_builder& tidy, const quiesce_fn& quiesce)
+{
+  const std::vector<std::uint32_t> sites = extents_[e].sites;
+  for (const std::uint32_t site : sites) {
+    if (site == owner || (site & class_site) != 0) { continue; }  // a class granule's stays: it is one
+    const std::vector<std::uint32_t>& m = slots_[site].mapped;
+    const auto index = static_cast<std::size_t>(std::find(m.begin(), m.end(), e) - m.begin());
+    std::size_t at = 0;
+    for (std::size_t i = 0; i < index; ++i) { at += extents_[m[i]].granules; }
+    extents_[e].former.emplace_back(site, at);
+    unmap_site_from(site, index, tidy, quiesce);
+  }
+}
+
+void device_pool::fence(job_builder& b)
+{
+  if (!b.job.fence_users.empty()) {
+    b.job.fence.emplace(dev_);
+    b.job.fence->record(fences(b));
+  }
+}
+
 device_pool::ticket device_pool::submit(job_builder& b)
 {
   if (b.job.calls.empty()) { return 0; }
-  if (!b.job.fence_users.empty()) {
-    b.job.fence.emplace(dev_);
-    b.job.fence->record(fences_);
-  }
+  fence(b);
   ++jobs_;
   return mapper_.submit(std::move(b.job));
+}
+
+void device_pool::defer(job_builder& b)
+{
+  if (b.job.calls.empty()) { return; }
+  fence(b);
+  ++deferred_;
+  mapper_.defer(std::move(b.job));
 }
 
 }  // namespace taskswap::detail

@@ -11,6 +11,11 @@
 // thread waits for it, at most `timeout`, before the calls; a fence that does not complete in that
 // time fails the job. A failed call fails its job and every later one: the pool's record of what
 // is mapped no longer holds, and each later ready()/wait() throws the same error.
+//
+// A deferred job (unmaps only, no ticket) runs after the jobs queued before it: ahead of the other
+// queued jobs once its fence has completed, or else just before the first later job that needs it
+// (one that maps, unmaps or frees addresses it unmaps, or releases a handle mapped there). What is
+// still deferred at stop() is left to release_all().
 
 #include <taskswap/device.hpp>
 
@@ -25,6 +30,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace taskswap::detail {
@@ -60,6 +66,8 @@ class slot_mapper {
 
   /// Queues `j`; its ticket. A job with no calls is done at once (ticket 0).
   [[nodiscard]] ticket submit(job j);
+  /// Queues `j`, whose calls are unmaps, as a deferred job (above); nothing waits for it by ticket.
+  void defer(job j);
   /// Whether the job is done. @throws the failure of this or an earlier job
   [[nodiscard]] bool ready(ticket t);
   /// Blocks until the job is done. @throws the failure of this or an earlier job
@@ -75,20 +83,32 @@ class slot_mapper {
 
  private:
   void run();
+  /// Runs a deferred job whose fence has completed, if there is one (with the lock held on entry
+  /// and on return); whether it ran one.
+  bool run_deferred(std::unique_lock<std::mutex>& lock);
+  /// Takes out of the deferred jobs those the job `j` of ticket `t` must follow, in their order.
+  [[nodiscard]] std::vector<job> needed_by(const job& j, ticket t);
+  /// Carries out `first`, then `j` (unless a failure came earlier); records what failed.
+  void carry_out_all(std::vector<job> first, job j, std::unique_lock<std::mutex>& lock);
   void carry_out(const job& j);
 
   device dev_;
   std::chrono::milliseconds timeout_;
   // What the calls that succeeded did, the thread's alone while it runs: the handle of each
-  // extent id (and its granules), and every mapping by its address (granules).
+  // extent id (and its granules), and every mapping by its address (granules, extent id).
   std::vector<void*> handles_;
   std::vector<std::size_t> handle_granules_;
-  std::map<std::byte*, std::size_t> mapped_;
+  std::map<std::byte*, std::pair<std::size_t, std::uint32_t>> mapped_;
   std::size_t granule_ = 0;
   std::mutex mutex_;
   std::condition_variable queued_;
   std::condition_variable finished_;
   std::deque<job> jobs_;
+  struct deferred {
+    ticket after = 0;  // the last job queued before it
+    job j;
+  };
+  std::deque<deferred> deferred_;
   ticket submitted_ = 0;
   ticket done_ = 0;
   std::exception_ptr failure_;

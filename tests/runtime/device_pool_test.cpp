@@ -15,6 +15,7 @@
 #include <cmath>
 #include <optional>
 #include <cstring>
+#include <deque>
 #include <random>
 #include <string>
 #include <thread>
@@ -251,9 +252,67 @@ TEST_P(device_pool_at, UnitsOfOneShapeSwapThroughTheSameExtents)
   EXPECT_LE(pool.stats().extents, 8U);
 }
 
-// A slot whose extent another slot took moves: a maps 2 granules, gives them up, b takes that
-// extent (of the free ones of its size, the first made), and a maps again while `user` is blocked
-// until `go`. What the move waits for is the fence after the user's work.
+// When a slot takes an extent, the other slots' mappings of it are unmapped in deferred jobs
+// (Note [Deferred unmaps]). Slots of two shapes take turns in a budget that holds few of them, so
+// maps land where a deferred unmap is still due and reshapes release handles still mapped at other
+// slots; the emulated device refuses either out of order. Each range reads back what was written.
+TEST_P(device_pool_at, DeferredUnmapsRunBeforeTheJobsThatNeedThem)
+{
+  const std::size_t g = GetParam();
+  const device dev = make(64 * g);
+  device_pool pool(dev, 6 * g);
+  stream s(dev);
+  const std::vector<std::size_t> sizes{g, 3 * g, g, 2 * g, 3 * g, g, 2 * g};
+  std::vector<device_pool::slot_id> slots;
+  for (const std::size_t bytes : sizes) { slots.push_back(pool.add_slot(bytes)); }
+  std::deque<std::pair<std::size_t, device_span>> live;  // oldest first: slot index, range
+  // Each slot's last user (its read-back, behind a sleep) is still at work when its extents move:
+  // the deferred unmaps wait for it, so the jobs after them find them due.
+  std::vector<std::optional<event>> used(slots.size());
+  std::deque<std::pair<std::size_t, std::vector<std::byte>>> back;  // slot index, what it held
+  const auto read_and_unmap = [&] {
+    const auto [i, range] = live.front();
+    back.emplace_back(i, std::vector<std::byte>(range.size()));
+    copy_async(std::span<std::byte>(back.back().second), const_device_span(range), s);
+    used[i]->record(s);
+    pool.unmap(slots[i]);
+    live.pop_front();
+  };
+  const auto users = [&](device_pool::slot_id slot, stream_view fence) {
+    const auto i = static_cast<std::size_t>(std::find(slots.begin(), slots.end(), slot) - slots.begin());
+    if (!used[i] || used[i]->query()) { return std::string(); }
+    used[i]->wait(fence);
+    return "slot " + std::to_string(i);
+  };
+  std::mt19937 gen{11};
+  for (std::size_t turn = 0; turn < 120; ++turn) {
+    std::size_t i = gen() % slots.size();
+    while (std::any_of(live.begin(), live.end(), [&](const auto& l) { return l.first == i; })) {
+      i = (i + 1) % slots.size();
+    }
+    while (!pool.fits(slots[i], sizes[i])) { read_and_unmap(); }
+    const device_span range = map_now(pool, slots[i], sizes[i], users);
+    fill_async(range, std::byte(i + 1), s);
+    launch_host_func(s, [] { std::this_thread::sleep_for(std::chrono::milliseconds{1}); });
+    used[i].emplace(dev);
+    used[i]->record(s);
+    live.emplace_back(i, range);
+  }
+  while (!live.empty()) { read_and_unmap(); }
+  s.synchronize();
+  for (const auto& [i, bytes] : back) {
+    EXPECT_TRUE(std::all_of(bytes.begin(), bytes.end(), [&, i = i](std::byte x) { return x == std::byte(i + 1); }))
+      << "slot " << i;
+  }
+  EXPECT_GT(pool.stats().deferred_jobs, 10U);
+  EXPECT_GT(pool.stats().reshapes, 10U);
+}
+
+// A slot whose extent another slot takes loses its mapping of it: a maps 2 granules and gives
+// them up while `user` is blocked until `go`, b takes that extent (of the free ones of its size,
+// the first made), and a maps again, at the same addresses. The unmap of a's old mapping waits for
+// the fence after the user's work, on the mapping thread, and a's new mapping waits for that unmap
+// (Note [Deferred unmaps]).
 struct blocked_move {
   device dev;
   device_pool pool;
@@ -261,13 +320,13 @@ struct blocked_move {
   std::atomic<bool> go{false};
   device_pool::slot_id a;
   device_pool::slot_id b;
+  device_pool::mapping b_mapping;
 
   blocked_move(const device& d, std::size_t g, std::chrono::milliseconds timeout)
       : dev(d), pool(d, 4 * g, timeout), user(d), a(pool.add_slot(2 * g)), b(pool.add_slot(2 * g))
   {
     static_cast<void>(map_now(pool, a, 2 * g));
     pool.unmap(a);
-    static_cast<void>(map_now(pool, b, 2 * g));
     launch_host_func(user, [this] {
       while (!go.load()) { std::this_thread::yield(); }
     });
@@ -282,10 +341,10 @@ struct blocked_move {
   blocked_move(blocked_move&&) = delete;
   blocked_move& operator=(blocked_move&&) = delete;
 
-  // Maps a again, its earlier users being the blocked stream's work.
+  // b takes a's extent, a's earlier users being the blocked stream's work; then a maps again.
   device_pool::mapping move_a(std::size_t bytes, std::size_t& asked)
   {
-    return pool.map(a, bytes, 0, [&](device_pool::slot_id slot, stream_view fence) {
+    b_mapping = pool.map(b, bytes, 0, [&](device_pool::slot_id slot, stream_view fence) {
       EXPECT_EQ(slot, a);
       ++asked;
       event e(dev);
@@ -293,6 +352,7 @@ struct blocked_move {
       e.wait(fence);
       return std::string("'unit a'");
     });
+    return pool.map(a, bytes, 0, no_users);
   }
 };
 
@@ -305,6 +365,7 @@ TEST_P(device_pool_at, AMoveWaitsOnTheMappingThreadForItsUsers)
   const device_pool::mapping m = t.move_a(2 * g, asked);  // returns at once: the caller does not wait
   EXPECT_EQ(asked, 1U);
   std::this_thread::sleep_for(std::chrono::milliseconds{200});  // time enough for a job that waits for nothing
+  EXPECT_TRUE(t.pool.ready(t.b_mapping.ready)) << "b's map waited for a's users";
   EXPECT_FALSE(t.pool.ready(m.ready)) << "the move did not wait for the blocked user";
   t.go = true;
   t.pool.wait(m.ready);
