@@ -36,16 +36,19 @@ namespace taskswap::detail {
 // A slot leaves its free extents mapped where they are, so it takes them back with no call while
 // no other slot has taken them. Once one has, the old mapping only costs: the slot's next map must
 // unmap it first, in the job its swap-in waits for, and a reshape must unmap it before it releases
-// the extent. So when a slot takes an extent, its mappings at other slots are unmapped in a
-// deferred job (slot_mapper), fenced after those slots' users on a stream of its own (a swap-in's
-// job must not wait for the victim's write-back, Note [Handoff]). The mapping thread runs it as
-// soon as that fence has completed, ahead of queued maps, or else just before a job that needs
-// those addresses or releases that extent: the unmaps leave the jobs the trainer waits for and
-// spread over the step. (A streamed trunk's backward leaves each layer's extents mapped at the
-// layer it trained; unmapped lazily, they fell due together at the next forward's start.) The
-// pool's record forgets those mappings at once, but keeps where each extent was mapped when its
-// owner took it (`former`): those slots' users are still earlier users of its memory (sharers,
-// shares_aligned).
+// the extent. So when a slot maps (map_slot) an extent that other slots still map, their mappings
+// of it, and of the extents after it there (a slot's mappings stay one run), are unmapped in a
+// deferred job (slot_mapper). Its fence is on a stream the deferred jobs share, recorded after the
+// swap-in's own job is queued: that job never waits for those slots' users (the victim's
+// write-back, Note [Handoff]), though a job that needs a deferred one waits for every user queued
+// on that stream before it. The mapping thread runs a deferred job as soon as its fence has
+// completed, ahead of queued maps, or else just before a job that needs its addresses or releases
+// a handle it unmaps: the unmaps leave the jobs the trainer waits for and spread over the step. (A
+// streamed trunk's backward leaves each layer's extents mapped at the layer it trained; unmapped
+// lazily, they fell due together at the next forward's start.) A packed slot's or the pinned
+// region's map leaves old mappings as they are. The pool's record forgets the unmapped ones at
+// once, but each extent keeps where it was mapped (`former`, until it is next given back): those
+// slots' users are still earlier users of its memory (sharers, shares_aligned).
 //
 // Note [Mapping off the trainer's thread]
 // ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~

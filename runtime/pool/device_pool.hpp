@@ -19,9 +19,9 @@
 //   its address for the pool's life. Unmapping a slot frees its extents at once (the caller
 //   orders their reuse after the slot's last use) but leaves them mapped there, so mapping it again
 //   while they are still free needs no call. Only when they were taken does the slot move to
-//   others; an extent may stay mapped at several slots (only its owner uses it) until a slot
-//   other than those takes it: then the others' mappings of it are unmapped in a deferred job
-//   (Note [Deferred unmaps]).
+//   others; an extent may stay mapped at several slots (only its owner uses it). When a slot
+//   maps an extent that others still map, their mappings of it (and of the extents after it
+//   there) are unmapped in a deferred job (Note [Deferred unmaps]).
 // - A slot of at most half a granule is packed: it takes a place in a granule shared with slots
 //   of its size class (granule / k bytes, 256-byte aligned, k places per granule). A class granule
 //   is given back when its last place empties, and stays mapped where it was, as a slot does.
@@ -161,8 +161,8 @@ class device_pool {
     std::size_t granules = 0;
     std::uint32_t owner = none;  // the site that owns it (pinned_owner: the pinned region); none: free
     std::vector<std::uint32_t> sites;  // where it is mapped, its owner's included (never the pinned region)
-    // Where it was mapped when its owner took it, and at which granule there: those mappings are
-    // unmapped in a deferred job, and their users are still earlier users of its memory.
+    // Where it was mapped before, unmapped in a deferred job since it was last given back, and at
+    // which granule there: their users are still earlier users of its memory.
     std::vector<std::pair<std::uint32_t, std::size_t>> former;
     bool live = false;
   };

@@ -34,13 +34,13 @@ void device_pool::take(std::uint32_t e, std::uint32_t owner)
   free_extents_.erase({x.granules, e});
   free_granules_ -= x.granules;
   x.owner = owner;
-  x.former.clear();
 }
 
 void device_pool::give(std::uint32_t e)
 {
   extent& x = extents_[e];
   x.owner = none;
+  x.former.clear();  // their uses came before its owner's, which the next owner's follow
   free_extents_.emplace(x.granules, e);
   free_granules_ += x.granules;
 }
@@ -170,7 +170,9 @@ void device_pool::map_at(std::byte* address, std::uint32_t e, std::uint32_t site
 }
 
 // The extent `e`, just taken by the slot `owner`, stays mapped at the slots that had it before,
-// where it is of no use until it is free again; each of those mappings is unmapped in `tidy`.
+// where it is of no use until it is free again; each of those mappings is unmapped in `tidy`,
+// with the extents mapped after it there (a slot's mappings stay one run). Each extent unmapped
+// keeps the slot and where it was there among its `former`.
 void device_pool::unmap_stale(std::uint32_t e, std::uint32_t owner, job_builder& tidy, const quiesce_fn& quiesce)
 {
   const std::vector<std::uint32_t> sites = extents_[e].sites;
@@ -179,8 +181,10 @@ void device_pool::unmap_stale(std::uint32_t e, std::uint32_t owner, job_builder&
     const std::vector<std::uint32_t>& m = slots_[site].mapped;
     const auto index = static_cast<std::size_t>(std::find(m.begin(), m.end(), e) - m.begin());
     std::size_t at = 0;
-    for (std::size_t i = 0; i < index; ++i) { at += extents_[m[i]].granules; }
-    extents_[e].former.emplace_back(site, at);
+    for (std::size_t i = 0; i < m.size(); ++i) {
+      if (i >= index) { extents_[m[i]].former.emplace_back(site, at); }
+      at += extents_[m[i]].granules;
+    }
     unmap_site_from(site, index, tidy, quiesce);
   }
 }

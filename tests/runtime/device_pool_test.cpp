@@ -253,7 +253,7 @@ TEST_P(device_pool_at, UnitsOfOneShapeSwapThroughTheSameExtents)
 }
 
 // When a slot takes an extent, the other slots' mappings of it are unmapped in deferred jobs
-// (Note [Deferred unmaps]). Slots of two shapes take turns in a budget that holds few of them, so
+// (Note [Deferred unmaps]). Slots of three sizes take turns in a budget that holds few of them, so
 // maps land where a deferred unmap is still due and reshapes release handles still mapped at other
 // slots; the emulated device refuses either out of order. Each range reads back what was written.
 TEST_P(device_pool_at, DeferredUnmapsRunBeforeTheJobsThatNeedThem)
