@@ -56,16 +56,21 @@ void swap_engine::flush_h2d_waits()
 // The waits of the units whose memory the swap-in of `r` now holds: r's own, and those of the
 // units that still map an extent r's slot took (device_pool::sharers). The others stay for
 // whoever takes their extents, so a swap-in into idle extents does not wait for an unrelated
-// write-back. The write-back of `from`, which r follows part by part (Note [Handoff]), is
-// dropped, and so is a finished one. Past 64 waits, or where the sharers cannot be told, all
-// of them are flushed.
+// write-back. r does not wait for the write-back of `from`, which it follows part by part (Note
+// [Handoff]), but that wait stays for whoever takes the victim's other extents (r may map only
+// some: a frozen layer taking a trained one's parameters). A finished one is dropped. Past 64
+// waits, or where the sharers cannot be told, all the others are flushed.
 void swap_engine::flush_h2d_waits_for(const unit_record& r, std::uint32_t from)
 {
   const bool known = !r.packed && h2d_waits_.size() <= 64 && p_.pool.sharers(r.pool_slot, sharers_);
   const event* handed = from != no_handoff ? &*p_.units[from].written_back : nullptr;
   auto kept = h2d_waits_.begin();
   for (const h2d_wait& w : h2d_waits_) {
-    if (w.e == handed || w.e->query()) { continue; }
+    if (w.e->query()) { continue; }
+    if (w.e == handed) {
+      *kept++ = w;
+      continue;
+    }
     const bool shares = !known || w.unit == no_handoff || w.unit == r.index ||
                         std::find(sharers_.begin(), sharers_.end(), p_.units[w.unit].pool_slot) != sharers_.end();
     if (shares) {
