@@ -174,5 +174,82 @@ TEST(swap_handoff, a_swap_in_that_maps_the_victims_extent_at_another_offset_wait
   for (std::size_t i = 0; i < f.master.count; ++i) { ASSERT_EQ(q[i], initial(1, i)) << i; }
 }
 
+// A swap-in that follows its victim's write-back but maps only part of its extents leaves the wait
+// for the rest to whoever takes them: a trained unit (4 MiB of parameters, its slot two extents of
+// 2 and 6 granules) in room for itself alone, then a frozen unit of 4 MiB that takes its first
+// extent at the same offset (a handoff) and a frozen unit of 12 MiB that takes its second. The
+// second's copy queues on h2d behind the first's, which ends as the write-back has read the
+// trained unit's parameters; it must then wait for the write-back of the trained unit's AdamW
+// state that the extent still holds, or the trained unit's home takes its bytes.
+TEST(swap_handoff, a_swap_in_into_the_rest_of_a_handed_off_victims_extents_waits_for_its_write_back)
+{
+  const device dev = emulated_device(
+    {.memory_bytes = 64 * MiB, .link = {.bytes_per_second = 1e9, .latency_seconds = 0}, .granularity = 2 * MiB});
+  std::vector<unit_spec> specs(3);
+  specs[0].name = "trained";
+  specs[0].tensors = {{"w", {elements}}};
+  specs[1].name = "small";
+  specs[1].tensors = {{"w", {elements}}};
+  specs[2].name = "large";
+  specs[2].tensors = {{"w", {3 * elements}}};
+  for (unit_spec& u : specs) {
+    u.trainable = &u == &specs[0];
+    u.policy = unit_policy{residency::prefetch, 1, optimizer_placement::device};
+  }
+  runtime_options o;
+  o.device.budget = footprint(specs[0], optimizer_placement::device).device_bytes;  // 16 MiB: 8 granules
+  o.optimizer.lr = 1e-2;
+  runtime rt(dev, o, specs);
+  for (std::uint32_t k = 0; k < 3; ++k) {
+    const home_view h = rt.home(unit_id{k});
+    auto* p = static_cast<float*>(h.master.data);
+    for (std::size_t i = 0; i < h.master.count; ++i) { p[i] = initial(k, i); }
+  }
+  constexpr int rounds = 3;
+  std::vector<step_plan> plan;
+  for (int r = 0; r < rounds; ++r) {
+    plan.push_back(step_plan{unit_id{0}});
+    plan.push_back(step_plan().acquire(unit_id{1}, unit_use::frozen));
+    plan.push_back(step_plan().acquire(unit_id{2}, unit_use::frozen));
+  }
+  rt.plan(plan);
+  stream s(dev);
+  for (int r = 0; r < rounds; ++r) {
+    const unit_view v = rt.acquire(unit_id{0}, s);
+    const slab_view g = v.grads;
+    launch_host_func(s, [g] {
+      auto* d = static_cast<float*>(g.data);
+      for (std::size_t i = 0; i < g.count; ++i) { d[i] = 0.5F; }
+    });
+    rt.step(unit_id{0}, s);
+    rt.release(unit_id{0}, s);
+    (void)rt.end_step();
+    for (std::uint32_t k : {1U, 2U}) {
+      (void)rt.acquire(unit_id{k}, s, unit_use::frozen);
+      rt.release(unit_id{k}, s);
+      (void)rt.end_step();
+    }
+  }
+  rt.flush();
+  EXPECT_EQ(rt.stats().total.write_backs, static_cast<std::uint64_t>(rounds));
+  const home_view h = rt.home(unit_id{0});
+  const auto* p = static_cast<const float*>(h.master.data);
+  const auto* m = static_cast<const float*>(h.m.data);
+  const auto* v = static_cast<const float*>(h.v.data);
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < elements; ++i) {
+    const adamw_state want = reference(initial(0, i), 0.5, rounds, o.optimizer);
+    const bool near = std::abs(p[i] - want.p) <= 1e-5 * std::abs(want.p) && std::abs(m[i] - want.m) <= 1e-6 &&
+                      std::abs(v[i] - want.v) <= 1e-8;
+    if (!near) { ++wrong; }
+  }
+  EXPECT_EQ(wrong, 0U) << "elements of the trained unit's home that differ from AdamW";
+  for (std::uint32_t k : {1U, 2U}) {
+    const home_view f = rt.home(unit_id{k});
+    const auto* q = static_cast<const float*>(f.master.data);
+    for (std::size_t i = 0; i < f.master.count; ++i) { ASSERT_EQ(q[i], initial(k, i)) << k << " " << i; }
+  }
+}
+
 }  // namespace
 }  // namespace taskswap::test
