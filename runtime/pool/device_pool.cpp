@@ -45,7 +45,7 @@ namespace taskswap::detail {
 // completed, ahead of queued maps, or else just before a job that needs its addresses or releases
 // a handle it unmaps: the unmaps leave the jobs the trainer waits for and spread over the step. (A
 // streamed trunk's backward leaves each layer's extents mapped at the layer it trained; unmapped
-// lazily, they fell due together at the next forward's start.) A packed slot's or the pinned
+// lazily, they would all fall due at the next forward's start.) A packed slot's or the pinned
 // region's map leaves old mappings as they are. The pool's record forgets the unmapped ones at
 // once, but each extent keeps where it was mapped (`former`, until it is next given back): those
 // slots' users are still earlier users of its memory (sharers, shares_aligned).
@@ -55,7 +55,7 @@ namespace taskswap::detail {
 // Every decision (which extent goes where, what is released, the free counts) is made here, on the
 // caller's thread, at once, so the budget stays exact and the caller's view never lags. The driver
 // calls that carry a decision out are queued to the mapping thread (slot_mapper) as one job, in
-// decision order; map() returns the range with the job's ticket, and whoever queues work on the
+// decision order (and the unmaps of other slots' old mappings as a deferred job); map() returns the range with the job's ticket, and whoever queues work on the
 // range waits until ready(ticket) (the swap engine enqueues a swap-in's copy then). What moves
 // waits for its earlier users there too: the quiesce callback makes a fence stream wait for their
 // events still in flight, the job records its own fence event after them, and the thread waits for

@@ -28,7 +28,7 @@
 //   Packed slots cost a granule each at most, so a check that charges them a granule is sound;
 //   units resident but not held fill granules k at a time.
 // - The driver calls run on the pool's mapping thread (slot_mapper), in the order the pool decides
-//   them: a map returns the range at once with a ticket, and the range may be used once ready()
+//   them (deferred unmaps excepted, Note [Deferred unmaps]): a map returns the range at once with a ticket, and the range may be used once ready()
 //   says the ticket is done (Note [Mapping off the trainer's thread]). What moves waits there,
 //   not on the caller's thread, for a fence after the addresses' earlier users.
 //
@@ -124,13 +124,15 @@ class device_pool {
                                                const quiesce_fn& quiesce);
   /// As try_map(), but out_of_memory naming the budget and the bytes in use.
   [[nodiscard]] mapping map(slot_id slot, std::size_t bytes, std::size_t keep, const quiesce_fn& quiesce);
-  /// Whether the mapped slot `a` holds an extent that slot `b` still maps (or mapped when `a`
-  /// took it: the unmap is deferred), and each such extent lies at the same offset in both ranges (so where a copy out of `b`'s range and one into
-  /// `a`'s touch the same memory, they do at the same offsets; Note [Extents]).
+  /// Whether the mapped slot `a` holds an extent that slot `b` still maps (or mapped before: the
+  /// unmap is deferred), and each such extent lies at the same offset in both ranges (so where a
+  /// copy out of `b`'s range and one into `a`'s touch the same memory, they do at the same
+  /// offsets; Note [Extents]).
   [[nodiscard]] bool shares_aligned(slot_id a, slot_id b) const;
-  /// The other slots that still map an extent the mapped slot `s` holds, or mapped it when `s`
-  /// took it (their earlier uses of it must be done before `s` writes it), into `out`. False where that cannot be told by slot (a
-  /// packed slot, or an extent a class granule had): then every earlier user counts.
+  /// The other slots that still map an extent the mapped slot `s` holds, or mapped it since it
+  /// was last given back (their earlier uses of it must be done before `s` writes it), into
+  /// `out`. False where that cannot be told by slot (a packed slot, or an extent a class granule
+  /// had): then every earlier user counts.
   [[nodiscard]] bool sharers(slot_id s, std::vector<slot_id>& out) const;
   /// Whether the mapping of `t` is done. @throws the mapping thread's failure
   [[nodiscard]] bool ready(ticket t) { return t == 0 || mapper_.ready(t); }

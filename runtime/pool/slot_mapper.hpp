@@ -72,7 +72,8 @@ class slot_mapper {
   [[nodiscard]] bool ready(ticket t);
   /// Blocks until the job is done. @throws the failure of this or an earlier job
   void wait(ticket t);
-  /// Blocks until every queued job is done and stops the thread; what failed, if anything.
+  /// Blocks until every queued job but the deferred ones (left to release_all()) is done and stops
+  /// the thread; what failed, if anything.
   [[nodiscard]] std::exception_ptr stop() noexcept;
   /// After stop(), with the device's work done: unmaps everything mapped and releases every handle,
   /// as the calls that succeeded left them (whatever the caller's record says after a failure);
