@@ -40,6 +40,48 @@ adamw_state reference(double p, double g, int steps, const adamw_options& o)
 // Unit k's initial parameter i: distinct per unit, so a unit's bytes in another's home show.
 float initial(std::size_t k, std::size_t i) { return static_cast<float>(k + 1) + static_cast<float>(i % 1000) * 1e-3F; }
 
+// Sets the first `units` units' home parameters to initial().
+void fill_homes(runtime& rt, std::uint32_t units)
+{
+  for (std::uint32_t k = 0; k < units; ++k) {
+    const home_view h = rt.home(unit_id{k});
+    auto* p = static_cast<float*>(h.master.data);
+    for (std::size_t i = 0; i < h.master.count; ++i) { p[i] = initial(k, i); }
+  }
+}
+
+// One step of unit `u` with every gradient 0.5, stepped on the device.
+void train(runtime& rt, unit_id u, stream& s)
+{
+  const unit_view v = rt.acquire(u, s);
+  const slab_view g = v.grads;
+  launch_host_func(s, [g] {
+    auto* d = static_cast<float*>(g.data);
+    for (std::size_t i = 0; i < g.count; ++i) { d[i] = 0.5F; }
+  });
+  rt.step(u, s);
+  rt.release(u, s);
+  (void)rt.end_step();
+}
+
+// The elements of unit k's home (its first `elements`) that differ from `rounds` AdamW steps of
+// gradient 0.5 from initial().
+std::size_t off_adamw(runtime& rt, std::uint32_t k, int rounds, const adamw_options& o)
+{
+  const home_view h = rt.home(unit_id{k});
+  const auto* p = static_cast<const float*>(h.master.data);
+  const auto* m = static_cast<const float*>(h.m.data);
+  const auto* v = static_cast<const float*>(h.v.data);
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < elements; ++i) {
+    const adamw_state want = reference(initial(k, i), 0.5, rounds, o);
+    const bool near = std::abs(p[i] - want.p) <= 1e-5 * std::abs(want.p) && std::abs(m[i] - want.m) <= 1e-6 &&
+                      std::abs(v[i] - want.v) <= 1e-8;
+    if (!near) { ++wrong; }
+  }
+  return wrong;
+}
+
 // Three units of one shape in room for two, each trained in turn: every swap-in from the third
 // on evicts a unit stepped on the device (written back whole, 12 MiB in 1 MiB parts) and maps
 // its extents at the same offsets (2 MiB granules that alias, as CUDA's). Over a 1 GB/s link
@@ -61,11 +103,7 @@ TEST(swap_handoff, a_swap_in_behind_its_victims_write_back_loses_neither_units_b
   o.device.budget = 2 * footprint(specs[0], optimizer_placement::device).device_bytes;
   o.optimizer.lr = 1e-2;
   runtime rt(dev, o, specs);
-  for (std::uint32_t k = 0; k < 3; ++k) {
-    const home_view h = rt.home(unit_id{k});
-    auto* p = static_cast<float*>(h.master.data);
-    for (std::size_t i = 0; i < elements; ++i) { p[i] = initial(k, i); }
-  }
+  fill_homes(rt, 3);
   constexpr int rounds = 3;
   std::vector<step_plan> plan;
   for (int r = 0; r < rounds; ++r) {
@@ -73,18 +111,7 @@ TEST(swap_handoff, a_swap_in_behind_its_victims_write_back_loses_neither_units_b
   }
   rt.plan(plan);
   stream s(dev);
-  for (const step_plan& p : plan) {
-    const unit_id u = p.entries().front().unit;
-    const unit_view v = rt.acquire(u, s);
-    const slab_view g = v.grads;
-    launch_host_func(s, [g] {
-      auto* d = static_cast<float*>(g.data);
-      for (std::size_t i = 0; i < g.count; ++i) { d[i] = 0.5F; }
-    });
-    rt.step(u, s);
-    rt.release(u, s);
-    (void)rt.end_step();
-  }
+  for (const step_plan& p : plan) { train(rt, p.entries().front().unit, s); }
   rt.flush();
   // Every swap-in after the first two evicted a stepped unit, written back in parts.
   EXPECT_GE(rt.stats().total.swap_ins, 6U);
@@ -128,11 +155,7 @@ TEST(swap_handoff, a_swap_in_that_maps_the_victims_extent_at_another_offset_wait
   o.device.budget = footprint(specs[0], optimizer_placement::device).device_bytes;  // 16 MiB: 8 granules
   o.optimizer.lr = 1e-2;
   runtime rt(dev, o, specs);
-  for (std::uint32_t k = 0; k < 2; ++k) {
-    const home_view h = rt.home(unit_id{k});
-    auto* p = static_cast<float*>(h.master.data);
-    for (std::size_t i = 0; i < h.master.count; ++i) { p[i] = initial(k, i); }
-  }
+  fill_homes(rt, 2);
   constexpr int rounds = 3;
   std::vector<step_plan> plan;
   for (int r = 0; r < rounds; ++r) {
@@ -142,33 +165,14 @@ TEST(swap_handoff, a_swap_in_that_maps_the_victims_extent_at_another_offset_wait
   rt.plan(plan);
   stream s(dev);
   for (int r = 0; r < rounds; ++r) {
-    const unit_view v = rt.acquire(unit_id{0}, s);
-    const slab_view g = v.grads;
-    launch_host_func(s, [g] {
-      auto* d = static_cast<float*>(g.data);
-      for (std::size_t i = 0; i < g.count; ++i) { d[i] = 0.5F; }
-    });
-    rt.step(unit_id{0}, s);
-    rt.release(unit_id{0}, s);
-    (void)rt.end_step();
+    train(rt, unit_id{0}, s);
     (void)rt.acquire(unit_id{1}, s, unit_use::frozen);
     rt.release(unit_id{1}, s);
     (void)rt.end_step();
   }
   rt.flush();
   EXPECT_EQ(rt.stats().total.write_backs, static_cast<std::uint64_t>(rounds));
-  const home_view h = rt.home(unit_id{0});
-  const auto* p = static_cast<const float*>(h.master.data);
-  const auto* m = static_cast<const float*>(h.m.data);
-  const auto* v = static_cast<const float*>(h.v.data);
-  std::size_t wrong = 0;
-  for (std::size_t i = 0; i < elements; ++i) {
-    const adamw_state want = reference(initial(0, i), 0.5, rounds, o.optimizer);
-    const bool near = std::abs(p[i] - want.p) <= 1e-5 * std::abs(want.p) && std::abs(m[i] - want.m) <= 1e-6 &&
-                      std::abs(v[i] - want.v) <= 1e-8;
-    if (!near) { ++wrong; }
-  }
-  EXPECT_EQ(wrong, 0U) << "elements of the trained unit's home that differ from AdamW";
+  EXPECT_EQ(off_adamw(rt, 0, rounds, o.optimizer), 0U) << "elements of the trained unit's home that differ from AdamW";
   const home_view f = rt.home(unit_id{1});
   const auto* q = static_cast<const float*>(f.master.data);
   for (std::size_t i = 0; i < f.master.count; ++i) { ASSERT_EQ(q[i], initial(1, i)) << i; }
@@ -200,11 +204,7 @@ TEST(swap_handoff, a_swap_in_into_the_rest_of_a_handed_off_victims_extents_waits
   o.device.budget = footprint(specs[0], optimizer_placement::device).device_bytes;  // 16 MiB: 8 granules
   o.optimizer.lr = 1e-2;
   runtime rt(dev, o, specs);
-  for (std::uint32_t k = 0; k < 3; ++k) {
-    const home_view h = rt.home(unit_id{k});
-    auto* p = static_cast<float*>(h.master.data);
-    for (std::size_t i = 0; i < h.master.count; ++i) { p[i] = initial(k, i); }
-  }
+  fill_homes(rt, 3);
   constexpr int rounds = 3;
   std::vector<step_plan> plan;
   for (int r = 0; r < rounds; ++r) {
@@ -215,15 +215,7 @@ TEST(swap_handoff, a_swap_in_into_the_rest_of_a_handed_off_victims_extents_waits
   rt.plan(plan);
   stream s(dev);
   for (int r = 0; r < rounds; ++r) {
-    const unit_view v = rt.acquire(unit_id{0}, s);
-    const slab_view g = v.grads;
-    launch_host_func(s, [g] {
-      auto* d = static_cast<float*>(g.data);
-      for (std::size_t i = 0; i < g.count; ++i) { d[i] = 0.5F; }
-    });
-    rt.step(unit_id{0}, s);
-    rt.release(unit_id{0}, s);
-    (void)rt.end_step();
+    train(rt, unit_id{0}, s);
     for (std::uint32_t k : {1U, 2U}) {
       (void)rt.acquire(unit_id{k}, s, unit_use::frozen);
       rt.release(unit_id{k}, s);
@@ -232,18 +224,7 @@ TEST(swap_handoff, a_swap_in_into_the_rest_of_a_handed_off_victims_extents_waits
   }
   rt.flush();
   EXPECT_EQ(rt.stats().total.write_backs, static_cast<std::uint64_t>(rounds));
-  const home_view h = rt.home(unit_id{0});
-  const auto* p = static_cast<const float*>(h.master.data);
-  const auto* m = static_cast<const float*>(h.m.data);
-  const auto* v = static_cast<const float*>(h.v.data);
-  std::size_t wrong = 0;
-  for (std::size_t i = 0; i < elements; ++i) {
-    const adamw_state want = reference(initial(0, i), 0.5, rounds, o.optimizer);
-    const bool near = std::abs(p[i] - want.p) <= 1e-5 * std::abs(want.p) && std::abs(m[i] - want.m) <= 1e-6 &&
-                      std::abs(v[i] - want.v) <= 1e-8;
-    if (!near) { ++wrong; }
-  }
-  EXPECT_EQ(wrong, 0U) << "elements of the trained unit's home that differ from AdamW";
+  EXPECT_EQ(off_adamw(rt, 0, rounds, o.optimizer), 0U) << "elements of the trained unit's home that differ from AdamW";
   for (std::uint32_t k : {1U, 2U}) {
     const home_view f = rt.home(unit_id{k});
     const auto* q = static_cast<const float*>(f.master.data);
