@@ -3,13 +3,15 @@
 # `pip install .` works: builds a wheel of the source tree with scikit-build-core (no network: the
 # build venv has it and nanobind), installs it into a fresh venv of the same interpreter (which
 # sees the build venv's packages, torch among them, after its own), and trains a few steps there,
-# outside the source and build trees.
+# outside the source and build trees. The wheel is built unoptimised (-O0): the test is of the
+# packaging, and the optimised build is CI's release stage.
 # usage: pip_install.sh PYTHON SOURCE_DIR WORK_DIR
 set -euo pipefail
 python=$1 source=$2 work=$3
 rm -rf "$work" && mkdir -p "$work"
 "$python" -m pip wheel --quiet --no-build-isolation --no-deps -w "$work/wheel" "$source" \
-  --config-settings=build-dir="$work/build" --config-settings=cmake.define.TASKSWAP_CUDA=OFF
+  --config-settings=build-dir="$work/build" --config-settings=cmake.define.TASKSWAP_CUDA=OFF \
+  --config-settings=cmake.build-type=Debug --config-settings=cmake.define.CMAKE_CXX_FLAGS_DEBUG=-O0
 base=$("$python" -c "import sys; print(sys._base_executable)")
 "$base" -m venv "$work/venv"
 # The build venv's torch without installing it again (5 GB): its site-packages after the venv's own.
