@@ -262,20 +262,27 @@ bool emulated_backend::busy()
   return std::any_of(queues_.begin(), queues_.end(), [](emulated_queue* q) { return !q->query(); });
 }
 
-// The calling thread pays `calls` calls over `bytes` as the model says. A sleep overshoots by the
-// thread's timer slack; what it overslept is owed back by the thread's next charges.
-void emulated_backend::charge(const vm_call_cost& cost, std::size_t calls, std::size_t bytes)
+double emulated_backend::cost(const vm_call_cost& c, std::size_t calls, std::size_t bytes)
 {
-  if (cost.per_call_seconds <= 0 && cost.per_mib_seconds <= 0) { return; }
+  if (c.per_call_seconds <= 0 && c.per_mib_seconds <= 0) { return 0; }
+  const double seconds =
+    static_cast<double>(calls) * c.per_call_seconds + static_cast<double>(bytes) / double(1 << 20) * c.per_mib_seconds;
+  return options_.vm_costs.busy_factor > 1.0 && busy() ? seconds * options_.vm_costs.busy_factor : seconds;
+}
+
+// The calling thread's call takes `seconds` in all, its own work since `started` (backing memory,
+// page tables) among them, as the driver's measured time includes its own: the rest is slept. A
+// sleep overshoots by the thread's timer slack; what it overslept is owed back by the thread's next
+// charges. Work past the model's time is not owed back.
+void emulated_backend::charge(double seconds, std::chrono::steady_clock::time_point started)
+{
+  if (seconds <= 0) { return; }
   thread_local double owed = 0;
-  double seconds = static_cast<double>(calls) * cost.per_call_seconds +
-                   static_cast<double>(bytes) / double(1 << 20) * cost.per_mib_seconds;
-  if (options_.vm_costs.busy_factor > 1.0 && busy()) { seconds *= options_.vm_costs.busy_factor; }
-  owed += seconds;
+  const auto now = std::chrono::steady_clock::now();
+  owed += std::max(0.0, seconds - std::chrono::duration<double>(now - started).count());
   if (owed <= 0) { return; }
-  const auto start = std::chrono::steady_clock::now();
   std::this_thread::sleep_for(std::chrono::duration<double>(owed));
-  owed -= std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  owed -= std::chrono::duration<double>(std::chrono::steady_clock::now() - now).count();
 }
 
 void emulated_backend::fault(std::exception_ptr why) noexcept

@@ -83,10 +83,11 @@ class emulated_backend final : public backend {
     std::chrono::steady_clock::time_point free_at{};
   };
   void transfer(link_channel& channel, void* dst, const void* src, std::size_t bytes);
-  // The virtual-memory cost model: whether copies or other work are in flight, and the host time
-  // a call costs its caller.
+  // The virtual-memory cost model: whether copies or other work are in flight, the host time a
+  // call costs its caller under the model, and the charge of that time.
   [[nodiscard]] bool busy();
-  void charge(const vm_call_cost& cost, std::size_t calls, std::size_t bytes);
+  [[nodiscard]] double cost(const vm_call_cost& c, std::size_t calls, std::size_t bytes);
+  void charge(double seconds, std::chrono::steady_clock::time_point started);
   // Injected faults: the device's state after a failed copy, and the check every call makes.
   [[nodiscard]] bool faulted() const noexcept { return faulted_.load(std::memory_order_acquire); }
   void fault(std::exception_ptr why) noexcept;

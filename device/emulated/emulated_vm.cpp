@@ -1,14 +1,15 @@
 // SPDX-License-Identifier: Apache-2.0
 // The emulated device's virtual memory. With a granule of whole host pages, the device's physical
-// memory is one memory file: a handle is a set of granule runs in it (backed when the handle is
-// made, given back when it is released), and mapping a handle maps its runs into the range, so
-// ranges alias handles as CUDA's do. Below a page nothing can be mapped: each range is anonymous
+// memory is one memory file: a handle is a set of granule runs in it (backed when a handle first
+// takes them, and kept backed for the next handle: as the driver's memory, a new handle's bytes
+// are whatever they were), and mapping a handle maps its runs into the range, so ranges alias
+// handles as CUDA's do. Below a page nothing can be mapped: each range is anonymous
 // memory of its own, and handles are only counted.
 //
 // The rules the CUDA driver enforces are enforced here too, so that the device pool breaks them on
 // no device: a handle is mapped whole at addresses that are unmapped; an unmap covers whole
 // mappings; a handle is released only when it is mapped nowhere. Each call costs its caller the
-// host time of the device's vm_cost_model.
+// host time of the device's vm_cost_model, the emulator's own work in the call included.
 
 #include "device/emulated/emulated_backend.hpp"
 
@@ -16,6 +17,7 @@
 #include "device/message.hpp"
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <fcntl.h>
 #include <map>
@@ -96,13 +98,17 @@ bool emulated_backend::maps_pages() const noexcept { return options_.granularity
 
 void* emulated_backend::vm_create(std::size_t granules)
 {
+  const auto started = std::chrono::steady_clock::now();
   const std::size_t g = options_.granularity;
   const std::size_t bytes = granules * g;
   take_memory(bytes);
-  charge(options_.vm_costs.create, 1, bytes);
+  const double seconds = cost(options_.vm_costs.create, 1, bytes);
   auto h = std::make_unique<emulated_handle>();
   h->granules = granules;
-  if (!maps_pages()) { return h.release(); }
+  if (!maps_pages()) {
+    charge(seconds, started);
+    return h.release();
+  }
   vm_table& t = vm_;
   const std::lock_guard lock(t.mutex);
   int error = 0;
@@ -116,7 +122,7 @@ void* emulated_backend::vm_create(std::size_t granules)
   if (error == 0) {
     h->runs = t.take(granules);
     // Backed now, as cuMemCreate is: a host that cannot hold it fails here, not with SIGBUS
-    // inside a copy, and no page fault lands in a timed copy.
+    // inside a copy, and no page fault lands in a timed copy. Runs backed before cost nothing.
     for (const auto& [first, count] : h->runs) {
       const int e = ::posix_fallocate(t.fd, static_cast<off_t>(first * g), static_cast<off_t>(count * g));
       if (e != 0 && e != EOPNOTSUPP && e != EINVAL) {  // no fallocate on this file system: sparse
@@ -135,6 +141,7 @@ void* emulated_backend::vm_create(std::size_t granules)
     }
     throw_errno(error, message("emulated:", index_, ": a memory file of ", bytes_text(bytes), " for device memory"));
   }
+  charge(seconds, started);
   return h.release();
 }
 
@@ -149,18 +156,15 @@ void emulated_backend::vm_release(void* handle, std::size_t granules)
     throw device_error(message("emulated:", index_, ": releasing a handle still mapped at ", n,
                                " addresses; unmap it first (its memory could not be given back)"));
   }
+  const auto started = std::chrono::steady_clock::now();
   const std::size_t g = options_.granularity;
-  charge(options_.vm_costs.release, 1, granules * g);
   if (maps_pages()) {
     vm_table& t = vm_;
     const std::lock_guard lock(t.mutex);
-    for (const auto& [first, count] : h->runs) {
-      static_cast<void>(::fallocate(t.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, static_cast<off_t>(first * g),
-                                    static_cast<off_t>(count * g)));
-      t.give(first, count);
-    }
+    for (const auto& [first, count] : h->runs) { t.give(first, count); }  // still backed
   }
   give_memory(granules * g);
+  charge(cost(options_.vm_costs.release, 1, granules * g), started);
 }
 
 std::byte* emulated_backend::vm_reserve(std::size_t bytes)
@@ -178,6 +182,7 @@ void emulated_backend::vm_free(std::byte* va, std::size_t bytes) noexcept { ::mu
 
 void emulated_backend::vm_map(std::byte* va, void* handle, std::size_t granules)
 {
+  const auto started = std::chrono::steady_clock::now();
   check_fault();
   auto* h = static_cast<emulated_handle*>(handle);
   const std::size_t g = options_.granularity;
@@ -197,8 +202,7 @@ void emulated_backend::vm_map(std::byte* va, void* handle, std::size_t granules)
     t.mapped.emplace(at, std::pair<std::size_t, void*>{granules, h});
     ++h->mappings;
   }
-  charge(options_.vm_costs.map, 1, granules * g);
-  charge(options_.vm_costs.access, 1, granules * g);
+  const double seconds = cost(options_.vm_costs.map, 1, granules * g) + cost(options_.vm_costs.access, 1, granules * g);
   std::size_t offset = 0;
   for (const auto& [first, count] : h->runs) {
     if (::mmap(va + offset, count * g, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED | MAP_POPULATE, t.fd,
@@ -207,10 +211,12 @@ void emulated_backend::vm_map(std::byte* va, void* handle, std::size_t granules)
     }
     offset += count * g;
   }
+  charge(seconds, started);
 }
 
 void emulated_backend::vm_unmap(std::byte* va, std::size_t granules)
 {
+  const auto started = std::chrono::steady_clock::now();
   const std::size_t g = options_.granularity;
   const auto at = reinterpret_cast<std::uintptr_t>(va);  // NOLINT(cppcoreguidelines-pro-type-reinterpret-cast)
   std::size_t handles = 0;
@@ -233,12 +239,12 @@ void emulated_backend::vm_unmap(std::byte* va, std::size_t granules)
       e = t.mapped.erase(e);
     }
   }
-  charge(options_.vm_costs.unmap, handles, granules * g);
-  if (!maps_pages()) { return; }
-  if (::mmap(va, granules * g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) ==
-      MAP_FAILED) {
+  const double seconds = cost(options_.vm_costs.unmap, handles, granules * g);
+  if (maps_pages() && ::mmap(va, granules * g, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1,
+                             0) == MAP_FAILED) {
     throw_errno(errno, message("emulated:", index_, ": unmapping ", granules, " granules at ", static_cast<void*>(va)));
   }
+  charge(seconds, started);
 }
 
 }  // namespace taskswap::detail

@@ -52,7 +52,8 @@ struct vm_call_cost {
 
 /// @brief What an emulated device's virtual-memory calls cost the calling thread, as the CUDA
 /// driver's do (docs/gpu-results.md measures them on an H200). A mapping call maps one physical
-/// handle; access is granted per handle mapped; an unmap is charged per handle it unmaps.
+/// handle; access is granted per handle mapped; an unmap is charged per handle it unmaps. The
+/// emulator's own work in a call (backing memory, page tables) is part of the time charged.
 struct vm_cost_model {
   vm_call_cost map{};  ///< cuMemMap: one handle at one address
   vm_call_cost access{};  ///< cuMemSetAccess, per handle in the granted range

@@ -5,12 +5,15 @@
 
 #include <taskswap/taskswap.hpp>
 
+#include "device/backend.hpp"
+
 #include <gtest/gtest.h>
 
 #include <chrono>
 #include <cstring>
 #include <algorithm>
 #include <string>
+#include <vector>
 
 namespace taskswap::test {
 namespace {
@@ -111,6 +114,40 @@ TEST(emulated_backend, CopiesInOneDirectionShareTheLink)
   second.synchronize();
   // Two streams, one host-to-device link: the copies take their sum, not their maximum.
   EXPECT_GE(seconds_since(start), 32.0 * MiB / rate);
+}
+
+// A virtual-memory call takes its caller the model's time in all: the emulator's own work in the
+// call (here the page tables of a 512 MiB mapping) is part of that time, as the driver's own work
+// is part of the time measured on a GPU, not added to it.
+TEST(emulated_backend, AVirtualMemoryCallsOwnWorkIsPartOfItsModelledTime)
+{
+  constexpr std::size_t granule = 2 * MiB;
+  constexpr std::size_t granules = 256;
+  const auto map_seconds = [&](const vm_cost_model& costs) {  // the median of five maps of one handle
+    const device dev = emulated_device({.memory_bytes = granules * granule, .granularity = granule, .vm_costs = costs});
+    detail::backend& b = dev.backend();
+    void* handle = b.vm_create(granules);
+    std::byte* at = b.vm_reserve(granules * granule);
+    std::vector<double> took;
+    for (int i = 0; i < 6; ++i) {
+      const auto start = clock_type::now();
+      b.vm_map(at, handle, granules);
+      if (i > 0) { took.push_back(seconds_since(start)); }  // the first touches the memory's pages
+      b.vm_unmap(at, granules);
+    }
+    b.vm_release(handle, granules);
+    b.vm_free(at, granules * granule);
+    std::sort(took.begin(), took.end());
+    return took[took.size() / 2];
+  };
+  const double work = map_seconds({});
+  if (work < 10e-3) { GTEST_SKIP() << "a map takes this host " << work * 1e3 << " ms: too little to tell"; }
+  vm_cost_model costs;
+  costs.map.per_call_seconds = std::max(0.05, 4 * work);
+  const double charged = map_seconds(costs);
+  EXPECT_GE(charged, costs.map.per_call_seconds - 1e-3);  // short by what the thread's last sleep overshot
+  EXPECT_LT(charged, costs.map.per_call_seconds + work / 2)
+    << "a map's own work (" << work * 1e3 << " ms) was added to the model's time";
 }
 
 TEST(emulated_backend, AHostSynchronousStreamRunsEachOperationBeforeTheCallReturns)
