@@ -288,8 +288,10 @@ void cuda_runtime_overlap(benchmark::State& state)
 // where its own work in a map (page tables: about 0.09 ms per MiB on a 2-core VM) fits in the time
 // the model charges the map (a handle costs the H200 the same whatever its size). Slower than that,
 // maps take the host's time, not the H200's, and the rows overstate what mapping costs: at 26 a
-// 48 MiB map took 4.4 ms of the host against the model's 1.75 ms. At 104 both hold for the units
-// here; map_work_over_model says whether they hold on the machine that runs the rows.
+// 48 MiB map took 4.4 ms of the host against the model's 1.75 ms. At 104 both hold for the 4 Mi
+// units and the streamed layers on a 2-core VM, not for the 12 Mi units' 144 MiB handles (whose
+// transfer is three times as long); map_work_over_model says, row by row, whether they hold on the
+// machine that runs the rows.
 constexpr double h200_time_scale = 104.0;
 
 device h200_device(std::size_t memory_bytes)

@@ -110,36 +110,38 @@ void* emulated_backend::vm_create(std::size_t granules)
     return h.release();
   }
   vm_table& t = vm_;
-  const std::lock_guard lock(t.mutex);
-  int error = 0;
-  if (t.fd < 0) {
-    // The file spans the device's memory; its runs are backed as handles take them.
-    const std::size_t file_granules = options_.memory_bytes / g;
-    t.fd = ::memfd_create("taskswap-emulated-device", MFD_CLOEXEC);
-    error = t.fd < 0 ? errno : ::ftruncate(t.fd, static_cast<off_t>(file_granules * g)) == 0 ? 0 : errno;
-    if (error == 0) { t.free_runs.emplace(0, file_granules); }
-  }
-  if (error == 0) {
-    h->runs = t.take(granules);
-    // Backed now, as cuMemCreate is: a host that cannot hold it fails here, not with SIGBUS
-    // inside a copy, and no page fault lands in a timed copy. Runs backed before cost nothing.
-    for (const auto& [first, count] : h->runs) {
-      const int e = ::posix_fallocate(t.fd, static_cast<off_t>(first * g), static_cast<off_t>(count * g));
-      if (e != 0 && e != EOPNOTSUPP && e != EINVAL) {  // no fallocate on this file system: sparse
-        error = e;
-        break;
+  {  // the call's time is charged after the lock: other threads' calls do not wait it out
+    const std::lock_guard lock(t.mutex);
+    int error = 0;
+    if (t.fd < 0) {
+      // The file spans the device's memory; its runs are backed as handles take them.
+      const std::size_t file_granules = options_.memory_bytes / g;
+      t.fd = ::memfd_create("taskswap-emulated-device", MFD_CLOEXEC);
+      error = t.fd < 0 ? errno : ::ftruncate(t.fd, static_cast<off_t>(file_granules * g)) == 0 ? 0 : errno;
+      if (error == 0) { t.free_runs.emplace(0, file_granules); }
+    }
+    if (error == 0) {
+      h->runs = t.take(granules);
+      // Backed now, as cuMemCreate is: a host that cannot hold it fails here, not with SIGBUS
+      // inside a copy, and no page fault lands in a timed copy. Runs backed before cost nothing.
+      for (const auto& [first, count] : h->runs) {
+        const int e = ::posix_fallocate(t.fd, static_cast<off_t>(first * g), static_cast<off_t>(count * g));
+        if (e != 0 && e != EOPNOTSUPP && e != EINVAL) {  // no fallocate on this file system: sparse
+          error = e;
+          break;
+        }
       }
     }
-  }
-  if (error != 0) {
-    for (const auto& [first, count] : h->runs) { t.give(first, count); }
-    give_memory(bytes);
-    if (error == ENOSPC || error == ENOMEM) {
-      throw out_of_memory(
-        message("emulated:", index_, ": the host could not provide ", bytes_text(bytes), " to stand for device memory"),
-        bytes, 0, options_.memory_bytes);
+    if (error != 0) {
+      for (const auto& [first, count] : h->runs) { t.give(first, count); }
+      give_memory(bytes);
+      if (error == ENOSPC || error == ENOMEM) {
+        throw out_of_memory(message("emulated:", index_, ": the host could not provide ", bytes_text(bytes),
+                                    " to stand for device memory"),
+                            bytes, 0, options_.memory_bytes);
+      }
+      throw_errno(error, message("emulated:", index_, ": a memory file of ", bytes_text(bytes), " for device memory"));
     }
-    throw_errno(error, message("emulated:", index_, ": a memory file of ", bytes_text(bytes), " for device memory"));
   }
   charge(seconds, started);
   return h.release();
