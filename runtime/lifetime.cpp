@@ -69,6 +69,7 @@ runtime::impl::impl(const device& dev, const runtime_options& options, const std
                                            .pool = *memory_.pool,
                                            .ledger = ledger_,
                                            .h2d = streams_.h2d,
+                                           .fill_order = streams_.fill_order,
                                            .d2h = streams_.d2h,
                                            .trace = trace_.recorder ? &*trace_.recorder : nullptr,
                                            .h2d_track = trace_.h2d,
@@ -163,8 +164,9 @@ void runtime::impl::stalled(const std::string& why)
 void runtime::impl::wait_streams(std::string_view what)
 {
   const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
-  const std::array<std::pair<stream*, const char*>, 4> streams{
+  const std::array<std::pair<stream*, const char*>, 5> streams{
     {{streams_.aux ? &*streams_.aux : nullptr, "aux (updates)"},
+     {&streams_.fill_order, "swap-in order"},
      {&streams_.h2d, "h2d (swap-in)"},
      {&streams_.d2h, "d2h (write-back)"},
      {&streams_.host_opt, "host optimizer"}}};

@@ -12,6 +12,8 @@
 //   swap-in:    h2d waits for the events of the units whose memory it reuses (their release, and
 //               their write-back or gradient copy), and for the unit's own pending write-back or
 //               CPU step (its home copy is being written); then copies and records `arrived`.
+//               Where its copy waits for its slot's mapping, `fill_order` waits for those events
+//               when the swap-in is decided, and h2d for `fill_order` when the copy is queued.
 //   acquire:    the compute stream waits on `arrived`.
 //   release:    records `released` on the compute stream.
 //   write-back: d2h waits on `released`, copies home, records `written_back`.
@@ -37,10 +39,11 @@ namespace taskswap::detail {
 /// The runtime's own streams (Note [Streams]). The CPU optimizer's threads come first: a
 /// stream's destruction lets its queued work finish, and that work may run on them.
 struct runtime_streams {
-  explicit runtime_streams(const device& dev) : h2d(dev), d2h(dev), host_opt(dev) {}
+  explicit runtime_streams(const device& dev) : h2d(dev), fill_order(dev), d2h(dev), host_opt(dev) {}
 
   std::optional<host_task_arena> cpu;  // with host placement: the CPU AdamW's threads
   stream h2d;
+  stream fill_order;  // the waits of swap-ins queued on h2d later (Note [Swap-ins waiting for a mapping])
   stream d2h;
   stream host_opt;
   std::optional<stream> aux;  // with a communicator or guarded steps

@@ -60,7 +60,7 @@ void swap_engine::flush_h2d_waits()
 // [Handoff]), but that wait stays for whoever takes the victim's other extents (r may map only
 // some: a frozen layer taking a trained one's parameters). A finished one is dropped. Past 64
 // waits, or where the sharers cannot be told, all the others are flushed.
-void swap_engine::flush_h2d_waits_for(const unit_record& r, std::uint32_t from)
+void swap_engine::flush_h2d_waits_for(const unit_record& r, std::uint32_t from, stream& on)
 {
   const bool known = !r.packed && h2d_waits_.size() <= 64 && p_.pool.sharers(r.pool_slot, sharers_);
   const event* handed = from != no_handoff ? &*p_.units[from].written_back : nullptr;
@@ -74,7 +74,7 @@ void swap_engine::flush_h2d_waits_for(const unit_record& r, std::uint32_t from)
     const bool shares = !known || w.unit == no_handoff || w.unit == r.index ||
                         std::find(sharers_.begin(), sharers_.end(), p_.units[w.unit].pool_slot) != sharers_.end();
     if (shares) {
-      w.e->wait(p_.h2d);
+      w.e->wait(on);
     } else {
       *kept++ = w;
     }
@@ -108,17 +108,30 @@ void swap_engine::remove_resident(unit_record& r)
 // this home block: they name events as they are recorded now, and a copy queued later on h2d
 // follows them. The copy then fills the travelling prefix of the home block into the slot and
 // zeroes its gradients (or, for a slot of the parameters alone, copies those).
-void swap_engine::order_fill(const unit_record& r, std::uint32_t from)
+void swap_engine::order_fill(const unit_record& r, std::uint32_t from, stream& on)
 {
   if (from == all_waits) {
     flush_h2d_waits();
   } else {
-    flush_h2d_waits_for(r, from);
+    flush_h2d_waits_for(r, from, on);
   }
   for (const std::optional<event>* e : {&r.written_back, &r.host_updated}) {
-    if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(p_.h2d); }
+    if (*e && (*e)->recorded() && !(*e)->query()) { (*e)->wait(on); }
   }
 }
+
+// Note [Swap-ins waiting for a mapping]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A swap-in's waits are put on a stream when it is decided (they name events as recorded now),
+// and its copy is queued once the mapping thread has mapped its slot. Put on h2d, the waits of a
+// swap-in decided later would hold up the copies, queued after them, of the swap-ins decided
+// earlier whose mappings came late: a streamed trunk's forward prefetches a dozen layers ahead,
+// each taking the room of the layer just released, so each layer's copy would wait for the
+// release of the one before it and the forward would run copy, compute, copy. So where the copy
+// cannot be queued at once, the waits go on `fill_order` instead, with an event after them
+// (`fill_ordered`) that h2d waits for just before the copy. The waits of swap-ins decided later
+// follow on fill_order and hold up nothing queued on h2d. h2d_waits_ drops a wait once it is on a
+// stream either way: it protects the memory of the one swap-in that took it.
 
 // Note [Handoff]
 // ~~~~~~~~~~~~~~
@@ -136,7 +149,10 @@ void swap_engine::order_fill(const unit_record& r, std::uint32_t from)
 namespace {
 
 constexpr std::size_t handoff_parts = 16;
-constexpr std::size_t handoff_min_part = std::size_t{1} << 20;
+// A copy costs a fixed time beyond its bytes (8 us on the H200, about 400 KB of its link): parts of
+// 4 MiB pay under a tenth of that, parts of 1 MiB 40 %, which the link's slower direction then
+// carries on every layer of a streamed trunk's backward.
+constexpr std::size_t handoff_min_part = std::size_t{4} << 20;
 
 std::size_t handoff_part_bytes(std::size_t bytes)
 {
@@ -194,7 +210,7 @@ std::uint32_t swap_engine::handoff_from(const unit_record& r) const
 
 void swap_engine::fill_slot(unit_record& r)
 {
-  order_fill(r, all_waits);
+  order_fill(r, all_waits, p_.h2d);
   enqueue_fill(r, no_handoff);
   go(r, coherence_move::fill);
   p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes);
@@ -205,8 +221,15 @@ void swap_engine::issue_ready_fills()
   while (!pending_fills_.empty() && p_.pool.ready(pending_fills_.front().ready)) {
     const pending_fill f = pending_fills_.front();
     pending_fills_.pop_front();
-    enqueue_fill(p_.units[f.unit], f.from);
+    enqueue_pending(f);
   }
+}
+
+void swap_engine::enqueue_pending(const pending_fill& f)
+{
+  unit_record& r = p_.units[f.unit];
+  r.fill_ordered->wait(p_.h2d);
+  enqueue_fill(r, f.from);
 }
 
 // The fills before r's go first (in order), each once its own mapping is done: a reused slot's
@@ -220,7 +243,7 @@ void swap_engine::settle(unit_record& r)
     const pending_fill f = pending_fills_.front();
     p_.pool.wait(f.ready);
     pending_fills_.pop_front();
-    enqueue_fill(p_.units[f.unit], f.from);
+    enqueue_pending(f);
   }
 }
 
@@ -413,13 +436,15 @@ bool swap_engine::swap_in(unit_record& r, std::uint64_t use, room_for why, bool 
   add_resident(r);
   // Its copy follows that write-back part by part; a slot not filled (a stash ahead) waits for it whole.
   const std::uint32_t from = fill ? handoff_from(r) : no_handoff;
-  order_fill(r, from);
+  const bool now = pending_fills_.empty() && p_.pool.ready(m.ready);
+  order_fill(r, from, now ? p_.h2d : p_.fill_order);  // Note [Swap-ins waiting for a mapping]
   go(r, coherence_move::fill);
   r.unwritten = !fill;
   if (fill) { p_.ledger.swap_in(r.index, r.params_only() ? r.layout.params_bytes : r.layout.travel_bytes); }
-  if (pending_fills_.empty() && p_.pool.ready(m.ready)) {
+  if (now) {
     enqueue_fill(r, from);
   } else {
+    ensure(r.fill_ordered, p_.dev).record(p_.fill_order);
     pending_fills_.push_back({r.index, m.ready, from});
     reading.keep();  // the host cache keeps its home block until the copy is queued
   }

@@ -42,6 +42,7 @@ class swap_engine {
     device_pool& pool;
     step_ledger& ledger;
     stream& h2d;  // swap-ins, parameter uploads
+    stream& fill_order;  // the waits of swap-ins whose copies wait for their mappings
     stream& d2h;  // write-backs
     trace_recorder* trace;  // null without [runtime] trace
     int h2d_track;
@@ -87,11 +88,12 @@ class swap_engine {
  private:
   bool make_room(const unit_record& r, std::size_t bytes, std::uint64_t use, room_for why);
   device_pool::mapping map_slot(unit_record& r, std::size_t bytes, std::size_t keep);
-  /// Orders r's fill on h2d after the waits it needs: every pending one (all_waits), or those of
-  /// the units whose memory its slot took, but for the write-back of `from` (no_handoff: none).
-  void order_fill(const unit_record& r, std::uint32_t from);
+  /// Orders r's fill on `on` (h2d, or fill_order for a copy queued later) after the waits it
+  /// needs: every pending one (all_waits), or those of the units whose memory its slot took, but
+  /// for the write-back of `from` (no_handoff: none).
+  void order_fill(const unit_record& r, std::uint32_t from, stream& on);
   static constexpr std::uint32_t all_waits = no_handoff - 1;
-  void flush_h2d_waits_for(const unit_record& r, std::uint32_t from);
+  void flush_h2d_waits_for(const unit_record& r, std::uint32_t from, stream& on);
   void enqueue_fill(unit_record& r, std::uint32_t from);
   [[nodiscard]] std::uint32_t handoff_from(const unit_record& r) const;
   unit_record* pick_victim(const unit_record& coming, std::uint64_t use, room_for why);
@@ -125,6 +127,8 @@ class swap_engine {
     std::uint32_t from = no_handoff;  // the victim whose extents it takes as they are written back
   };
   std::deque<pending_fill> pending_fills_;
+  /// Queues the copy of a swap-in that waited for its mapping, after its waits.
+  void enqueue_pending(const pending_fill& f);
 };
 
 }  // namespace taskswap::detail

@@ -43,6 +43,9 @@ struct unit_record {
   event released;
   std::optional<event> grads_ready_event;
   std::optional<event> written_back;
+  // Its swap-in's place among the waits for pool memory, where its copy waits for its mapping
+  // (Note [Swap-ins waiting for a mapping]).
+  std::optional<event> fill_ordered;
   // Its last write-back in parts (Note [Handoff]): an event after each part, in order, each part
   // `written_part_bytes` but the last; none where it went whole.
   std::vector<event> written_parts;

@@ -83,10 +83,10 @@ std::size_t off_adamw(runtime& rt, std::uint32_t k, int rounds, const adamw_opti
 }
 
 // Three units of one shape in room for two, each trained in turn: every swap-in from the third
-// on evicts a unit stepped on the device (written back whole, 12 MiB in 1 MiB parts) and maps
+// on evicts a unit stepped on the device (written back whole, 12 MiB in 4 MiB parts) and maps
 // its extents at the same offsets (2 MiB granules that alias, as CUDA's). Over a 1 GB/s link
-// model each part takes about a millisecond, so a copy in that ran ahead of the write-back's
-// part would put the incoming unit's bytes in the victim's home.
+// model each part takes about 4 ms, so a copy in that ran ahead of the write-back's part would
+// put the incoming unit's bytes in the victim's home.
 TEST(swap_handoff, a_swap_in_behind_its_victims_write_back_loses_neither_units_bytes)
 {
   const device dev = emulated_device(
