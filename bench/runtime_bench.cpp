@@ -11,7 +11,8 @@
 //   device, and releases it; swapping moves the unit's parameters and moments both ways.
 //   step_time_ratio = step time swapping / step time all-resident. Target ≤ 1.03.
 // runtime_streaming: a streamed trunk's step time against all-resident (see the function).
-// runtime_streaming/h200/{layers}/{compute %}/{room}: the same on the emulated h200.
+// runtime_streaming/h200/{elements}/{layers}/{compute %}/{room}: the same on the emulated h200,
+//   layers of {elements} f32 parameters.
 // cuda_runtime_streaming: the same on a CUDA device (see the function).
 // cuda_runtime_overlap: the same loop on a CUDA device, the step's transfer time measured as a
 //   plain duplex cudaMemcpyAsync between pinned_buffers and device buffers; at compute 0,
@@ -392,11 +393,12 @@ loop_result stream_steps(runtime& rt, stream& s, std::size_t layers, std::size_t
 // computes compute_factor × its parameters' transfer, its backward compute_factor × its whole
 // travel (the optimizer state in, the update out), so compute ≥ transfer at a factor ≥ 1.
 template <class MakeDevice>
-void streaming(benchmark::State& state, std::size_t elements, double link, const MakeDevice& make_device)
+void streaming(benchmark::State& state, std::size_t elements, double link, const MakeDevice& make_device,
+               std::size_t first_arg = 0)
 {
-  const auto layers = static_cast<std::size_t>(state.range(0));
-  const double compute_factor = static_cast<double>(state.range(1)) / 100.0;
-  const auto room = static_cast<std::size_t>(state.range(2));
+  const auto layers = static_cast<std::size_t>(state.range(first_arg));
+  const double compute_factor = static_cast<double>(state.range(first_arg + 1)) / 100.0;
+  const auto room = static_cast<std::size_t>(state.range(first_arg + 2));
   constexpr std::size_t steps = 6;
   std::vector<unit_spec> streamed_specs{task_unit(0, elements / 4, residency::prefetch, 1)};
   std::vector<unit_spec> resident_specs{task_unit(0, elements / 4, residency::pinned, 1)};
@@ -491,12 +493,13 @@ void cuda_runtime_streaming(benchmark::State& state)
   state.counters["link_GBps"] = link / 1e9;
 }
 
-// The same on the emulated h200 (its 2 MiB granules, link and mapping costs, slowed h200_time_scale times),
-// 4 MiB of f32 parameters a layer (16 MiB with its state and gradients: 8 granules).
+// The same on the emulated h200 (its 2 MiB granules, link and mapping costs, slowed h200_time_scale
+// times), with layers of the first argument's f32 parameters; the others are streaming()'s.
 void runtime_streaming_h200(benchmark::State& state)
 {
-  streaming(state, 1024 * 1024, 52e9 / h200_time_scale, h200_device);
-  state.counters["map_work_over_model"] = map_work_over_model(3 * 1024 * 1024 * sizeof(float));
+  const auto elements = static_cast<std::size_t>(state.range(0));
+  streaming(state, elements, 52e9 / h200_time_scale, h200_device, 1);
+  state.counters["map_work_over_model"] = map_work_over_model(3 * elements * sizeof(float));
 }
 
 }  // namespace
@@ -532,10 +535,11 @@ BENCHMARK(runtime_overlap_h200)
   ->UseManualTime()
   ->Unit(benchmark::kMillisecond)
   ->Iterations(2);
-// 28 layers of 16 MiB, compute 1.25x and 2x, room for 3, on the emulated h200.
+// 28 layers of 1 Mi and 4 Mi f32 parameters (16 and 64 MiB with their state and gradients; the
+// second is cuda_runtime_streaming's), compute 1.25x and 2x, room for 3, on the emulated h200.
 BENCHMARK(runtime_streaming_h200)
   ->Name("runtime_streaming/h200")
-  ->ArgsProduct({{28}, {125, 200}, {3}})
+  ->ArgsProduct({{1 << 20, 4 << 20}, {28}, {125, 200}, {3}})
   ->UseManualTime()
   ->Unit(benchmark::kMillisecond)
   ->Iterations(2);
