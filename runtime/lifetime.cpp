@@ -166,10 +166,10 @@ void runtime::impl::wait_streams(std::string_view what)
   const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
   const std::array<std::pair<stream*, const char*>, 5> streams{
     {{streams_.aux ? &*streams_.aux : nullptr, "aux (updates)"},
-     {&streams_.fill_order, "swap-in order"},
      {&streams_.h2d, "h2d (swap-in)"},
      {&streams_.d2h, "d2h (write-back)"},
-     {&streams_.host_opt, "host optimizer"}}};
+     {&streams_.host_opt, "host optimizer"},
+     {&streams_.fill_order, "swap-in order"}}};
   std::exception_ptr first;  // every stream is waited for; the first failure is thrown at the end
   for (const auto& [s, name] : streams) {
     if (s == nullptr) { continue; }

@@ -47,6 +47,9 @@ swap_engine::swap_engine(parts p) : p_(p)
 
 void swap_engine::flush_h2d_waits()
 {
+  // Waits that swap-ins still waiting for their mappings took onto fill_order: the last one's
+  // event follows them all (Note [Swap-ins waiting for a mapping]).
+  if (!pending_fills_.empty()) { p_.units[pending_fills_.back().unit].fill_ordered->wait(p_.h2d); }
   for (const h2d_wait& w : h2d_waits_) {
     if (!w.e->query()) { w.e->wait(p_.h2d); }  // a finished event orders nothing: skip the enqueue
   }
@@ -131,7 +134,11 @@ void swap_engine::order_fill(const unit_record& r, std::uint32_t from, stream& o
 // cannot be queued at once, the waits go on `fill_order` instead, with an event after them
 // (`fill_ordered`) that h2d waits for just before the copy. The waits of swap-ins decided later
 // follow on fill_order and hold up nothing queued on h2d. h2d_waits_ drops a wait once it is on a
-// stream either way: it protects the memory of the one swap-in that took it.
+// stream either way; a wait for a victim whose extents the swap-in took only some of (or every
+// wait, where the sharers cannot be told) then protects memory another write may take before
+// that copy is queued, so a write into pool memory after every pending wait (flush_h2d_waits:
+// a gradient slab for a host update, a broadcast's staging) first has h2d wait for the last
+// pending swap-in's event.
 
 // Note [Handoff]
 // ~~~~~~~~~~~~~~
