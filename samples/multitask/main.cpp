@@ -98,6 +98,7 @@ int train(int argc, char** argv)
   int batch = 0;
   int freeze_trunk_after = -1;
   int tasks_per_step = 0;
+  int log_every = -1;
   app.add_option("config", config_file, "configuration (TOML: runtime sections and [model])")->required();
   app.add_flag("--all-resident", resident, "every unit pinned on the device, budget = their bytes (the baseline)");
   app.add_option("--steps", steps, "override [model] steps")->check(CLI::PositiveNumber);
@@ -110,6 +111,8 @@ int train(int argc, char** argv)
     .add_option("--freeze-trunk-after", freeze_trunk_after,
                 "override [model] freeze_trunk_after: from this step on the trunk is used frozen and only the task "
                 "adapters train (0: never)")
+    ->check(CLI::NonNegativeNumber);
+  app.add_option("--log-every", log_every, "override [model] log_every: steps between loss lines (0: none)")
     ->check(CLI::NonNegativeNumber);
   std::string activations;
   app
@@ -141,6 +144,7 @@ int train(int argc, char** argv)
   if (batch > 0) { cfg.model.batch = batch; }
   if (freeze_trunk_after >= 0) { cfg.model.freeze_trunk_after = freeze_trunk_after; }
   if (tasks_per_step > 0) { cfg.model.tasks_per_step = tasks_per_step; }
+  if (log_every >= 0) { cfg.model.log_every = log_every; }
   if (!activations.empty()) { cfg.model.offload_activations = activations == "host"; }
   if (resident) { cfg.model.offload_activations = false; }  // the baseline: nothing moves
   const auto units = multitask::model_units(cfg.model);

@@ -469,7 +469,7 @@ TYPED_TEST_P(runtime_properties, any_policy_gives_the_all_resident_parameters)
 // is never exceeded (run() checks it after every call), and the result is the all-resident one.
 TYPED_TEST_P(runtime_properties, units_of_any_size_never_fail_for_placement_in_a_budget_the_check_accepts)
 {
-  const std::size_t cases = large_case(2000, 60);
+  const std::size_t cases = large_case(1000, 60);
   for (std::uint64_t seed = 20'001; seed < 20'001 + cases; ++seed) {
     expect_swapped_equals_resident(*this, seed, unit_sizes::heterogeneous);
     if (this->HasFatalFailure()) { return; }

@@ -11,7 +11,8 @@ set -- "${rest[@]}"
 trainer=$1 config=$2
 log="$work/preempted.log"
 
-"${launch[@]}" "$trainer" "$config" --steps 1000000 --checkpoint "$work/ck" >"$log" 2>&1 &
+# A loss line every 10 steps: the signal comes soon after training starts (and the runs stay short).
+"${launch[@]}" "$trainer" "$config" --steps 1000000 --log-every 10 --checkpoint "$work/ck" >"$log" 2>&1 &
 runner=$!
 trap 'kill -KILL "$runner" 2>/dev/null || true' EXIT  # nothing left running if this script fails
 # Wait until it trains (a loss line), then send the signal to one process.

@@ -9,7 +9,7 @@ set -euo pipefail
 work=$1 trainer=$2 config=$3
 rm -rf "$work" && mkdir -p "$work"
 start() {
-  "$trainer" "$config" --steps 1000000 "$@" >"$work/log" 2>&1 &
+  "$trainer" "$config" --steps 1000000 --log-every 10 "$@" >"$work/log" 2>&1 &
   pid=$!
   trap 'kill -KILL "$pid" 2>/dev/null || true' EXIT
   for _ in $(seq 600); do grep -q "^  step " "$work/log" && break; sleep 0.1; done
