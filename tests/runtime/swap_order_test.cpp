@@ -21,6 +21,15 @@ constexpr std::size_t elements = 16 * KiB;  // 64 KiB of f32 parameters: one gra
 
 float initial(std::size_t k, std::size_t i) { return static_cast<float>(k + 1) + static_cast<float>(i % 100) * 1e-2F; }
 
+// The elements of unit k's parameters, as its view shows them now, that differ from its home's.
+std::size_t differing(const unit_view& u, std::size_t k)
+{
+  const auto* p = static_cast<const float*>(u.params.data);
+  std::size_t n = 0;
+  for (std::size_t i = 0; i < elements; ++i) { n += p[i] != initial(k, i) ? 1 : 0; }
+  return n;
+}
+
 // A frozen trunk of six one-granule units in room for three, on an emulated device whose maps take
 // 50 ms each (the mapping thread runs well behind the trainer). The first use's compute blocks its
 // stream; its release then decides the fourth unit's swap-in into its room, which must wait for
@@ -58,20 +67,14 @@ TEST(swap_order, a_copy_waiting_for_its_mapping_is_not_held_up_by_a_later_swap_i
   const unit_view u0 = rt.acquire(unit_id{0}, first, unit_use::frozen);
   launch_host_func(first, [&, u0] {
     while (!open.load()) { std::this_thread::sleep_for(std::chrono::milliseconds{1}); }
-    const auto* p = static_cast<const float*>(u0.params.data);
-    for (std::size_t i = 0; i < elements; ++i) {
-      if (p[i] != initial(0, i)) { ++overwritten; }
-    }
+    overwritten += differing(u0, 0);
   });
   rt.release(unit_id{0}, first);  // the fourth unit's swap-in takes its room, after this release
   const unit_view v = rt.acquire(unit_id{1}, other, unit_use::frozen);
   std::atomic<bool> arrived{false};
   std::atomic<std::size_t> wrong{0};
   launch_host_func(other, [&, v] {
-    const auto* p = static_cast<const float*>(v.params.data);
-    for (std::size_t i = 0; i < elements; ++i) {
-      if (p[i] != initial(1, i)) { ++wrong; }
-    }
+    wrong += differing(v, 1);
     arrived = true;
   });
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds{10};
@@ -90,12 +93,7 @@ TEST(swap_order, a_copy_waiting_for_its_mapping_is_not_held_up_by_a_later_swap_i
   EXPECT_EQ(wrong.load(), 0U) << "elements of the second unit that differ from its home";
   for (std::uint32_t k = 2; k < specs.size(); ++k) {
     const unit_view u = rt.acquire(unit_id{k}, first, unit_use::frozen);
-    launch_host_func(first, [&, u, k] {
-      const auto* p = static_cast<const float*>(u.params.data);
-      for (std::size_t i = 0; i < elements; ++i) {
-        if (p[i] != initial(k, i)) { ++wrong; }
-      }
-    });
+    launch_host_func(first, [&, u, k] { wrong += differing(u, k); });
     rt.release(unit_id{k}, first);
   }
   (void)rt.end_step();
