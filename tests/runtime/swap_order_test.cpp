@@ -26,7 +26,7 @@ std::size_t differing(const unit_view& u, std::size_t k)
 {
   const auto* p = static_cast<const float*>(u.params.data);
   std::size_t n = 0;
-  for (std::size_t i = 0; i < elements; ++i) { n += p[i] != initial(k, i) ? 1 : 0; }
+  for (std::size_t i = 0; i < elements; ++i) { n += p[i] != initial(k, i) ? 1U : 0U; }
   return n;
 }
 
