@@ -3,6 +3,8 @@
 // (Note [Handoff], runtime/swap/swap_engine.cpp): neither unit's bytes are lost, against AdamW in
 // double precision.
 
+#include "runtime/adamw_reference.hpp"
+
 #include <taskswap/taskswap.hpp>
 
 #include <gtest/gtest.h>
@@ -16,26 +18,6 @@ namespace {
 
 constexpr std::size_t MiB = std::size_t{1} << 20;
 constexpr std::size_t elements = std::size_t{1} << 20;  // 4 MiB of f32 parameters: 12 MiB written back
-
-// torch.optim.AdamW on one element, in double: `steps` steps of gradient `g` from parameter `p`.
-struct adamw_state {
-  double p = 0;
-  double m = 0;
-  double v = 0;
-};
-adamw_state reference(double p, double g, int steps, const adamw_options& o)
-{
-  adamw_state s{.p = p};
-  for (int t = 1; t <= steps; ++t) {
-    s.p *= 1.0 - o.lr * o.weight_decay;
-    s.m = o.beta1 * s.m + (1.0 - o.beta1) * g;
-    s.v = o.beta2 * s.v + (1.0 - o.beta2) * g * g;
-    const double m_hat = s.m / (1.0 - std::pow(o.beta1, t));
-    const double v_hat = s.v / (1.0 - std::pow(o.beta2, t));
-    s.p -= o.lr * m_hat / (std::sqrt(v_hat) + o.eps);
-  }
-  return s;
-}
 
 // Unit k's initial parameter i: distinct per unit, so a unit's bytes in another's home show.
 float initial(std::size_t k, std::size_t i) { return static_cast<float>(k + 1) + static_cast<float>(i % 1000) * 1e-3F; }
@@ -74,7 +56,7 @@ std::size_t off_adamw(runtime& rt, std::uint32_t k, int rounds, const adamw_opti
   const auto* v = static_cast<const float*>(h.v.data);
   std::size_t wrong = 0;
   for (std::size_t i = 0; i < elements; ++i) {
-    const adamw_state want = reference(initial(k, i), 0.5, rounds, o);
+    const adamw_state want = adamw_reference(initial(k, i), 0.5, rounds, o);
     const bool near = std::abs(p[i] - want.p) <= 1e-5 * std::abs(want.p) && std::abs(m[i] - want.m) <= 1e-6 &&
                       std::abs(v[i] - want.v) <= 1e-8;
     if (!near) { ++wrong; }
@@ -124,7 +106,7 @@ TEST(swap_handoff, a_swap_in_behind_its_victims_write_back_loses_neither_units_b
     std::size_t wrong = 0;
     std::size_t first = elements;
     for (std::size_t i = 0; i < elements; ++i) {
-      const adamw_state want = reference(initial(k, i), 0.5, rounds, o.optimizer);
+      const adamw_state want = adamw_reference(initial(k, i), 0.5, rounds, o.optimizer);
       const bool near = std::abs(p[i] - want.p) <= 1e-5 * std::abs(want.p) && std::abs(m[i] - want.m) <= 1e-6 &&
                         std::abs(v[i] - want.v) <= 1e-8;
       if (!near && wrong++ == 0) { first = i; }

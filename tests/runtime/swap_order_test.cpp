@@ -4,6 +4,8 @@
 // stream still uses, holds up none of them; and a write into pool memory after every pending
 // wait (a gradient slab for a host update) still follows the waits they took off h2d.
 
+#include "runtime/adamw_reference.hpp"
+
 #include <taskswap/taskswap.hpp>
 
 #include <gtest/gtest.h>
@@ -141,24 +143,7 @@ class one_rank final : public communicator {
 // The trained unit's gradient i: nonzero, of both signs.
 float gradient(std::size_t i) { return static_cast<float>(1 + i % 4) * (i % 2 == 0 ? 0.25F : -0.25F); }
 
-// torch.optim.AdamW's first step of one element (m = v = 0 before it), in double.
-struct adamw_state {
-  double p = 0;
-  double m = 0;
-  double v = 0;
-};
-adamw_state first_step(double p, double g, const adamw_options& o)
-{
-  adamw_state s;
-  s.m = (1.0 - o.beta1) * g;
-  s.v = (1.0 - o.beta2) * g * g;
-  const double m_hat = s.m / (1.0 - o.beta1);
-  const double v_hat = s.v / (1.0 - o.beta2);
-  s.p = p * (1.0 - o.lr * o.weight_decay) - o.lr * m_hat / (std::sqrt(v_hat) + o.eps);
-  return s;
-}
-
-// The elements of unit k's home that differ from first_step() of gradient() from initial().
+// The elements of unit k's home that differ from one AdamW step of gradient() from initial().
 std::size_t off_first_step(runtime& rt, std::uint32_t k, const adamw_options& o)
 {
   const home_view h = rt.home(unit_id{k});
@@ -170,7 +155,7 @@ std::size_t off_first_step(runtime& rt, std::uint32_t k, const adamw_options& o)
   };
   std::size_t wrong = 0;
   for (std::size_t i = 0; i < h.master.count; ++i) {
-    const adamw_state want = first_step(initial(k, i), gradient(i), o);
+    const adamw_state want = adamw_reference(initial(k, i), gradient(i), 1, o);
     wrong += near(p[i], want.p, 1e-5) && near(m[i], want.m, 1e-5) && near(v[i], want.v, 1e-4) ? 0U : 1U;
   }
   return wrong;
